@@ -1,0 +1,25 @@
+"""The exceptions a user of NanoInfer can cause, each naming the offending value."""
+
+
+class NanoInferError(Exception):
+    """Base class of every error NanoInfer raises on purpose."""
+
+
+class CheckpointError(NanoInferError, ValueError):
+    """A checkpoint cannot be used: a missing file, an unknown architecture, a truncated or
+    corrupt safetensors/GGUF file, a tensor of the wrong shape. The message names the file
+    and the problem."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class ModelFetchError(NanoInferError, RuntimeError):
+    """A named model could not be fetched into the local cache (no package index, no space)."""
+
+
+class RequestError(NanoInferError, ValueError):
+    """A request (prompt or sampling parameters) is invalid; the message names the value and
+    the allowed range."""

@@ -1,0 +1,68 @@
+"""load_model: a short name, an HF directory or a .gguf path -> config, params, tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanoinfer.config import ModelConfig
+from nanoinfer.errors import CheckpointError
+from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
+from nanoinfer.model import Params
+from nanoinfer.placement import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from nanoinfer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    params: Params
+    tokenizer: "Tokenizer | None"  # None when an HF directory ships no tokenizer files
+    path: Path
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    progress: bool = True,
+) -> LoadedModel:
+    """Load `model` (None = the default model) onto `device` in `dtype`.
+
+    Raises CheckpointError naming the file for anything wrong with the checkpoint."""
+    from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
+    from nanoinfer.loaders.hf import load_hf_params, read_hf_config
+    from nanoinfer.tokenizer import Tokenizer
+
+    name = DEFAULT_MODEL if model is None else str(model)
+    path = resolve_model_name(name, quiet=not progress) if name in KNOWN_MODELS else Path(name).expanduser()
+    dev = resolve_device(device)
+    if path.is_dir():
+        cfg = read_hf_config(path)
+        torch_dtype = resolve_dtype(dtype, cfg, dev)
+        params = load_hf_params(path, cfg, torch_dtype, dev, progress=progress)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    elif path.suffix == ".gguf" or path.is_file():
+        reader = open_gguf(path)
+        cfg = gguf_config(reader, path)
+        torch_dtype = resolve_dtype(dtype, cfg, dev)
+        params = load_gguf_params(reader, cfg, torch_dtype, dev, path, progress=progress)
+        tokenizer = Tokenizer.from_gguf(reader, path)
+    else:
+        raise CheckpointError(
+            path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
+                  "model directory or a .gguf file"
+        )
+    if tokenizer is not None:
+        # Generation ends at any EOS either side declares (chat models often end turns with a
+        # token the config names but the tokenizer does not, or the other way round).
+        eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    return LoadedModel(cfg, params, tokenizer, path)

@@ -1,0 +1,152 @@
+"""Load a GGUF file: config from its metadata, tensors dequantized on load, its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.errors import CheckpointError
+from nanoinfer.layers import rope_inv_freq
+from nanoinfer.loaders.params import build_params
+from nanoinfer.model import Params
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TYPES = frozenset(
+    GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+)
+
+# GGUF tensor name (per block, after "blk.{i}.") -> transformers' name (after "model.layers.{i}.")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise CheckpointError(path, "file not found")
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on damage
+        raise CheckpointError(path, f"not a readable GGUF file (truncated or corrupt?): {exc!r}") from exc
+
+
+def field(reader: GGUFReader, name: str, default=None, *, path: Path | None = None):
+    """A metadata value; a missing one without a default names the key."""
+    f = reader.get_field(name)
+    if f is None:
+        if default is None and path is not None:
+            raise CheckpointError(path, f"GGUF metadata key {name!r} is missing")
+        return default
+    return f.contents()
+
+
+def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = field(reader, "general.architecture", path=path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(path, f"GGUF architecture {arch!r} is not supported (expected one of {SUPPORTED_ARCHITECTURES})")
+
+    def key(name, default=None):
+        return field(reader, f"{arch}.{name}", default, path=path)
+
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = field(reader, "tokenizer.ggml.tokens", [])
+    vocab_size = int(key("vocab_size", 0) or len(tokens) or reader.get_tensor(0).shape[-1])
+    names = {t.name for t in reader.tensors}
+    eos = [field(reader, f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise CheckpointError(path, f"rope scaling type {scaling_type!r} is not supported (none, linear)")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // num_heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor"))) if scaling_type == "linear" else None,
+        qkv_bias=arch == "qwen2",
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None and e >= 0)),
+    )
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for the llama architecture.
+
+    Its converter interleaves each head's two rotary halves (rows 0, D/2, 1, D/2+1, ...) so
+    its kernels can rotate adjacent pairs; we rotate halves (HF's layout) and swap back.
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
+                     progress: bool = True) -> Params:
+    by_hf_name = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest in _LAYER_NAMES:
+                by_hf_name[f"model.layers.{idx}.{_LAYER_NAMES[rest]}"] = tensor
+        elif name in _GLOBAL_NAMES:
+            by_hf_name[_GLOBAL_NAMES[name]] = tensor
+    tensors = {t.name: t for t in reader.tensors}
+
+    def dequant(tensor) -> torch.Tensor:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise CheckpointError(path, f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                                        f"supported: {sorted(t.name for t in SUPPORTED_TYPES)}")
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise CheckpointError(path, f"cannot dequantize tensor {tensor.name!r}: {exc!r}") from exc
+        # GGUF lists dims innermost first; the array is already [out, in], HF's layout.
+        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: the reader maps the file read-only
+
+    def get(hf_name: str):
+        tensor = by_hf_name.get(hf_name)
+        if tensor is None:
+            return None
+        w = dequant(tensor)
+        if cfg.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, cfg.num_kv_heads)
+        return w
+
+    inv_freq = None
+    if "rope_freqs.weight" in tensors:
+        # Llama-3.1 GGUFs store the llama3 rope scaling as per-frequency divisors.
+        inv_freq = rope_inv_freq(cfg) / dequant(tensors["rope_freqs.weight"]).reshape(-1)
+    return build_params(get, cfg, dtype, device, path, inv_freq=inv_freq, progress=progress)

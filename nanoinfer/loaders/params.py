@@ -1,0 +1,81 @@
+"""Assemble a Params pytree from HF-named tensors: check shapes, cast, fuse QKV and gate/up.
+
+Both loaders hand tensors over under transformers' names and layouts, so this is the one
+place that knows how a checkpoint's tensors become our parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoinfer.config import ModelConfig
+from nanoinfer.errors import CheckpointError
+from nanoinfer.layers import rope_inv_freq
+from nanoinfer.model import LayerParams, Params
+
+# name -> tensor, or None when the checkpoint does not have it.
+TensorSource = Callable[[str], "torch.Tensor | None"]
+
+
+def build_params(
+    get: TensorSource,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    path: Path,
+    *,
+    inv_freq: torch.Tensor | None = None,
+    progress: bool = True,
+) -> Params:
+    """Params of `cfg` from `get` (HF names and [out, in] layouts). `inv_freq` overrides the
+    RoPE frequencies computed from the config (GGUF stores Llama-3.1's as a tensor)."""
+
+    def load(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = get(name)
+        if tensor is None:
+            raise CheckpointError(path, f"tensor {name!r} is missing")
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(path, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor.to(device=device, dtype=dtype)
+
+    def optional(name: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
+        return load(name, shape) if wanted else None
+
+    hidden, inter, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layers = []
+    bar = tqdm(range(cfg.num_layers), desc=f"loading {path.name}", unit="layer", disable=not progress, leave=False)
+    for i in bar:
+        p = f"model.layers.{i}."
+        qkv = [load(p + f"self_attn.{n}_proj.weight", (size, hidden))
+               for n, size in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))]
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([load(p + f"self_attn.{n}_proj.bias", (size,))
+                                  for n, size in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))])
+        layers.append(LayerParams(
+            attn_norm=load(p + "input_layernorm.weight", (hidden,)),
+            qkv_proj=torch.cat(qkv),
+            qkv_bias=qkv_bias,
+            q_norm=optional(p + "self_attn.q_norm.weight", (head_dim,), cfg.qk_norm),
+            k_norm=optional(p + "self_attn.k_norm.weight", (head_dim,), cfg.qk_norm),
+            o_proj=load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size)),
+            mlp_norm=load(p + "post_attention_layernorm.weight", (hidden,)),
+            gate_up_proj=torch.cat([load(p + "mlp.gate_proj.weight", (inter, hidden)),
+                                    load(p + "mlp.up_proj.weight", (inter, hidden))]),
+            down_proj=load(p + "mlp.down_proj.weight", (hidden, inter)),
+        ))
+    embed = load("model.embed_tokens.weight", (cfg.vocab_size, hidden))
+    lm_head = embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden))
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(cfg)
+    return Params(
+        embed=embed,
+        layers=tuple(layers),
+        final_norm=load("model.norm.weight", (hidden,)),
+        lm_head=lm_head,
+        rope_inv_freq=inv_freq.to(device=device, dtype=torch.float32),
+    )

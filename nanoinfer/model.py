@@ -1,0 +1,119 @@
+"""The decoder-only transformer as a pure function: forward(params, kv, batch, cfg) -> logits.
+
+One function serves Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm): they differ
+only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn.Modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanoinfer.attention import AttentionBackend
+from nanoinfer.attention.reference import REFERENCE
+from nanoinfer.batch import Batch
+from nanoinfer.config import ModelConfig
+from nanoinfer.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [q_size + 2 * kv_size, hidden], q, k, v stacked: one matmul
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    o_proj: torch.Tensor  # [hidden, q_size]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden], gate then up: one matmul
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class Params:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[LayerParams, ...]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
+    rope_inv_freq: torch.Tensor  # [head_dim // 2] fp32, scaling applied
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+
+def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Params) -> Params:
+    """Apply `fn` to every tensor of the pytree (keeps tied weights tied)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def apply(t):
+        if t is None:
+            return None
+        if id(t) not in memo:
+            memo[id(t)] = fn(t)
+        return memo[id(t)]
+
+    def apply_all(obj):
+        return dataclasses.replace(obj, **{f.name: apply(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                           if f.name != "layers"})
+
+    layers = tuple(apply_all(layer) for layer in params.layers)
+    return dataclasses.replace(apply_all(params), layers=layers)
+
+
+def forward(
+    params: Params,
+    kv: torch.Tensor,
+    batch: Batch,
+    cfg: ModelConfig,
+    backend: AttentionBackend = REFERENCE,
+) -> torch.Tensor:
+    """Logits [len(batch.logits_indices), vocab] (fp32) for the batch's sampling rows.
+
+    Side effect: writes this step's keys and values into `kv` at `batch.slot_mapping`, the
+    slots the batch owns, and nowhere else. Returning a fresh pool instead would copy the
+    whole cache every step (see DESIGN.md §2); `forward_out_of_place` is that mode for tests.
+    """
+    meta = backend.prepare(batch, cfg)
+    tokens = batch.input_ids.shape[0]
+    x = params.embed[batch.input_ids]  # [tokens, hidden]
+    cos, sin = rope_cos_sin(params.rope_inv_freq, batch.positions, x.dtype)
+    eps = cfg.rms_norm_eps
+    for layer_idx, lp in enumerate(params.layers):
+        h = rms_norm(x, lp.attn_norm, eps)
+        qkv = F.linear(h, lp.qkv_proj, lp.qkv_bias)
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp.q_norm, eps)
+            k = rms_norm(k, lp.k_norm, eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)
+        attn = backend.attention(q, kv[layer_idx], meta)  # [tokens, heads, head_dim]
+        x = x + F.linear(attn.reshape(tokens, cfg.q_size), lp.o_proj)
+        h = rms_norm(x, lp.mlp_norm, eps)
+        x = x + F.linear(swiglu(F.linear(h, lp.gate_up_proj)), lp.down_proj)
+    # Only the rows that sample pay for the final norm and the LM head.
+    x = rms_norm(x[batch.logits_indices], params.final_norm, eps)
+    return F.linear(x, params.lm_head).float()
+
+
+def forward_out_of_place(
+    params: Params, kv: torch.Tensor, batch: Batch, cfg: ModelConfig, backend: AttentionBackend = REFERENCE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The purely functional reference mode: (logits, new_kv), `kv` left untouched.
+    Copies the whole pool, so it is for tests only."""
+    new_kv = kv.clone()
+    logits = forward(params, new_kv, batch, cfg, backend)
+    return logits, new_kv
