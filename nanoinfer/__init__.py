@@ -1,0 +1,21 @@
+"""NanoInfer: from checkpoint to conversation — minimal, fast, and clear.
+
+The functional core lives here; the user-facing engine classes live in `runtime` and are
+re-exported lazily (the core never imports the runtime at import time).
+"""
+
+from nanoinfer.errors import CheckpointError, ModelFetchError, NanoInferError, RequestError
+from nanoinfer.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "CheckpointError", "ModelFetchError", "NanoInferError", "RequestError"]
+
+_RUNTIME_EXPORTS = {"LLM": "runtime.llm", "RequestOutput": "runtime.outputs", "CompletionOutput": "runtime.outputs"}
+
+
+def __getattr__(name):
+    if name in _RUNTIME_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_RUNTIME_EXPORTS[name]), name)
+    raise AttributeError(f"module 'nanoinfer' has no attribute {name!r}")

@@ -1,0 +1,72 @@
+"""Incremental detokenization with stop strings: text deltas that never split a character.
+
+Decoding each new token alone breaks byte-level BPE (one character can span tokens) and
+SentencePiece's leading spaces; decoding everything each step is quadratic. We keep a small
+window: decode the tokens since `prefix_offset`, and emit what extends past the text the
+window already produced, holding back while it ends in a replacement character (an
+incomplete UTF-8 sequence that the next token may finish).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from nanoinfer.tokenizer import Tokenizer
+
+# Tokens of context decoded before the new ones, so merges and leading spaces render right.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self.include_stop = include_stop_str_in_output
+        # While streaming, hold back text that could still turn out to begin a stop string.
+        self._holdback = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # the whole output text so far (truncated at a stop string)
+        self.emitted = 0  # how much of `text` has been handed out as deltas
+        self.stopped = False
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Feed new output tokens; sets `stopped` once a stop string appears."""
+        for token in token_ids:
+            if self.stopped:
+                return
+            self.ids.append(token)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                start = len(self.text)
+                self.text += full[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                self._check_stop(start)
+
+    def _check_stop(self, new_from: int) -> None:
+        longest = max((len(s) for s in self.stop), default=0)
+        search_from = max(0, new_from - longest + 1)
+        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, search_from)) >= 0]
+        if hits:
+            idx, s = min(hits)
+            self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+            self.stopped = True
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text not yet handed out; while running, minus what may still become a stop string.
+        `final` also flushes tokens held back as an incomplete character."""
+        if final and not self.stopped and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.read_offset = len(self.ids)
+        upto = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self._holdback)
+        delta = self.text[self.emitted:upto]
+        self.emitted = upto
+        return delta

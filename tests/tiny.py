@@ -1,0 +1,49 @@
+"""Tiny random models for tests: our own Params directly, or transformers checkpoints on disk."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoinfer.config import ModelConfig
+from nanoinfer.layers import rope_inv_freq
+from nanoinfer.model import LayerParams, Params
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=512, tie_word_embeddings=False)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Params:
+    """Weights scaled so that activations and logits have O(1) spread (peaked softmaxes)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    def norm(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layers = tuple(
+        LayerParams(
+            attn_norm=norm(cfg.hidden_size),
+            qkv_proj=w(qkv, cfg.hidden_size),
+            qkv_bias=w(qkv, scale=0.1) if cfg.qkv_bias else None,
+            q_norm=norm(cfg.head_dim) if cfg.qk_norm else None,
+            k_norm=norm(cfg.head_dim) if cfg.qk_norm else None,
+            o_proj=w(cfg.hidden_size, cfg.q_size),
+            mlp_norm=norm(cfg.hidden_size),
+            gate_up_proj=w(2 * cfg.intermediate_size, cfg.hidden_size),
+            down_proj=w(cfg.hidden_size, cfg.intermediate_size),
+        )
+        for _ in range(cfg.num_layers)
+    )
+    embed = w(cfg.vocab_size, cfg.hidden_size, scale=1.0)
+    return Params(embed=embed, layers=layers, final_norm=norm(cfg.hidden_size),
+                  lm_head=embed if cfg.tie_word_embeddings else w(cfg.vocab_size, cfg.hidden_size, scale=0.5),
+                  rope_inv_freq=rope_inv_freq(cfg))
