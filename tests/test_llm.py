@@ -1,0 +1,95 @@
+"""The offline facade on the default model: batching is invisible, finish reasons, stop strings,
+seeds, streaming, errors that leave the engine serving."""
+
+import pytest
+
+from nanoinfer import LLM, RequestError, SamplingParams
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea", "1, 2, 3,",
+           "Once upon a time, in a land far far away, there lived a"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    return LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8)
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    together = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, together):
+        alone = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert out.token_ids == alone.token_ids and out.text == alone.text
+        assert out.prompt == prompt and list(out.prompt_token_ids) == llm.tokenizer.encode(prompt)
+        assert len(out.token_ids) == 12 and out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(list(out.token_ids))
+    assert llm.engine.blocks.num_free_blocks == 64
+
+
+def test_chunked_prefill_gives_the_same_tokens(smollm2_gguf, llm):
+    chunked = LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8, max_num_batched_tokens=5)
+    assert [o.token_ids for o in chunked.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_stop_token_ids_and_eos(llm):
+    base = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    stop_id = base.token_ids[3]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+
+
+def test_stop_strings(llm):
+    base = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].text
+    stop = base[5:9]
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, stop=stop), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == base[: base.index(stop)]
+    kept = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, stop=[stop, "zzz"],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == base[: base.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    together = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    again = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(PROMPTS[:3], params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in again]
+    other_seed = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=10, seed=99, ignore_eos=True),
+                              use_tqdm=False)[0]
+    assert other_seed.token_ids != together[0].token_ids
+
+
+def test_stream_deltas_add_up_to_the_whole(llm):
+    whole = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0]
+    deltas = list(llm.stream(PROMPTS[3], GREEDY))
+    assert "".join(d.text for d in deltas) == whole.text
+    assert sum((list(d.token_ids) for d in deltas), []) == list(whole.token_ids)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert all(not d.finished for d in deltas[:-1])
+
+
+def test_breaking_out_of_a_stream_frees_its_blocks(llm):
+    stream = llm.stream(PROMPTS[3], SamplingParams(temperature=0, max_tokens=50))
+    next(stream)
+    stream.close()
+    assert llm.engine.blocks.num_free_blocks == 64 and not llm.engine.has_unfinished()
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(temperature=0, max_tokens=8))
+    assert out.prompt.startswith("<|im_start|>system") and out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids[0] == llm.tokenizer.encode("<|im_start|>")[0]
+
+
+def test_bad_requests_fail_alone_and_the_engine_keeps_serving(llm):
+    with pytest.raises(RequestError, match="max_model_len"):
+        llm.generate([[5] * 9000], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="49152"):
+        llm.generate([[5, 49152]], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="KV cache"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=5000), use_tqdm=False)
+    with pytest.raises(RequestError, match="SamplingParams"):
+        llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free_blocks == 64
+    assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].token_ids) == 12

@@ -1,0 +1,139 @@
+"""Sampler v1: greedy, temperature, top-k, top-p, min-p and seeds, vectorized over rows."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from nanoinfer.errors import RequestError
+from nanoinfer.sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample, uniform_noise
+
+V = 12
+PROBS = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003])
+LOGITS = PROBS.log()
+
+
+def draws(params: SamplingParams, n: int = 20000, logits=LOGITS) -> torch.Tensor:
+    """Frequencies of n draws: one row per draw, the step counter giving fresh noise."""
+    st_ = SamplingTensors.build([params] * n, range(n), V, "cpu")
+    return torch.bincount(sample(logits.expand(n, V).contiguous(), st_), minlength=V).float() / n
+
+
+def expected(keep: torch.Tensor, probs=PROBS) -> torch.Tensor:
+    p = probs * keep
+    return p / p.sum()
+
+
+def assert_close_freq(freq, exp, n=20000):
+    # 5 sigma of a binomial proportion per token; zero-probability tokens must never appear.
+    tol = 5 * torch.sqrt(exp * (1 - exp) / n) + 1e-9
+    assert torch.all((freq - exp).abs() <= tol), (freq, exp)
+    assert torch.all(freq[exp == 0] == 0)
+
+
+def test_greedy_is_argmax_for_every_row():
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    st_ = SamplingTensors.build([SamplingParams(temperature=0)] * 64, [0] * 64, 1000, "cpu")
+    assert torch.equal(sample(logits, st_), logits.argmax(-1))
+
+
+def test_temperature_one_follows_the_distribution():
+    assert_close_freq(draws(SamplingParams(temperature=1.0, seed=1)), PROBS)
+
+
+def test_temperature_sharpens():
+    t = 0.5
+    exp = PROBS ** (1 / t)
+    assert_close_freq(draws(SamplingParams(temperature=t, seed=2)), exp / exp.sum())
+
+
+def test_top_k():
+    keep = torch.zeros(V)
+    keep[:3] = 1
+    assert_close_freq(draws(SamplingParams(top_k=3, seed=3)), expected(keep))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # 0.30 + 0.20 + 0.15 = 0.65 >= 0.6: three tokens survive.
+    keep = torch.zeros(V)
+    keep[:3] = 1
+    assert_close_freq(draws(SamplingParams(top_p=0.6, seed=4)), expected(keep))
+
+
+def test_min_p_is_relative_to_the_top_token():
+    keep = (PROBS >= 0.25 * PROBS.max()).float()  # 0.075 and above: five tokens
+    assert keep.sum() == 5
+    assert_close_freq(draws(SamplingParams(min_p=0.25, seed=5)), expected(keep))
+
+
+def test_top_k_then_top_p_renormalized():
+    # top-k 4 renormalizes to .3/.75, .2/.75, .15/.75, .1/.75; top-p .6 then keeps 2 (.4 + .267 >= .6).
+    keep = torch.zeros(V)
+    keep[:2] = 1
+    assert_close_freq(draws(SamplingParams(top_k=4, top_p=0.6, seed=6)), expected(keep))
+
+
+def test_mixed_rows_in_one_batch_follow_their_own_params():
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1, seed=9), SamplingParams(top_k=2, seed=9)]
+    logits = LOGITS.expand(3, V).contiguous()
+    counts = torch.zeros(3, V)
+    for step in range(400):
+        tokens = sample(logits, SamplingTensors.build(params, [step] * 3, V, "cpu"))
+        counts[torch.arange(3), tokens] += 1
+    assert counts[0, 0] == 400 and counts[1, 0] == 400
+    assert counts[2, :2].sum() == 400 and counts[2, 1] > 100
+
+
+def test_seed_decides_the_draw_whatever_the_batch():
+    logits = torch.randn(40, 500, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in range(40)]
+    steps = list(range(40))
+    together = sample(logits, SamplingTensors.build(params, steps, 500, "cpu"))
+    alone = [sample(logits[i : i + 1], SamplingTensors.build(params[i : i + 1], steps[i : i + 1], 500, "cpu")).item()
+             for i in range(40)]
+    assert together.tolist() == alone
+    shuffled = torch.randperm(40, generator=torch.Generator().manual_seed(2))
+    again = sample(logits[shuffled], SamplingTensors.build([params[i] for i in shuffled], [steps[i] for i in shuffled],
+                                                            500, "cpu"))
+    assert again.tolist() == together[shuffled].tolist()
+
+
+def test_different_seeds_differ_and_noise_is_uniform():
+    u = uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 100_000)
+    assert not torch.equal(u[0], u[1])
+    assert 0 < u.min() and u.max() < 1
+    for row in u:  # mean 1/2 and variance 1/12 within a few standard errors
+        assert abs(row.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / 100_000)
+        assert abs(row.var().item() - 1 / 12) < 0.002
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.integers(1, 40), st.floats(0.01, 1.0))
+def test_top_k_top_p_mask_matches_a_per_row_reference(values, k, p):
+    logits = torch.tensor([values])
+    masked = apply_top_k_top_p(logits, torch.tensor([k]), torch.tensor([p]))[0]
+    # Reference: walk the tokens in order of probability, keep while rank < k and the mass
+    # of the tokens already kept is below p (after renormalizing over the top-k).
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    top = order[:k]
+    probs = torch.tensor([values[i] for i in top]).softmax(0).tolist()
+    kept, mass = set(), 0.0
+    for i, pr in zip(top, probs):
+        if mass >= p - 1e-6 and kept:
+            break
+        kept.add(i)
+        mass += pr
+    finite = {i for i in range(len(values)) if math.isfinite(masked[i].item())}
+    # Ties at the boundary may legitimately resolve either way; compare the decided tokens.
+    boundary = {i for i in range(len(values)) if any(abs(values[i] - values[j]) < 1e-6 for j in kept ^ finite)}
+    assert finite - boundary == kept - boundary
+    for i in finite:
+        assert masked[i].item() == values[i] or abs(masked[i].item() - values[i]) < 1e-6
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+                                         ("min_p", 2.0), ("max_tokens", 0), ("n", 2), ("stop", [""])])
+def test_bad_params_name_the_field(field, value):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**{field: value})
