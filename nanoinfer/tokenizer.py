@@ -1,0 +1,393 @@
+"""Tokenizer: text <-> token ids for HF tokenizer files and GGUF vocabularies, plus the chat template."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import gguf
+import jinja2
+import sentencepiece
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from nanoinfer.chat_template import compile_chat_template, find_hf_chat_template, render_chat_template
+from nanoinfer.errors import CheckpointError, RequestError
+
+# Names of the special tokens transformers hands to a chat template (its `special_tokens_map`).
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                         "cls_token", "mask_token")
+
+# What `tokenizer.ggml.pre` says about splitting text before byte-level BPE, as llama.cpp does it
+# (llama-vocab.cpp). The GPT-2 regex is the ByteLevel pre-tokenizer's own, used for pre-types
+# not listed here ("default", "gpt-2", "mpt", "olmo", ...).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+_SPLIT_BY_PRE = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+}
+# These vocabularies were trained with every digit split off first (the StarCoder tokenizer.json:
+# Digits(individual_digits) before ByteLevel), and llama.cpp splits `\p{N}` first for them too.
+# transformers' GGUF converter misses this and so differs on whitespace before a digit: it
+# gives "\n\n1" as [Ċ, Ċ, 1] where the model was trained on [ĊĊ, 1].
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_KNOWN_GPT2_PRE = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
+# llama.cpp ignores the merges for a piece that is itself a vocabulary entry on these
+# (HF's `ignore_merges`), and it changes a few ids.
+_IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe"}
+
+
+class _TokenizersBackend:
+    """What Tokenizer needs from an encoder, over a `tokenizers.Tokenizer` (whose added vocab and
+    post-processor hold the added tokens and BOS/EOS)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer):
+        self.backend = backend
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+class _SentencePieceBackend:
+    """The same over a `tokenizer.model` run by sentencepiece itself (any model type and
+    normalizer), with the checkpoint's added tokens cut out of the text first."""
+
+    def __init__(self, processor: sentencepiece.SentencePieceProcessor, added: dict[str, int],
+                 special_ids: set[int], bos_id: int | None, eos_id: int | None):
+        self.processor, self.added, self.special_ids = processor, added, special_ids
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.added_by_id = {i: t for t, i in added.items()}
+        # Longest first, so "<|a|>b" is not cut at a shorter token "<|a|>" that prefixes it.
+        self.pattern = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = [self.bos_id] if add_special_tokens and self.bos_id is not None else []
+        start = 0
+        # Each piece of text between added tokens is encoded on its own, so each gets the dummy
+        # prefix: this is what Meta's Llama-2 reference code and llama.cpp do around <s>/[INST].
+        for match in self.pattern.finditer(text) if self.added else ():
+            if match.start() > start:
+                ids += self.processor.encode(text[start:match.start()])
+            ids.append(self.added[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids += self.processor.encode(text[start:])
+        if add_special_tokens and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        size, parts, run = self.processor.get_piece_size(), [], []
+        for token_id in ids:
+            if token_id in self.added_by_id:
+                parts.append(self.processor.decode(run))
+                run = []
+                if not (skip_special_tokens and token_id in self.special_ids):
+                    parts.append(self.added_by_id[token_id])
+            elif 0 <= token_id < size:  # ids past the vocab (padded embeddings) decode to nothing
+                run.append(token_id)
+        return "".join(parts) + self.processor.decode(run)
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self.added:
+            return self.added[token]
+        token_id = self.processor.piece_to_id(token)
+        return token_id if self.processor.id_to_piece(token_id) == token else None
+
+    def vocab_size(self) -> int:
+        return max(self.processor.get_piece_size(), max(self.added_by_id, default=-1) + 1)
+
+
+class Tokenizer:
+    """Encodes and decodes text for one checkpoint, and renders its chat template.
+
+    Build it with `from_hf_dir` or `from_gguf`. Ids match transformers' tokenizer for the same
+    files with `add_special_tokens=True`, except where transformers departs from the model's own
+    tokenizer and llama.cpp: see `_DIGITS_FIRST` and `_sentencepiece_bpe`.
+    """
+
+    def __init__(self, backend: _TokenizersBackend | _SentencePieceBackend, *, source: str, bos_token: str | None,
+                 eos_token: str | None, special_tokens: dict[str, str],
+                 chat_template: str | None, extra_eos_ids: Iterable[int] = (),
+                 end_token_ids: Iterable[int] = ()):
+        self._backend = backend
+        self.source = source
+        self.vocab_size: int = backend.vocab_size()
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            i for i in (eos_id, *end_token_ids, *extra_eos_ids) if i is not None))
+        self.special_tokens = dict(special_tokens)  # named tokens the chat template may use
+        self.chat_template: str | None = chat_template
+        # Compiled once here, so a broken template fails at load time and names its file.
+        self._compiled_template: jinja2.Template | None = (
+            compile_chat_template(chat_template, source) if chat_template else None)
+
+    def with_extra_eos_ids(self, ids: Iterable[int]) -> Tokenizer:
+        """A copy whose `eos_token_ids` also hold `ids` (e.g. the model config's eos ids)."""
+        other = copy.copy(self)
+        other.eos_token_ids = tuple(dict.fromkeys((*self.eos_token_ids, *ids)))
+        return other
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in it are parsed as those tokens."""
+        return self._backend.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. No "clean up" of spaces before punctuation: decoding stays lossless."""
+        return self._backend.decode(ids, skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """The prompt text for a conversation, as transformers renders it (`tokenize=False`)."""
+        if self._compiled_template is None:
+            raise RequestError(f"the tokenizer of {self.source} has no chat template; "
+                               "send a plain prompt instead of chat messages")
+        variables = {**self.special_tokens, **extra}
+        variables.setdefault("bos_token", "")
+        variables.setdefault("eos_token", "")
+        return render_chat_template(self._compiled_template, messages,
+                                    add_generation_prompt=add_generation_prompt, **variables)
+
+    # ---- Hugging Face tokenizer files ----------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer | None:
+        """The tokenizer of a HF checkpoint directory, or None when it has no tokenizer files."""
+        path = Path(path)
+        config = _read_json(path / "tokenizer_config.json")
+        # special_tokens_map.json is the older home of the named tokens; the config wins.
+        named = {**_read_json(path / "special_tokens_map.json"), **config}
+        special = {k: _content(named[k]) for k in _NAMED_SPECIAL_TOKENS if named.get(k)}
+        extra_special = [_content(t) for k in ("additional_special_tokens", "extra_special_tokens")
+                         if isinstance(named.get(k), list) for t in named[k]]
+        added_specs = sorted((int(i), spec) for i, spec in
+                             (config.get("added_tokens_decoder") or {}).items())
+        if (path / "tokenizer.json").is_file():
+            backend: _TokenizersBackend | _SentencePieceBackend = _hf_tokenizers_backend(path / "tokenizer.json", special,
+                                                       extra_special, added_specs)
+        elif (path / "tokenizer.model").is_file():
+            backend = _sentencepiece_backend(path / "tokenizer.model", config, special,
+                                             extra_special, added_specs)
+        else:
+            return None
+        return cls(backend, source=str(path), bos_token=special.get("bos_token"),
+                   eos_token=special.get("eos_token"), special_tokens=special,
+                   chat_template=find_hf_chat_template(path, config), extra_eos_ids=extra_eos_ids)
+
+    # ---- GGUF vocabularies -----------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader, path: str | Path,
+                  extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` fields."""
+
+        def field(name: str, default: Any = None) -> Any:
+            return reader.fields[name].contents() if name in reader.fields else default
+
+        kind = field("tokenizer.ggml.model")
+        tokens: list[str] = field("tokenizer.ggml.tokens") or []
+        if not tokens and kind in ("gpt2", "llama"):
+            raise CheckpointError(path, "the GGUF has no tokenizer.ggml.tokens")
+        types: list[int] = field("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens)
+        if kind not in ("gpt2", "llama"):
+            raise CheckpointError(path, f"tokenizer.ggml.model is {kind!r}; NanoInfer supports "
+                                        "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+        try:
+            if kind == "gpt2":
+                backend = _byte_level_bpe(tokens, field("tokenizer.ggml.merges") or [],
+                                          field("tokenizer.ggml.pre", "default"))
+            else:
+                backend = _sentencepiece_bpe(tokens, types,
+                                             field("tokenizer.ggml.scores") or [0.0] * len(tokens),
+                                             field("tokenizer.ggml.add_space_prefix", True))
+        except Exception as e:  # tokenizers raises plain Exception, e.g. for a merge of unknown tokens
+            raise CheckpointError(path, f"its tokenizer.ggml fields do not form a vocabulary: {e}") from e
+        # Every token that is not plain text is matched whole in the input, as llama.cpp does.
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, k in zip(tokens, types)
+                                    if k in (gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN)])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
+
+        def token_of(key: str) -> str | None:
+            token_id = field(f"tokenizer.ggml.{key}_token_id")
+            return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+
+        special = {f"{k}_token": t for k in ("bos", "eos", "unk", "pad") if (t := token_of(k))}
+        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise.
+        add_bos = field("tokenizer.ggml.add_bos_token", kind == "llama")
+        add_eos = field("tokenizer.ggml.add_eos_token", False)
+        _set_bos_eos(backend, special.get("bos_token") if add_bos else None,
+                     special.get("eos_token") if add_eos else None)
+        # End-of-turn tokens some GGUFs name besides eos (Llama 3 <|eot_id|>, <|eom_id|>).
+        ends = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        return cls(_TokenizersBackend(backend), source=str(path),
+                   bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
+                   special_tokens=special, chat_template=field("tokenizer.chat_template"),
+                   extra_eos_ids=extra_eos_ids, end_token_ids=[i for i in ends if i is not None])
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(file, f"cannot be read as JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(file, f"should hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _content(token: str | dict) -> str:
+    """Special tokens are saved as strings or as AddedToken dicts ({"content": ...})."""
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _added_token(spec: dict | str, special: bool) -> AddedToken:
+    if isinstance(spec, str):
+        return AddedToken(spec, special=special, normalized=False)
+    keys = ("single_word", "lstrip", "rstrip", "normalized")
+    return AddedToken(spec["content"], special=spec.get("special", special),
+                      **{k: spec[k] for k in keys if k in spec})
+
+
+def _hf_tokenizers_backend(file: Path, special: dict[str, str],
+                           extra_special: list[str], added_specs: list) -> _TokenizersBackend:
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust side raises plain Exception for any malformed file
+        raise CheckpointError(file, f"is not a tokenizer the tokenizers library can read: {e}") from e
+    # As transformers: the config's added tokens and named special tokens are matched whole in
+    # text even when tokenizer.json lists them only as vocabulary (adding one it has is a no-op).
+    for _, spec in added_specs:
+        token = _added_token(spec, special=False)
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in (*special.values(), *extra_special)])
+    # BOS/EOS come from tokenizer.json's post-processor alone: transformers 5 drops the config's
+    # add_bos_token/add_eos_token when there is a tokenizer.json (Llama's adds BOS this way).
+    return _TokenizersBackend(backend)
+
+
+def _sentencepiece_backend(file: Path, config: dict, special: dict[str, str],
+                           extra_special: list[str], added_specs: list) -> _SentencePieceBackend:
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(file, f"is not a sentencepiece model: {e}") from e
+    # A config without bos/eos names (old checkpoints) gets sentencepiece's own; `special` is
+    # the caller's fresh dict of named tokens, so the Tokenizer sees them too.
+    for name, token_id in (("bos_token", processor.bos_id()), ("eos_token", processor.eos_id())):
+        if token_id >= 0:
+            special.setdefault(name, processor.id_to_piece(token_id))
+    added: dict[str, int] = {}
+    special_ids = {i for i in range(processor.get_piece_size())
+                   if processor.is_control(i) or processor.is_unknown(i)}
+    for token_id, spec in added_specs:
+        added[_content(spec)] = token_id
+        if not isinstance(spec, dict) or spec.get("special", False):
+            special_ids.add(token_id)
+    for token in (*special.values(), *extra_special):
+        token_id = processor.piece_to_id(token)
+        if token not in added and processor.id_to_piece(token_id) == token:
+            added[token] = token_id
+            special_ids.add(token_id)
+    # Llama-style checkpoints add BOS unless the config says otherwise (sentencepiece's own
+    # convention, and transformers' LlamaTokenizer default).
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    bos_id = added.get(bos) if bos and config.get("add_bos_token", True) else None
+    eos_id = added.get(eos) if eos and config.get("add_eos_token", False) else None
+    return _SentencePieceBackend(processor, added, special_ids, bos_id, eos_id)
+
+
+def _set_bos_eos(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:
+    """Make `encode(..., add_special_tokens=True)` wrap a text in `bos`/`eos` (None: neither)."""
+    bos = bos if bos and backend.token_to_id(bos) is not None else None
+    eos = eos if eos and backend.token_to_id(eos) is not None else None
+    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
+    pair = " ".join([single] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair,
+        special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys((bos, eos)) if t])
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    """GPT-2 style BPE over UTF-8 bytes spelled as printable characters (Ġ for space)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    model = models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES_PRE)
+    backend = tokenizers.Tokenizer(model)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in _SPLIT_BY_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated"), byte_level])
+    elif pre in _DIGITS_FIRST:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        if pre not in _KNOWN_GPT2_PRE:
+            warnings.warn(f"GGUF tokenizer.ggml.pre {pre!r} is not known to NanoInfer; "
+                          "splitting text with the GPT-2 regex, ids may differ from llama.cpp's")
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],
+                       add_space_prefix: bool) -> tokenizers.Tokenizer:
+    """SentencePiece BPE rebuilt as a HF BPE: pieces with ▁ for space, byte fallback for
+    characters outside the vocabulary, and merges recovered from the scores."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    # SentencePiece merges the adjacent pair whose concatenation is the best-scored piece; a
+    # HF BPE merges the best-ranked pair. So every split of a normal piece into two pieces is a
+    # merge, ranked by the score of the piece it makes.
+    normal = {t for t, k in zip(tokens, types) if k == gguf.TokenType.NORMAL}
+    ranked = []
+    for token in normal:
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[vocab[token]], vocab[token], vocab[left], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = next((t for t, k in zip(tokens, types) if k == gguf.TokenType.UNKNOWN), None)
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
+                                              byte_fallback=True))
+    # A normalizer, not the Metaspace pre-tokenizer: SentencePiece (and llama.cpp) put the dummy
+    # "▁" before every text, even one that starts with a space (" hi" -> "▁▁hi"), and before
+    # each stretch of text after a special token; Metaspace (which transformers' GGUF converter
+    # uses) does neither.
+    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return backend
