@@ -74,8 +74,11 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     tokens = field(reader, "tokenizer.ggml.tokens", [])
-    vocab_size = int(key("vocab_size", 0) or len(tokens) or reader.get_tensor(0).shape[-1])
-    names = {t.name for t in reader.tensors}
+    names = {t.name: t for t in reader.tensors}
+    embed = names.get("token_embd.weight")
+    vocab_size = int(key("vocab_size", 0) or len(tokens) or (embed.shape[-1] if embed is not None else 0))
+    if vocab_size <= 0:
+        raise CheckpointError(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight")
     eos = [field(reader, f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
     scaling_type = key("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
@@ -94,7 +97,8 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor"))) if scaling_type == "linear" else None,
-        qkv_bias=arch == "qwen2",
+        # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
+        qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None and e >= 0)),
     )
@@ -122,6 +126,13 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
         elif name in _GLOBAL_NAMES:
             by_hf_name[_GLOBAL_NAMES[name]] = tensor
     tensors = {t.name: t for t in reader.tensors}
+    # llama.cpp applies every bias in the file; one we have no slot for (attn_output, ffn_*)
+    # would be dropped silently and the outputs come out wrong.
+    used_biases = ("attn_q.bias", "attn_k.bias", "attn_v.bias") if cfg.qkv_bias else ()
+    for name in tensors:
+        if name.endswith(".bias") and name.split(".", 2)[-1] not in used_biases:
+            raise CheckpointError(path, f"tensor {name!r} is a bias this {cfg.architecture} model has no place "
+                                        "for (supported: q/k/v biases)")
 
     def dequant(tensor) -> torch.Tensor:
         if tensor.tensor_type not in SUPPORTED_TYPES:
