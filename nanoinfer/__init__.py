@@ -7,10 +7,11 @@ re-exported lazily (the core never imports the runtime at import time).
 from nanoinfer.errors import CheckpointError, ModelFetchError, NanoInferError, RequestError
 from nanoinfer.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineError",
            "CheckpointError", "ModelFetchError", "NanoInferError", "RequestError"]
 
-_RUNTIME_EXPORTS = {"LLM": "runtime.llm", "RequestOutput": "runtime.outputs", "CompletionOutput": "runtime.outputs"}
+_RUNTIME_EXPORTS = {"LLM": "runtime.llm", "AsyncEngine": "runtime.engine", "EngineError": "runtime.engine",
+                    "RequestOutput": "runtime.outputs", "CompletionOutput": "runtime.outputs"}
 
 
 def __getattr__(name):

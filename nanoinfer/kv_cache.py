@@ -23,3 +23,18 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     """Bytes one block costs across all layers, keys and values (to size a pool from a budget)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def copy_blocks(kv: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks within the pool, every layer at once (copy-on-write of shared blocks)."""
+    if copies:
+        src, dst = (torch.tensor(idx, device=kv.device) for idx in zip(*copies))
+        kv[:, :, dst] = kv[:, :, src]
+
+
+def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """Copy blocks between the device pool and the host pool, either way; (src block, dst block)."""
+    if copies:
+        src, dst = zip(*copies)
+        moved = src_pool[:, :, torch.tensor(src, device=src_pool.device)]
+        dst_pool[:, :, torch.tensor(dst, device=dst_pool.device)] = moved.to(dst_pool.device, non_blocking=True)

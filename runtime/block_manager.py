@@ -1,4 +1,10 @@
-"""BlockManager: the host-side allocator of the paged KV pool (free list, ref counts, tables)."""
+"""BlockManager: the host-side allocator of the paged KV pools (free lists, ref counts, tables).
+
+Two pools: the device pool the model reads, and an optional host pool that preempted
+sequences swap into. A block may be shared by several tables (a forked sequence shares its
+parent's prompt); it is copied on write before a sequence writes into it, so no block is
+ever writable by two sequences.
+"""
 
 from __future__ import annotations
 
@@ -6,52 +12,149 @@ from collections import deque
 
 from runtime.sequence import Sequence
 
+BlockCopy = tuple[int, int]  # (source block, destination block)
+
+
+class _Pool:
+    """A free list with reference counts over block ids 0..size-1."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.ref_counts = [0] * size
+        self.free: deque[int] = deque(range(size))
+
+    def take(self) -> int:
+        block = self.free.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free.append(block)
+        elif self.ref_counts[block] < 0:
+            raise AssertionError(f"block {block} released more often than taken")
+
 
 class BlockManager:
-    """Owns which physical KV blocks are free and which sequence tables point at them.
+    """Invariants: a block is on its pool's free list iff its ref count is 0, and otherwise its
+    ref count is the number of tables holding it; free + used = total in each pool."""
 
-    Invariants: every block is either on the free list (ref count 0) or referenced by at
-    least one block table (ref count = number of tables holding it); free + used = total.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0, "
+                             f"got {num_blocks}, {block_size}, {num_cpu_blocks}")
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.device = _Pool(num_blocks)
+        self.host = _Pool(num_cpu_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device.size
+
+    @property
+    def ref_counts(self) -> list[int]:
+        return self.device.ref_counts
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self.device.free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.device.size - len(self.device.free)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.host.free)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` token slots."""
         return -(-num_tokens // self.block_size)
 
-    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` can grow to hold `num_tokens` tokens in all."""
-        return self.blocks_for(num_tokens) - len(seq.block_table) <= len(self._free)
+    # -- growing ---------------------------------------------------------------------------
 
-    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq`'s block table to cover `num_tokens` tokens in all."""
-        missing = self.blocks_for(num_tokens) - len(seq.block_table)
-        if missing > len(self._free):
-            raise MemoryError(f"KV pool exhausted: need {missing} blocks, {len(self._free)} free")
-        for _ in range(missing):
-            block = self._free.popleft()
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+    def _shared_in_write_range(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Indices into seq.block_table of shared blocks that positions
+        [num_computed_tokens, num_tokens) would write into."""
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_table), self.blocks_for(num_tokens))
+        return [i for i in range(first, last) if self.device.ref_counts[seq.block_table[i]] > 1]
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Free device blocks `append_slots(seq, num_tokens)` would take."""
+        missing = max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+        return missing + len(self._shared_in_write_range(seq, num_tokens))
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> list[BlockCopy]:
+        """Make `seq`'s table cover `num_tokens` tokens with every block it is about to write
+        (from num_computed_tokens on) exclusively its own. Returns the copies the caller must
+        apply to the KV pool before the write (copy-on-write of shared blocks)."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.num_free_blocks:
+            raise MemoryError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
+        copies = []
+        for i in self._shared_in_write_range(seq, num_tokens):
+            shared = seq.block_table[i]
+            own = self.device.take()
+            self.device.release(shared)
+            seq.block_table[i] = own
+            copies.append((shared, own))
+        while len(seq.block_table) < self.blocks_for(num_tokens):
+            seq.block_table.append(self.device.take())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks (n > 1 samples of one prompt)."""
+        if child.block_table:
+            raise ValueError("fork into a sequence that already holds blocks")
+        for block in parent.block_table:
+            self.device.ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references; blocks no other table holds go back to the free list."""
+        """Drop `seq`'s references in both pools; unshared blocks go back to the free lists."""
         for block in seq.block_table:
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self._free.append(block)
-        seq.block_table = []
+            self.device.release(block)
+        for block in seq.cpu_block_table:
+            self.host.release(block)
+        seq.block_table, seq.cpu_block_table = [], []
+
+    def num_freed_by(self, seq: Sequence) -> int:
+        """Device blocks that freeing `seq` would return (its unshared ones)."""
+        return sum(1 for b in seq.block_table if self.device.ref_counts[b] == 1)
+
+    # -- swapping --------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= self.num_free_cpu_blocks
+
+    def swap_out(self, seq: Sequence) -> list[BlockCopy]:
+        """Move `seq` to host blocks; returns (device block, host block) copies to apply
+        before the device blocks are reused."""
+        if not self.can_swap_out(seq):
+            raise MemoryError(f"host pool exhausted: need {len(seq.block_table)} blocks, "
+                              f"{self.num_free_cpu_blocks} free")
+        mapping = [(block, self.host.take()) for block in seq.block_table]
+        for block in seq.block_table:
+            self.device.release(block)
+        seq.block_table, seq.cpu_block_table = [], [h for _, h in mapping]
+        return mapping
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return len(seq.cpu_block_table) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[BlockCopy]:
+        """Move `seq` back to device blocks; returns (host block, device block) copies."""
+        if not self.can_swap_in(seq):
+            raise MemoryError(f"KV pool exhausted: need {len(seq.cpu_block_table)} blocks to swap in, "
+                              f"{self.num_free_blocks} free")
+        mapping = [(block, self.device.take()) for block in seq.cpu_block_table]
+        for block in seq.cpu_block_table:
+            self.host.release(block)
+        seq.block_table, seq.cpu_block_table = [d for _, d in mapping], []
+        return mapping

@@ -1,9 +1,8 @@
-"""EngineCore: the synchronous step loop over the paged cache (admit, batch, forward, sample).
+"""EngineCore: the synchronous step (plan, apply, batch, forward, sample, finish).
 
-It knows tokens, not text: detokenization and stop strings happen on the output side.
-Admission here is conservative, with no preemption yet: a request is admitted only when
-the blocks its longest possible output could need are still unpromised, so a running
-sequence never finds the pool dry. Blocks are still taken one at a time as tokens arrive.
+One instance is driven by one thread (the worker). It knows tokens, not text: detokenization
+and stop strings happen on the consumer side, which calls `abort` when a stop string ends a
+request early.
 """
 
 from __future__ import annotations
@@ -16,11 +15,12 @@ import torch
 
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.kv_cache import allocate_kv_pool, kv_bytes_per_block
+from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, sample
 from runtime.block_manager import BlockManager
+from runtime.scheduler import Plan, SchedulerConfig, plan
 from runtime.sequence import Sequence, SequenceStatus
 
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -31,19 +31,21 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_memory (CPU) or free GPU memory
     kv_cache_memory: int | None = None  # bytes for the KV pool when num_blocks is None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096  # tokens per step; longer prompts prefill in chunks
+    swap_space: int = 0  # bytes of host memory for swapped-out KV blocks
     max_model_len: int | None = None  # None: the model's context length
+    scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise RequestError(f"{name}={value!r} is invalid: expected an integer >= 1")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise RequestError(f"block_size={self.block_size!r} is invalid: expected an integer >= 1")
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise RequestError(f"{name}={value!r} is invalid: expected an integer >= 1 or None")
+        if not isinstance(self.swap_space, int) or self.swap_space < 0:
+            raise RequestError(f"swap_space={self.swap_space!r} is invalid: expected bytes >= 0")
+        if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
+            raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)")
 
 
 class TokenOutput(NamedTuple):
@@ -61,17 +63,26 @@ class EngineCore:
         cfg = model.config
         self.device = model.params.device
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_blocks = config.num_blocks or self._blocks_from_memory()
-        self.kv = allocate_kv_pool(cfg, num_blocks, config.block_size, model.params.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        dtype = model.params.dtype
+        per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
+        num_blocks = config.num_blocks or self._blocks_from_memory(per_block)
+        num_cpu_blocks = config.swap_space // per_block
+        self.kv = allocate_kv_pool(cfg, num_blocks, config.block_size, dtype, self.device)
+        # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
+        self.cpu_kv = allocate_kv_pool(cfg, num_cpu_blocks, config.block_size, dtype, "cpu")
+        if self.device.type == "cuda" and num_cpu_blocks:
+            self.cpu_kv = self.cpu_kv.pin_memory()
+        self.blocks = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._promised_blocks = 0  # blocks the running sequences may still grow into, in all
+        self.swapped: list[Sequence] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+        self.generated_tokens = 0
         self._next_id = 0
         self._seed_source = random.Random()
 
-    def _blocks_from_memory(self) -> int:
-        per_block = kv_bytes_per_block(self.model.config, self.config.block_size, self.model.params.dtype)
+    def _blocks_from_memory(self, per_block: int) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -80,13 +91,13 @@ class EngineCore:
             else:
                 budget = CPU_KV_BUDGET_BYTES
         # Never more blocks than all sequences could use at full length.
-        cap = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(budget // per_block, cap))
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
-        """Validate and queue a request; raises RequestError naming the bad value."""
+    def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list, or RequestError naming what makes it impossible to serve."""
         vocab = self.model.config.vocab_size
         ids = list(prompt_token_ids)
         if not ids:
@@ -97,83 +108,106 @@ class EngineCore:
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={self.max_model_len}")
-        max_total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if self.blocks.blocks_for(max_total) > self.blocks.num_blocks:
+        if self.blocks.blocks_for(self._max_total(ids, params)) > self.blocks.num_blocks:
             raise RequestError(
-                f"the request needs up to {max_total} tokens of KV cache but the pool holds "
+                f"the request needs up to {self._max_total(ids, params)} tokens of KV cache but the pool holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size}: lower max_tokens or raise num_blocks")
+        return ids
+
+    def _max_total(self, ids: list[int], params: SamplingParams) -> int:
+        return min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, *, request_id: str = "",
+                    priority: int = 0) -> Sequence:
+        """Validate and queue a request; raises RequestError naming the bad value."""
+        ids = self.check_request(prompt_token_ids, params)
         if params.seed is None:
             # Unseeded requests draw a seed here, so the sampler itself is always deterministic.
             params = params.with_seed(self._seed_source.getrandbits(48))
-        seq = Sequence(self._next_id, ids, params, max_total)
+        seq = Sequence(self._next_id, ids, params, self._max_total(ids, params), request_id=request_id,
+                       priority=priority, arrival=self.step_count)
         self._next_id += 1
         self.waiting.append(seq)
         return seq
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Finish `seq` now (a stop string matched, or the caller gave up) and free its blocks."""
-        if seq.is_finished:
-            return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        self._finish(seq, reason)
+        if not seq.is_finished:
+            self._finish(seq, reason)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "swapped": len(self.swapped),
+            "free_blocks": self.blocks.num_free_blocks,
+            "total_blocks": self.blocks.num_blocks,
+            "num_preemptions": self.num_preemptions,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.step_count,
+        }
 
     # -- the step -------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            need = self.blocks.blocks_for(seq.max_total_tokens)
-            if self._promised_blocks + need > self.blocks.num_blocks:
-                break  # FCFS: later requests wait behind the head of the queue
-            self.waiting.pop(0)
-            self._promised_blocks += need
+    def plan(self) -> Plan:
+        return plan(self.waiting, self.running, self.swapped, self.blocks, self.config.scheduler, self.step_count)
+
+    def _apply(self, p: Plan) -> None:
+        """Carry out the plan's preemptions, swaps and allocations, in that order."""
+        for seq in p.preempt:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            if seq in p.swap_out:
+                swap_blocks(self.kv, self.cpu_kv, self.blocks.swap_out(seq))
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.append(seq)
+            else:
+                self.blocks.free(seq)
+                seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
+        for seq in p.swap_in:
+            swap_blocks(self.cpu_kv, self.kv, self.blocks.swap_in(seq))
+            self.swapped.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-
-    def _schedule(self) -> list[SeqChunk]:
-        """Every running sequence gets its pending tokens, in order, up to the step budget:
-        decodes (one token) and prefill chunks alike."""
-        budget = self.config.max_num_batched_tokens
-        chunks, self._scheduled = [], []
-        for seq in self.running:
-            pending = seq.num_tokens - seq.num_computed_tokens
-            take = min(pending, budget)
-            if take == 0:
-                continue
-            end = seq.num_computed_tokens + take
-            self.blocks.append_slots(seq, end)
-            chunks.append(SeqChunk(seq.token_ids[seq.num_computed_tokens:end], seq.num_computed_tokens,
-                                   seq.block_table, end == seq.num_tokens))
-            self._scheduled.append((seq, end))
-            budget -= take
-            if budget == 0:
-                break
-        return chunks
+        for seq, n in p.chunks:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
 
     def step(self) -> list[TokenOutput]:
-        """Run one forward over every scheduled sequence; return the sampled tokens."""
-        self._admit()
-        chunks = self._schedule()
-        if not chunks:
+        """Plan and run one forward over every scheduled sequence; return the sampled tokens."""
+        p = self.plan()
+        self._apply(p)
+        self.step_count += 1
+        if not p.chunks:
             return []
         cfg = self.model.config
-        batch = build_batch(chunks, self.config.block_size, self.device)
-        logits = forward(self.model.params, self.kv, batch, cfg)
-        sampling_seqs = []
-        for seq, end in self._scheduled:
-            seq.num_computed_tokens = end
+        chunks, sampling_seqs = [], []
+        for seq, n in p.chunks:
+            end = seq.num_computed_tokens + n
+            chunks.append(SeqChunk(seq.token_ids[seq.num_computed_tokens:end], seq.num_computed_tokens,
+                                   seq.block_table, end == seq.num_tokens))
             if end == seq.num_tokens:
                 sampling_seqs.append(seq)
+        batch = build_batch(chunks, self.config.block_size, self.device)
+        logits = forward(self.model.params, self.kv, batch, cfg)
+        for seq, n in p.chunks:
+            seq.num_computed_tokens += n
         st = SamplingTensors.build([s.params for s in sampling_seqs], [s.num_output_tokens for s in sampling_seqs],
                                    cfg.vocab_size, self.device)
         tokens = sample(logits, st).tolist()
         outputs = []
         for seq, token in zip(sampling_seqs, tokens):
             seq.token_ids.append(token)
+            self.generated_tokens += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
@@ -191,9 +225,9 @@ class EngineCore:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            self._promised_blocks -= self.blocks.blocks_for(seq.max_total_tokens)
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

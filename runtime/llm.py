@@ -1,115 +1,78 @@
-"""LLM: the synchronous offline facade (prompts in, one output per prompt out)."""
+"""LLM: the synchronous offline facade over AsyncEngine (prompts in, one output per prompt out).
+
+It owns an event loop in a background thread and runs the same AsyncEngine there, so there
+is one step loop whichever API a user picks.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import sys
+import threading
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine_core import EngineConfig, EngineCore
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sequence import Sequence as Seq
+from runtime.engine import AsyncEngine, Prompt, engine_config
+from runtime.outputs import RequestOutput
 
-Prompt = Union[str, Sequence[int]]
-
-
-class _Tracked:
-    """A request in flight: its sequence, its detokenizer, what it was asked."""
-
-    def __init__(self, request_id: str, prompt: str | None, seq: Seq, detok: IncrementalDetokenizer | None):
-        self.request_id, self.prompt, self.seq, self.detok = request_id, prompt, seq, detok
-        self.sent_tokens = 0
-
-    def output(self, delta: bool) -> RequestOutput:
-        """The whole result so far, or only what is new since the last delta."""
-        seq = self.seq
-        final = seq.is_finished
-        ids = seq.output_token_ids
-        if delta:
-            text = self.detok.take_delta(final) if self.detok else ""
-            ids, self.sent_tokens = ids[self.sent_tokens:], len(ids)
-        else:
-            if self.detok:
-                self.detok.take_delta(final)
-            text = self.detok.text if self.detok else ""
-        completion = CompletionOutput(0, text, tuple(ids), seq.finish_reason)
-        return RequestOutput(self.request_id, self.prompt, tuple(seq.prompt_token_ids), (completion,), final)
+_DONE = object()
 
 
 class LLM:
-    """Load a model once, then generate for batches of prompts on the paged cache.
+    """Load a model once, then generate for batches of prompts with continuous batching.
 
-    `model` is a short name (default: smollm2-135m-instruct), an HF directory or a .gguf path.
+    `model` is a short name (default: smollm2-135m-instruct), an HF directory or a .gguf
+    path; `engine_args` are block_size, num_blocks, kv_cache_memory, swap_space,
+    max_model_len, max_num_seqs, max_num_batched_tokens, scheduling_policy,
+    preemption_mode, aging_steps.
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        device: str | torch.device = "auto",
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        progress: bool = True,
-    ):
-        engine_config = EngineConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=max_model_len)
+    def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
+                 progress: bool = True, **engine_args):
+        config = engine_config(**engine_args)
         self.model = load_model(model, device=device, dtype=dtype, progress=progress)
-        self.engine = EngineCore(self.model, engine_config)
-        self._next_request = 0
+        self.engine = AsyncEngine(self.model, config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nanoinfer-llm-loop", daemon=True)
+        self._thread.start()
+        self._call(self._start())
+
+    async def _start(self):
+        self.engine.start()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Stop the engine and its threads (also done at interpreter exit)."""
+        if self._loop.is_running():
+            self._call(self.engine.shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> _Tracked:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{self.model.path} has no tokenizer: pass prompts as token id lists")
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            text, ids = None, list(prompt)
-        seq = self.engine.add_request(ids, params)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        tracked = _Tracked(str(self._next_request), text, seq, detok)
-        self._next_request += 1
-        return tracked
+    def stats(self) -> dict:
+        return self.engine.stats()
 
-    def _step(self, live: dict[int, _Tracked]) -> list[_Tracked]:
-        """One engine step; returns the requests that made progress."""
-        progressed = []
-        for out in self.engine.step():
-            tracked = live[out.seq.seq_id]
-            if tracked.detok is not None:
-                tracked.detok.add([out.token_id])
-                if tracked.detok.stopped and not out.finished:
-                    self.engine.abort(out.seq, reason="stop")
-            progressed.append(tracked)
-        return progressed
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion in shared batches; outputs keep the prompts' order."""
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion in shared batches; outputs keep the prompts' order.
+        A prompt is a string or a list of token ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if params is not None else SamplingParams()
@@ -117,49 +80,66 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: expected one or one each")
+        return self._call(self._generate_all(list(prompts), list(params), use_tqdm))
+
+    async def _generate_all(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+        # Submit everything before awaiting anything: a bad prompt fails the whole call
+        # before any work is done, and the batch fills at once.
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self._submit(prompt, p))
-        except Exception:
-            for tracked in requests:  # nothing half-submitted stays queued
-                self.engine.abort(tracked.seq)
+                requests.append(self.engine._submit(prompt, p, None, 0))
+        except BaseException:
+            for request in requests:
+                self.engine.abort(request.request_id)
             raise
-        live = {t.seq.seq_id: t for t in requests}
         bar = tqdm(total=len(requests), desc="generating", unit="prompt", disable=not use_tqdm, file=sys.stderr)
-        with bar:
-            while self.engine.has_unfinished():
-                for tracked in self._step(live):
-                    if tracked.seq.is_finished:
-                        bar.update(1)
-        return [t.output(delta=False) for t in requests]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               chat: bool = False) -> Iterator[RequestOutput]:
-        """Generate for one prompt, yielding deltas (new text and ids) as tokens arrive.
-        `chat` wraps the prompt as a user message in the chat template first."""
+        async def one(request):
+            out = await self.engine._collect(request)
+            bar.update(1)
+            return out
+
+        with bar:
+            tasks = [asyncio.ensure_future(one(request)) for request in requests]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for task in tasks:  # cancelling a task aborts its request and frees its blocks
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
+               ) -> Iterator[RequestOutput]:
+        """Yield deltas (new text and ids) as tokens arrive. `chat` wraps the prompt as a
+        user message in the chat template first."""
         if chat:
-            prompt = self.render_chat([{"role": "user", "content": prompt}])
-        tracked = self._submit(prompt, params or SamplingParams(), add_special_tokens=not chat)
-        live = {tracked.seq.seq_id: tracked}
+            prompt = [{"role": "user", "content": prompt}]
+        items: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def pump():
+            try:
+                async for out in self.engine.stream(prompt, params):
+                    items.put(out)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
+                items.put(exc)
+            finally:
+                items.put(_DONE)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
         try:
-            while not tracked.seq.is_finished:
-                if tracked in self._step(live):
-                    out = tracked.output(delta=True)
-                    if out.text or out.token_ids or out.finished:
-                        yield out
+            while (item := items.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            self.engine.abort(tracked.seq)  # a consumer that stops early frees the blocks
+            future.cancel()  # a consumer that stops early aborts the request
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - cancelled, or the error already raised above
+                pass
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """Render `messages` with the chat template and generate the assistant's reply."""
-        text = self.render_chat(messages)
-        # The template already writes BOS where the model wants it: add no specials again.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        out = self.generate([ids], params, use_tqdm=False)[0]
-        return RequestOutput(out.request_id, text, out.prompt_token_ids, out.outputs, out.finished)
-
-    def render_chat(self, messages: list[dict]) -> str:
-        if self.tokenizer is None:
-            raise RequestError(f"{self.model.path} has no tokenizer, so no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self._call(self.engine.generate(messages, params))

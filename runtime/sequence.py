@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens, cache progress, block table and lifecycle."""
+"""Sequence: one request's tokens, cache progress, block tables, priority and lifecycle."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from nanoinfer.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # admitted to the engine, no KV blocks yet
-    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    WAITING = "waiting"  # queued, no KV blocks (new, or preempted by recompute)
+    RUNNING = "running"  # holds device KV blocks; prefilling or decoding
+    SWAPPED = "swapped"  # preempted by swap: its KV sits in host blocks
     FINISHED = "finished"
 
 
@@ -20,18 +21,24 @@ class Sequence:
 
     `token_ids` is prompt + output so far; the first `num_computed_tokens` of them have their
     keys and values in the cache, so the next step computes token_ids[num_computed_tokens:]
-    (a whole prompt, a chunk of it, or the one token sampled last step).
+    (a whole prompt, a chunk of it, the one token sampled last step, or after a recompute
+    preemption the prompt and the output so far again).
     """
 
     seq_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # prompt + the most output this request may produce
+    request_id: str = ""
+    priority: int = 0  # lower runs sooner (under the priority policy)
+    arrival: int = 0  # the engine step at which it was submitted
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # device blocks
+    cpu_block_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_preemptions: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -44,6 +51,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens the next step should compute for this sequence."""
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

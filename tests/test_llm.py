@@ -1,6 +1,8 @@
 """The offline facade on the default model: batching is invisible, finish reasons, stop strings,
 seeds, streaming, errors that leave the engine serving."""
 
+import time
+
 import pytest
 
 from nanoinfer import LLM, RequestError, SamplingParams
@@ -12,7 +14,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf):
-    return LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8)
+    with LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8) as llm:
+        yield llm
+
+
+def all_blocks_free(llm, timeout=10.0) -> bool:
+    """The worker reports its counts after each step or command: wait for the latest."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = llm.stats()
+        if stats["free_blocks"] == 64 and stats["running"] == stats["waiting"] == 0:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_batch_equals_each_prompt_alone(llm):
@@ -23,13 +37,14 @@ def test_batch_equals_each_prompt_alone(llm):
         assert out.prompt == prompt and list(out.prompt_token_ids) == llm.tokenizer.encode(prompt)
         assert len(out.token_ids) == 12 and out.finish_reason == "length"
         assert out.text == llm.tokenizer.decode(list(out.token_ids))
-    assert llm.engine.blocks.num_free_blocks == 64
+    assert all_blocks_free(llm)
 
 
 def test_chunked_prefill_gives_the_same_tokens(smollm2_gguf, llm):
-    chunked = LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8, max_num_batched_tokens=5)
-    assert [o.token_ids for o in chunked.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
-        [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8,
+             max_num_batched_tokens=5) as chunked:
+        assert [o.token_ids for o in chunked.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+            [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def test_stop_token_ids_and_eos(llm):
@@ -73,7 +88,7 @@ def test_breaking_out_of_a_stream_frees_its_blocks(llm):
     stream = llm.stream(PROMPTS[3], SamplingParams(temperature=0, max_tokens=50))
     next(stream)
     stream.close()
-    assert llm.engine.blocks.num_free_blocks == 64 and not llm.engine.has_unfinished()
+    assert all_blocks_free(llm)
 
 
 def test_chat_uses_the_template(llm):
@@ -91,5 +106,5 @@ def test_bad_requests_fail_alone_and_the_engine_keeps_serving(llm):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=5000), use_tqdm=False)
     with pytest.raises(RequestError, match="SamplingParams"):
         llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
-    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free_blocks == 64
+    assert all_blocks_free(llm)
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].token_ids) == 12

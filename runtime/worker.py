@@ -1,0 +1,127 @@
+"""Worker: the step loop in its own thread, fed by a command queue, reporting once per step.
+
+The event loop never runs model code, and the worker never waits on a consumer: it hands
+each step's tokens over with one thread-safe call and moves on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from typing import Callable, NamedTuple
+
+from nanoinfer.sampling import SamplingParams
+from runtime.engine_core import EngineCore
+from runtime.sequence import Sequence
+
+
+class Submit(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class Abort(NamedTuple):
+    request_id: str
+    reason: str = "abort"
+
+
+class _Stop(NamedTuple):
+    pass
+
+
+class TokenEvent(NamedTuple):
+    """What one request got in one step."""
+
+    request_id: str
+    token_id: int
+    finish_reason: str | None  # set on the request's last token
+
+
+class StepReport(NamedTuple):
+    """Delivered to the event loop after every step (or failure)."""
+
+    events: tuple[TokenEvent, ...]
+    stats: dict
+    failed: tuple[str, ...] = ()  # request ids that an exception ended
+    error: BaseException | None = None
+
+
+class Worker:
+    def __init__(self, core: EngineCore, deliver: Callable[[StepReport], None]):
+        """`deliver` is called from the worker thread; it must only hand the report over
+        (e.g. loop.call_soon_threadsafe)."""
+        self.core = core
+        self.deliver = deliver
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.seqs: dict[str, Sequence] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nanoinfer-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.commands.put(_Stop())
+        self._thread.join(timeout)
+
+    def submit(self, command: Submit | Abort) -> None:
+        self.commands.put(command)
+
+    def _run(self) -> None:
+        while True:
+            # Block for a command only when there is nothing to compute.
+            block = not self.core.has_unfinished()
+            try:
+                commands = [self.commands.get(block=block)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self.commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if isinstance(command, _Stop):
+                    return
+                self._handle(command)
+            if self.core.has_unfinished():
+                self._step()
+            elif commands:
+                self.deliver(StepReport((), self.core.stats()))
+
+    def _handle(self, command: Submit | Abort) -> None:
+        if isinstance(command, Submit):
+            try:
+                self.seqs[command.request_id] = self.core.add_request(
+                    command.prompt_token_ids, command.params, request_id=command.request_id, priority=command.priority)
+            except Exception as exc:  # validated already on the loop side; never lose the request silently
+                self.deliver(StepReport((), self.core.stats(), (command.request_id,), exc))
+        else:
+            seq = self.seqs.pop(command.request_id, None)
+            if seq is not None:
+                self.core.abort(seq, command.reason)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            # Fail everything in flight with the error rather than leave consumers hanging.
+            traceback.print_exc()
+            self.error = exc
+            failed = tuple(self.seqs)
+            for seq in self.seqs.values():
+                self.core.abort(seq, "abort")
+            self.seqs.clear()
+            self.deliver(StepReport((), self.core.stats(), failed, exc))
+            return
+        events = []
+        for out in outputs:
+            rid = out.seq.request_id
+            reason = out.seq.finish_reason if out.finished else None
+            events.append(TokenEvent(rid, out.token_id, reason))
+            if out.finished:
+                self.seqs.pop(rid, None)
+        self.deliver(StepReport(tuple(events), self.core.stats()))
