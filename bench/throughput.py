@@ -1,0 +1,97 @@
+"""Offline throughput on nano-vllm's workload: N sequences, random prompt and output lengths.
+
+    python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
+                               [--model M] [--device cpu] [--baseline-batch 16]
+
+Prompts are random token ids, lengths uniform in the given ranges (fixed seed), generation
+with ignore_eos so every request produces exactly its output length. Output tok/s counts
+those requested tokens. The baseline is transformers `generate` on the same prompts in
+left-padded batches of --baseline-batch, each batch run to its longest output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def workload(num_seqs, input_len, output_len, vocab, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
+    outputs = [rng.randint(*output_len) for _ in range(num_seqs)]
+    return prompts, outputs
+
+
+def run_ours(llm, prompts, outputs):
+    from nanoinfer import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert [len(r.token_ids) for r in results] == outputs
+    return elapsed
+
+
+def run_transformers(hf_model, prompts, outputs, batch, pad_id):
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group, lens = prompts[i:i + batch], outputs[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        hf_model.generate(input_ids=ids.to(hf_model.device), attention_mask=mask.to(hf_model.device),
+                          max_new_tokens=max(lens), min_new_tokens=max(lens), do_sample=False,
+                          eos_token_id=None, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-seqs", type=int, default=16)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--baseline-batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from nanoinfer import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
+    prompts, outputs = workload(args.num_seqs, args.input_len, args.output_len, llm.model.config.vocab_size)
+    run_ours(llm, prompts[:2], [4, 4])  # warm-up
+    ours = run_ours(llm, prompts, outputs)
+    total = sum(outputs)
+    rows = [("nanoinfer", ours, total / ours)]
+    if not args.no_baseline:
+        import transformers
+
+        path = llm.model.path
+        if path.suffix == ".gguf":
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                         dtype=llm.model.params.dtype)
+        else:
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=llm.model.params.dtype)
+        hf_model = hf_model.to(llm.model.params.device).eval()
+        run_transformers(hf_model, prompts[:2], [4, 4], 2, 0)  # warm-up
+        with torch.inference_mode():
+            theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
+        rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
+    llm.close()
+    print(f"model {llm.model.path.name}  device {args.device}  seqs {args.num_seqs}  input {args.input_len}  "
+          f"output {args.output_len}  output tokens {total}")
+    print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")
+    for name, seconds, tps in rows:
+        print(f"{name:<36}{seconds:>10.2f}{tps:>14.1f}{tps / rows[-1][2]:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""AsyncEngine on a tiny random model: batching and chunking are invisible, preemption by
+recompute and swap changes nothing, priorities and aging, cancellation frees everything,
+the event loop stays responsive, errors fail only who they should."""
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoinfer import AsyncEngine, EngineError, RequestError, SamplingParams
+from nanoinfer.loaders import LoadedModel
+from runtime.engine import engine_config
+from tests.tiny import random_params, tiny_config
+
+CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16)
+MODEL = LoadedModel(CFG, random_params(CFG, seed=3), None, Path("tiny-random"))
+
+
+def make_engine(**engine_args) -> AsyncEngine:
+    args = dict(block_size=4, num_blocks=512)
+    args.update(engine_args)
+    return AsyncEngine(MODEL, engine_config(**args))
+
+
+def prompts(n, seed=0, lo=1, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(max_tokens=16):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def run_all(engine, prompt_list, params, **kw):
+    return await asyncio.gather(*(engine.generate(p, params, **kw) for p in prompt_list))
+
+
+async def wait_idle(engine, timeout=10.0):
+    """Until the worker reports nothing running and every block free."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["running"] == s["waiting"] == s["swapped"] == 0 and s["free_blocks"] == s["total_blocks"]:
+            return s
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+@pytest.fixture(scope="module")
+def alone_outputs():
+    """Each of 32 prompts run on its own: the reference."""
+    async def go():
+        async with make_engine() as engine:
+            return [(await engine.generate(p, greedy())).token_ids for p in prompts(32)]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None], ids=["chunk1", "chunk7", "chunk64", "unlimited"])
+def test_concurrent_greedy_equals_alone(alone_outputs, chunk):
+    async def go():
+        async with make_engine(max_num_batched_tokens=chunk or 100_000) as engine:
+            outs = await run_all(engine, prompts(32), greedy())
+            await wait_idle(engine)
+            return outs
+    outs = asyncio.run(go())
+    assert [o.token_ids for o in outs] == alone_outputs
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in outs)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_changes_no_output(mode):
+    reqs = prompts(64, seed=1, lo=4, hi=24)
+
+    async def go(**kw):
+        async with make_engine(**kw) as engine:
+            outs = await run_all(engine, reqs, greedy(20))
+            return outs, await wait_idle(engine)
+
+    roomy, _ = asyncio.run(go())
+    # 24 blocks of 4 slots hold about two requests at full length: preemption is constant.
+    tight, stats = asyncio.run(go(num_blocks=24, preemption_mode=mode, swap_space=1 << 20))
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert stats["num_preemptions"] > 0
+    assert stats["free_blocks"] == stats["total_blocks"] == 24
+
+
+def test_high_priority_overtakes_a_queue():
+    async def go():
+        async with make_engine(scheduling_policy="priority", max_num_seqs=4, aging_steps=10_000) as engine:
+            first_token_at = {}
+
+            async def consume(name, prompt, priority):
+                async for out in engine.stream(prompt, greedy(8), priority=priority):
+                    first_token_at.setdefault(name, time.monotonic())
+            tasks = [asyncio.create_task(consume(i, p, 10)) for i, p in enumerate(prompts(50, seed=2))]
+            tasks.append(asyncio.create_task(consume("vip", prompts(1, seed=3)[0], 0)))
+            await asyncio.gather(*tasks)
+            return first_token_at
+    first = asyncio.run(go())
+    later = [name for name in range(50) if first[name] > first["vip"]]
+    # Only the few admitted before the VIP's submission reached the worker can be ahead of it.
+    assert len(later) >= 45, sorted(first, key=first.get)[:10]
+
+
+@pytest.mark.parametrize("aging", [5, 20])
+def test_aging_bounds_the_wait_of_a_low_priority_request(aging):
+    async def go():
+        async with make_engine(scheduling_policy="priority", max_num_seqs=2, aging_steps=aging) as engine:
+            stop = asyncio.Event()
+
+            async def flood():  # a steady stream of high-priority work, always two waiting
+                pending = set()
+                while not stop.is_set():
+                    while len(pending) < 4:
+                        pending.add(asyncio.create_task(engine.generate(prompts(1, seed=len(pending))[0], greedy(4),
+                                                                        priority=0)))
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in pending:
+                    task.cancel()
+            flooder = asyncio.create_task(flood())
+            await asyncio.sleep(0.05)
+            start_step = engine.stats()["steps"]
+            # Without aging this would wait for ever behind the flood: bound it in time too.
+            await asyncio.wait_for(engine.generate(prompts(1, seed=99)[0], greedy(4), priority=3), timeout=30)
+            waited = engine.stats()["steps"] - start_step
+            stop.set()
+            await flooder
+            return waited
+    waited = asyncio.run(go())
+    # Priority 3 reaches the flood's 0 after 3 * aging steps, then wins on arrival; then it
+    # needs its prefill and 4 tokens. Allow a few steps of slack for hand-off latency.
+    assert waited <= 3 * aging + 4 + 10, waited
+
+
+def test_cancelled_streams_free_everything():
+    async def go():
+        async with make_engine(num_blocks=256, max_num_seqs=64) as engine:
+            rng = random.Random(4)
+
+            async def consume(prompt, stop_after):
+                async for i, _ in aenumerate(engine.stream(prompt, greedy(40))):
+                    if i >= stop_after:
+                        break  # leaving the loop aborts the request
+
+            async def cancel_later(task, delay):
+                await asyncio.sleep(delay)
+                task.cancel()
+
+            tasks = []
+            for i, p in enumerate(prompts(200, seed=5)):
+                if i % 2:
+                    tasks.append(asyncio.create_task(consume(p, rng.randint(0, 10))))
+                else:
+                    task = asyncio.create_task(consume(p, 10_000))
+                    asyncio.create_task(cancel_later(task, rng.uniform(0, 0.3)))
+                    tasks.append(task)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return await wait_idle(engine)
+    stats = asyncio.run(go())
+    assert stats["running"] == 0 and stats["free_blocks"] == 256
+
+
+async def aenumerate(aiter):
+    i = 0
+    async for item in aiter:
+        yield i, item
+        i += 1
+
+
+def test_event_loop_stays_responsive():
+    async def go():
+        async with make_engine(max_num_batched_tokens=512) as engine:
+            gaps, running = [], True
+
+            async def ticker():
+                last = time.monotonic()
+                while running:
+                    await asyncio.sleep(0.001)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+            tick = asyncio.create_task(ticker())
+            await run_all(engine, prompts(48, seed=6, lo=20, hi=60), greedy(24))
+            running = False
+            await tick
+            return gaps
+    gaps = asyncio.run(go())
+    assert len(gaps) > 50
+    assert max(gaps) < 0.25, max(gaps)  # the loop never waits on a step (steps here take ms)
+
+
+def test_stream_deltas_and_coalescing_for_a_slow_consumer():
+    async def go():
+        async with make_engine() as engine:
+            whole = await engine.generate(prompts(1)[0], greedy(30))
+            items = []
+            async for out in engine.stream(prompts(1)[0], greedy(30)):
+                items.append(out)
+                await asyncio.sleep(0.02)  # slower than the engine: deltas pile up and coalesce
+            return whole, items
+    whole, items = asyncio.run(go())
+    assert sum((list(o.token_ids) for o in items), []) == list(whole.token_ids)
+    assert len(items) < 30, "a slow consumer gets coalesced deltas, not one item per token"
+    assert items[-1].finished and items[-1].finish_reason == "length"
+    assert all(o.finish_reason is None for o in items[:-1])
+
+
+def test_bad_requests_fail_alone():
+    async def go():
+        async with make_engine(max_model_len=64) as engine:
+            good = asyncio.create_task(engine.generate(prompts(1)[0], greedy(10)))
+            with pytest.raises(RequestError, match="max_model_len"):
+                await engine.generate([1] * 64, greedy())
+            with pytest.raises(RequestError, match="out of range"):
+                await engine.generate([1, 500], greedy())
+            with pytest.raises(RequestError, match="string, a list of token ids"):
+                await engine.generate([1.5, 2], greedy())
+            with pytest.raises(RequestError, match="no tokenizer"):
+                await engine.generate("text needs a tokenizer", greedy())
+            engine_ok = (await good).finish_reason == "length"
+            return engine_ok, engine.healthy
+    assert asyncio.run(go()) == (True, True)
+
+
+def test_abort_by_request_id():
+    async def go():
+        async with make_engine() as engine:
+            outs = []
+
+            async def consume():
+                async for out in engine.stream(prompts(1)[0], greedy(10_000 // 100), request_id="req-1"):
+                    outs.append(out)
+                    if len(outs) == 3:
+                        engine.abort("req-1")
+            await consume()
+            return outs, await wait_idle(engine)
+    outs, stats = asyncio.run(go())
+    assert outs[-1].finish_reason == "abort" and len(outs) <= 5
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_a_failing_step_fails_in_flight_requests_and_marks_the_engine_unhealthy(monkeypatch):
+    async def go():
+        engine = make_engine()
+        calls = {"n": 0}
+        real_step = engine.core.step
+
+        def flaky_step():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("boom in step 3")
+            return real_step()
+        monkeypatch.setattr(engine.core, "step", flaky_step)
+        async with engine:
+            results = await asyncio.gather(*(engine.generate(p, greedy(20)) for p in prompts(4)),
+                                           return_exceptions=True)
+            healthy = engine.healthy
+            with pytest.raises(EngineError, match="unhealthy"):
+                await engine.generate(prompts(1)[0], greedy())
+            return results, healthy, engine.stats()
+    results, healthy, stats = asyncio.run(go())
+    assert all(isinstance(r, EngineError) and "boom in step 3" in str(r) for r in results)
+    assert not healthy and stats["healthy"] is False
+    assert stats["free_blocks"] == stats["total_blocks"]
