@@ -22,4 +22,8 @@ class ModelFetchError(NanoInferError, RuntimeError):
 
 class RequestError(NanoInferError, ValueError):
     """A request (prompt or sampling parameters) is invalid; the message names the value and
-    the allowed range."""
+    the allowed range, and `param` the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        self.param = param
+        super().__init__(message)

@@ -38,7 +38,7 @@ class SamplingParams:
     def __post_init__(self):
         def check(ok: bool, name: str, expected: str):
             if not ok:
-                raise RequestError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
+                raise RequestError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}", param=name)
 
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)

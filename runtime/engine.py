@@ -24,7 +24,7 @@ class EngineError(NanoInferError, RuntimeError):
     """The engine failed while running a step; requests in flight end with this error."""
 
 
-class _Request:
+class RequestHandle:
     """Loop-side state of one request: tokens the worker sent that its consumer has not
     taken yet (coalesced while it is slow), and how it ended."""
 
@@ -55,7 +55,7 @@ class AsyncEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
         self.model = model
         self.core = EngineCore(model, config)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._stats = self.core.stats()
         self._worker: Worker | None = None
@@ -100,6 +100,11 @@ class AsyncEngine:
         await asyncio.to_thread(worker.stop)
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished (waiting, running or swapped)."""
+        return len(self._requests)
+
+    @property
     def healthy(self) -> bool:
         return self._error is None
 
@@ -126,8 +131,10 @@ class AsyncEngine:
             raise RequestError("prompt must be a string, a list of token ids, or a list of chat messages (dicts)")
         return None, items
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                 priority: int) -> _Request:
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               priority: int = 0) -> "RequestHandle":
+        """Validate and queue a request now (RequestError names what is wrong); consume it
+        with `follow(handle)` or `collect(handle)`. `stream` and `generate` do both."""
         if self._worker is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if self._error is not None:
@@ -146,7 +153,7 @@ class AsyncEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                                            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        request = _Request(request_id, text, ids, params, detok)
+        request = RequestHandle(request_id, text, ids, params, detok)
         self._requests[request_id] = request
         self._worker.submit(Submit(request_id, ids, params, priority))
         return request
@@ -188,11 +195,11 @@ class AsyncEngine:
                      priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's progress as deltas: each item carries only the new text and ids;
         the last has `finish_reason` set. Leaving the loop early aborts the request."""
-        request = self._submit(prompt, params, request_id, priority)
-        async for out in self._follow(request):
+        request = self.submit(prompt, params, request_id, priority)
+        async for out in self.follow(request):
             yield out
 
-    async def _follow(self, request: _Request) -> AsyncIterator[RequestOutput]:
+    async def follow(self, request: "RequestHandle") -> AsyncIterator[RequestOutput]:
         """The deltas of a submitted request (see `stream`)."""
         try:
             while True:
@@ -224,11 +231,11 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
                        priority: int = 0) -> RequestOutput:
         """Run one request to completion; the whole text and ids."""
-        return await self._collect(self._submit(prompt, params, request_id, priority))
+        return await self.collect(self.submit(prompt, params, request_id, priority))
 
-    async def _collect(self, request: _Request) -> RequestOutput:
+    async def collect(self, request: "RequestHandle") -> RequestOutput:
         text, ids, last = [], [], None
-        async for last in self._follow(request):
+        async for last in self.follow(request):
             text.append(last.text)
             ids.extend(last.token_ids)
         completion = CompletionOutput(0, "".join(text), tuple(ids), last.finish_reason)

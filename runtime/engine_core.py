@@ -101,21 +101,26 @@ class EngineCore:
         vocab = self.model.config.vocab_size
         ids = list(prompt_token_ids)
         if not ids:
-            raise RequestError("the prompt is empty: expected at least one token")
+            raise RequestError("the prompt is empty: expected at least one token", param="prompt")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is out of range: expected 0 <= id < {vocab}")
+            raise RequestError(f"prompt token id {bad[0]!r} is out of range: expected 0 <= id < {vocab}",
+                               param="prompt")
         if len(ids) >= self.max_model_len:
             raise RequestError(
-                f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={self.max_model_len}")
+                f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={self.max_model_len}",
+                param="prompt")
         if self.blocks.blocks_for(self._max_total(ids, params)) > self.blocks.num_blocks:
             raise RequestError(
                 f"the request needs up to {self._max_total(ids, params)} tokens of KV cache but the pool holds "
-                f"{self.blocks.num_blocks * self.blocks.block_size}: lower max_tokens or raise num_blocks")
+                f"{self.blocks.num_blocks * self.blocks.block_size}: lower max_tokens or raise num_blocks",
+                param="max_tokens")
         return ids
 
     def _max_total(self, ids: list[int], params: SamplingParams) -> int:
-        return min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if params.max_tokens is None:  # as much as fits: the context, and the pool
+            return min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
+        return min(len(ids) + params.max_tokens, self.max_model_len)
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, *, request_id: str = "",
                     priority: int = 0) -> Sequence:

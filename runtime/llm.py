@@ -88,7 +88,7 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.engine._submit(prompt, p, None, 0))
+                requests.append(self.engine.submit(prompt, p))
         except BaseException:
             for request in requests:
                 self.engine.abort(request.request_id)
@@ -96,7 +96,7 @@ class LLM:
         bar = tqdm(total=len(requests), desc="generating", unit="prompt", disable=not use_tqdm, file=sys.stderr)
 
         async def one(request):
-            out = await self.engine._collect(request)
+            out = await self.engine.collect(request)
             bar.update(1)
             return out
 

@@ -14,3 +14,20 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 def smollm2_gguf() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF (the default model)."""
     return resolve_model_name(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(smollm2_gguf):
+    """A tiny random model with the default model's tokenizer and chat template."""
+    from tests.live_server import tiny_chat_model
+
+    return tiny_chat_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_chat_model):
+    """The server on 127.0.0.1 (random port) over the tiny chat model; `.url`, `.engine`."""
+    from tests.live_server import LiveServer
+
+    with LiveServer(tiny_chat_model) as server:
+        yield server

@@ -1,0 +1,51 @@
+"""Run the real server (uvicorn) on 127.0.0.1 in a thread, over a fast tiny model that uses
+the default model's real tokenizer and chat template: protocol tests without the wait."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from nanoinfer.loaders import LoadedModel
+from nanoinfer.loaders.gguf import open_gguf
+from nanoinfer.tokenizer import Tokenizer
+from runtime.engine import AsyncEngine, engine_config
+from runtime.server import create_app
+from tests.tiny import random_params, tiny_config
+
+
+def tiny_chat_model(gguf_path: Path) -> LoadedModel:
+    tokenizer = Tokenizer.from_gguf(open_gguf(gguf_path), gguf_path)
+    cfg = tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
+    cfg = dataclasses.replace(cfg, eos_token_ids=tokenizer.eos_token_ids)
+    return LoadedModel(cfg, random_params(cfg, seed=7), tokenizer, Path("tiny-chat"))
+
+
+class LiveServer:
+    def __init__(self, model: LoadedModel, **app_kw):
+        engine_kw = app_kw.pop("engine_kw", {})
+        self.engine = AsyncEngine(model, engine_config(**{"num_blocks": 2048, "block_size": 16, **engine_kw}))
+        self.app = create_app(self.engine, model_name="tiny-chat", **app_kw)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.live_server import LiveServer
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(url, name) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def wait_drained(url, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(url, "nanoinfer_requests_running") == 0 and metric(url, "nanoinfer_kv_blocks_used") == 0 \
+                and metric(url, "nanoinfer_requests_waiting") == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_models_and_health(client, live_server):
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    assert httpx.get(live_server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=12, seed=3, temperature=0.8)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens > 10  # the chat template's system turn is counted
+
+
+def test_completion_n2_seed_usage(client):
+    r = client.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=8, n=2, seed=11,
+                                  temperature=1.0)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.choices[0].text != r.choices[1].text  # two samples, not one repeated
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens == 4
+    again = client.completions.create(model="tiny-chat", prompt="Once upon a time", max_tokens=8, n=2, seed=11,
+                                      temperature=1.0)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+
+
+def test_stream_equals_non_stream(client):
+    kw = dict(model="tiny-chat", messages=MESSAGES, max_tokens=20, seed=5, temperature=0.9)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    text = client.completions.create(model="tiny-chat", prompt="abc", max_tokens=10, seed=1).choices[0].text
+    streamed = client.completions.create(model="tiny-chat", prompt="abc", max_tokens=10, seed=1, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_stop_and_max_tokens(client):
+    base = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=16, temperature=0).choices[0]
+    assert base.finish_reason == "length"
+    stop = base.text[3:7]
+    cut = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == base.text[: base.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_eight_identical_concurrent_seeded_requests(live_server):
+    async def go():
+        aclient = openai.AsyncOpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0)
+        rs = await asyncio.gather(*(aclient.chat.completions.create(
+            model="tiny-chat", messages=MESSAGES, max_tokens=16, seed=42, temperature=1.0) for _ in range(8)))
+        await aclient.close()
+        return [r.choices[0].message.content for r in rs]
+    texts = asyncio.run(go())
+    assert len(set(texts)) == 1 and texts[0]
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b'["a list"]', 400, None),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "x", "temperature": -0.5}).encode(), 400, "temperature"),
+    ("/v1/completions", json.dumps({"prompt": "x", "top_p": 7}).encode(), 400, "top_p"),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "x", "n": 0}).encode(), 400, "n"),
+    ("/v1/completions", json.dumps({"prompt": [1, "a"]}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [10**9]}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"max_tokens": 5}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 400, "model"),
+    ("/v1/completions", json.dumps({"prompt": "word " * 3000}).encode(), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400,
+     "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "stop": 5}).encode(), 400, "stop"),
+    ("/v1/chat/completions", b"x" * (2 << 20), 413, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{i}" for i in range(len(BAD_REQUESTS))])
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(live_server, path, body, status, param):
+    r = httpx.post(live_server.url + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    ok = httpx.post(live_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+
+
+def test_dropped_streams_free_everything(live_server):
+    async def go():
+        async with httpx.AsyncClient(timeout=30) as http:
+            async def drop_after(k):
+                body = {"messages": MESSAGES, "max_tokens": 400, "stream": True, "temperature": 1.0}
+                async with http.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:"):
+                            seen += 1
+                            if seen > k:
+                                return  # leave: the connection closes mid-stream
+            await asyncio.gather(*(drop_after(k % 7) for k in range(100)))
+    asyncio.run(go())
+    assert wait_drained(live_server.url)
+    assert metric(live_server.url, "nanoinfer_requests_running") == 0
+    assert metric(live_server.url, "nanoinfer_kv_blocks_used") == 0
+
+
+def test_metrics_exposes_latency_histograms(live_server):
+    httpx.post(live_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    text = httpx.get(live_server.url + "/metrics").text
+    for name in ("nanoinfer_requests_running", "nanoinfer_requests_waiting", "nanoinfer_kv_blocks_used",
+                 "nanoinfer_kv_blocks_total", "nanoinfer_preemptions_total", "nanoinfer_generated_tokens_total",
+                 "nanoinfer_time_to_first_token_seconds_bucket", "nanoinfer_inter_token_latency_seconds_count"):
+        assert name in text, name
+    assert metric(live_server.url, "nanoinfer_time_to_first_token_seconds_count") >= 1
+
+
+def test_api_key(tiny_chat_model):
+    with LiveServer(tiny_chat_model, api_key="s3cret") as server:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
+        wrong = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        right = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+        assert httpx.get(server.url + "/health").status_code == 200  # only /v1/* is guarded
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.models.list().data[0].id == "tiny-chat"
+
+
+def test_full_queue_is_503_with_retry_after(tiny_chat_model):
+    with LiveServer(tiny_chat_model, max_pending=2, engine_kw={"max_num_seqs": 1}) as server:
+        async def go():
+            async with httpx.AsyncClient(timeout=30) as http:
+                body = {"prompt": "hi", "max_tokens": 200, "temperature": 1.0}
+                return await asyncio.gather(*(http.post(server.url + "/v1/completions", json=body)
+                                              for _ in range(6)))
+        statuses = [r.status_code for r in asyncio.run(go())]
+        busy = [r for r in asyncio.run(go()) if r.status_code == 503]
+        assert 503 in statuses and 200 in statuses
+        assert busy and busy[0].headers["retry-after"] == "1" and busy[0].json()["error"]["type"] == "overloaded_error"
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_unhealthy_engine_is_503(tiny_chat_model, monkeypatch):
+    with LiveServer(tiny_chat_model) as server:
+        def broken_step():
+            raise RuntimeError("device lost")
+        monkeypatch.setattr(server.engine.core, "step", broken_step)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code in (500, 503)
+        assert httpx.get(server.url + "/health").status_code == 503
+        again = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"
