@@ -94,8 +94,7 @@ class AsyncEngine:
         """Abort what is in flight and stop the worker thread."""
         if self._worker is None:
             return
-        for rid in list(self._requests):
-            self.abort(rid)
+        self.abort_all()
         worker, self._worker = self._worker, None
         await asyncio.to_thread(worker.stop)
 
@@ -169,6 +168,11 @@ class AsyncEngine:
         request.wakeup.set()
         if self._worker is not None:
             self._worker.submit(Abort(request.request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (graceful shutdown: their streams end at once)."""
+        for rid in list(self._requests):
+            self.abort(rid)
 
     def _on_report(self, report: StepReport) -> None:
         """On the loop: file each token with its request and wake its consumer."""

@@ -37,3 +37,62 @@ def test_bad_values_name_themselves(smollm2_gguf, tmp_path):
     assert proc.returncode == 2 and "nope.gguf" in proc.stderr
     proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--top-p", "0", "--device", "cpu")
     assert proc.returncode == 2 and "top_p" in proc.stderr
+
+
+def test_serve_prints_its_url_serves_and_stops_gracefully(smollm2_gguf):
+    import re
+    import signal
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--model", str(smollm2_gguf), "--port", "0",
+                             "--device", "cpu", "--num-blocks", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = match.group(0)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                       "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        # A stream in flight when SIGTERM arrives: the server still exits cleanly.
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Once", "max_tokens": 300, "stream": True},
+                          timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        # The stream in flight is aborted and properly ended, not cut off.
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in rest[-2]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_chat_keeps_history_stops_on_ctrl_c_and_resets(smollm2_gguf):
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "runtime.cli", "chat", "--model", str(smollm2_gguf), "--device",
+                                           "cpu", "--temperature", "0", "--max-tokens", "400"],
+                          encoding="utf-8", timeout=120)
+    try:
+        child.expect(">>> ")
+        child.sendline("What is the capital of France? Answer in one word.")
+        child.expect(">>> ")
+        first_reply = child.before
+        assert "Paris" in first_reply
+        child.sendline("Write a very long story about the sea.")
+        child.expect(r"\w+ \w+")  # the reply has started streaming
+        child.sendintr()  # Ctrl-C stops the reply, not the program
+        child.expect(r"\[stopped\]")
+        child.expect(">>> ")
+        child.sendline("/reset")
+        child.expect(r"\(conversation cleared\)")
+        child.expect(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
