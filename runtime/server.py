@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import html
 import logging
 import re
 import time
@@ -285,7 +286,7 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
 
     async def chat_page(request: Request) -> Response:
         page = resources.files("runtime").joinpath("static/chat.html").read_text(encoding="utf-8")
-        return HTMLResponse(page.replace("{{MODEL}}", name))
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(name)))
 
     def guarded(handler):
         """Map our errors to OpenAI-shaped responses; check the API key on /v1/*."""
