@@ -1,0 +1,114 @@
+"""Serving latency and throughput: N concurrent SSE clients against `nanoinfer serve`,
+beside the offline engine (LLM.generate) on the same requests in the same run.
+
+    python bench/serving.py [--model M] [--device cpu] [--clients 16] [--input-len 16 64]
+                            [--output-len 32 32] [--num-blocks N]
+
+Prompts are random token ids (fixed seed) sent to /v1/completions with ignore-free greedy
+sampling; every request asks for its output length, and min-length is enforced by checking
+the usage. TTFT = request sent to first content chunk; ITL = gaps between content chunks
+divided by the tokens they carry. The server runs in its own process (as in production).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
+
+
+async def one_client(http, url, prompt, max_tokens, ttfts, itls):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last, tokens = None, 0
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                if last is None:
+                    ttfts.append(now - start)
+                else:
+                    itls.append(now - last)
+                last = now
+    return tokens
+
+
+async def run_clients(url, prompts, outputs):
+    ttfts, itls = [], []
+    async with httpx.AsyncClient(timeout=600) as http:
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one_client(http, url, p, n, ttfts, itls) for p, n in zip(prompts, outputs)))
+        elapsed = time.perf_counter() - start
+    return sum(tokens), elapsed, ttfts, itls
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 32))
+    parser.add_argument("--num-blocks", type=int, default=None)
+    args = parser.parse_args()
+
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(rng.randint(*args.input_len))] for _ in range(args.clients)]
+    outputs = [rng.randint(*args.output_len) for _ in range(args.clients)]
+    common = (["--model", args.model] if args.model else []) + ["--device", args.device] + \
+        (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
+
+    server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0", *common],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"http://[\d.]+:\d+", server.stdout.readline()).group(0)
+        asyncio.run(run_clients(url, prompts[:2], [4, 4]))  # warm-up
+        tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs))
+    finally:
+        server.terminate()
+        server.wait(60)
+
+    from nanoinfer import LLM, SamplingParams
+
+    with LLM(args.model, device=args.device, progress=False,
+             **({"num_blocks": args.num_blocks} if args.num_blocks else {})) as llm:
+        params = [SamplingParams(temperature=0, max_tokens=n) for n in outputs]
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        offline = time.perf_counter() - start
+    offline_tokens = sum(len(r.token_ids) for r in results)
+
+    served_tps, offline_tps = tokens / elapsed, offline_tokens / offline
+    ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+    print(f"clients {args.clients}  input {args.input_len}  output {args.output_len}  device {args.device}")
+    print(f"{'':<22}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}")
+    print(f"{'server (SSE clients)':<22}{tokens:>8}{elapsed:>9.2f}{served_tps:>9.1f}"
+          f"{ms(statistics.median(ttfts)) + '/' + ms(percentile(ttfts, 99)):>18}"
+          f"{ms(statistics.median(itls)) + '/' + ms(percentile(itls, 99)):>17}")
+    print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
+    print(f"server keeps {served_tps / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
+
+
+if __name__ == "__main__":
+    main()
