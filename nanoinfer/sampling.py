@@ -9,56 +9,14 @@ requests share the batch, and no per-row generator state has to live anywhere.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
 
-from nanoinfer.errors import RequestError
+from nanoinfer.penalties import Penalties, apply_penalties
+from nanoinfer.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to continue one prompt. Field names and defaults follow vLLM."""
-
-    n: int = 1
-    max_tokens: int | None = 16  # None: up to the model's context length
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = all tokens
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # a str or a list is accepted and normalized
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self):
-        def check(ok: bool, name: str, expected: str):
-            if not ok:
-                raise RequestError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}", param=name)
-
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        check(self.n == 1, "n", "1 (n > 1 is not supported yet)")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              "max_tokens", "an integer >= 1 or None")
-        check(isinstance(self.temperature, (int, float)) and 0 <= self.temperature, "temperature", "a number >= 0")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1 = disabled)")
-        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
-        check(all(isinstance(s, str) and s for s in stop), "stop", "non-empty strings")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def with_seed(self, seed: int) -> "SamplingParams":
-        return dataclasses.replace(self, seed=seed)
+__all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p", "uniform_noise"]
 
 
 class SamplingTensors(NamedTuple):
@@ -74,10 +32,14 @@ class SamplingTensors(NamedTuple):
     all_greedy: bool
     needs_sort: bool  # some row uses top-k or top-p
     needs_min_p: bool
+    penalties: Penalties | None = None  # history-dependent processors, when a row uses any
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], steps: Sequence[int], vocab_size: int,
-              device: torch.device | str) -> "SamplingTensors":
+              device: torch.device | str, *, prompts: Sequence[Sequence[int]] = (),
+              outputs: Sequence[Sequence[int]] = (), eos_token_ids: Sequence[int] = ()) -> "SamplingTensors":
+        """`prompts` and `outputs` (each row's token history) are needed only by rows with
+        penalties, logit bias or min_tokens."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -92,6 +54,8 @@ class SamplingTensors(NamedTuple):
             all_greedy=all(p.greedy for p in params),
             needs_sort=any(not p.greedy and (k < vocab_size or p.top_p < 1) for p, k in zip(params, top_k)),
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
+            penalties=Penalties.build(params, prompts or [()] * len(params), outputs or [()] * len(params),
+                                      vocab_size, eos_token_ids, device),
         )
 
 
@@ -140,10 +104,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Next token ids [rows] (int64) from logits [rows, vocab] (fp32).
 
-    Order per row: temperature, top-k, top-p, min-p (relative to the most likely token), then
+    Order per row: penalties (see `apply_penalties`), temperature, top-k, top-p, min-p (relative to the most likely token), then
     an exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p
     (the Gumbel-max trick without the normalization or a host sync).
     """
+    if st.penalties is not None:
+        logits = apply_penalties(logits, st.penalties)
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy
@@ -157,3 +123,20 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     exponential = -torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1]))
     sampled = (probs / exponential).argmax(dim=-1)
     return torch.where(st.temperature == 0, greedy, sampled)
+
+
+class Logprobs(NamedTuple):
+    """Log-probabilities under the model's raw distribution (before penalties and
+    temperature, as vLLM reports them by default)."""
+
+    token_logprobs: torch.Tensor  # [rows] of the chosen tokens
+    top_ids: torch.Tensor  # [rows, k] the k most likely tokens, best first
+    top_logprobs: torch.Tensor  # [rows, k]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
+    logp = logits.float().log_softmax(dim=-1)
+    top = logp.topk(k, dim=-1) if k > 0 else None
+    empty = logp.new_empty(logp.shape[0], 0)
+    return Logprobs(logp.gather(1, token_ids[:, None])[:, 0],
+                    top.indices if top is not None else empty.long(), top.values if top is not None else empty)

@@ -12,7 +12,7 @@ from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_core import EngineConfig, EngineCore
-from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from runtime.scheduler import SchedulerConfig
 from runtime.worker import Abort, StepReport, Submit, Worker
 
@@ -24,18 +24,37 @@ class EngineError(NanoInferError, RuntimeError):
     """The engine failed while running a step; requests in flight end with this error."""
 
 
+class _Completion:
+    """Loop-side state of one of a request's n completions: tokens the worker sent that the
+    consumer has not taken yet (coalesced while it is slow), and how it ended."""
+
+    def __init__(self, detok: IncrementalDetokenizer | None):
+        self.detok = detok
+        self.pending: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.reported = False  # its end has been handed to the consumer
+
+
 class RequestHandle:
-    """Loop-side state of one request: tokens the worker sent that its consumer has not
-    taken yet (coalesced while it is slow), and how it ended."""
+    """Loop-side state of one request (see `AsyncEngine.submit`)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 detok: IncrementalDetokenizer | None):
-        self.request_id, self.prompt, self.prompt_ids, self.params, self.detok = (
-            request_id, prompt, prompt_ids, params, detok)
-        self.pending: list[int] = []
-        self.finish_reason: str | None = None
+                 completions: list[_Completion]):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.completions = completions
+        self.prompt_logprobs: tuple | None = None
         self.error: BaseException | None = None
         self.wakeup = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def end(self, reason: str) -> None:
+        for c in self.completions:
+            if c.finish_reason is None:
+                c.finish_reason = reason
 
 
 def engine_config(*, block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
@@ -148,11 +167,13 @@ class AsyncEngine:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         text, ids = self._prepare(prompt, params)
         ids = self.core.check_request(ids, params)  # fail this consumer now, not the worker later
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        request = RequestHandle(request_id, text, ids, params, detok)
+        def detok():
+            if self.tokenizer is None:
+                return None
+            return IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                          stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+
+        request = RequestHandle(request_id, text, ids, params, [_Completion(detok()) for _ in range(params.n)])
         self._requests[request_id] = request
         self._worker.submit(Submit(request_id, ids, params, priority))
         return request
@@ -163,8 +184,8 @@ class AsyncEngine:
         request = self._requests.pop(str(request_id), None)
         if request is None:
             return
-        if request.finish_reason is None and request.error is None:
-            request.finish_reason = "abort"
+        if request.error is None:
+            request.end("abort")
         request.wakeup.set()
         if self._worker is not None:
             self._worker.submit(Abort(request.request_id))
@@ -181,10 +202,18 @@ class AsyncEngine:
             request = self._requests.get(event.request_id)
             if request is None:
                 continue  # aborted meanwhile
-            request.pending.append(event.token_id)
+            completion = request.completions[event.index]
+            if completion.finish_reason is not None:
+                continue  # ended here already (a stop string)
+            completion.pending.append(event.token_id)
+            if event.logprob is not None:
+                completion.pending_logprobs.append(event.logprob)
+            if event.prompt_logprobs is not None:
+                request.prompt_logprobs = event.prompt_logprobs
             if event.finish_reason is not None:
-                request.finish_reason = event.finish_reason
-                self._requests.pop(event.request_id, None)
+                completion.finish_reason = event.finish_reason
+                if request.finished:
+                    self._requests.pop(event.request_id, None)
             request.wakeup.set()
         if report.error is not None:
             if not isinstance(report.error, RequestError) or len(report.failed) != 1:
@@ -203,32 +232,46 @@ class AsyncEngine:
         async for out in self.follow(request):
             yield out
 
-    async def follow(self, request: "RequestHandle") -> AsyncIterator[RequestOutput]:
+    async def follow(self, request: RequestHandle) -> AsyncIterator[RequestOutput]:
         """The deltas of a submitted request (see `stream`)."""
+        prompt_logprobs_sent = False
         try:
             while True:
                 await request.wakeup.wait()
                 request.wakeup.clear()
                 if request.error is not None:
                     raise EngineError(f"request {request.request_id} failed: {request.error!r}") from request.error
-                new_ids, request.pending = request.pending, []
-                finished = request.finish_reason is not None
-                text = ""
-                if request.detok is not None:
-                    request.detok.add(new_ids)
-                    if request.detok.stopped and not finished:
-                        # A stop string ended it before the worker knew: finish here, free there.
-                        request.finish_reason, finished = "stop", True
-                        self.abort(request.request_id)
-                    text = request.detok.take_delta(final=finished)
-                if new_ids or text or finished:
-                    completion = CompletionOutput(0, text, tuple(new_ids), request.finish_reason if finished else None)
-                    yield RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), (completion,),
-                                        finished)
+                outputs = []
+                for index, c in enumerate(request.completions):
+                    new_ids, c.pending = c.pending, []
+                    new_logprobs, c.pending_logprobs = c.pending_logprobs, []
+                    text = ""
+                    if c.detok is not None:
+                        c.detok.add(new_ids)
+                        if c.detok.stopped and c.finish_reason is None:
+                            # A stop string ended it before the worker knew: finish here, free there.
+                            c.finish_reason = "stop"
+                            self._worker.submit(Abort(request.request_id, "stop", index))
+                        text = c.detok.take_delta(final=c.finish_reason is not None)
+                    ending = c.finish_reason is not None and not c.reported
+                    if new_ids or text or ending:
+                        c.reported = c.finish_reason is not None
+                        outputs.append(CompletionOutput(index, text, tuple(new_ids), c.finish_reason,
+                                                        tuple(new_logprobs) if request.params.logprobs is not None
+                                                        else None))
+                finished = request.finished
+                if finished:
+                    self._requests.pop(request.request_id, None)
+                if outputs:
+                    prompt_logprobs = None
+                    if request.prompt_logprobs is not None and not prompt_logprobs_sent:
+                        prompt_logprobs, prompt_logprobs_sent = request.prompt_logprobs, True
+                    yield RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), tuple(outputs),
+                                        finished, prompt_logprobs)
                 if finished:
                     return
         finally:
-            if request.finish_reason is None and request.error is None:
+            if not request.finished and request.error is None:
                 self.abort(request.request_id)  # the consumer left early (break, cancel)
             self._requests.pop(request.request_id, None)
 
@@ -237,10 +280,20 @@ class AsyncEngine:
         """Run one request to completion; the whole text and ids."""
         return await self.collect(self.submit(prompt, params, request_id, priority))
 
-    async def collect(self, request: "RequestHandle") -> RequestOutput:
-        text, ids, last = [], [], None
+    async def collect(self, request: RequestHandle) -> RequestOutput:
+        """Follow a request to its end; the whole text, ids and logprobs of each completion."""
+        n = len(request.completions)
+        texts, ids, logprobs, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        prompt_logprobs, last = None, None
         async for last in self.follow(request):
-            text.append(last.text)
-            ids.extend(last.token_ids)
-        completion = CompletionOutput(0, "".join(text), tuple(ids), last.finish_reason)
-        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, (completion,), True)
+            prompt_logprobs = last.prompt_logprobs or prompt_logprobs
+            for out in last.outputs:
+                texts[out.index].append(out.text)
+                ids[out.index].extend(out.token_ids)
+                logprobs[out.index].extend(out.logprobs or ())
+                reasons[out.index] = out.finish_reason or reasons[out.index]
+        wants_logprobs = request.params.logprobs is not None
+        completions = tuple(CompletionOutput(i, "".join(texts[i]), tuple(ids[i]), reasons[i],
+                                             tuple(logprobs[i]) if wants_logprobs else None) for i in range(n))
+        return RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), completions, True,
+                             prompt_logprobs)

@@ -18,8 +18,9 @@ from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
-from nanoinfer.sampling import SamplingParams, SamplingTensors, sample
+from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from runtime.block_manager import BlockManager
+from runtime.outputs import TokenLogprob
 from runtime.scheduler import Plan, SchedulerConfig, plan
 from runtime.sequence import Sequence, SequenceStatus
 
@@ -54,6 +55,8 @@ class TokenOutput(NamedTuple):
     seq: Sequence
     token_id: int
     finished: bool
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: tuple | None = None  # with a sequence's first token, when asked for
 
 
 class EngineCore:
@@ -100,6 +103,10 @@ class EngineCore:
         """The prompt as a list, or RequestError naming what makes it impossible to serve."""
         vocab = self.model.config.vocab_size
         ids = list(prompt_token_ids)
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if t >= vocab]
+        if bad_bias:
+            raise RequestError(f"token id {bad_bias[0]} in logit_bias/stop_token_ids is out of range: expected "
+                               f"0 <= id < {vocab}", param="logit_bias")
         if not ids:
             raise RequestError("the prompt is empty: expected at least one token", param="prompt")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
@@ -110,9 +117,12 @@ class EngineCore:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={self.max_model_len}",
                 param="prompt")
-        if self.blocks.blocks_for(self._max_total(ids, params)) > self.blocks.num_blocks:
+        prompt_blocks = len(ids) // self.blocks.block_size  # full blocks the n completions share
+        need = prompt_blocks + params.n * (self.blocks.blocks_for(self._max_total(ids, params)) - prompt_blocks)
+        if need > self.blocks.num_blocks:
             raise RequestError(
-                f"the request needs up to {self._max_total(ids, params)} tokens of KV cache but the pool holds "
+                f"the request needs up to {need * self.blocks.block_size} tokens of KV cache "
+                f"(n={params.n}, {self._max_total(ids, params)} each) but the pool holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size}: lower max_tokens or raise num_blocks",
                 param="max_tokens")
         return ids
@@ -129,14 +139,22 @@ class EngineCore:
         if params.seed is None:
             # Unseeded requests draw a seed here, so the sampler itself is always deterministic.
             params = params.with_seed(self._seed_source.getrandbits(48))
-        seq = Sequence(self._next_id, ids, params, self._max_total(ids, params), request_id=request_id,
-                       priority=priority, arrival=self.step_count)
-        self._next_id += 1
+        seqs = []
+        for i in range(params.n):
+            # Completion i draws with seed + i: different samples, each reproducible.
+            seqs.append(Sequence(self._next_id, ids, params.with_seed(params.seed + i), self._max_total(ids, params),
+                                 request_id=request_id, priority=priority, arrival=self.step_count, index=i))
+            self._next_id += 1
+        seq, seq.forks = seqs[0], seqs[1:]
         self.waiting.append(seq)
         return seq
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
-        """Finish `seq` now (a stop string matched, or the caller gave up) and free its blocks."""
+        """Finish `seq` now (a stop string matched, or the caller gave up) and free its blocks;
+        completions not yet forked off it end with it."""
+        for fork in seq.forks:
+            self._finish(fork, reason)
+        seq.forks = []
         if not seq.is_finished:
             self._finish(seq, reason)
 
@@ -195,29 +213,85 @@ class EngineCore:
         if not p.chunks:
             return []
         cfg = self.model.config
-        chunks, sampling_seqs = [], []
+        chunks, logits_rows, samplers, prompt_rows = [], [], [], []
+        row = 0
         for seq, n in p.chunks:
-            end = seq.num_computed_tokens + n
-            chunks.append(SeqChunk(seq.token_ids[seq.num_computed_tokens:end], seq.num_computed_tokens,
-                                   seq.block_table, end == seq.num_tokens))
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            chunks.append(SeqChunk(seq.token_ids[start:end], start, seq.block_table, end == seq.num_tokens))
+            if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs or ()) < seq.num_prompt_tokens:
+                # Row j (position start + j) predicts token start + j + 1 of the prompt.
+                last = min(end, seq.num_prompt_tokens - 1)
+                prompt_rows.append((seq, len(logits_rows), start, last))
+                logits_rows.extend(range(row, row + max(0, last - start)))
             if end == seq.num_tokens:
-                sampling_seqs.append(seq)
+                samplers.append((seq, len(logits_rows)))
+                logits_rows.append(row + n - 1)
+            row += n
         batch = build_batch(chunks, self.config.block_size, self.device)
+        batch = batch._replace(logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(self.device))
         logits = forward(self.model.params, self.kv, batch, cfg)
         for seq, n in p.chunks:
             seq.num_computed_tokens += n
-        st = SamplingTensors.build([s.params for s in sampling_seqs], [s.num_output_tokens for s in sampling_seqs],
-                                   cfg.vocab_size, self.device)
-        tokens = sample(logits, st).tolist()
+        prompt_logprobs = self._prompt_logprobs(logits, prompt_rows)
+        # A finished prefill with pending forks: the n - 1 other completions share its blocks
+        # and sample their first token from the same logits row.
+        for seq, logits_row in list(samplers):
+            for fork in seq.forks:
+                self.blocks.fork(seq, fork)
+                fork.status = SequenceStatus.RUNNING
+                self.running.append(fork)
+                samplers.append((fork, logits_row))
+            seq.forks = []
+        sampling_seqs = [seq for seq, _ in samplers]
+        logits = logits[torch.tensor([r for _, r in samplers], dtype=torch.int64, device=logits.device)]
+        params = [s.params for s in sampling_seqs]
+        history = any(p.has_penalties for p in params)
+        st = SamplingTensors.build(params, [s.num_output_tokens for s in sampling_seqs], cfg.vocab_size, self.device,
+                                   prompts=[s.prompt_token_ids for s in sampling_seqs] if history else (),
+                                   outputs=[s.output_token_ids for s in sampling_seqs] if history else (),
+                                   eos_token_ids=cfg.eos_token_ids)
+        token_tensor = sample(logits, st)
+        tokens = token_tensor.tolist()
+        logprobs = self._logprobs(logits, token_tensor, params)
         outputs = []
-        for seq, token in zip(sampling_seqs, tokens):
+        for i, (seq, token) in enumerate(zip(sampling_seqs, tokens)):
             seq.token_ids.append(token)
             self.generated_tokens += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(TokenOutput(seq, token, reason is not None))
+            outputs.append(TokenOutput(seq, token, reason is not None, logprobs[i], prompt_logprobs.get(seq.seq_id)))
         return outputs
+
+    def _logprobs(self, logits, tokens, params) -> list[TokenLogprob | None]:
+        wanted = [p.logprobs for p in params]
+        if all(k is None for k in wanted):
+            return [None] * len(params)
+        lp = compute_logprobs(logits, tokens, max(k or 0 for k in wanted))
+        chosen, top_ids, top_values = lp.token_logprobs.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        return [None if k is None else TokenLogprob(int(t), chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])))
+                for i, (k, t) in enumerate(zip(wanted, tokens.tolist()))]
+
+    def _prompt_logprobs(self, logits, prompt_rows) -> dict:
+        """Extend each asking sequence's prompt logprobs with this chunk's rows; return the
+        finished lists by sequence id (None first: the first token has no context)."""
+        done = {}
+        for seq, first_row, start, last in prompt_rows:
+            if start == 0:  # (again, after a recompute preemption mid-prompt)
+                seq.prompt_logprobs = [None]
+            collected = seq.prompt_logprobs
+            if last > start:
+                rows = logits[first_row:first_row + last - start]
+                targets = torch.tensor(seq.prompt_token_ids[start + 1:last + 1], device=logits.device)
+                k = seq.params.prompt_logprobs
+                lp = compute_logprobs(rows, targets, k)
+                for t, v, ids, vals in zip(targets.tolist(), lp.token_logprobs.tolist(), lp.top_ids.tolist(),
+                                           lp.top_logprobs.tolist()):
+                    collected.append(TokenLogprob(t, v, tuple(zip(ids, vals))))
+            seq.prompt_logprobs = collected
+            if len(collected) == seq.num_prompt_tokens:
+                done[seq.seq_id] = tuple(collected)
+        return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

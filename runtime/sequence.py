@@ -39,6 +39,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n completions this is
+    # Completions 1..n-1 of the request, waiting to fork off this one's prompt blocks when
+    # its prefill ends: one prefill for all n.
+    forks: list["Sequence"] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # collected over the prefill chunks, when asked for
 
     def __post_init__(self):
         if not self.token_ids:

@@ -31,7 +31,7 @@ from nanoinfer.sampling import SamplingParams
 from runtime import protocol as api
 from runtime.engine import AsyncEngine, EngineError
 from runtime.metrics import ServerMetrics
-from runtime.outputs import RequestOutput
+from runtime.outputs import CompletionOutput
 
 _encode = msgspec.json.Encoder().encode
 
@@ -100,33 +100,28 @@ class _Server:
                             type_="overloaded_error", headers={"Retry-After": "1"})
 
     @staticmethod
-    def sampling(req, max_tokens: int | None) -> list[SamplingParams]:
-        """One SamplingParams per choice; with a seed, choice i draws with seed + i."""
-        unsupported = [(name, value) for name, value in (("presence_penalty", req.presence_penalty),
-                                                          ("frequency_penalty", req.frequency_penalty),
-                                                          ("logprobs", req.logprobs or None),
-                                                          ("top_logprobs", getattr(req, "top_logprobs", None)))
-                       if value]
-        if unsupported:
-            name, value = unsupported[0]
-            raise HTTPError(400, f"{name}={value!r} is not supported by this server yet", param=name)
-        if not isinstance(req.n, int) or not 1 <= req.n <= 16:
-            raise HTTPError(400, f"n={req.n!r} is invalid: expected 1 to 16", param="n")
-        kw = dict(max_tokens=max_tokens, stop=req.stop or ())
-        if req.temperature is not None:
-            kw["temperature"] = req.temperature
-        if req.top_p is not None:
-            kw["top_p"] = req.top_p
-        return [SamplingParams(**kw, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+    def sampling(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams (RequestError, a 400, names a bad value)."""
+        kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop or (), seed=req.seed, logprobs=logprobs,
+                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                  min_tokens=req.min_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(req, name) is not None:
+                kw[name] = getattr(req, name)
+        if req.logit_bias:
+            try:
+                kw["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+            except ValueError as exc:
+                raise HTTPError(400, f"logit_bias keys must be token ids: {exc}", param="logit_bias") from exc
+        return SamplingParams(**kw)
 
-    def submit_all(self, prompts: Sequence, params: list[SamplingParams]):
-        """Submit every (prompt, choice) now so that a bad one is a 400, not a broken stream."""
-        self.check_capacity(len(prompts) * len(params))
+    def submit_all(self, prompts: Sequence, params: SamplingParams):
+        """Submit every prompt now so that a bad one is a 400, not a broken stream."""
+        self.check_capacity(len(prompts))
         handles = []
         try:
             for prompt in prompts:
-                for p in params:
-                    handles.append(self.engine.submit(prompt, p))
+                handles.append(self.engine.submit(prompt, params))
         except BaseException:
             for handle in handles:
                 self.engine.abort(handle.request_id)
@@ -135,29 +130,32 @@ class _Server:
 
     # -- running -------------------------------------------------------------------------------
 
-    async def deltas(self, handles, arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, delta) from all choices as they come; leaving early aborts them all."""
+    async def deltas(self, handles, arrival: float) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """(choice index, completion delta) from all prompts' n completions as they come;
+        leaving early aborts them all. Choice index = prompt index * n + completion index."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(index, handle):
-            first, last = True, arrival
+        async def pump(prompt_index, handle):
+            n, first, last = len(handle.completions), True, arrival
             try:
                 async for out in self.engine.follow(handle):
                     now = time.monotonic()
-                    if out.token_ids:
+                    tokens = sum(len(c.token_ids) for c in out.outputs)
+                    if tokens:
                         if first:
                             self.metrics.ttft.observe(now - arrival)
                             first = False
                         else:
-                            for _ in out.token_ids:
-                                self.metrics.itl.observe((now - last) / len(out.token_ids))
+                            for _ in range(tokens):
+                                self.metrics.itl.observe((now - last) / tokens)
                         last = now
-                    await queue.put((index, out))
+                    for completion in out.outputs:
+                        await queue.put((prompt_index * n + completion.index, completion))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-                await queue.put((index, exc))
+                await queue.put((prompt_index, exc))
             finally:
-                await queue.put((index, done))
+                await queue.put((prompt_index, done))
 
         tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
         remaining = len(tasks)
@@ -176,17 +174,39 @@ class _Server:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, handles, arrival):
-        texts, ids, reasons = [[] for _ in handles], [0] * len(handles), [None] * len(handles)
+        """Whole choices: index -> (text, token count, finish reason, logprobs)."""
+        choices: dict[int, list] = {}
         async for i, out in self.deltas(handles, arrival):
-            texts[i].append(out.text)
-            ids[i] += len(out.token_ids)
-            reasons[i] = out.finish_reason or reasons[i]
-        return ["".join(t) for t in texts], ids, reasons
+            text, count, reason, logprobs = choices.setdefault(i, ["", 0, None, []])
+            choices[i] = [text + out.text, count + len(out.token_ids), out.finish_reason or reason,
+                          logprobs + list(out.logprobs or ())]
+        return dict(sorted(choices.items()))
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False) if self.engine.tokenizer else ""
+
+    def completion_logprobs(self, logprobs, offset: int) -> api.CompletionLogprobs:
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets, position = [], offset
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return api.CompletionLogprobs(tokens, [lp.logprob for lp in logprobs],
+                                      [{self.token_text(t): v for t, v in lp.top} for lp in logprobs], offsets)
+
+    def chat_logprobs(self, logprobs) -> api.ChatLogprobs:
+        def entry(token_id, value):
+            text = self.token_text(token_id)
+            return text, value, list(text.encode("utf-8"))
+
+        return api.ChatLogprobs([api.ChatTokenLogprob(*entry(lp.token_id, lp.logprob),
+                                                      [api.TopLogprob(*entry(t, v)) for t, v in lp.top])
+                                 for lp in logprobs])
 
     @staticmethod
     def usage(handles, n: int, completion_tokens: int) -> api.Usage:
-        """Each prompt counts once, however many (n) choices it has; handles are grouped by prompt."""
-        prompt_tokens = sum(len(h.prompt_ids) for h in handles[::n])
+        """Each prompt counts once, however many (n) choices it has."""
+        prompt_tokens = sum(len(h.prompt_ids) for h in handles)
         return api.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
@@ -211,23 +231,33 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
         if not prompts or req.echo:
             raise HTTPError(400, "prompt must be non-empty" if not prompts else "echo is not supported",
                             param="prompt" if not prompts else "echo")
-        params = srv.sampling(req, 16 if req.max_tokens is None else req.max_tokens)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise HTTPError(400, f"logprobs={req.logprobs} is invalid: expected 0 to 5", param="logprobs")
+        params = srv.sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         handles = srv.submit_all(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        want_logprobs = req.logprobs is not None
+
+        def choice(i, text, reason, logprobs, offset=0):
+            return api.CompletionChoice(i, text, reason,
+                                        srv.completion_logprobs(logprobs, offset) if want_logprobs else None)
+
         if req.stream:
             async def events():
-                tokens = 0
+                tokens, offsets = 0, {}
                 async for i, out in srv.deltas(handles, arrival):
                     tokens += len(out.token_ids)
-                    choice = api.CompletionChoice(i, out.text, out.finish_reason)
-                    yield _sse(api.CompletionResponse(rid, created, name, [choice]))
+                    yield _sse(api.CompletionResponse(rid, created, name, [
+                        choice(i, out.text, out.finish_reason, out.logprobs or (), offsets.get(i, 0))]))
+                    offsets[i] = offsets.get(i, 0) + len(out.text)
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _sse(api.CompletionResponse(rid, created, name, [], srv.usage(handles, len(params), tokens)))
+                    yield _sse(api.CompletionResponse(rid, created, name, [], srv.usage(handles, params.n, tokens)))
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        texts, ids, reasons = await srv.collect(handles, arrival)
-        choices = [api.CompletionChoice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
-        return Response(_encode(api.CompletionResponse(rid, created, name, choices, srv.usage(handles, len(params), sum(ids)))),
+        results = await srv.collect(handles, arrival)
+        choices = [choice(i, text, reason, logprobs) for i, (text, _, reason, logprobs) in results.items()]
+        usage = srv.usage(handles, params.n, sum(r[1] for r in results.values()))
+        return Response(_encode(api.CompletionResponse(rid, created, name, choices, usage)),
                         media_type="application/json")
 
     async def chat_completions(request: Request) -> Response:
@@ -248,30 +278,39 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
                 content = "".join(str(part.get("text", "")) for part in content)
             messages.append({"role": m.role, "content": content})
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = srv.sampling(req, max_tokens)
+        if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
+            raise HTTPError(400, f"top_logprobs={req.top_logprobs} needs logprobs=true and 0 to 20",
+                            param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = srv.sampling(req, max_tokens, logprobs)
         handles = srv.submit_all([messages], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choices, usage=None):
+            return _sse(api.ChatCompletionChunk(rid, created, name, choices, usage))
+
         if req.stream:
             async def events():
                 tokens = 0
-                for i in range(len(handles)):
-                    yield _sse(api.ChatCompletionChunk(rid, created, name,
-                                                       [api.ChatChunkChoice(i, api.ChatDelta("assistant", ""))]))
+                for i in range(params.n):
+                    yield chunk([api.ChatChunkChoice(i, api.ChatDelta("assistant", ""))])
                 async for i, out in srv.deltas(handles, arrival):
                     tokens += len(out.token_ids)
-                    if out.text:
-                        yield _sse(api.ChatCompletionChunk(rid, created, name,
-                                                           [api.ChatChunkChoice(i, api.ChatDelta(content=out.text))]))
+                    if out.text or out.logprobs:
+                        yield chunk([api.ChatChunkChoice(i, api.ChatDelta(content=out.text), None,
+                                                         srv.chat_logprobs(out.logprobs) if req.logprobs else None)])
                     if out.finish_reason:
-                        yield _sse(api.ChatCompletionChunk(rid, created, name,
-                                                           [api.ChatChunkChoice(i, api.ChatDelta(), out.finish_reason)]))
+                        yield chunk([api.ChatChunkChoice(i, api.ChatDelta(), out.finish_reason)])
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _sse(api.ChatCompletionChunk(rid, created, name, [], srv.usage(handles, len(params), tokens)))
+                    yield chunk([], srv.usage(handles, params.n, tokens))
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        texts, ids, reasons = await srv.collect(handles, arrival)
-        choices = [api.ChatChoice(i, api.AssistantMessage(t), r) for i, (t, r) in enumerate(zip(texts, reasons))]
-        return Response(_encode(api.ChatCompletionResponse(rid, created, name, choices, srv.usage(handles, len(params), sum(ids)))),
+        results = await srv.collect(handles, arrival)
+        choices = [api.ChatChoice(i, api.AssistantMessage(text), reason,
+                                  srv.chat_logprobs(logprobs) if req.logprobs else None)
+                   for i, (text, _, reason, logprobs) in results.items()]
+        usage = srv.usage(handles, params.n, sum(r[1] for r in results.values()))
+        return Response(_encode(api.ChatCompletionResponse(rid, created, name, choices, usage)),
                         media_type="application/json")
 
     async def models(request: Request) -> Response:

@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 
 from nanoinfer.sampling import SamplingParams
 from runtime.engine_core import EngineCore
+from runtime.outputs import TokenLogprob
 from runtime.sequence import Sequence
 
 
@@ -26,6 +27,7 @@ class Submit(NamedTuple):
 class Abort(NamedTuple):
     request_id: str
     reason: str = "abort"
+    index: int | None = None  # one completion of the request; None = all of them
 
 
 class _Stop(NamedTuple):
@@ -33,11 +35,14 @@ class _Stop(NamedTuple):
 
 
 class TokenEvent(NamedTuple):
-    """What one request got in one step."""
+    """What one completion of a request got in one step."""
 
     request_id: str
+    index: int
     token_id: int
-    finish_reason: str | None  # set on the request's last token
+    finish_reason: str | None  # set on the completion's last token
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple | None = None
 
 
 class StepReport(NamedTuple):
@@ -56,7 +61,7 @@ class Worker:
         self.core = core
         self.deliver = deliver
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, list[Sequence]] = {}  # request id -> its n completions
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="nanoinfer-worker", daemon=True)
 
@@ -95,14 +100,18 @@ class Worker:
     def _handle(self, command: Submit | Abort) -> None:
         if isinstance(command, Submit):
             try:
-                self.seqs[command.request_id] = self.core.add_request(
-                    command.prompt_token_ids, command.params, request_id=command.request_id, priority=command.priority)
+                seq = self.core.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
+                                            priority=command.priority)
+                self.seqs[command.request_id] = [seq, *seq.forks]
             except Exception as exc:  # validated already on the loop side; never lose the request silently
                 self.deliver(StepReport((), self.core.stats(), (command.request_id,), exc))
         else:
-            seq = self.seqs.pop(command.request_id, None)
-            if seq is not None:
-                self.core.abort(seq, command.reason)
+            seqs = self.seqs.get(command.request_id, [])
+            for seq in seqs:
+                if command.index is None or seq.index == command.index:
+                    self.core.abort(seq, command.reason)
+            if all(seq.is_finished for seq in seqs):
+                self.seqs.pop(command.request_id, None)
 
     def _step(self) -> None:
         try:
@@ -112,8 +121,9 @@ class Worker:
             traceback.print_exc()
             self.error = exc
             failed = tuple(self.seqs)
-            for seq in self.seqs.values():
-                self.core.abort(seq, "abort")
+            for seqs in self.seqs.values():
+                for seq in seqs:
+                    self.core.abort(seq, "abort")
             self.seqs.clear()
             self.deliver(StepReport((), self.core.stats(), failed, exc))
             return
@@ -121,7 +131,7 @@ class Worker:
         for out in outputs:
             rid = out.seq.request_id
             reason = out.seq.finish_reason if out.finished else None
-            events.append(TokenEvent(rid, out.token_id, reason))
-            if out.finished:
+            events.append(TokenEvent(rid, out.seq.index, out.token_id, reason, out.logprob, out.prompt_logprobs))
+            if out.finished and all(seq.is_finished for seq in self.seqs.get(rid, ())):
                 self.seqs.pop(rid, None)
         self.deliver(StepReport(tuple(events), self.core.stats()))

@@ -133,7 +133,9 @@ def test_top_k_top_p_mask_matches_a_per_row_reference(values, k, p):
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-                                         ("min_p", 2.0), ("max_tokens", 0), ("n", 2), ("stop", [""])])
+                                         ("min_p", 2.0), ("max_tokens", 0), ("n", 0), ("stop", [""]),
+                                         ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
+                                         ("logit_bias", {5: 200.0}), ("min_tokens", -1)])
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**{field: value})

@@ -1,0 +1,283 @@
+"""The CUDA attention backend: Triton kernels for the KV write, paged varlen attention and split-K decode.
+
+Three kernels, all reading the pool in place (no page gather into a dense copy):
+
+- `_write_kv_kernel`: one program per token row copies its k and v into the pool slot
+  `slot_mapping[row]`; rows with slot -1 (padding) store nothing.
+- `_paged_attention_kernel`: one program per (query tile, kv head[, context partition]).
+  A query tile holds BLOCK_Q query tokens of one sequence times the GROUP query heads that
+  share one kv head, so each K/V tile gathered through the block table is loaded once and
+  reused by the whole GQA group (rows = BLOCK_Q * GROUP). Online softmax in fp32 (base 2),
+  flash-attention style. Without split it writes the output; with split (flash-decoding /
+  PagedAttention V2) each program covers one partition of the context and writes its
+  partial (max, sum, acc) to a workspace,
+- `_reduce_partitions_kernel`: combines the partitions of each (token, head) into the output.
+
+No host sync anywhere: which program serves which sequence is found on the device (a binary
+search over query_start_loc), and every launch size comes from tensor shapes, never values,
+so a step can be captured in a CUDA graph. `prepare` does no host work beyond packing
+references to the batch's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoinfer.batch import Batch
+from nanoinfer.config import ModelConfig
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # The pool is [2, num_blocks * block_size (one row per slot), kv_heads, head_dim] contiguous,
+    # so a slot is KV_HEADS * HEAD_DIM contiguous elements: one masked vector store per row.
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    head, dim = offs // HEAD_DIM, offs % HEAD_DIM
+    mask = (offs < KV_HEADS * HEAD_DIM) & (slot >= 0)
+    k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(v_ptr + row * stride_vt + head * stride_vh + dim, mask=mask)
+    dst = kv_ptr + slot * (KV_HEADS * HEAD_DIM) + offs
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_kv, v, mask=mask)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    # Sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s + 1] // BLOCK_Q + s + 1): a bound that
+    # needs no host pass over the lengths (at most one tile per sequence is wasted). Return the
+    # last s whose first tile is <= `tile`.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    m_ptr, l_ptr, acc_ptr,  # split-K workspaces (unused without SPLIT)
+    num_seqs, num_tokens, qk_scale, window, partition_size, max_partitions,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr, SPLIT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    num_queries = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_off = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, in the sequence
+    context_len = tl.load(seq_lens_ptr + seq)
+
+    # Row r of the tile is query q_off + r // GROUP of the sequence, for head kv_head*GROUP + r % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_off + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    in_tile = offs_m // GROUP < BLOCK_Q  # BLOCK_M need not be a multiple of GROUP
+    row_valid = in_tile & (q_idx < num_queries)
+    token = q_start + q_idx
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    if q_off >= num_queries:
+        # Tiles past the last sequence's queries zero the padding rows (as the reference does),
+        # so every output row is written without a memset launch. The split path leaves that
+        # to the reduce kernel.
+        if not SPLIT:
+            if seq == num_seqs - 1:
+                pad = in_tile & (token < num_tokens)
+                tl.store(out_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty), mask=pad[:, None])
+        return
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    # Query i of the chunk sits at position context_len - num_queries + i (causal over the cache).
+    q_pos = context_len - num_queries + q_idx
+    last_q = tl.minimum(q_off + BLOCK_Q, num_queries) - 1
+    kv_hi = context_len - num_queries + last_q + 1  # keys past the tile's last query are masked anyway
+    kv_lo = 0
+    if SLIDING:
+        kv_lo = tl.maximum(context_len - num_queries + q_off - window + 1, 0)
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    if SPLIT:
+        # partition_size is a multiple of BLOCK_N, so K/V tiles never straddle two partitions.
+        kv_lo = tl.maximum(kv_lo, part * partition_size)
+        kv_hi = tl.minimum(kv_hi, (part + 1) * partition_size)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_base = kv_ptr + kv_head * stride_kvh
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = start + offs_n
+        k_valid = k_pos < kv_hi
+        # Gather through the block table key by key: any block size works, 1 included.
+        block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+        # int64: block * stride_blk overflows int32 in pools of more than 2^31 elements per layer.
+        k_off = block.to(tl.int64) * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot
+        kv_ptrs = kv_base + k_off[:, None] + offs_d[None, :]
+        k = tl.load(kv_ptrs, mask=k_valid[:, None], other=0.0)
+        v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # fp32 [BLOCK_M, BLOCK_N]
+        mask = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with every key masked so far keeps m = -inf; subtracting 0 instead avoids
+        # -inf - -inf = NaN and leaves its p and alpha at exactly 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SPLIT:
+        # Workspace [max_tokens, heads, max_partitions(, head_dim)] fp32. Every launched partition
+        # stores, empty ones as (-inf, 0, 0), so the reduce needs no per-row partition count.
+        ws = (token * NUM_HEADS + head) * max_partitions + part
+        tl.store(m_ptr + ws, m_i, mask=row_valid)
+        tl.store(l_ptr + ws, l_i, mask=row_valid)
+        tl.store(acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        # l == 0 only for a row that sees no key (a dummy sequence of length 0): output 0, not NaN.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = tl.where(row_valid[:, None], out, 0.0)
+        pad = in_tile & (q_idx >= num_queries) & (seq == num_seqs - 1) & (token < num_tokens)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(row_valid | pad)[:, None])
+
+
+@triton.jit
+def _reduce_partitions_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, query_start_loc_ptr, num_seqs, num_partitions,
+                              max_partitions, stride_ot, stride_oh,
+                              NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
+    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding row: no partials were written
+        tl.store(out_ptrs, tl.zeros([HEAD_DIM], out_ptr.dtype.element_ty))
+        return
+    offs_p = tl.arange(0, PARTS)
+    p_valid = offs_p < num_partitions
+    ws = (token * NUM_HEADS + head) * max_partitions + offs_p
+    m = tl.load(m_ptr + ws, mask=p_valid, other=float("-inf"))
+    l = tl.load(l_ptr + ws, mask=p_valid, other=0.0)
+    acc = tl.load(acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=p_valid[:, None], other=0.0)
+    # Rescale every partition to the global max: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p.
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(weight * l, 0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+class TritonMetadata(NamedTuple):
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    query_start_loc: torch.Tensor  # [seqs + 1] int32
+    scale: float
+    sliding_window: int  # 0 = none
+
+
+class TritonPagedAttention:
+    """Paged attention on CUDA through Triton; see the module docstring for the kernels.
+
+    The split-K workspaces are allocated once here, for steps of up to `max_split_tokens`
+    query rows and contexts of up to `max_partitions * partition_size` tokens (the partition
+    size grows past `partition_size` for longer contexts, so any length is served). Steps with
+    more rows, where the query tiles alone fill the GPU, run unsplit.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, max_split_tokens: int = 256, partition_size: int = 512,
+                 max_partitions: int = 32, device: torch.device | str = "cuda"):
+        d = cfg.head_dim
+        if d & (d - 1) or not 16 <= d <= 256:
+            raise ValueError(f"TritonPagedAttention needs a power-of-two head_dim in [16, 256], got {d}")
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
+        self.num_heads, self.head_dim = cfg.num_heads, d
+        self.group = cfg.num_heads // cfg.num_kv_heads
+        self.block_n = 64 if d <= 128 else 32
+        self.partition_size = triton.cdiv(partition_size, self.block_n) * self.block_n
+        self.max_split_tokens, self.max_partitions = max_split_tokens, max_partitions
+        ws = (max_split_tokens, cfg.num_heads, max_partitions)
+        self.ws_max = torch.empty(ws, dtype=torch.float32, device=device)
+        self.ws_sum = torch.empty(ws, dtype=torch.float32, device=device)
+        self.ws_acc = torch.empty((*ws, d), dtype=torch.float32, device=device)
+
+    def prepare(self, batch: Batch, cfg: ModelConfig) -> TritonMetadata:
+        # No host work beyond this packing: launch sizes come from shapes inside `attention`.
+        window = cfg.sliding_window or 0
+        return TritonMetadata(batch.block_tables.to(torch.int32), batch.seq_lens.to(torch.int32),
+                              batch.query_start_loc.to(torch.int32), cfg.head_dim**-0.5, window)
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # kv_layer: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
+        _, _, _, kv_heads, head_dim = kv_layer.shape
+        assert kv_layer.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1
+        if k.shape[0] == 0:
+            return
+        _write_kv_kernel[(k.shape[0],)](
+            k, v, kv_layer, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_layer.stride(0),
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(kv_heads * head_dim))
+
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TritonMetadata,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        # q, out: [tokens, heads, head_dim]; rows past the last sequence's queries get zeros.
+        tokens, heads, d = q.shape
+        _, _, block_size, kv_heads, _ = kv_layer.shape
+        assert heads == self.num_heads and d == self.head_dim and kv_heads * self.group == heads
+        assert q.stride(-1) == 1 and kv_layer.stride(-1) == 1
+        out = torch.empty_like(q) if out is None else out
+        num_seqs = metadata.seq_lens.shape[0]
+        if tokens == 0:
+            return out
+        if num_seqs == 0:
+            return out.zero_()
+        # Contexts are bounded by the block tables' width: a shape, so no sync to learn it.
+        max_context = metadata.block_tables.shape[1] * block_size
+        num_parts = min(self.max_partitions, triton.cdiv(max_context, self.partition_size))
+        split = tokens <= self.max_split_tokens and num_parts > 1
+        # Decode-sized steps: 16 rows (the smallest tensor-core tile) so one decode query of a GQA
+        # group wastes few rows; prefill: 64 rows per K/V tile load.
+        block_m = max(16 if split else 64, triton.next_power_of_2(self.group))
+        block_q = block_m // self.group
+        part_size = 0
+        if split:
+            part_size = triton.cdiv(triton.cdiv(max_context, num_parts), self.block_n) * self.block_n
+            num_parts = triton.cdiv(max_context, part_size)
+        grid = (triton.cdiv(tokens, block_q) + num_seqs, kv_heads, num_parts if split else 1)
+        _paged_attention_kernel[grid](
+            q, kv_layer, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            self.ws_max, self.ws_sum, self.ws_acc,
+            num_seqs, tokens, metadata.scale * _LOG2E, metadata.sliding_window, part_size, self.max_partitions,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_layer.stride(0), kv_layer.stride(1),
+            kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0),
+            NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, BLOCK_SIZE=block_size,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=self.block_n,
+            SLIDING=metadata.sliding_window > 0, SPLIT=split, num_warps=4, num_stages=2)
+        if split:
+            _reduce_partitions_kernel[(tokens, heads)](
+                out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, num_seqs, num_parts,
+                self.max_partitions, out.stride(0), out.stride(1),
+                NUM_HEADS=heads, HEAD_DIM=d, PARTS=triton.next_power_of_2(num_parts), num_warps=4)
+        return out
