@@ -191,3 +191,30 @@ def test_unhealthy_engine_is_503(tiny_chat_model, monkeypatch):
         assert httpx.get(server.url + "/health").status_code == 503
         again = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"
+
+
+def test_logprobs_in_both_formats_and_penalties(client, live_server):
+    r = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) <= 3 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    c = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == c.choices[0].message.content
+    streamed = list(client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True))
+    got = [t.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs
+           for t in ch.choices[0].logprobs.content]
+    assert got == pytest.approx([t.logprob for t in content], abs=1e-5)
+    # Penalties and bias reach the sampler: a huge bias on one token makes greedy pick it.
+    biased = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=3, temperature=0,
+                                       logit_bias={"42": 100})
+    assert httpx.post(live_server.url + "/v1/completions", json={"prompt": "x", "presence_penalty": 5}).status_code == 400
+    assert biased.choices[0].text == live_server.engine.tokenizer.decode([42, 42, 42])
+    pen = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=12, temperature=0,
+                                    frequency_penalty=2.0)
+    plain = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=12, temperature=0)
+    assert pen.choices[0].text != plain.choices[0].text
