@@ -76,6 +76,7 @@ class EngineCore:
         if self.device.type == "cuda" and num_cpu_blocks:
             self.cpu_kv = self.cpu_kv.pin_memory()
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
+        self.attention = self._attention_backend()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -84,6 +85,17 @@ class EngineCore:
         self.generated_tokens = 0
         self._next_id = 0
         self._seed_source = random.Random()
+
+    def _attention_backend(self):
+        """Triton kernels on CUDA; batched torch ops on the CPU. Both are tested against the
+        reference backend, which stays the oracle."""
+        if self.device.type == "cuda":
+            from nanoinfer.attention.triton_paged import TritonPagedAttention
+
+            return TritonPagedAttention(self.model.config, device=self.device)
+        from nanoinfer.attention.torch_paged import TorchPagedAttention
+
+        return TorchPagedAttention(self.config.block_size)
 
     def _blocks_from_memory(self, per_block: int) -> int:
         budget = self.config.kv_cache_memory
@@ -229,7 +241,7 @@ class EngineCore:
             row += n
         batch = build_batch(chunks, self.config.block_size, self.device)
         batch = batch._replace(logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(self.device))
-        logits = forward(self.model.params, self.kv, batch, cfg)
+        logits = forward(self.model.params, self.kv, batch, cfg, self.attention)
         for seq, n in p.chunks:
             seq.num_computed_tokens += n
         prompt_logprobs = self._prompt_logprobs(logits, prompt_rows)

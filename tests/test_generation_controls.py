@@ -147,9 +147,9 @@ def test_n4_shares_one_prefill(monkeypatch):
     computed = []
     real_forward = engine_core.forward
 
-    def counting_forward(params, kv, batch, cfg):
+    def counting_forward(params, kv, batch, cfg, backend):
         computed.append(batch.num_tokens)
-        return real_forward(params, kv, batch, cfg)
+        return real_forward(params, kv, batch, cfg, backend)
 
     monkeypatch.setattr(engine_core, "forward", counting_forward)
     core.step()

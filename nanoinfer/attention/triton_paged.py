@@ -210,13 +210,15 @@ class TritonPagedAttention:
     def __init__(self, cfg: ModelConfig, *, max_split_tokens: int = 256, partition_size: int = 512,
                  max_partitions: int = 32, device: torch.device | str = "cuda"):
         d = cfg.head_dim
-        if d & (d - 1) or not 16 <= d <= 256:
-            raise ValueError(f"TritonPagedAttention needs a power-of-two head_dim in [16, 256], got {d}")
+        # One register tile holds a whole head (tl.arange needs a power of two); past 128 the
+        # fp32 accumulator of a 64-row tile no longer fits in registers.
+        if d & (d - 1) or not 16 <= d <= 128:
+            raise ValueError(f"TritonPagedAttention needs head_dim 16, 32, 64 or 128, got {d}")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
         self.num_heads, self.head_dim = cfg.num_heads, d
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self.block_n = 64 if d <= 128 else 32
+        self.block_n = 64
         self.partition_size = triton.cdiv(partition_size, self.block_n) * self.block_n
         self.max_split_tokens, self.max_partitions = max_split_tokens, max_partitions
         ws = (max_split_tokens, cfg.num_heads, max_partitions)

@@ -1,0 +1,242 @@
+"""The Triton paged-attention backend against the torch reference, on fresh random paged batches.
+
+Needs CUDA and Triton; skipped cleanly without them. The oracle is ReferenceAttention run in
+fp32 on the same (bf16/fp16) inputs, so the tolerance measures only the kernels' own rounding.
+Run as a script for a decode timing printout (not a test): python tests/test_triton_attention.py
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from nanoinfer.attention.reference import ReferenceAttention  # noqa: E402
+from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from nanoinfer.batch import Batch  # noqa: E402
+from nanoinfer.config import ModelConfig  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend needs CUDA")
+
+DEVICE = "cuda"
+REF = ReferenceAttention()
+# Max per-(row, head) relative L2 error against the fp32 oracle: P is rounded to the input
+# dtype before P @ V (as in every flash kernel) and the output is rounded once more.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LENGTHS = (1, 15, 16, 17, 1000, 16384)
+
+
+def make_cfg(num_kv_heads: int, group: int, head_dim: int, sliding_window: int | None = None) -> ModelConfig:
+    heads = num_kv_heads * group
+    return ModelConfig(architecture="llama", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=32,
+                       num_layers=1, num_heads=heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768,
+                       tie_word_embeddings=False, sliding_window=sliding_window)
+
+
+def make_step(seqs, cfg, block_size, dtype, device=DEVICE, num_pad=3, seed=0):
+    """A random step: `seqs` is [(context_len, num_queries)], the queries being the context's
+    last tokens. Physical blocks are shuffled (plus spare blocks nobody owns), block tables
+    padded with 0, `num_pad` padding rows with slot -1 at the end, the pool full of random data.
+    Returns (batch, q, k, v, kv_layer)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-ctx // block_size) for ctx, _ in seqs]
+    num_blocks = sum(blocks_needed) + 4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_needed) + 2
+    tables, slots, positions, seq_lens, query_start_loc = [], [], [], [], [0]
+    for (ctx, n), needed in zip(seqs, blocks_needed):
+        own, perm = perm[:needed], perm[needed:]
+        tables.append(own + [0] * (width - needed))
+        for pos in range(ctx - n, ctx):
+            positions.append(pos)
+            slots.append(own[pos // block_size] * block_size + pos % block_size)
+        seq_lens.append(ctx)
+        query_start_loc.append(query_start_loc[-1] + n)
+    total = query_start_loc[-1] + num_pad
+    slots += [-1] * num_pad
+    positions += [0] * num_pad
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+    batch = Batch(
+        input_ids=torch.zeros(total, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(query_start_loc[1:], dtype=torch.int64, device=device) - 1,
+    )
+    kv_layer = randn(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    # k, v as strided views of one qkv-like tensor, as forward hands them over.
+    kv_new = randn(total, 2 * cfg.num_kv_heads, cfg.head_dim)
+    k, v = kv_new[:, : cfg.num_kv_heads], kv_new[:, cfg.num_kv_heads :]
+    return batch, randn(total, cfg.num_heads, cfg.head_dim), k, v, kv_layer
+
+
+def run_and_check(backend, batch, cfg, q, kv_layer, dtype):
+    """Backend output (into a NaN-poisoned buffer) against the fp32 reference."""
+    out = torch.full_like(q, float("nan"))
+    returned = backend.attention(q, kv_layer, backend.prepare(batch, cfg), out=out)
+    assert returned is out
+    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg))
+    num_valid = int(batch.query_start_loc[-1])
+    got = out[:num_valid].float()
+    assert not got.isnan().any(), f"{int(got.isnan().any(-1).any(-1).sum())} rows unwritten or NaN"
+    ref = expected[:num_valid]
+    err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)  # [rows, heads]
+    worst = int(err.amax(-1).argmax())
+    assert err.max() < TOLERANCE[dtype], f"rel err {err.max():.3g} at row {worst}"
+    # Padding rows past the last sequence come out zero, as in the reference.
+    assert torch.equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())  # unlike hash(str), stable across processes
+
+
+def decode_seqs(rng):
+    seqs = [(n, 1) for n in LENGTHS] + [(rng.randint(1, 3000), 1) for _ in range(4)]
+    rng.shuffle(seqs)
+    return seqs
+
+
+def mixed_seqs(rng, large: bool):
+    """Prefill chunks with and without cached prefixes, and decodes, in one step. `large` has
+    more query rows than max_split_tokens (unsplit kernel); the small one takes the split path."""
+    seqs = [(16384, 1), (1000, 1), (17, 1), (1, 1), (150, 50), (40, 40), (33, 17), (16, 16),
+            (rng.randint(100, 3000), rng.randint(1, 40))]
+    if large:
+        seqs += [(700, 700), (1300, 300), (2000, 64), (15, 15)]
+    rng.shuffle(seqs)
+    return seqs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 64), (8, 128), (3, 128)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_write_kv_matches_reference_bitwise(block_size, kv_heads, head_dim, dtype):
+    cfg = make_cfg(kv_heads, 1, head_dim)
+    batch, _, k, v, kv_layer = make_step([(40, 40), (100, 7), (16, 1), (1, 1)], cfg, block_size, dtype, num_pad=5)
+    ours, theirs = kv_layer.clone(), kv_layer.clone()
+    TritonPagedAttention(cfg).write_kv(ours, k, v, batch.slot_mapping)
+    REF.write_kv(theirs, k, v, batch.slot_mapping)
+    assert torch.equal(ours, theirs)  # also: padding rows (slot -1) wrote nothing
+    assert not torch.equal(ours, kv_layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_split_k(block_size, group, head_dim, dtype):
+    cfg = make_cfg(2, group, head_dim)
+    seed = seed_of(block_size, group, head_dim, dtype)
+    batch, q, _, _, kv_layer = make_step(decode_seqs(random.Random(seed)), cfg, block_size, dtype, seed=seed)
+    run_and_check(TritonPagedAttention(cfg), batch, cfg, q, kv_layer, dtype)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_unsplit(group):
+    cfg = make_cfg(2, group, 128)
+    batch, q, _, _, kv_layer = make_step(decode_seqs(random.Random(group)), cfg, 16, torch.bfloat16, seed=group)
+    run_and_check(TritonPagedAttention(cfg, max_split_tokens=0), batch, cfg, q, kv_layer, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_mixed_step_write_then_attend(group, head_dim, dtype):
+    """A whole layer step: write the new k, v (checked bitwise), then attend over the pool."""
+    block_size = 16 if dtype == torch.bfloat16 else 32
+    cfg = make_cfg(2, group, head_dim)
+    backend = TritonPagedAttention(cfg, max_split_tokens=256)
+    for large in (False, True):
+        seed = seed_of(group, head_dim, dtype, large)
+        batch, q, k, v, kv_layer = make_step(mixed_seqs(random.Random(seed), large), cfg, block_size, dtype, seed=seed)
+        assert (batch.num_tokens > 256) == large
+        expected_kv = kv_layer.clone()
+        REF.write_kv(expected_kv, k, v, batch.slot_mapping)
+        backend.write_kv(kv_layer, k, v, batch.slot_mapping)
+        assert torch.equal(kv_layer, expected_kv)
+        run_and_check(backend, batch, cfg, q, kv_layer, dtype)
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (1, 128), (4, 64), (4, 128), (2, 32)])
+def test_block_size_one(group, head_dim):
+    cfg = make_cfg(2, group, head_dim)
+    backend = TritonPagedAttention(cfg)
+    for large in (False, True):
+        batch, q, _, _, kv_layer = make_step(mixed_seqs(random.Random(7), large), cfg, 1, torch.bfloat16, seed=7)
+        run_and_check(backend, batch, cfg, q, kv_layer, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [1, 16, 100, 4096])
+def test_sliding_window(window, dtype):
+    cfg = make_cfg(2, 4, 128, sliding_window=window)
+    backend = TritonPagedAttention(cfg)
+    for large in (False, True):
+        seed = window + large
+        batch, q, _, _, kv_layer = make_step(mixed_seqs(random.Random(seed), large), cfg, 16, dtype, seed=seed)
+        run_and_check(backend, batch, cfg, q, kv_layer, dtype)
+
+
+def test_decode_step_captures_in_cuda_graph():
+    """No host sync in write_kv/attention: a decode step captures in a CUDA graph and replays."""
+    cfg = make_cfg(2, 4, 128)
+    backend = TritonPagedAttention(cfg)
+    batch, q, k, v, kv_layer = make_step(decode_seqs(random.Random(3)), cfg, 16, torch.bfloat16, seed=3)
+    expected_kv = kv_layer.clone()
+    REF.write_kv(expected_kv, k, v, batch.slot_mapping)
+    meta = backend.prepare(batch, cfg)
+    out = torch.empty_like(q)
+    backend.attention(q, kv_layer.clone(), meta, out=out)  # compile outside the capture
+    backend.write_kv(kv_layer.clone(), k, v, batch.slot_mapping)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.write_kv(kv_layer, k, v, batch.slot_mapping)
+        backend.attention(q, kv_layer, meta, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kv_layer, expected_kv)
+    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg))
+    num_valid = int(batch.query_start_loc[-1])
+    err = (out.float() - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-6)
+    assert err[:num_valid].max() < TOLERANCE[torch.bfloat16] and torch.equal(out[num_valid:], expected[num_valid:].to(out.dtype))
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_unsupported_head_dim_is_a_clear_error(head_dim):
+    with pytest.raises(ValueError, match="head_dim"):
+        TritonPagedAttention(make_cfg(2, 1, head_dim))
+
+
+def _bench_decode():
+    """Decode timings, ours (split-K and unsplit) against the reference: one table."""
+    from triton.testing import do_bench
+
+    cfg = make_cfg(8, 4, 128)  # Llama-3-8B attention shapes: 32 heads, 8 kv heads
+    print(f"device: {torch.cuda.get_device_name()}; bf16, block 16, heads 32/8, head_dim 128")
+    print(f"{'batch x context':>16} {'split-K ms':>11} {'GB/s':>6} {'unsplit ms':>11} {'reference ms':>13}")
+    for batch_size, context in ((64, 2048), (8, 8192), (1, 16384)):
+        batch, q, _, _, kv_layer = make_step([(context, 1)] * batch_size, cfg, 16, torch.bfloat16, num_pad=0)
+        times = []
+        for backend in (TritonPagedAttention(cfg), TritonPagedAttention(cfg, max_split_tokens=0), REF):
+            meta = backend.prepare(batch, cfg)
+            times.append(do_bench(lambda: backend.attention(q, kv_layer, meta), warmup=50, rep=200,
+                                  return_mode="median"))
+        kv_bytes = batch_size * context * cfg.num_kv_heads * cfg.head_dim * 2 * 2
+        print(f"{batch_size:>7} x {context:<6} {times[0]:>11.4f} {kv_bytes / times[0] / 1e6:>6.0f} "
+              f"{times[1]:>11.4f} {times[2]:>13.3f}")
+
+
+if __name__ == "__main__":
+    _bench_decode()
