@@ -9,6 +9,7 @@ ever writable by two sequences.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from runtime.sequence import Sequence
 
@@ -74,17 +75,21 @@ class BlockManager:
 
     # -- growing ---------------------------------------------------------------------------
 
-    def _shared_in_write_range(self, seq: Sequence, num_tokens: int) -> list[int]:
+    def _shared_in_write_range(self, seq: Sequence, num_tokens: int,
+                               dropped: Mapping[int, int] | None = None) -> list[int]:
         """Indices into seq.block_table of shared blocks that positions
         [num_computed_tokens, num_tokens) would write into."""
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_table), self.blocks_for(num_tokens))
-        return [i for i in range(first, last) if self.device.ref_counts[seq.block_table[i]] > 1]
+        refs, dropped = self.device.ref_counts, dropped or {}
+        return [i for i in range(first, last) if refs[seq.block_table[i]] - dropped.get(seq.block_table[i], 0) > 1]
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Free device blocks `append_slots(seq, num_tokens)` would take."""
+    def blocks_needed(self, seq: Sequence, num_tokens: int, dropped: Mapping[int, int] | None = None) -> int:
+        """Free device blocks `append_slots(seq, num_tokens)` would take once other tables have
+        given up `dropped[block]` references (the scheduler's victims): a block no one else
+        holds by then needs no copy."""
         missing = max(0, self.blocks_for(num_tokens) - len(seq.block_table))
-        return missing + len(self._shared_in_write_range(seq, num_tokens))
+        return missing + len(self._shared_in_write_range(seq, num_tokens, dropped))
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks

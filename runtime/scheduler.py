@@ -81,13 +81,17 @@ def plan(waiting: Seq[Sequence], running: Seq[Sequence], swapped: Seq[Sequence],
     queue = [s for s in ordered if s.num_pending_tokens == 1] + [s for s in ordered if s.num_pending_tokens > 1]
     victims = list(reversed(ordered))
     kept = set()
+    # Device block -> references the victims so far give up. Completions of one request share
+    # blocks: a block comes free only when its last holder goes, and a block whose other holders
+    # all go needs no copy-on-write.
+    dropped: dict[int, int] = {}
     for seq in queue:
         if seq in preempt:
             continue
         take = min(seq.num_pending_tokens, budget)
         if take == 0:
             break
-        need = blocks.blocks_needed(seq, seq.num_computed_tokens + take)
+        need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
         while need > free:
             victim = next((v for v in victims if v not in kept and v not in preempt), None)
             if victim is None:
@@ -96,9 +100,13 @@ def plan(waiting: Seq[Sequence], running: Seq[Sequence], swapped: Seq[Sequence],
             if config.preemption_mode == "swap" and len(victim.block_table) <= free_cpu:
                 swap_out.append(victim)
                 free_cpu -= len(victim.block_table)
-            free += blocks.num_freed_by(victim)
+            for block in victim.block_table:
+                dropped[block] = dropped.get(block, 0) + 1
+                if dropped[block] == blocks.ref_counts[block]:
+                    free += 1
             if victim is seq:
                 break
+            need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
         if seq in preempt:  # it was the lowest-ranked left: it waits instead
             continue
         kept.add(seq)
