@@ -52,6 +52,7 @@ def run_transformers(hf_model, prompts, outputs, batch, pad_id):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--shape", default=None, help="random bf16 weights in a real shape (bench/shapes.py), GPU")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-seqs", type=int, default=16)
@@ -65,7 +66,13 @@ def main():
 
     from nanoinfer import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
+    if args.shape:
+        from bench.shapes import random_model
+
+        llm = LLM.from_loaded(random_model(args.shape, device=args.device), max_model_len=4096,
+                              max_num_seqs=args.num_seqs)
+    else:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
     prompts, outputs = workload(args.num_seqs, args.input_len, args.output_len, llm.model.config.vocab_size)
     run_ours(llm, prompts[:2], [4, 4])  # warm-up
     ours = run_ours(llm, prompts, outputs)
@@ -75,7 +82,14 @@ def main():
         import transformers
 
         path = llm.model.path
-        if path.suffix == ".gguf":
+        if args.shape:
+            from bench.shapes import HF_CONFIGS
+
+            cls, fields = HF_CONFIGS[args.shape]
+            with torch.device(args.device):
+                hf_model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields),
+                                                                         dtype=torch.bfloat16)
+        elif path.suffix == ".gguf":
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                          dtype=llm.model.params.dtype)
         else:

@@ -36,13 +36,17 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     group.add_argument("--swap-space", type=float, default=0, help="GiB of host memory for swapped KV blocks")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of the GPU for weights, activations and the KV pool")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _engine_kwargs(args) -> dict:
     return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
-                swap_space=int(args.swap_space * (1 << 30)))
+                swap_space=int(args.swap_space * (1 << 30)), gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,12 +8,13 @@ request early.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence as Seq
 
 import torch
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.batch import Batch, SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
@@ -34,6 +35,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool when num_blocks is None
     swap_space: int = 0  # bytes of host memory for swapped-out KV blocks
     max_model_len: int | None = None  # None: the model's context length
+    gpu_memory_utilization: float = 0.9  # share of the GPU the weights, activations and KV pool may use
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
@@ -43,6 +46,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise RequestError(f"{name}={value!r} is invalid: expected an integer >= 1 or None")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is invalid: expected (0, 1]")
         if not isinstance(self.swap_space, int) or self.swap_space < 0:
             raise RequestError(f"swap_space={self.swap_space!r} is invalid: expected bytes >= 0")
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
@@ -77,10 +82,19 @@ class EngineCore:
             self.cpu_kv = self.cpu_kv.pin_memory()
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
         self.attention = self._attention_backend()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from nanoinfer.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
+                                       max_batch=min(config.scheduler.max_num_seqs, 512),
+                                       max_blocks=-(-self.max_model_len // config.block_size))
+            self.graphs.capture()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.step_count = 0
+        self.phase_times: dict[str, float] = {}  # host seconds per step phase, summed (benchmarks read it)
         self.num_preemptions = 0
         self.generated_tokens = 0
         self._next_id = 0
@@ -101,13 +115,47 @@ class EngineCore:
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.8) - (1 << 30)  # leave room for activations
+                budget = self._gpu_kv_budget()
             else:
                 budget = CPU_KV_BUDGET_BYTES
         # Never more blocks than all sequences could use at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(budget // per_block, cap))
+
+    def _gpu_kv_budget(self) -> int:
+        """Bytes left for the KV pool: the allowed share of the GPU, less what the weights
+        and the activations of the largest step (measured by a profiling forward) take."""
+        cfg, sched = self.model.config, self.config.scheduler
+        tokens = sched.max_num_batched_tokens
+        seqs = max(1, min(sched.max_num_seqs, tokens))
+        bs = self.config.block_size
+        # The largest step: `tokens` tokens over `seqs` sequences, all pages pointing at one
+        # scratch block and no KV written (slot -1): only the activation peak matters here.
+        per_seq = -(-tokens // seqs)
+        scratch = allocate_kv_pool(cfg, 1, bs, self.model.params.dtype, self.device)
+        lens = [min(per_seq, tokens - i * per_seq) for i in range(seqs) if tokens - i * per_seq > 0]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        batch = Batch(torch.zeros(tokens, dtype=torch.int64, device=dev),
+                      torch.cat([torch.arange(n, device=dev) for n in lens]),
+                      torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+                      torch.zeros(len(lens), -(-per_seq // bs), dtype=torch.int32, device=dev),
+                      torch.tensor(lens, dtype=torch.int32, device=dev),
+                      torch.tensor(starts, dtype=torch.int32, device=dev),
+                      torch.tensor(starts[1:], dtype=torch.int64, device=dev) - 1)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.inference_mode():
+            forward(self.model.params, scratch, batch, cfg, self._attention_backend())
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del scratch, batch
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(dev)
+        # Headroom for CUDA graphs, the sampler and allocator fragmentation.
+        return int(total * self.config.gpu_memory_utilization) - peak - (512 << 20)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -219,11 +267,13 @@ class EngineCore:
 
     def step(self) -> list[TokenOutput]:
         """Plan and run one forward over every scheduled sequence; return the sampled tokens."""
+        clock = time.perf_counter()
         p = self.plan()
         self._apply(p)
         self.step_count += 1
         if not p.chunks:
             return []
+        clock = self._phase("schedule", clock)
         cfg = self.model.config
         chunks, logits_rows, samplers, prompt_rows = [], [], [], []
         row = 0
@@ -241,7 +291,12 @@ class EngineCore:
             row += n
         batch = build_batch(chunks, self.config.block_size, self.device)
         batch = batch._replace(logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(self.device))
-        logits = forward(self.model.params, self.kv, batch, cfg, self.attention)
+        clock = self._phase("batch", clock)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = forward(self.model.params, self.kv, batch, cfg, self.attention)
+        clock = self._phase("forward", clock)
         for seq, n in p.chunks:
             seq.num_computed_tokens += n
         prompt_logprobs = self._prompt_logprobs(logits, prompt_rows)
@@ -265,6 +320,7 @@ class EngineCore:
         token_tensor = sample(logits, st)
         tokens = token_tensor.tolist()
         logprobs = self._logprobs(logits, token_tensor, params)
+        self._phase("sample", clock)  # on a GPU this includes waiting for the step to finish
         outputs = []
         for i, (seq, token) in enumerate(zip(sampling_seqs, tokens)):
             seq.token_ids.append(token)
@@ -274,6 +330,11 @@ class EngineCore:
                 self._finish(seq, reason)
             outputs.append(TokenOutput(seq, token, reason is not None, logprobs[i], prompt_logprobs.get(seq.seq_id)))
         return outputs
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_times[name] = self.phase_times.get(name, 0.0) + now - since
+        return now
 
     def _logprobs(self, logits, tokens, params) -> list[TokenLogprob | None]:
         wanted = [p.logprobs for p in params]

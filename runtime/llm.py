@@ -35,8 +35,17 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
                  progress: bool = True, **engine_args):
-        config = engine_config(**engine_args)
-        self.model = load_model(model, device=device, dtype=dtype, progress=progress)
+        self._init_with(load_model(model, device=device, dtype=dtype, progress=progress), engine_config(**engine_args))
+
+    @classmethod
+    def from_loaded(cls, model, **engine_args) -> "LLM":
+        """The facade over a LoadedModel made in memory (benchmarks build random ones)."""
+        llm = cls.__new__(cls)
+        llm._init_with(model, engine_config(**engine_args))
+        return llm
+
+    def _init_with(self, model, config) -> None:
+        self.model = model
         self.engine = AsyncEngine(self.model, config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nanoinfer-llm-loop", daemon=True)

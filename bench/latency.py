@@ -1,0 +1,97 @@
+"""Batch-1 decode speed on the GPU: random bf16 weights in real shapes, NanoInfer beside
+transformers (eager) in the same run.
+
+    python bench/latency.py [--shapes qwen3-0.6b llama-3.2-1b llama-3.1-8b] [--new-tokens 200]
+
+5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
+bandwidth = weight bytes read per token x tok/s. Also prints where a NanoInfer step's host
+time goes (schedule / batch / forward launch / sample+sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+
+def time_ours(model, new_tokens, enforce_eager=False):
+    from nanoinfer.sampling import SamplingParams
+    from runtime.engine_core import EngineConfig, EngineCore
+
+    engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
+                                            enforce_eager=enforce_eager))
+    prompt = [11, 22, 33, 44, 55]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    engine.step()
+    torch.cuda.synchronize()
+    engine.phase_times.clear()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    phases = {k: v / (new_tokens - 1) * 1e3 for k, v in engine.phase_times.items()}
+    del engine
+    return (new_tokens - 1) / elapsed, phases
+
+
+def time_transformers(name, new_tokens):
+    import transformers
+
+    from bench.shapes import HF_CONFIGS
+
+    cls, fields = HF_CONFIGS[name]
+    config = getattr(transformers, cls)(**fields)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[11, 22, 33, 44, 55]], device="cuda")
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    del model
+    return (new_tokens - 1) / ((t2 - t1) - (t1 - t0))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b"])
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+
+    from bench.shapes import random_model, weight_bytes
+
+    print(f"device {torch.cuda.get_device_name()}  new tokens {args.new_tokens}  prompt 5")
+    print(f"{'shape':<14}{'engine':<22}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample+sync")
+    for name in args.shapes:
+        model = random_model(name)
+        nbytes = weight_bytes(model)
+        for label, eager in (("nanoinfer (graphs)", False), ("nanoinfer (eager)", True)):
+            tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager)
+            breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample"))
+            print(f"{name:<14}{label:<22}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        if not args.no_baseline:
+            tps = time_transformers(name, args.new_tokens)
+            print(f"{name:<14}{'transformers (eager)':<22}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Real model shapes with random weights, made directly on the device (speed does not depend
+on the values). Shared by the GPU benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.layers import rope_inv_freq
+from nanoinfer.loaders import LoadedModel
+from nanoinfer.model import LayerParams, Params
+
+SHAPES = {
+    "qwen3-0.6b": ModelConfig("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1e6, 40960, True, qk_norm=True),
+    "llama-3.2-1b": ModelConfig("llama", 128256, 2048, 8192, 16, 32, 8, 64, 1e-5, 5e5, 131072, True,
+                                RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+    "llama-3.1-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 5e5, 131072, False,
+                                RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
+}
+
+HF_CONFIGS = {  # the same shapes for transformers (the baseline)
+    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=128, tie_word_embeddings=True, rope_theta=1e6)),
+    "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=64, tie_word_embeddings=True, rope_theta=5e5)),
+    "llama-3.1-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=128, tie_word_embeddings=False, rope_theta=5e5)),
+}
+
+
+def random_model(name: str, device="cuda", dtype=torch.bfloat16) -> LoadedModel:
+    cfg = SHAPES[name]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, device=device, dtype=dtype, generator=gen) * shape[-1] ** -0.5)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layers = tuple(LayerParams(ones(cfg.hidden_size), w(qkv, cfg.hidden_size), None,
+                               ones(cfg.head_dim) if cfg.qk_norm else None, ones(cfg.head_dim) if cfg.qk_norm else None,
+                               w(cfg.hidden_size, cfg.q_size), ones(cfg.hidden_size),
+                               w(2 * cfg.intermediate_size, cfg.hidden_size), w(cfg.hidden_size, cfg.intermediate_size))
+                   for _ in range(cfg.num_layers))
+    embed = w(cfg.vocab_size, cfg.hidden_size)
+    params = Params(embed, layers, ones(cfg.hidden_size), embed if cfg.tie_word_embeddings
+                    else w(cfg.vocab_size, cfg.hidden_size), rope_inv_freq(cfg).to(device))
+    return LoadedModel(cfg, params, None, Path(name))
+
+
+def weight_bytes(model: LoadedModel) -> int:
+    """Bytes read per decode step at batch 1: every weight once (the embedding row aside)."""
+    p = model.params
+    tensors = [t for layer in p.layers for t in vars(layer).values() if t is not None]
+    tensors += [p.final_norm, p.lm_head]
+    return sum(t.numel() * t.element_size() for t in tensors)
