@@ -12,6 +12,7 @@ left-padded batches of --baseline-batch, each batch run to its longest output.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 
@@ -78,10 +79,16 @@ def main():
     ours = run_ours(llm, prompts, outputs)
     total = sum(outputs)
     rows = [("nanoinfer", ours, total / ours)]
+    model_path, dtype, device = llm.model.path, llm.model.params.dtype, llm.model.params.device
+    llm.close()  # give the GPU back (the KV pool takes most of it) before the baseline loads
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if not args.no_baseline:
         import transformers
 
-        path = llm.model.path
+        path = model_path
         if args.shape:
             from bench.shapes import HF_CONFIGS
 
@@ -91,16 +98,15 @@ def main():
                                                                          dtype=torch.bfloat16)
         elif path.suffix == ".gguf":
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                         dtype=llm.model.params.dtype)
+                                                                         dtype=dtype)
         else:
-            hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=llm.model.params.dtype)
-        hf_model = hf_model.to(llm.model.params.device).eval()
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        hf_model = hf_model.to(device).eval()
         run_transformers(hf_model, prompts[:2], [4, 4], 2, 0)  # warm-up
         with torch.inference_mode():
             theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
-    llm.close()
-    print(f"model {llm.model.path.name}  device {args.device}  seqs {args.num_seqs}  input {args.input_len}  "
+    print(f"model {model_path.name}  device {args.device}  seqs {args.num_seqs}  input {args.input_len}  "
           f"output {args.output_len}  output tokens {total}")
     print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")
     for name, seconds, tps in rows:

@@ -14,7 +14,7 @@ import torch
 from nanoinfer.attention import AttentionBackend
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.model import Params, forward
+from nanoinfer.model import EAGER, LayerFunctions, Params, forward
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -24,8 +24,8 @@ class DecodeGraphs:
     each) whose block tables are at most `max_blocks` wide."""
 
     def __init__(self, params: Params, kv: torch.Tensor, cfg: ModelConfig, backend: AttentionBackend,
-                 max_batch: int, max_blocks: int, buckets=DEFAULT_BUCKETS):
-        self.params, self.kv, self.cfg, self.backend = params, kv, cfg, backend
+                 max_batch: int, max_blocks: int, buckets=DEFAULT_BUCKETS, layer_fns: LayerFunctions = EAGER):
+        self.params, self.kv, self.cfg, self.backend, self.layer_fns = params, kv, cfg, backend, layer_fns
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.max_blocks = max_blocks
         device = kv.device
@@ -54,11 +54,11 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
                 for _ in range(2):
-                    forward(self.params, self.kv, batch, self.cfg, self.backend)
+                    forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = forward(self.params, self.kv, batch, self.cfg, self.backend)
+                logits = forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
             self.pool = graph.pool()
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()

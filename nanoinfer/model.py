@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +69,54 @@ def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Params) -> Pa
     return dataclasses.replace(apply_all(params), layers=layers)
 
 
+def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig):
+    """Norm, QKV projection, q/k norm and RoPE: q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
+    tokens = x.shape[0]
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    qkv = F.linear(h, lp.qkv_proj, lp.qkv_bias)
+    q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+    q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig) -> torch.Tensor:
+    """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual."""
+    x = x + F.linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    return x + F.linear(swiglu(F.linear(h, lp.gate_up_proj)), lp.down_proj)
+
+
+class LayerFunctions(NamedTuple):
+    """The dense parts of a layer; attention sits between them. Swapping in compiled
+    versions (`compiled_layer_functions`) fuses the dozens of small element-wise kernels
+    a layer otherwise launches, without touching the attention backend's kernels."""
+
+    attention_inputs: Callable = attention_inputs
+    attention_output_and_mlp: Callable = attention_output_and_mlp
+
+
+EAGER = LayerFunctions()
+
+
+def compiled_layer_functions() -> LayerFunctions:
+    """torch.compile'd layer parts, shape-dynamic in the token count (one compile serves
+    every batch size). Set TORCHINDUCTOR_CACHE_DIR to keep the kernels across starts."""
+    return LayerFunctions(torch.compile(attention_inputs, dynamic=True, fullgraph=True),
+                          torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True))
+
+
 def forward(
     params: Params,
     kv: torch.Tensor,
     batch: Batch,
     cfg: ModelConfig,
     backend: AttentionBackend = REFERENCE,
+    layer_fns: LayerFunctions = EAGER,
 ) -> torch.Tensor:
     """Logits [len(batch.logits_indices), vocab] (fp32) for the batch's sampling rows.
 
@@ -83,29 +125,15 @@ def forward(
     whole cache every step (see DESIGN.md §2); `forward_out_of_place` is that mode for tests.
     """
     meta = backend.prepare(batch, cfg)
-    tokens = batch.input_ids.shape[0]
     x = params.embed[batch.input_ids]  # [tokens, hidden]
     cos, sin = rope_cos_sin(params.rope_inv_freq, batch.positions, x.dtype)
-    eps = cfg.rms_norm_eps
     for layer_idx, lp in enumerate(params.layers):
-        h = rms_norm(x, lp.attn_norm, eps)
-        qkv = F.linear(h, lp.qkv_proj, lp.qkv_bias)
-        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp.q_norm, eps)
-            k = rms_norm(k, lp.k_norm, eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg)
         backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)
         attn = backend.attention(q, kv[layer_idx], meta)  # [tokens, heads, head_dim]
-        x = x + F.linear(attn.reshape(tokens, cfg.q_size), lp.o_proj)
-        h = rms_norm(x, lp.mlp_norm, eps)
-        x = x + F.linear(swiglu(F.linear(h, lp.gate_up_proj)), lp.down_proj)
+        x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg)
     # Only the rows that sample pay for the final norm and the LM head.
-    x = rms_norm(x[batch.logits_indices], params.final_norm, eps)
+    x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
     return F.linear(x, params.lm_head).float()
 
 

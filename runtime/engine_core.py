@@ -18,7 +18,7 @@ from nanoinfer.batch import Batch, SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import forward
+from nanoinfer.model import EAGER, compiled_layer_functions, forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from runtime.block_manager import BlockManager
 from runtime.outputs import TokenLogprob
@@ -36,7 +36,7 @@ class EngineConfig:
     swap_space: int = 0  # bytes of host memory for swapped-out KV blocks
     max_model_len: int | None = None  # None: the model's context length
     gpu_memory_utilization: float = 0.9  # share of the GPU the weights, activations and KV pool may use
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    enforce_eager: bool = False  # no CUDA graphs and no torch.compile
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
@@ -82,13 +82,15 @@ class EngineCore:
             self.cpu_kv = self.cpu_kv.pin_memory()
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
         self.attention = self._attention_backend()
-        self.graphs = None
+        self.layer_fns, self.graphs = EAGER, None
         if self.device.type == "cuda" and not config.enforce_eager:
             from nanoinfer.graphs import DecodeGraphs
 
+            self.layer_fns = compiled_layer_functions()
             self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
                                        max_batch=min(config.scheduler.max_num_seqs, 512),
-                                       max_blocks=-(-self.max_model_len // config.block_size))
+                                       max_blocks=-(-self.max_model_len // config.block_size),
+                                       layer_fns=self.layer_fns)
             self.graphs.capture()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -295,7 +297,7 @@ class EngineCore:
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         else:
-            logits = forward(self.model.params, self.kv, batch, cfg, self.attention)
+            logits = forward(self.model.params, self.kv, batch, cfg, self.attention, self.layer_fns)
         clock = self._phase("forward", clock)
         for seq, n in p.chunks:
             seq.num_computed_tokens += n
