@@ -41,16 +41,19 @@ class Penalties(NamedTuple):
         needs_seen = [p.repetition_penalty != 1 for p in params]
         seen_lists = [list(pr) + list(out) if need else [] for pr, out, need in zip(prompts, outputs, needs_seen)]
         seen = _scatter_counts(seen_lists, vocab, device) > 0
+        # Sparse (row, token) entries gathered on the host as the batch is built, then one
+        # index_put each: the tables are dense, the work is proportional to the entries.
+        bias_entries = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
+        ban_entries = [(i, t) for i, (p, out) in enumerate(zip(params, outputs)) if len(out) < p.min_tokens
+                       for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < vocab]
         bias = torch.zeros(rows, vocab)
+        if bias_entries:
+            r, t, b = zip(*bias_entries)
+            bias.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=torch.float32))
         banned = torch.zeros(rows, vocab, dtype=torch.bool)
-        for i, (p, out) in enumerate(zip(params, outputs)):  # host-side table building, once per step
-            for token, value in p.logit_bias:
-                if token < vocab:
-                    bias[i, token] = value
-            if len(out) < p.min_tokens:
-                for token in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids):
-                    if token < vocab:
-                        banned[i, token] = True
+        if ban_entries:
+            r, t = zip(*ban_entries)
+            banned[torch.tensor(r), torch.tensor(t)] = True
 
         def col(values):
             return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)

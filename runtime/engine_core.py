@@ -7,6 +7,7 @@ request early.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from nanoinfer.batch import Batch, SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
+from nanoinfer.loaders.hub import cache_dir
 from nanoinfer.model import EAGER, compiled_layer_functions, forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from runtime.block_manager import BlockManager
@@ -86,6 +88,8 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             from nanoinfer.graphs import DecodeGraphs
 
+            # Keep Inductor's compiled kernels beside the models, so a second start is fast.
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
             self.layer_fns = compiled_layer_functions()
             self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
                                        max_batch=min(config.scheduler.max_num_seqs, 512),

@@ -127,12 +127,14 @@ def test_seeded_request_alone_equals_inside_a_batch_of_16():
                             presence_penalty=0.5, repetition_penalty=1.2)
 
     async def go():
-        async with AsyncEngine(TINY, engine_config(block_size=4, num_blocks=512, max_num_batched_tokens=13)) as eng:
+        async with AsyncEngine(TINY, engine_config(block_size=16, num_blocks=512)) as eng:
             alone = await eng.generate(target, params)
+        # Inside a batch of 16 unrelated requests, with other blocks and 3-token prefill chunks.
+        async with AsyncEngine(TINY, engine_config(block_size=4, num_blocks=512, max_num_batched_tokens=3)) as eng:
             others = [eng.generate([i + 1] * (i + 2), SamplingParams(temperature=0.8, max_tokens=30, seed=i,
                                                                      ignore_eos=True)) for i in range(16)]
-            together = await asyncio.gather(eng.generate(target, params), *others)
-            return alone, together[0]
+            together = await asyncio.gather(*others[:8], eng.generate(target, params), *others[8:])
+            return alone, together[8]
     alone, together = asyncio.run(go())
     assert alone.token_ids == together.token_ids
 
@@ -147,9 +149,9 @@ def test_n4_shares_one_prefill(monkeypatch):
     computed = []
     real_forward = engine_core.forward
 
-    def counting_forward(params, kv, batch, cfg, backend):
+    def counting_forward(params, kv, batch, *args):
         computed.append(batch.num_tokens)
-        return real_forward(params, kv, batch, cfg, backend)
+        return real_forward(params, kv, batch, *args)
 
     monkeypatch.setattr(engine_core, "forward", counting_forward)
     core.step()
