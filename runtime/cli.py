@@ -38,7 +38,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space", type=float, default=0, help="GiB of host memory for swapped KV blocks")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="share of the GPU for weights, activations and the KV pool")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs and no torch.compile")
+    group.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for Nsight Systems)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -46,7 +47,7 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
                 swap_space=int(args.swap_space * (1 << 30)), gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, nvtx=args.nvtx)
 
 
 def _parser() -> argparse.ArgumentParser:

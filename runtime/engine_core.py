@@ -39,6 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     gpu_memory_utilization: float = 0.9  # share of the GPU the weights, activations and KV pool may use
     enforce_eager: bool = False  # no CUDA graphs and no torch.compile
+    nvtx: bool = False  # NVTX ranges around each step phase, for Nsight Systems (CUDA only)
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
@@ -101,6 +102,7 @@ class EngineCore:
         self.swapped: list[Sequence] = []
         self.step_count = 0
         self.phase_times: dict[str, float] = {}  # host seconds per step phase, summed (benchmarks read it)
+        self._nvtx_open = False  # an NVTX range is open (config.nvtx on CUDA)
         self.num_preemptions = 0
         self.generated_tokens = 0
         self._next_id = 0
@@ -274,10 +276,12 @@ class EngineCore:
     def step(self) -> list[TokenOutput]:
         """Plan and run one forward over every scheduled sequence; return the sampled tokens."""
         clock = time.perf_counter()
+        self._nvtx_next("schedule")
         p = self.plan()
         self._apply(p)
         self.step_count += 1
         if not p.chunks:
+            self._nvtx_next(None)
             return []
         clock = self._phase("schedule", clock)
         cfg = self.model.config
@@ -337,10 +341,24 @@ class EngineCore:
             outputs.append(TokenOutput(seq, token, reason is not None, logprobs[i], prompt_logprobs.get(seq.seq_id)))
         return outputs
 
+    # Phases in order; each `_phase(name)` call ends `name` and starts the next.
+    _NEXT_PHASE = {"schedule": "batch", "batch": "forward", "forward": "sample", "sample": None}
+
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
         self.phase_times[name] = self.phase_times.get(name, 0.0) + now - since
+        self._nvtx_next(self._NEXT_PHASE[name])
         return now
+
+    def _nvtx_next(self, name: str | None) -> None:
+        """Close the open NVTX range (if any) and open `name` (if any)."""
+        if not (self.config.nvtx and self.device.type == "cuda"):
+            return
+        if self._nvtx_open:
+            torch.cuda.nvtx.range_pop()
+        self._nvtx_open = name is not None
+        if name is not None:
+            torch.cuda.nvtx.range_push(f"nanoinfer.{name}")
 
     def _logprobs(self, logits, tokens, params) -> list[TokenLogprob | None]:
         wanted = [p.logprobs for p in params]

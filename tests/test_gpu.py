@@ -110,3 +110,13 @@ def test_bf16_greedy_agrees_with_transformers_up_to_near_ties(hf_and_ours):
             ctx = torch.tensor([prompt + ours[:i]], device="cuda")
             their_top = hf(ctx).logits[0, -1].float().topk(5).indices.tolist()
         assert theirs[i] in our_top and ours[i] in their_top, (i, ours[i], theirs[i], our_top, their_top)
+
+
+def test_engine_on_cuda_with_nvtx_ranges_and_phase_times(hf_and_ours):
+    _, model = hf_and_ours
+    engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=64, max_model_len=512, nvtx=True))
+    seq = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seq.output_token_ids) == 4 and not engine._nvtx_open
+    assert set(engine.phase_times) == {"schedule", "batch", "forward", "sample"}
