@@ -24,6 +24,7 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +82,8 @@ def _sampling(args):
     from nanoinfer.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def _generate(args) -> int:
