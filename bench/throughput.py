@@ -79,6 +79,9 @@ def main():
     ours = run_ours(llm, prompts, outputs)
     total = sum(outputs)
     rows = [("nanoinfer", ours, total / ours)]
+    core = llm.engine.core
+    steps = max(1, core.step_count)
+    phases = "  ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in core.phase_times.items())
     model_path, dtype, device = llm.model.path, llm.model.params.dtype, llm.model.params.device
     llm.close()  # give the GPU back (the KV pool takes most of it) before the baseline loads
     del llm
@@ -111,6 +114,8 @@ def main():
     print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")
     for name, seconds, tps in rows:
         print(f"{name:<36}{seconds:>10.2f}{tps:>14.1f}{tps / rows[-1][2]:>12.2f}x")
+    print(f"nanoinfer host ms per step ({steps} steps, warm-up included; sample includes waiting for the GPU): "
+          f"{phases}")
 
 
 if __name__ == "__main__":
