@@ -254,7 +254,8 @@ class AsyncEngine:
                         if c.detok.stopped and c.finish_reason is None:
                             # A stop string ended it before the worker knew: finish here, free there.
                             c.finish_reason = "stop"
-                            self._worker.submit(Abort(request.request_id, "stop", index))
+                            if self._worker is not None:
+                                self._worker.submit(Abort(request.request_id, "stop", index))
                         text = c.detok.take_delta(final=c.finish_reason is not None)
                     ending = c.finish_reason is not None and not c.reported
                     if new_ids or text or ending:

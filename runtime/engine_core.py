@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence as Seq
 
 import torch
 
-from nanoinfer.batch import Batch, SeqChunk, build_batch
+from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
@@ -23,11 +23,10 @@ from nanoinfer.loaders.hub import cache_dir
 from nanoinfer.model import EAGER, compiled_layer_functions, forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from runtime.block_manager import BlockManager
+from runtime.kv_budget import kv_blocks_for_memory
 from runtime.outputs import TokenLogprob
 from runtime.scheduler import Plan, SchedulerConfig, plan
 from runtime.sequence import Sequence, SequenceStatus
-
-CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,8 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         dtype = model.params.dtype
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
-        num_blocks = config.num_blocks or self._blocks_from_memory(per_block)
+        num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, self.max_model_len, per_block,
+                                                               self._attention_backend)
         num_cpu_blocks = config.swap_space // per_block
         self.kv = allocate_kv_pool(cfg, num_blocks, config.block_size, dtype, self.device)
         # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
@@ -118,52 +118,6 @@ class EngineCore:
         from nanoinfer.attention.torch_paged import TorchPagedAttention
 
         return TorchPagedAttention(self.config.block_size)
-
-    def _blocks_from_memory(self, per_block: int) -> int:
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = self._gpu_kv_budget()
-            else:
-                budget = CPU_KV_BUDGET_BYTES
-        # Never more blocks than all sequences could use at full length.
-        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(budget // per_block, cap))
-
-    def _gpu_kv_budget(self) -> int:
-        """Bytes left for the KV pool: the allowed share of the GPU, less what the weights
-        and the activations of the largest step (measured by a profiling forward) take."""
-        cfg, sched = self.model.config, self.config.scheduler
-        tokens = sched.max_num_batched_tokens
-        seqs = max(1, min(sched.max_num_seqs, tokens))
-        bs = self.config.block_size
-        # The largest step: `tokens` tokens over `seqs` sequences, all pages pointing at one
-        # scratch block and no KV written (slot -1): only the activation peak matters here.
-        per_seq = -(-tokens // seqs)
-        scratch = allocate_kv_pool(cfg, 1, bs, self.model.params.dtype, self.device)
-        lens = [min(per_seq, tokens - i * per_seq) for i in range(seqs) if tokens - i * per_seq > 0]
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        dev = self.device
-        batch = Batch(torch.zeros(tokens, dtype=torch.int64, device=dev),
-                      torch.cat([torch.arange(n, device=dev) for n in lens]),
-                      torch.full((tokens,), -1, dtype=torch.int64, device=dev),
-                      torch.zeros(len(lens), -(-per_seq // bs), dtype=torch.int32, device=dev),
-                      torch.tensor(lens, dtype=torch.int32, device=dev),
-                      torch.tensor(starts, dtype=torch.int32, device=dev),
-                      torch.tensor(starts[1:], dtype=torch.int64, device=dev) - 1)
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        with torch.inference_mode():
-            forward(self.model.params, scratch, batch, cfg, self._attention_backend())
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        del scratch, batch
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(dev)
-        # Headroom for CUDA graphs, the sampler and allocator fragmentation.
-        return int(total * self.config.gpu_memory_utilization) - peak - (512 << 20)
 
     # -- requests -------------------------------------------------------------------------
 
