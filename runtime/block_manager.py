@@ -129,10 +129,6 @@ class BlockManager:
             self.host.release(block)
         seq.block_table, seq.cpu_block_table = [], []
 
-    def num_freed_by(self, seq: Sequence) -> int:
-        """Device blocks that freeing `seq` would return (its unshared ones)."""
-        return sum(1 for b in seq.block_table if self.device.ref_counts[b] == 1)
-
     # -- swapping --------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
