@@ -37,4 +37,7 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, copies: list[tup
     if copies:
         src, dst = zip(*copies)
         moved = src_pool[:, :, torch.tensor(src, device=src_pool.device)]
-        dst_pool[:, :, torch.tensor(dst, device=dst_pool.device)] = moved.to(dst_pool.device, non_blocking=True)
+        # Non-blocking only towards the device: a non-blocking copy to the host may still be
+        # in flight when the host pool's index_put reads it.
+        dst_pool[:, :, torch.tensor(dst, device=dst_pool.device)] = moved.to(dst_pool.device,
+                                                                            non_blocking=dst_pool.is_cuda)

@@ -41,6 +41,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                        help="share of the GPU for weights, activations and the KV pool")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs and no torch.compile")
     group.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for Nsight Systems)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="launch each step before reading the last one's tokens (default: on with CUDA)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -48,7 +50,7 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
                 swap_space=int(args.swap_space * (1 << 30)), gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager, nvtx=args.nvtx)
+                enforce_eager=args.enforce_eager, nvtx=args.nvtx, async_scheduling=args.async_scheduling)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -61,14 +61,15 @@ def engine_config(*, block_size: int = 16, num_blocks: int | None = None, kv_cac
                   swap_space: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
                   max_num_batched_tokens: int = 4096, scheduling_policy: str = "fcfs",
                   preemption_mode: str = "recompute", aging_steps: int = 64, gpu_memory_utilization: float = 0.9,
-                  enforce_eager: bool = False, nvtx: bool = False) -> EngineConfig:
+                  enforce_eager: bool = False, nvtx: bool = False,
+                  async_scheduling: bool | None = None) -> EngineConfig:
     """EngineConfig from the flat engine arguments users pass to LLM/AsyncEngine."""
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 policy=scheduling_policy, preemption_mode=preemption_mode, aging_steps=aging_steps)
     return EngineConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                         swap_space=swap_space, max_model_len=max_model_len,
                         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, nvtx=nvtx,
-                        scheduler=scheduler)
+                        async_scheduling=async_scheduling, scheduler=scheduler)
 
 
 class AsyncEngine:

@@ -1,8 +1,9 @@
-"""EngineCore: the synchronous step (plan, apply, batch, forward, sample, finish).
+"""EngineCore: the step (plan, apply, batch, forward, sample, resolve).
 
 One instance is driven by one thread (the worker). It knows tokens, not text: detokenization
 and stop strings happen on the consumer side, which calls `abort` when a stop string ends a
-request early.
+request early. On CUDA a step launches its work and returns the tokens of the step before
+(async scheduling, runtime/inflight.py), so host work overlaps the device's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from nanoinfer.loaders.hub import cache_dir
 from nanoinfer.model import EAGER, compiled_layer_functions, forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from runtime.block_manager import BlockManager
+from runtime.inflight import PENDING, DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
 from runtime.kv_budget import kv_blocks_for_memory
 from runtime.outputs import TokenLogprob
 from runtime.scheduler import Plan, SchedulerConfig, plan
@@ -39,6 +41,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU the weights, activations and KV pool may use
     enforce_eager: bool = False  # no CUDA graphs and no torch.compile
     nvtx: bool = False  # NVTX ranges around each step phase, for Nsight Systems (CUDA only)
+    # Launch step N+1 before reading step N's tokens; None: on where the device is async (CUDA).
+    async_scheduling: bool | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
@@ -52,6 +56,8 @@ class EngineConfig:
             raise RequestError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is invalid: expected (0, 1]")
         if not isinstance(self.swap_space, int) or self.swap_space < 0:
             raise RequestError(f"swap_space={self.swap_space!r} is invalid: expected bytes >= 0")
+        if self.async_scheduling not in (None, True, False):
+            raise RequestError(f"async_scheduling={self.async_scheduling!r} is invalid: expected True, False or None")
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
             raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)")
 
@@ -107,6 +113,10 @@ class EngineCore:
         self.generated_tokens = 0
         self._next_id = 0
         self._seed_source = random.Random()
+        # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: InFlightStep | None = None  # launched, results not yet applied
 
     def _attention_backend(self):
         """Triton kernels on CUDA; batched torch ops on the CPU. Both are tested against the
@@ -181,7 +191,7 @@ class EngineCore:
             self._finish(seq, reason)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self._in_flight)
 
     def stats(self) -> dict:
         return {
@@ -198,7 +208,10 @@ class EngineCore:
     # -- the step -------------------------------------------------------------------------
 
     def plan(self) -> Plan:
-        return plan(self.waiting, self.running, self.swapped, self.blocks, self.config.scheduler, self.step_count)
+        # A sequence whose last token (still in flight) reaches its length limit has nothing
+        # left to compute; it only waits for that token.
+        running = [s for s in self.running if s.num_tokens < s.max_total_tokens]
+        return plan(self.waiting, running, self.swapped, self.blocks, self.config.scheduler, self.step_count)
 
     def _apply(self, p: Plan) -> None:
         """Carry out the plan's preemptions, swaps and allocations, in that order."""
@@ -228,25 +241,47 @@ class EngineCore:
             copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
 
     def step(self) -> list[TokenOutput]:
-        """Plan and run one forward over every scheduled sequence; return the sampled tokens."""
+        """Plan and launch one forward over the scheduled sequences; return the tokens sampled
+        by the step before it (async scheduling) or by this one (synchronous)."""
         clock = time.perf_counter()
         self._nvtx_next("schedule")
+        outputs: list[TokenOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(seq.params.has_penalties for seq in self.running):
+            # Penalties count the previous token on the host: this step cannot overlap.
+            outputs, previous = self._resolve(previous), None
         p = self.plan()
         self._apply(p)
         self.step_count += 1
-        if not p.chunks:
-            self._nvtx_next(None)
-            return []
         clock = self._phase("schedule", clock)
+        if p.chunks:
+            self._in_flight = self._launch(p, previous, clock)
+            clock = time.perf_counter()
+        if previous is not None:
+            outputs += self._resolve(previous)
+        if self._in_flight is not None and not self.async_scheduling:
+            outputs += self._resolve(self._in_flight)
+            self._in_flight = None
+        self._phase("resolve", clock)
+        return outputs
+
+    def _launch(self, p: Plan, previous: InFlightStep | None, clock: float) -> InFlightStep:
+        """Build the batch, queue the forward and the sampling, and start copying the results
+        to the host; returns without waiting for the device."""
         cfg = self.model.config
         chunks, logits_rows, samplers, prompt_rows = [], [], [], []
+        fill_rows, fill_from = [], []  # input rows whose token is the previous step's, still on the device
         row = 0
         for seq, n in p.chunks:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             chunks.append(SeqChunk(seq.token_ids[start:end], start, seq.block_table, end == seq.num_tokens))
-            if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs or ()) < seq.num_prompt_tokens:
+            if end == seq.num_tokens and seq.token_ids[-1] == PENDING:
+                fill_rows.append(row + n - 1)
+                fill_from.append(seq.seq_id)
+            if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
                 # Row j (position start + j) predicts token start + j + 1 of the prompt.
                 last = min(end, seq.num_prompt_tokens - 1)
+                seq.prompt_logprobs_done = end >= seq.num_prompt_tokens  # (a recompute won't redo them)
                 prompt_rows.append((seq, len(logits_rows), start, last))
                 logits_rows.extend(range(row, row + max(0, last - start)))
             if end == seq.num_tokens:
@@ -255,6 +290,13 @@ class EngineCore:
             row += n
         batch = build_batch(chunks, self.config.block_size, self.device)
         batch = batch._replace(logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(self.device))
+        if fill_rows:
+            if previous is None:
+                raise RuntimeError("internal: a pending token to compute but no step in flight")
+            row_of = previous.row_of()
+            src = torch.tensor([row_of[i] for i in fill_from], dtype=torch.int64).to(self.device, non_blocking=True)
+            dst = torch.tensor(fill_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch.input_ids.index_copy_(0, dst, previous.tokens.index_select(0, src))
         clock = self._phase("batch", clock)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
@@ -263,7 +305,6 @@ class EngineCore:
         clock = self._phase("forward", clock)
         for seq, n in p.chunks:
             seq.num_computed_tokens += n
-        prompt_logprobs = self._prompt_logprobs(logits, prompt_rows)
         # A finished prefill with pending forks: the n - 1 other completions share its blocks
         # and sample their first token from the same logits row.
         for seq, logits_row in list(samplers):
@@ -274,29 +315,74 @@ class EngineCore:
                 samplers.append((fork, logits_row))
             seq.forks = []
         sampling_seqs = [seq for seq, _ in samplers]
-        logits = logits[torch.tensor([r for _, r in samplers], dtype=torch.int64, device=logits.device)]
+        all_logits = logits
+        sample_rows = [r for _, r in samplers]
+        if sample_rows != list(range(logits.shape[0])):  # (a pure decode step needs no gather)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.int64).to(logits.device)]
         params = [s.params for s in sampling_seqs]
-        history = any(p.has_penalties for p in params)
+        # Token histories only for the rows with penalties: those never hold a PENDING token
+        # (`step` resolves the step in flight first), the others may.
+        history = [p.has_penalties for p in params]
         st = SamplingTensors.build(params, [s.num_output_tokens for s in sampling_seqs], cfg.vocab_size, self.device,
-                                   prompts=[s.prompt_token_ids for s in sampling_seqs] if history else (),
-                                   outputs=[s.output_token_ids for s in sampling_seqs] if history else (),
+                                   prompts=[s.prompt_token_ids if h else () for s, h in zip(sampling_seqs, history)]
+                                   if any(history) else (),
+                                   outputs=[s.output_token_ids if h else () for s, h in zip(sampling_seqs, history)]
+                                   if any(history) else (),
                                    eos_token_ids=cfg.eos_token_ids)
-        token_tensor = sample(logits, st)
-        tokens = token_tensor.tolist()
-        logprobs = self._logprobs(logits, token_tensor, params)
-        self._phase("sample", clock)  # on a GPU this includes waiting for the step to finish
+        tokens = sample(logits, st)
+        results = [tokens]
+        wanted = [p.logprobs for p in params]
+        if any(k is not None for k in wanted):
+            results.extend(compute_logprobs(logits, tokens, max(k or 0 for k in wanted)))
+        prompt_lp = []
+        for seq, first_row, start, last in prompt_rows:
+            targets = seq.prompt_token_ids[start + 1:last + 1]
+            prompt_lp.append(PromptLogprobRows(seq, start, targets, last == seq.num_prompt_tokens - 1))
+            results.extend(compute_logprobs(all_logits[first_row:first_row + len(targets)],
+                                            torch.tensor(targets, dtype=torch.int64).to(self.device),
+                                            seq.params.prompt_logprobs))
+        rows = []
+        for seq, k in zip(sampling_seqs, wanted):
+            rows.append(SampledRow(seq, seq.num_tokens, k))
+            seq.token_ids.append(PENDING)  # known once this step is resolved
+        self._phase("sample", clock)
+        return InFlightStep(tuple(rows), tokens, tuple(prompt_lp), DeviceToHost(results))
+
+    def _resolve(self, step: InFlightStep) -> list[TokenOutput]:
+        """Wait for a launched step's results and apply them: tokens appended, stop and length
+        checked. Rows of sequences that finished meanwhile (an abort, or a stop token found
+        in the step before) are dropped: their one extra row of work is the price of overlap."""
+        host = step.transfer.wait()
+        tokens = host[0].tolist()
+        logprobs = [None] * len(tokens)
+        rest = 1
+        if any(r.logprobs is not None for r in step.rows):
+            chosen, top_ids, top_values = (t.tolist() for t in host[1:4])
+            logprobs = [None if r.logprobs is None else
+                        TokenLogprob(tokens[i], chosen[i], tuple(zip(top_ids[i][:r.logprobs], top_values[i][:r.logprobs])))
+                        for i, r in enumerate(step.rows)]
+            rest = 4
+        prompt_done = {}
+        for j, entry in enumerate(step.prompt_logprobs):
+            chosen, top_ids, top_values = (t.tolist() for t in host[rest + 3 * j:rest + 3 * j + 3])
+            done = self._extend_prompt_logprobs(entry, chosen, top_ids, top_values)
+            if done is not None:
+                prompt_done[entry.seq.seq_id] = done
         outputs = []
-        for i, (seq, token) in enumerate(zip(sampling_seqs, tokens)):
-            seq.token_ids.append(token)
+        for i, (row, token) in enumerate(zip(step.rows, tokens)):
+            seq = row.seq
+            if seq.is_finished:
+                continue
+            seq.token_ids[row.token_index] = token
             self.generated_tokens += 1
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, row.token_index + 1)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(TokenOutput(seq, token, reason is not None, logprobs[i], prompt_logprobs.get(seq.seq_id)))
+            outputs.append(TokenOutput(seq, token, reason is not None, logprobs[i], prompt_done.get(seq.seq_id)))
         return outputs
 
     # Phases in order; each `_phase(name)` call ends `name` and starts the next.
-    _NEXT_PHASE = {"schedule": "batch", "batch": "forward", "forward": "sample", "sample": None}
+    _NEXT_PHASE = {"schedule": "batch", "batch": "forward", "forward": "sample", "sample": "resolve", "resolve": None}
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -314,43 +400,26 @@ class EngineCore:
         if name is not None:
             torch.cuda.nvtx.range_push(f"nanoinfer.{name}")
 
-    def _logprobs(self, logits, tokens, params) -> list[TokenLogprob | None]:
-        wanted = [p.logprobs for p in params]
-        if all(k is None for k in wanted):
-            return [None] * len(params)
-        lp = compute_logprobs(logits, tokens, max(k or 0 for k in wanted))
-        chosen, top_ids, top_values = lp.token_logprobs.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-        return [None if k is None else TokenLogprob(int(t), chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])))
-                for i, (k, t) in enumerate(zip(wanted, tokens.tolist()))]
+    def _extend_prompt_logprobs(self, entry: PromptLogprobRows, chosen, top_ids, top_values) -> tuple | None:
+        """Add a chunk's prompt logprobs to its sequence's list; the whole list once complete
+        (None first: the first token has no context)."""
+        seq = entry.seq
+        if seq.is_finished:
+            return None
+        if entry.start == 0:  # (again, after a recompute preemption mid-prompt)
+            seq.prompt_logprobs = [None]
+        for t, v, ids, vals in zip(entry.targets, chosen, top_ids, top_values):
+            seq.prompt_logprobs.append(TokenLogprob(t, v, tuple(zip(ids, vals))))
+        return tuple(seq.prompt_logprobs) if entry.final else None
 
-    def _prompt_logprobs(self, logits, prompt_rows) -> dict:
-        """Extend each asking sequence's prompt logprobs with this chunk's rows; return the
-        finished lists by sequence id (None first: the first token has no context)."""
-        done = {}
-        for seq, first_row, start, last in prompt_rows:
-            if start == 0:  # (again, after a recompute preemption mid-prompt)
-                seq.prompt_logprobs = [None]
-            collected = seq.prompt_logprobs
-            if last > start:
-                rows = logits[first_row:first_row + last - start]
-                targets = torch.tensor(seq.prompt_token_ids[start + 1:last + 1], device=logits.device)
-                k = seq.params.prompt_logprobs
-                lp = compute_logprobs(rows, targets, k)
-                for t, v, ids, vals in zip(targets.tolist(), lp.token_logprobs.tolist(), lp.top_ids.tolist(),
-                                           lp.top_logprobs.tolist()):
-                    collected.append(TokenLogprob(t, v, tuple(zip(ids, vals))))
-            seq.prompt_logprobs = collected
-            if len(collected) == seq.num_prompt_tokens:
-                done[seq.seq_id] = tuple(collected)
-        return done
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why `seq` ends with `token`, its `num_tokens`-th token, or None."""
         params = seq.params
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.model.config.eos_token_ids:
             return "stop"
-        if seq.num_tokens >= seq.max_total_tokens:
+        if num_tokens >= seq.max_total_tokens:
             return "length"
         return None
 
@@ -359,5 +428,7 @@ class EngineCore:
             if seq in queue:
                 queue.remove(seq)
         self.blocks.free(seq)
+        while seq.token_ids and seq.token_ids[-1] == PENDING:  # sampled by a step still in flight
+            seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -44,6 +44,7 @@ class Sequence:
     # its prefill ends: one prefill for all n.
     forks: list["Sequence"] = field(default_factory=list)
     prompt_logprobs: list | None = None  # collected over the prefill chunks, when asked for
+    prompt_logprobs_done: bool = False  # the last prompt chunk asked for them has been launched
 
     def __post_init__(self):
         if not self.token_ids:

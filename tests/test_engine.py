@@ -71,6 +71,18 @@ def test_concurrent_greedy_equals_alone(alone_outputs, chunk):
     assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in outs)
 
 
+def test_async_scheduling_through_the_worker(alone_outputs):
+    """The overlapped step loop (CUDA's default) under the real worker and many clients."""
+    async def go():
+        async with make_engine(max_num_batched_tokens=7, async_scheduling=True) as engine:
+            assert engine.core.async_scheduling
+            outs = await run_all(engine, prompts(32), greedy())
+            return outs, await wait_idle(engine)
+    outs, stats = asyncio.run(go())
+    assert [o.token_ids for o in outs] == alone_outputs
+    assert stats["generated_tokens"] == 32 * 16
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_changes_no_output(mode):
     reqs = prompts(64, seed=1, lo=4, hi=24)

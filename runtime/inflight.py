@@ -1,0 +1,75 @@
+"""InFlightStep: a launched step whose sampled tokens are still on their way to the host.
+
+With async scheduling (issue 5, overlap) the step loop plans, builds and launches step N+1
+while the GPU still runs step N, and reads step N's tokens only afterwards. Meanwhile:
+
+- each sequence that sampled in step N holds PENDING as its last token; if step N+1
+  computes it, the input comes straight from step N's token tensor on the device
+  (`InFlightStep.tokens`), never through the host;
+- step N's results go to the host as non-blocking copies into pinned buffers, with an event
+  recorded after them, so `DeviceToHost.wait` blocks for step N alone. (`.tolist()` on a
+  CUDA tensor would also wait for step N+1, which is queued behind it: no overlap left.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence as Seq
+
+import torch
+
+from runtime.sequence import Sequence
+
+PENDING = -1  # a sampled token id not yet known on the host
+
+
+class DeviceToHost:
+    """Copies of some device tensors on the host, complete once `wait()` returns.
+    On the CPU the tensors are the copies; nothing is waited for."""
+
+    def __init__(self, tensors: Seq[torch.Tensor]):
+        self.event = None
+        if not any(t.is_cuda for t in tensors):
+            self.host = list(tensors)
+            return
+        # Pinned memory: what makes a device-to-host copy asynchronous. PyTorch's caching host
+        # allocator keeps these buffers, so a step pays for no cudaHostAlloc after the first.
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(self.host, tensors):
+            host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+class SampledRow(NamedTuple):
+    """Row i of a step's sampled tokens: which sequence, and where in its token_ids it goes."""
+
+    seq: Sequence
+    token_index: int
+    logprobs: int | None  # top-k logprobs it asked for
+
+
+class PromptLogprobRows(NamedTuple):
+    """A prefill chunk's prompt logprobs: rows for prompt tokens start+1 .. last."""
+
+    seq: Sequence
+    start: int
+    targets: list[int]
+    final: bool  # the chunk reaches the end of the prompt: the list is complete after it
+
+
+class InFlightStep(NamedTuple):
+    rows: tuple[SampledRow, ...]
+    tokens: torch.Tensor  # [rows] int64 on the device: the next step's inputs for these sequences
+    prompt_logprobs: tuple[PromptLogprobRows, ...]
+    # Host copies, in this order: tokens; then chosen/top ids/top values when any row asked
+    # for logprobs; then chosen/top ids/top values of each PromptLogprobRows.
+    transfer: DeviceToHost
+
+    def row_of(self) -> dict[int, int]:
+        """Sequence id -> its row in `tokens`."""
+        return {row.seq.seq_id: i for i, row in enumerate(self.rows)}
