@@ -7,6 +7,7 @@ only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -69,11 +70,12 @@ def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Params) -> Pa
     return dataclasses.replace(apply_all(params), layers=layers)
 
 
-def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig):
+def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                     linear: Callable = F.linear):
     """Norm, QKV projection, q/k norm and RoPE: q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
     tokens = x.shape[0]
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = F.linear(h, lp.qkv_proj, lp.qkv_bias)
+    qkv = linear(h, lp.qkv_proj, lp.qkv_bias)
     q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
     q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -84,11 +86,12 @@ def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: t
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig) -> torch.Tensor:
+def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
+                             linear: Callable = F.linear) -> torch.Tensor:
     """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual."""
-    x = x + F.linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)
+    x = x + linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + F.linear(swiglu(F.linear(h, lp.gate_up_proj)), lp.down_proj)
+    return x + linear(swiglu(linear(h, lp.gate_up_proj)), lp.down_proj)
 
 
 class LayerFunctions(NamedTuple):
@@ -103,11 +106,14 @@ class LayerFunctions(NamedTuple):
 EAGER = LayerFunctions()
 
 
-def compiled_layer_functions() -> LayerFunctions:
+def compiled_layer_functions(linear: Callable = F.linear) -> LayerFunctions:
     """torch.compile'd layer parts, shape-dynamic in the token count (one compile serves
-    every batch size). Set TORCHINDUCTOR_CACHE_DIR to keep the kernels across starts."""
-    return LayerFunctions(torch.compile(attention_inputs, dynamic=True, fullgraph=True),
-                          torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True))
+    every batch size; batch 1 gets its own graph). `linear` computes every projection (CUDA
+    passes nanoinfer.gemv.linear). Set TORCHINDUCTOR_CACHE_DIR to keep the kernels across starts."""
+    return LayerFunctions(torch.compile(functools.partial(attention_inputs, linear=linear), dynamic=True,
+                                        fullgraph=True),
+                          torch.compile(functools.partial(attention_output_and_mlp, linear=linear), dynamic=True,
+                                        fullgraph=True))
 
 
 def forward(

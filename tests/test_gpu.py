@@ -1,5 +1,6 @@
-"""GPU-only checks (skipped without CUDA): CUDA-graph replay equals eager bit for bit, and
-bf16 greedy decoding agrees with transformers up to near-ties."""
+"""GPU-only checks (skipped without CUDA): CUDA-graph replay equals eager bit for bit, the
+Triton GEMV against an fp32 matmul, the compiled batch-1 path against an fp32 oracle, async
+scheduling changes no token, and bf16 greedy decoding agrees with transformers up to near-ties."""
 
 import pytest
 import torch
@@ -119,4 +120,67 @@ def test_engine_on_cuda_with_nvtx_ranges_and_phase_times(hf_and_ours):
     while engine.has_unfinished():
         engine.step()
     assert len(seq.output_token_ids) == 4 and not engine._nvtx_open
-    assert set(engine.phase_times) == {"schedule", "batch", "forward", "sample"}
+    assert set(engine.phase_times) == {"schedule", "batch", "forward", "sample", "resolve"}
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1000, 1000), (7, 33),
+                                 (151936, 1024), (3, 4096)])
+def test_gemv_matches_an_fp32_matmul(n, k):
+    from nanoinfer.gemv import gemv, linear
+
+    g = torch.Generator(device="cuda").manual_seed(n * k)
+    for dtype in (torch.bfloat16, torch.float16):
+        w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) * k**-0.5
+        x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
+        out = gemv(x, w)
+        ref = x.float() @ w.float().T
+        assert out.dtype == dtype and out.shape == (1, n) and not out.isnan().any()
+        # One rounding of the fp32 sum to bf16/fp16, nothing more.
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+        assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        bias = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+        assert torch.allclose(linear(x, w, bias).float(), (ref + bias.float()).to(dtype).float(), rtol=2 * tol,
+                              atol=2 * tol * ref.abs().max().item())
+        assert torch.equal(linear(x.repeat(2, 1), w), torch.nn.functional.linear(x.repeat(2, 1), w))
+
+
+def test_compiled_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours):
+    from nanoinfer.gemv import linear
+
+    _, model = hf_and_ours
+    cfg, bs = model.config, 16
+    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
+    kv.normal_()
+    backend = TritonPagedAttention(cfg, device="cuda")
+    compiled = compiled_layer_functions(linear)
+    decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
+    with torch.inference_mode():
+        eager = forward(model.params, kv.clone(), decode, cfg, backend)
+        fused = forward(model.params, kv.clone(), decode, cfg, backend, compiled)
+        exact = forward(map_params(torch.Tensor.float, model.params), kv.float(), decode, cfg)
+    eager_err = (eager - exact).abs().max().item()
+    fused_err = (fused - exact).abs().max().item()
+    assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
+    graphs = DecodeGraphs(model.params, kv, cfg, backend, max_batch=2, max_blocks=16, buckets=(1, 2),
+                          layer_fns=compiled)
+    graphs.capture()
+    with torch.inference_mode():
+        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode).clone())
+
+
+def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
+    _, model = hf_and_ours
+    outs = []
+    for overlap in (False, True):
+        engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=512, max_model_len=1024,
+                                                async_scheduling=overlap))
+        assert engine.async_scheduling is overlap
+        seqs = [engine.add_request(list(range(100 + i, 130 + 7 * i)),
+                                   SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=5 + 3 * i,
+                                                  ignore_eos=True, logprobs=2 if i == 3 else None))
+                for i in range(8)]
+        while engine.has_unfinished():
+            engine.step()
+        outs.append([s.output_token_ids for s in seqs])
+        assert engine.blocks.num_free_blocks == 512
+    assert outs[0] == outs[1]
