@@ -5,7 +5,8 @@ transformers (eager) in the same run.
 
 5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
 bandwidth = weight bytes read per token x tok/s. Also prints where a NanoInfer step's host
-time goes (schedule / batch / forward launch / sample+sync).
+time goes (schedule / batch / forward launch / sample launch / resolve, which waits for the
+device: with overlap, for the step before).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import time
 import torch
 
 
-def time_ours(model, new_tokens, enforce_eager=False):
+def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine_core import EngineConfig, EngineCore
 
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
-                                            enforce_eager=enforce_eager))
+                                            enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     prompt = [11, 22, 33, 44, 55]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     while engine.has_unfinished():
@@ -75,20 +76,23 @@ def main():
     from bench.shapes import random_model, weight_bytes
 
     print(f"device {torch.cuda.get_device_name()}  new tokens {args.new_tokens}  prompt 5")
-    print(f"{'shape':<14}{'engine':<22}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample+sync")
+    print(f"{'shape':<14}{'engine':<30}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample resolve")
     for name in args.shapes:
         model = random_model(name)
         nbytes = weight_bytes(model)
-        for label, eager in (("nanoinfer (graphs)", False), ("nanoinfer (eager)", True)):
-            tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager)
-            breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample"))
-            print(f"{name:<14}{label:<22}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
+        for label, eager, overlap in (("nanoinfer (graphs, overlap)", False, True),
+                                      ("nanoinfer (graphs, no overlap)", False, False),
+                                      ("nanoinfer (eager)", True, True)):
+            tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap)
+            breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
+                                                                      "resolve"))
+            print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
         del model
         gc.collect()
         torch.cuda.empty_cache()
         if not args.no_baseline:
             tps = time_transformers(name, args.new_tokens)
-            print(f"{name:<14}{'transformers (eager)':<22}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}")
+            print(f"{name:<14}{'transformers (eager)':<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}")
         gc.collect()
         torch.cuda.empty_cache()
 
