@@ -21,12 +21,20 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 
 class DecodeGraphs:
     """Graphs of `forward` for decode batches of up to `max_batch` sequences (one query row
-    each) whose block tables are at most `max_blocks` wide."""
+    each) whose block tables are at most `max_blocks` wide.
+
+    Each batch-size bucket is captured once per block-table width in `widths` (plus
+    `max_blocks`): attention kernels size their launch from that width (the longest
+    context it allows), so a step of short contexts replays a graph sized for them rather
+    than one that splits every sequence's keys for the longest context the model allows.
+    """
 
     def __init__(self, params: Params, kv: torch.Tensor, cfg: ModelConfig, backend: AttentionBackend,
-                 max_batch: int, max_blocks: int, buckets=DEFAULT_BUCKETS, layer_fns: LayerFunctions = EAGER):
+                 max_batch: int, max_blocks: int, buckets=DEFAULT_BUCKETS, layer_fns: LayerFunctions = EAGER,
+                 widths: tuple[int, ...] = ()):
         self.params, self.kv, self.cfg, self.backend, self.layer_fns = params, kv, cfg, backend, layer_fns
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
+        self.widths = tuple(sorted({w for w in widths if 0 < w < max_blocks})) + (max_blocks,)
         self.max_blocks = max_blocks
         device = kv.device
         n = max_batch
@@ -37,19 +45,19 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one row per sequence
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by (size, width)
         self.pool = None
 
-    def _static_batch(self, size: int) -> Batch:
+    def _static_batch(self, size: int, width: int) -> Batch:
         return Batch(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                     self.block_tables[:size], self.seq_lens[:size], self.query_start_loc[:size + 1],
+                     self.block_tables[:size, :width], self.seq_lens[:size], self.query_start_loc[:size + 1],
                      self.logits_indices[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
-        for size in sorted(self.buckets, reverse=True):
-            batch = self._static_batch(size)
+        for size, width in sorted(((s, w) for s in self.buckets for w in self.widths), reverse=True):
+            batch = self._static_batch(size, width)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
@@ -60,7 +68,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
             self.pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size, width] = (graph, logits)
         torch.cuda.synchronize()
 
     def can_run(self, batch: Batch) -> bool:
@@ -74,6 +82,7 @@ class DecodeGraphs:
         n = batch.num_seqs
         size = next(b for b in self.buckets if b >= n)
         width = batch.block_tables.shape[1]
+        # Columns past `width` may hold another step's blocks: seq_lens keeps them unread.
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
@@ -81,6 +90,6 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         self.seq_lens[n:size].fill_(0)
-        graph, logits = self.graphs[size]
+        graph, logits = self.graphs[size, next(w for w in self.widths if w >= width)]
         graph.replay()
         return logits[:n]

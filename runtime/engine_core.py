@@ -103,7 +103,10 @@ class EngineCore:
             self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
                                        max_batch=min(config.scheduler.max_num_seqs, 512),
                                        max_blocks=-(-self.max_model_len // config.block_size),
-                                       layer_fns=self.layer_fns)
+                                       layer_fns=self.layer_fns,
+                                       # Steps whose contexts fit one split-K partition get graphs
+                                       # whose attention runs in one pass (no reduce kernel).
+                                       widths=(self.attention.partition_size // config.block_size,))
             self.graphs.capture()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

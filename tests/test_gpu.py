@@ -44,20 +44,24 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
     kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
     kv.normal_()
     backend = TritonPagedAttention(cfg, device="cuda")
-    graphs = DecodeGraphs(model.params, kv, cfg, backend, max_batch=8, max_blocks=16, buckets=(1, 2, 4, 8))
+    graphs = DecodeGraphs(model.params, kv, cfg, backend, max_batch=8, max_blocks=16, buckets=(1, 2, 4, 8),
+                          widths=(4,))
     graphs.capture()
-    contexts = [1, 17, 100, 33, 250]  # decode rows at these positions, 5 -> padded to bucket 8
-    chunks, block = [], 0
-    for n in contexts:
-        blocks = -(-n // bs)
-        chunks.append(SeqChunk([7 + n], n - 1, list(range(block, block + blocks)), True))
-        block += blocks
-    batch = build_batch(chunks, bs, "cuda")
-    assert graphs.can_run(batch)
-    with torch.inference_mode():
-        eager = forward(model.params, kv, batch, cfg, backend).clone()
-        replayed = graphs.run(batch).clone()
-    assert torch.equal(eager, replayed)
+    assert set(graphs.graphs) == {(b, w) for b in (1, 2, 4, 8) for w in (4, 16)}
+    # Decode rows at these positions: 5 rows padded to bucket 8, 3 rows to bucket 4; the
+    # second batch's tables fit the narrow graphs (3 blocks of 16 <= 4).
+    for contexts in ([1, 17, 100, 33, 250], [1, 40, 17]):
+        chunks, block = [], 0
+        for n in contexts:
+            blocks = -(-n // bs)
+            chunks.append(SeqChunk([7 + n], n - 1, list(range(block, block + blocks)), True))
+            block += blocks
+        batch = build_batch(chunks, bs, "cuda")
+        assert graphs.can_run(batch)
+        with torch.inference_mode():
+            eager = forward(model.params, kv, batch, cfg, backend).clone()
+            replayed = graphs.run(batch).clone()
+        assert torch.equal(eager, replayed), contexts
 
 
 def test_compiled_forward_matches_eager_and_replays_exactly(hf_and_ours):

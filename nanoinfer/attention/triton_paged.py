@@ -259,9 +259,10 @@ class TritonPagedAttention:
         max_context = metadata.block_tables.shape[1] * block_size
         num_parts = min(self.max_partitions, triton.cdiv(max_context, self.partition_size))
         split = tokens <= self.max_split_tokens and num_parts > 1
-        # Decode-sized steps: 16 rows (the smallest tensor-core tile) so one decode query of a GQA
-        # group wastes few rows; prefill: 64 rows per K/V tile load.
-        block_m = max(16 if split else 64, triton.next_power_of_2(self.group))
+        # Decode-sized steps (split, or one query per sequence): 16 rows (the smallest
+        # tensor-core tile) so one decode query of a GQA group wastes few rows; prefill: 64
+        # rows per K/V tile load.
+        block_m = max(16 if split or tokens <= num_seqs else 64, triton.next_power_of_2(self.group))
         block_q = block_m // self.group
         part_size = 0
         if split:
