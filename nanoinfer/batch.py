@@ -7,6 +7,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from nanoinfer.host_copy import to_device
+
 
 class Batch(NamedTuple):
     """One step's work: the new tokens of every scheduled sequence, flattened.
@@ -76,7 +78,7 @@ def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.devic
     logits_indices = query_start_loc[1:][wants] - 1
 
     def tensor(values: np.ndarray, dtype):
-        return torch.from_numpy(np.ascontiguousarray(values)).to(dtype).to(device, non_blocking=True)
+        return to_device(values, dtype, device)
 
     return Batch(
         input_ids=tensor(input_ids, torch.int64),

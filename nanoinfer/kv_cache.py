@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanoinfer.config import ModelConfig
+from nanoinfer.host_copy import to_device
 
 # kv: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]. Block-major with heads
 # innermost, so one block of one layer is a contiguous [block_size, kv_heads, head_dim]
@@ -28,7 +29,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 def copy_blocks(kv: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """Copy whole blocks within the pool, every layer at once (copy-on-write of shared blocks)."""
     if copies:
-        src, dst = (torch.tensor(idx, device=kv.device) for idx in zip(*copies))
+        src, dst = (to_device(idx, torch.int64, kv.device) for idx in zip(*copies))
         kv[:, :, dst] = kv[:, :, src]
 
 

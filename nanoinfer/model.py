@@ -7,7 +7,6 @@ only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -97,10 +96,12 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
 class LayerFunctions(NamedTuple):
     """The dense parts of a layer; attention sits between them. Swapping in compiled
     versions (`compiled_layer_functions`) fuses the dozens of small element-wise kernels
-    a layer otherwise launches, without touching the attention backend's kernels."""
+    a layer otherwise launches, without touching the attention backend's kernels. `linear`
+    computes every projection (CUDA uses nanoinfer.gemv.linear: a Triton GEMV at batch 1)."""
 
     attention_inputs: Callable = attention_inputs
     attention_output_and_mlp: Callable = attention_output_and_mlp
+    linear: Callable = F.linear
 
 
 EAGER = LayerFunctions()
@@ -108,12 +109,11 @@ EAGER = LayerFunctions()
 
 def compiled_layer_functions(linear: Callable = F.linear) -> LayerFunctions:
     """torch.compile'd layer parts, shape-dynamic in the token count (one compile serves
-    every batch size; batch 1 gets its own graph). `linear` computes every projection (CUDA
-    passes nanoinfer.gemv.linear). Set TORCHINDUCTOR_CACHE_DIR to keep the kernels across starts."""
-    return LayerFunctions(torch.compile(functools.partial(attention_inputs, linear=linear), dynamic=True,
-                                        fullgraph=True),
-                          torch.compile(functools.partial(attention_output_and_mlp, linear=linear), dynamic=True,
-                                        fullgraph=True))
+    every batch size; batch 1 gets its own graph). Set TORCHINDUCTOR_CACHE_DIR to keep the
+    kernels across starts. (`linear` is passed at each call rather than bound with a partial:
+    Dynamo then guards on one module-level function, and engines share the compiled code.)"""
+    return LayerFunctions(torch.compile(attention_inputs, dynamic=True, fullgraph=True),
+                          torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True), linear)
 
 
 def forward(
@@ -134,10 +134,10 @@ def forward(
     x = params.embed[batch.input_ids]  # [tokens, hidden]
     cos, sin = rope_cos_sin(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
-        q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg)
+        q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg, layer_fns.linear)
         backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)
         attn = backend.attention(q, kv[layer_idx], meta)  # [tokens, heads, head_dim]
-        x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg)
+        x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear)
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
     return F.linear(x, params.lm_head).float()

@@ -7,6 +7,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from nanoinfer.host_copy import to_device
+
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -17,7 +19,7 @@ def _scatter_counts(rows: Sequence[Sequence[int]], vocab: int, device) -> torch.
     ids = torch.tensor([list(r) + [vocab] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
     counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab].to(device, non_blocking=True)
+    return to_device(counts[:, :vocab], torch.float32, device)
 
 
 class Penalties(NamedTuple):
@@ -56,11 +58,11 @@ class Penalties(NamedTuple):
             banned[torch.tensor(r), torch.tensor(t)] = True
 
         def col(values):
-            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+            return to_device(values, torch.float32, device)
 
         return cls(output_counts, seen, col([p.presence_penalty for p in params]),
                    col([p.frequency_penalty for p in params]), col([p.repetition_penalty for p in params]),
-                   bias.to(device, non_blocking=True), banned.to(device, non_blocking=True))
+                   to_device(bias, torch.float32, device), to_device(banned, torch.bool, device))
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from nanoinfer.host_copy import to_device
 from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ class SamplingTensors(NamedTuple):
         """`prompts` and `outputs` (each row's token history) are needed only by rows with
         penalties, logit bias or min_tokens."""
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(values, dtype, device)
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         return cls(

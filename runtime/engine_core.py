@@ -18,6 +18,7 @@ import torch
 
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
+from nanoinfer.host_copy import to_device
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hub import cache_dir
@@ -245,6 +246,7 @@ class EngineCore:
                 self.running.append(seq)
             copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
 
+    @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Plan and launch one forward over the scheduled sequences; return the tokens sampled
         by the step before it (async scheduling) or by this one (synchronous)."""
@@ -294,13 +296,13 @@ class EngineCore:
                 logits_rows.append(row + n - 1)
             row += n
         batch = build_batch(chunks, self.config.block_size, self.device)
-        batch = batch._replace(logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(self.device))
+        batch = batch._replace(logits_indices=to_device(logits_rows, torch.int64, self.device))
         if fill_rows:
             if previous is None:
                 raise RuntimeError("internal: a pending token to compute but no step in flight")
             row_of = previous.row_of()
-            src = torch.tensor([row_of[i] for i in fill_from], dtype=torch.int64).to(self.device, non_blocking=True)
-            dst = torch.tensor(fill_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            src = to_device([row_of[i] for i in fill_from], torch.int64, self.device)
+            dst = to_device(fill_rows, torch.int64, self.device)
             batch.input_ids.index_copy_(0, dst, previous.tokens.index_select(0, src))
         clock = self._phase("batch", clock)
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -323,7 +325,7 @@ class EngineCore:
         all_logits = logits
         sample_rows = [r for _, r in samplers]
         if sample_rows != list(range(logits.shape[0])):  # (a pure decode step needs no gather)
-            logits = logits[torch.tensor(sample_rows, dtype=torch.int64).to(logits.device)]
+            logits = logits[to_device(sample_rows, torch.int64, logits.device)]
         params = [s.params for s in sampling_seqs]
         # Token histories only for the rows with penalties: those never hold a PENDING token
         # (`step` resolves the step in flight first), the others may.
@@ -344,7 +346,7 @@ class EngineCore:
             targets = seq.prompt_token_ids[start + 1:last + 1]
             prompt_lp.append(PromptLogprobRows(seq, start, targets, last == seq.num_prompt_tokens - 1))
             results.extend(compute_logprobs(all_logits[first_row:first_row + len(targets)],
-                                            torch.tensor(targets, dtype=torch.int64).to(self.device),
+                                            to_device(targets, torch.int64, self.device),
                                             seq.params.prompt_logprobs))
         rows = []
         for seq, k in zip(sampling_seqs, wanted):
