@@ -5,7 +5,8 @@
 For each (batch, context) pair: random bf16 weights in the shape, `batch` sequences with
 `context`-token random prompts, prefilled, then `--steps` decode steps under the profiler.
 Prints the wall time per step, the GPU kernel time per step (sum over kernels, so the gap
-between the two is host time the GPU waited for), the host phases, and the top kernels.
+between the two is host time the GPU waited for), the host phases, the top kernels, and
+the top host-side ops (CUDA runtime calls included).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def profile(model, batch, context, steps, rows):
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
         per_step = e.self_device_time_total / steps
         print(f"{e.key[:88]:<90}{e.count / steps:>11.1f}{per_step:>10.1f}{per_step * steps / e.count:>9.2f}")
+    # Host side: where the step loop's own time goes, CUDA runtime calls included (a
+    # cudaStreamSynchronize or cudaHostAlloc here is the host waiting on the device).
+    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    print(f"{'host op':<90}{'calls/step':>11}{'us/step':>10}")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        print(f"{e.key[:88]:<90}{e.count / steps:>11.1f}{e.self_cpu_time_total / steps:>10.1f}")
     del engine
 
 
