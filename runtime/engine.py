@@ -46,6 +46,10 @@ class RequestHandle:
         self.prompt_logprobs: tuple | None = None
         self.error: BaseException | None = None
         self.wakeup = asyncio.Event()
+        # Wake the consumer at every step's tokens (streaming, stop strings), or only at the
+        # end (`collect` without stop strings: no per-step task switch for each of a
+        # batch's hundreds of requests, which would compete with the worker for the GIL).
+        self.wake_each_step = True
 
     @property
     def finished(self) -> bool:
@@ -218,7 +222,9 @@ class AsyncEngine:
                 completion.finish_reason = event.finish_reason
                 if request.finished:
                     self._requests.pop(event.request_id, None)
-            request.wakeup.set()
+                request.wakeup.set()
+            elif request.wake_each_step:
+                request.wakeup.set()
         if report.error is not None:
             if not isinstance(report.error, RequestError) or len(report.failed) != 1:
                 self._error = report.error
@@ -287,6 +293,7 @@ class AsyncEngine:
 
     async def collect(self, request: RequestHandle) -> RequestOutput:
         """Follow a request to its end; the whole text, ids and logprobs of each completion."""
+        request.wake_each_step = bool(request.params.stop)  # stop strings are matched as text arrives
         n = len(request.completions)
         texts, ids, logprobs, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         prompt_logprobs, last = None, None
