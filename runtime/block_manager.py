@@ -79,10 +79,12 @@ class BlockManager:
                                dropped: Mapping[int, int] | None = None) -> list[int]:
         """Indices into seq.block_table of shared blocks that positions
         [num_computed_tokens, num_tokens) would write into."""
+        table, refs = seq.block_table, self.device.ref_counts
         first = seq.num_computed_tokens // self.block_size
-        last = min(len(seq.block_table), self.blocks_for(num_tokens))
-        refs, dropped = self.device.ref_counts, dropped or {}
-        return [i for i in range(first, last) if refs[seq.block_table[i]] - dropped.get(seq.block_table[i], 0) > 1]
+        last = min(len(table), -(-num_tokens // self.block_size))
+        if not dropped:  # (the per-step common case, kept cheap: it runs for every sequence)
+            return [i for i in range(first, last) if refs[table[i]] > 1]
+        return [i for i in range(first, last) if refs[table[i]] - dropped.get(table[i], 0) > 1]
 
     def blocks_needed(self, seq: Sequence, num_tokens: int, dropped: Mapping[int, int] | None = None) -> int:
         """Free device blocks `append_slots(seq, num_tokens)` would take once other tables have
@@ -98,11 +100,12 @@ class BlockManager:
         """Make `seq`'s table cover `num_tokens` tokens with every block it is about to write
         (from num_computed_tokens on) exclusively its own. Returns the copies the caller must
         apply to the KV pool before the write (copy-on-write of shared blocks)."""
-        need = self.blocks_needed(seq, num_tokens)
+        shared = self._shared_in_write_range(seq, num_tokens)
+        need = max(0, self.blocks_for(num_tokens) - len(seq.block_table)) + len(shared)
         if need > self.num_free_blocks:
             raise MemoryError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
         copies = []
-        for i in self._shared_in_write_range(seq, num_tokens):
+        for i in shared:
             shared = seq.block_table[i]
             own = self.device.take()
             self.device.release(shared)

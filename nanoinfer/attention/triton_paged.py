@@ -204,11 +204,15 @@ class TritonPagedAttention:
     The split-K workspaces are allocated once here, for steps of up to `max_split_tokens`
     query rows and contexts of up to `max_partitions * partition_size` tokens (the partition
     size grows past `partition_size` for longer contexts, so any length is served). Steps with
-    more rows, where the query tiles alone fill the GPU, run unsplit.
+    more rows, where the query tiles alone fill the GPU, run unsplit: by default past 512
+    (row, kv head) programs, about four per SM, beyond which splitting only adds the partial
+    writes and the reduce kernel (0.36 ms of a 7.6 ms decode step at batch 256 on an H200).
     """
 
-    def __init__(self, cfg: ModelConfig, *, max_split_tokens: int = 256, partition_size: int = 512,
+    def __init__(self, cfg: ModelConfig, *, max_split_tokens: int | None = None, partition_size: int = 512,
                  max_partitions: int = 32, device: torch.device | str = "cuda"):
+        if max_split_tokens is None:
+            max_split_tokens = max(1, 512 // cfg.num_kv_heads)
         d = cfg.head_dim
         # One register tile holds a whole head (tl.arange needs a power of two); past 128 the
         # fp32 accumulator of a 64-row tile no longer fits in registers.
