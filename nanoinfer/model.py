@@ -69,12 +69,16 @@ def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Params) -> Pa
     return dataclasses.replace(apply_all(params), layers=layers)
 
 
+def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable = F.linear) -> torch.Tensor:
+    """Norm and the stacked QKV projection: [tokens, q_size + 2 * kv_size]."""
+    return linear(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj, lp.qkv_bias)
+
+
 def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
                      linear: Callable = F.linear):
     """Norm, QKV projection, q/k norm and RoPE: q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
     tokens = x.shape[0]
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = linear(h, lp.qkv_proj, lp.qkv_bias)
+    qkv = qkv_projection(x, lp, cfg, linear)
     q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
     q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -97,23 +101,30 @@ class LayerFunctions(NamedTuple):
     """The dense parts of a layer; attention sits between them. Swapping in compiled
     versions (`compiled_layer_functions`) fuses the dozens of small element-wise kernels
     a layer otherwise launches, without touching the attention backend's kernels. `linear`
-    computes every projection (CUDA uses nanoinfer.gemv.linear: a Triton GEMV at batch 1)."""
+    computes every projection (CUDA uses nanoinfer.gemv.linear: a Triton GEMV at batch 1).
+    With `rope_and_write` (CUDA: nanoinfer.rope_write), `qkv_projection` and that one kernel
+    replace `attention_inputs` and the backend's KV write."""
 
     attention_inputs: Callable = attention_inputs
     attention_output_and_mlp: Callable = attention_output_and_mlp
     linear: Callable = F.linear
+    qkv_projection: Callable = qkv_projection
+    rope_and_write: Callable | None = None
 
 
 EAGER = LayerFunctions()
 
 
-def compiled_layer_functions(linear: Callable = F.linear) -> LayerFunctions:
+def compiled_layer_functions(linear: Callable = F.linear, rope_and_write: Callable | None = None) -> LayerFunctions:
     """torch.compile'd layer parts, shape-dynamic in the token count (one compile serves
     every batch size; batch 1 gets its own graph). Set TORCHINDUCTOR_CACHE_DIR to keep the
     kernels across starts. (`linear` is passed at each call rather than bound with a partial:
     Dynamo then guards on one module-level function, and engines share the compiled code.)"""
-    return LayerFunctions(torch.compile(attention_inputs, dynamic=True, fullgraph=True),
-                          torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True), linear)
+    def compiled(fn):
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+
+    return LayerFunctions(compiled(attention_inputs), compiled(attention_output_and_mlp), linear,
+                          compiled(qkv_projection), rope_and_write)
 
 
 def forward(
@@ -134,8 +145,12 @@ def forward(
     x = params.embed[batch.input_ids]  # [tokens, hidden]
     cos, sin = rope_cos_sin(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
-        q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg, layer_fns.linear)
-        backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)
+        if layer_fns.rope_and_write is None:
+            q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg, layer_fns.linear)
+            backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)
+        else:  # (the pool's layout is kv_cache.py's, whatever the backend)
+            qkv = layer_fns.qkv_projection(x, lp, cfg, layer_fns.linear)
+            q = layer_fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv[layer_idx], batch.slot_mapping, cfg)
         attn = backend.attention(q, kv[layer_idx], meta)  # [tokens, heads, head_dim]
         x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear)
     # Only the rows that sample pay for the final norm and the LM head.

@@ -99,8 +99,9 @@ class EngineCore:
             # Keep Inductor's compiled kernels beside the models, so a second start is fast.
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
             from nanoinfer.gemv import linear
+            from nanoinfer.rope_write import rope_and_write
 
-            self.layer_fns = compiled_layer_functions(linear)
+            self.layer_fns = compiled_layer_functions(linear, rope_and_write)
             self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
                                        max_batch=min(config.scheduler.max_num_seqs, 512),
                                        max_blocks=-(-self.max_model_len // config.block_size),

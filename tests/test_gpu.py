@@ -9,12 +9,16 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+import dataclasses  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from nanoinfer.batch import SeqChunk, build_batch  # noqa: E402
 from nanoinfer.graphs import DecodeGraphs  # noqa: E402
 from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
+from nanoinfer.layers import rms_norm  # noqa: E402
 from nanoinfer.loaders import LoadedModel  # noqa: E402
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config  # noqa: E402
 from nanoinfer.model import compiled_layer_functions, forward, map_params  # noqa: E402
@@ -148,15 +152,53 @@ def test_gemv_matches_an_fp32_matmul(n, k):
         assert torch.equal(linear(x.repeat(2, 1), w), torch.nn.functional.linear(x.repeat(2, 1), w))
 
 
+@pytest.mark.parametrize("qk_norm,head_dim,kv_heads,dtype", [(True, 128, 8, torch.bfloat16), (False, 64, 8, torch.bfloat16),
+                                                              (True, 64, 2, torch.float16), (False, 128, 4, torch.float16)])
+def test_rope_and_write_matches_the_reference_composition(qk_norm, head_dim, kv_heads, dtype):
+    from nanoinfer.attention.reference import REFERENCE
+    from nanoinfer.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.model import attention_inputs
+    from nanoinfer.rope_write import rope_and_write
+    from tests.tiny import random_params, tiny_config
+
+    cfg = tiny_config(hidden_size=256, num_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      qk_norm=qk_norm, num_layers=1, rope_theta=1e6)
+    lp = map_params(lambda t: t.to("cuda", dtype), random_params(cfg, seed=head_dim)).layers[0]
+    g = torch.Generator(device="cuda").manual_seed(kv_heads)
+    tokens, bs = 37, 16
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=dtype, generator=g)
+    positions = torch.randint(0, 5000, (tokens,), device="cuda", generator=g)
+    slots = torch.randperm(8 * bs, device="cuda", generator=g)[:tokens]
+    slots[::5] = -1  # padding rows store nothing
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg).cuda(), positions, dtype)
+    kv = torch.randn(2, 8, bs, kv_heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    ours, theirs = kv.clone(), kv.float()
+    q = rope_and_write(F.linear(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj), lp.q_norm, lp.k_norm,
+                       cos, sin, ours, slots, cfg)
+    # The oracle: the same composition in fp32 (inputs from the same bf16/fp16 projection).
+    lp32 = map_params(torch.Tensor.float, lp)
+    qkv = F.linear(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj).float()
+    q_ref, k_ref, v_ref = attention_inputs(x.float(), dataclasses.replace(lp32, qkv_proj=None), cos.float(),
+                                           sin.float(), cfg, linear=lambda h, w, b: qkv)
+    REFERENCE.write_kv(theirs, k_ref, v_ref, slots)
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 2 ** -9
+    assert torch.allclose(q.float(), q_ref, rtol=tol, atol=tol)
+    assert torch.allclose(ours.float(), theirs, rtol=tol, atol=tol)
+    untouched = torch.ones(8 * bs, dtype=torch.bool, device="cuda")
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(ours.view(2, 8 * bs, -1)[:, untouched], kv.view(2, 8 * bs, -1)[:, untouched])
+
+
 def test_compiled_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours):
     from nanoinfer.gemv import linear
+    from nanoinfer.rope_write import rope_and_write
 
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
     kv.normal_()
     backend = TritonPagedAttention(cfg, device="cuda")
-    compiled = compiled_layer_functions(linear)
+    compiled = compiled_layer_functions(linear, rope_and_write)
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
         eager = forward(model.params, kv.clone(), decode, cfg, backend)
