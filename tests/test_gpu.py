@@ -163,7 +163,8 @@ def test_rope_and_write_matches_the_reference_composition(qk_norm, head_dim, kv_
 
     cfg = tiny_config(hidden_size=256, num_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim,
                       qk_norm=qk_norm, num_layers=1, rope_theta=1e6)
-    lp = map_params(lambda t: t.to("cuda", dtype), random_params(cfg, seed=head_dim)).layers[0]
+    params = map_params(lambda t: t.to("cuda", dtype), random_params(cfg, seed=head_dim))
+    lp, lp32 = params.layers[0], map_params(torch.Tensor.float, params).layers[0]
     g = torch.Generator(device="cuda").manual_seed(kv_heads)
     tokens, bs = 37, 16
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=dtype, generator=g)
@@ -176,7 +177,6 @@ def test_rope_and_write_matches_the_reference_composition(qk_norm, head_dim, kv_
     q = rope_and_write(F.linear(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj), lp.q_norm, lp.k_norm,
                        cos, sin, ours, slots, cfg)
     # The oracle: the same composition in fp32 (inputs from the same bf16/fp16 projection).
-    lp32 = map_params(torch.Tensor.float, lp)
     qkv = F.linear(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj).float()
     q_ref, k_ref, v_ref = attention_inputs(x.float(), dataclasses.replace(lp32, qkv_proj=None), cos.float(),
                                            sin.float(), cfg, linear=lambda h, w, b: qkv)
