@@ -7,7 +7,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from nanoinfer.host_copy import to_device
+from nanoinfer.host_copy import to_device_packed
 
 
 class Batch(NamedTuple):
@@ -46,11 +46,13 @@ class SeqChunk(NamedTuple):
     compute_logits: bool
 
 
-def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu") -> Batch:
-    """Lay out the chunks as one Batch on `device`.
+def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
+                logits_rows: Sequence[int] | None = None) -> Batch:
+    """Lay out the chunks as one Batch on `device`. `logits_rows` overrides the rows whose
+    logits are computed (default: the last row of each chunk that asks for them).
 
     Built on the host with numpy (a step at batch 256 has ~32k block-table entries: Python
-    lists of them cost milliseconds) and moved in one copy per tensor.
+    lists of them cost milliseconds) and moved in two copies (see host_copy.to_device_packed).
     """
     num = len(chunks)
     lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num)
@@ -77,15 +79,10 @@ def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.devic
     wants = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=num)
     logits_indices = query_start_loc[1:][wants] - 1
 
-    def tensor(values: np.ndarray, dtype):
-        return to_device(values, dtype, device)
-
-    return Batch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        slot_mapping=tensor(slots, torch.int64),
-        block_tables=tensor(block_tables, torch.int32),
-        seq_lens=tensor(ends, torch.int32),
-        query_start_loc=tensor(query_start_loc, torch.int32),
-        logits_indices=tensor(logits_indices, torch.int64),
-    )
+    # Two copies in all: the int64 columns, and the int32 ones (the kernels' index types).
+    input_ids, positions, slot_mapping, logits_indices = to_device_packed(
+        [input_ids, positions, slots, logits_indices if logits_rows is None else np.asarray(logits_rows, np.int64)],
+        torch.int64, device)
+    block_tables, seq_lens, query_start_loc = to_device_packed([block_tables, ends, query_start_loc], torch.int32,
+                                                               device)
+    return Batch(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices)

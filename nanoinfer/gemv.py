@@ -21,7 +21,8 @@ import triton.language as tl
 
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-             for n, k, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4), (32, 256, 8))],
+             for n, k, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4), (32, 256, 8),
+                             (8, 2048, 8), (16, 1024, 8), (32, 512, 8), (64, 256, 8))],
     key=["N", "K"],
 )
 @triton.jit

@@ -13,6 +13,19 @@ import numpy as np
 import torch
 
 
+def to_device_packed(arrays, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Several host arrays of one dtype as tensors on `device`, in one copy: concatenated
+    into one buffer, moved, and split back into views of their shapes. (Each copy costs a
+    pinned staging and a launch, ~30 µs of host time: a decode step at batch 1 has a dozen.)"""
+    arrays = [np.asarray(a) for a in arrays]
+    flat = to_device(np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0), dtype, device)
+    out, start = [], 0
+    for a in arrays:
+        out.append(flat[start:start + a.size].view(a.shape))
+        start += a.size
+    return out
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`values` (a list, numpy array or CPU tensor) as a `dtype` tensor on `device`."""
     t = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else torch.as_tensor(values)

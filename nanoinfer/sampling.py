@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from nanoinfer.host_copy import to_device
+from nanoinfer.host_copy import to_device_packed
 from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
@@ -41,17 +41,20 @@ class SamplingTensors(NamedTuple):
               outputs: Sequence[Sequence[int]] = (), eos_token_ids: Sequence[int] = ()) -> "SamplingTensors":
         """`prompts` and `outputs` (each row's token history) are needed only by rows with
         penalties, logit bias or min_tokens."""
-        def tensor(values, dtype):
-            return to_device(values, dtype, device)
-
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # Two copies: the float columns and the integer ones.
+        temperature, top_p, min_p = to_device_packed(
+            [[float(p.temperature) for p in params], [float(p.top_p) for p in params],
+             [float(p.min_p) for p in params]], torch.float32, device)
+        top_k_t, seeds, steps_t = to_device_packed(
+            [top_k, [(p.seed or 0) & 0xFFFF_FFFF_FFFF for p in params], list(steps)], torch.int64, device)
         return cls(
-            temperature=tensor([float(p.temperature) for p in params], torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            top_p=tensor([float(p.top_p) for p in params], torch.float32),
-            min_p=tensor([float(p.min_p) for p in params], torch.float32),
-            seeds=tensor([(p.seed or 0) & 0xFFFF_FFFF_FFFF for p in params], torch.int64),
-            steps=tensor(list(steps), torch.int64),
+            temperature=temperature,
+            top_k=top_k_t,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            steps=steps_t,
             all_greedy=all(p.greedy for p in params),
             needs_sort=any(not p.greedy and (k < vocab_size or p.top_p < 1) for p, k in zip(params, top_k)),
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),

@@ -18,7 +18,7 @@ import torch
 
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.host_copy import to_device
+from nanoinfer.host_copy import to_device, to_device_packed
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hub import cache_dir
@@ -296,14 +296,12 @@ class EngineCore:
                 samplers.append((seq, len(logits_rows)))
                 logits_rows.append(row + n - 1)
             row += n
-        batch = build_batch(chunks, self.config.block_size, self.device)
-        batch = batch._replace(logits_indices=to_device(logits_rows, torch.int64, self.device))
+        batch = build_batch(chunks, self.config.block_size, self.device, logits_rows)
         if fill_rows:
             if previous is None:
                 raise RuntimeError("internal: a pending token to compute but no step in flight")
             row_of = previous.row_of()
-            src = to_device([row_of[i] for i in fill_from], torch.int64, self.device)
-            dst = to_device(fill_rows, torch.int64, self.device)
+            src, dst = to_device_packed([[row_of[i] for i in fill_from], fill_rows], torch.int64, self.device)
             batch.input_ids.index_copy_(0, dst, previous.tokens.index_select(0, src))
         clock = self._phase("batch", clock)
         if self.graphs is not None and self.graphs.can_run(batch):
