@@ -82,6 +82,7 @@ def main():
     core = llm.engine.core
     steps = max(1, core.step_count)
     phases = "  ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in core.phase_times.items())
+    del core  # (it holds the KV pool, most of the GPU: the baseline needs it back)
     model_path, dtype, device = llm.model.path, llm.model.params.dtype, llm.model.params.device
     llm.close()  # give the GPU back (the KV pool takes most of it) before the baseline loads
     del llm
@@ -111,7 +112,7 @@ def main():
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
     print(f"model {model_path.name}  device {args.device}  seqs {args.num_seqs}  input {args.input_len}  "
           f"output {args.output_len}  output tokens {total}")
-    print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")
+    print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")  # (last row = baseline)
     for name, seconds, tps in rows:
         print(f"{name:<36}{seconds:>10.2f}{tps:>14.1f}{tps / rows[-1][2]:>12.2f}x")
     print(f"nanoinfer host ms per step ({steps} steps, warm-up included; sample includes waiting for the GPU): "
