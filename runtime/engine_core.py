@@ -255,8 +255,10 @@ class EngineCore:
         self._nvtx_next("schedule")
         outputs: list[TokenOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and any(seq.params.has_penalties for seq in self.running):
-            # Penalties count the previous token on the host: this step cannot overlap.
+        if previous is not None and previous.has_penalties:
+            # Penalties count the previous token on the host: this step cannot overlap. (Only
+            # the previous step's samplers hold a PENDING token; the flag says if any of them
+            # has penalties, known when it was launched: no scan of the batch here.)
             outputs, previous = self._resolve(previous), None
         p = self.plan()
         self._apply(p)
@@ -352,7 +354,7 @@ class EngineCore:
             rows.append(SampledRow(seq, seq.num_tokens, k))
             seq.token_ids.append(PENDING)  # known once this step is resolved
         self._phase("sample", clock)
-        return InFlightStep(tuple(rows), tokens, tuple(prompt_lp), DeviceToHost(results))
+        return InFlightStep(tuple(rows), tokens, tuple(prompt_lp), DeviceToHost(results), any(history))
 
     def _resolve(self, step: InFlightStep) -> list[TokenOutput]:
         """Wait for a launched step's results and apply them: tokens appended, stop and length

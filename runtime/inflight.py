@@ -69,6 +69,7 @@ class InFlightStep(NamedTuple):
     # Host copies, in this order: tokens; then chosen/top ids/top values when any row asked
     # for logprobs; then chosen/top ids/top values of each PromptLogprobRows.
     transfer: DeviceToHost
+    has_penalties: bool  # some row has penalties: the next step needs these tokens on the host first
 
     def row_of(self) -> dict[int, int]:
         """Sequence id -> its row in `tokens`."""
