@@ -96,3 +96,12 @@ def test_chat_keeps_history_stops_on_ctrl_c_and_resets(smollm2_gguf):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_async_scheduling_flag_reaches_the_engine_config():
+    from runtime.cli import _engine_kwargs, _parser
+    from runtime.engine import engine_config
+
+    for flag, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        args = _parser().parse_args(["serve", *flag])
+        assert engine_config(**_engine_kwargs(args)).async_scheduling is want
