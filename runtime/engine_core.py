@@ -8,11 +8,12 @@ request early. On CUDA a step launches its work and returns the tokens of the st
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence as Seq
+from typing import Hashable, NamedTuple, Sequence as Seq
 
 import torch
 
@@ -25,10 +26,11 @@ from nanoinfer.loaders.hub import cache_dir
 from nanoinfer.model import EAGER, compiled_layer_functions, forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from runtime.block_manager import BlockManager
+from runtime.faults import Fault, Isolation, RequestFailed, classify
 from runtime.inflight import PENDING, DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
 from runtime.kv_budget import kv_blocks_for_memory
 from runtime.outputs import TokenLogprob
-from runtime.scheduler import Plan, SchedulerConfig, plan
+from runtime.scheduler import Plan, SchedulerConfig, WaitingQueue, plan
 from runtime.sequence import Sequence, SequenceStatus
 
 
@@ -64,13 +66,18 @@ class EngineConfig:
 
 
 class TokenOutput(NamedTuple):
-    """One sequence's progress in one step: the token it sampled, and whether it is done."""
+    """One sequence's progress in one step: the token it sampled, and whether it is done. A
+    sequence the engine failed reports once with no token and `seq.error` set."""
 
     seq: Sequence
-    token_id: int
+    token_id: int | None
     finished: bool
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: tuple | None = None  # with a sequence's first token, when asked for
+
+
+class EngineDead(RuntimeError):
+    """The device failed in a way nothing on it survives: every request fails, the engine stops."""
 
 
 class EngineCore:
@@ -110,9 +117,11 @@ class EngineCore:
                                        # whose attention runs in one pass (no reduce kernel).
                                        widths=(self.attention.partition_size // config.block_size,))
             self.graphs.capture()
-        self.waiting: list[Sequence] = []
+        self.waiting = WaitingQueue(config.scheduler)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.requests: dict[Hashable, list[Sequence]] = {}  # request key -> its n sequences, until all finish
+        self.isolation = Isolation(config.scheduler.max_num_batched_tokens)
         self.step_count = 0
         self.phase_times: dict[str, float] = {}  # host seconds per step phase, summed (benchmarks read it)
         self._nvtx_open = False  # an NVTX range is open (config.nvtx on CUDA)
@@ -156,6 +165,15 @@ class EngineCore:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={self.max_model_len}",
                 param="prompt")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            # As vLLM (and OpenAI) answer: never cut the completion short without saying so.
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
+                f"completion): reduce the prompt or max_tokens", param="max_tokens")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise RequestError(f"n={params.n} is more than this engine runs at once: expected n <= max_num_seqs="
+                               f"{self.config.scheduler.max_num_seqs}", param="n")
         prompt_blocks = len(ids) // self.blocks.block_size  # full blocks the n completions share
         need = prompt_blocks + params.n * (self.blocks.blocks_for(self._max_total(ids, params)) - prompt_blocks)
         if need > self.blocks.num_blocks:
@@ -169,24 +187,36 @@ class EngineCore:
     def _max_total(self, ids: list[int], params: SamplingParams) -> int:
         if params.max_tokens is None:  # as much as fits: the context, and the pool
             return min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
-        return min(len(ids) + params.max_tokens, self.max_model_len)
+        return len(ids) + params.max_tokens
 
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, *, request_id: str = "",
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, *, request: Hashable = None,
                     priority: int = 0) -> Sequence:
-        """Validate and queue a request; raises RequestError naming the bad value."""
+        """Validate and queue a request; raises RequestError naming the bad value. `request` is
+        the key `abort_request` and the outputs' `seq.request` know it by (default: a new one)."""
         ids = self.check_request(prompt_token_ids, params)
         if params.seed is None:
             # Unseeded requests draw a seed here, so the sampler itself is always deterministic.
             params = params.with_seed(self._seed_source.getrandbits(48))
+        key = request if request is not None else ("seq", self._next_id)
+        if key in self.requests:
+            raise RequestError(f"request {key!r} is already running", param="request_id")
         seqs = []
         for i in range(params.n):
             # Completion i draws with seed + i: different samples, each reproducible.
             seqs.append(Sequence(self._next_id, ids, params.with_seed(params.seed + i), self._max_total(ids, params),
-                                 request_id=request_id, priority=priority, arrival=self.step_count, index=i))
+                                 request=key, priority=priority, arrival=self.step_count, index=i))
             self._next_id += 1
         seq, seq.forks = seqs[0], seqs[1:]
-        self.waiting.append(seq)
+        self.requests[key] = seqs
+        self.waiting.add(seq)
         return seq
+
+    def abort_request(self, request: Hashable, reason: str = "abort", index: int | None = None) -> None:
+        """Finish a request's sequences now (all, or completion `index`: its stop string
+        matched) and free their blocks; unknown or finished requests are ignored."""
+        for seq in list(self.requests.get(request, ())):
+            if index is None or seq.index == index:
+                self.abort(seq, reason)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Finish `seq` now (a stop string matched, or the caller gave up) and free its blocks;
@@ -197,8 +227,17 @@ class EngineCore:
         if not seq.is_finished:
             self._finish(seq, reason)
 
+    def fail_all(self, error: Exception) -> list[TokenOutput]:
+        """Fail every request (the device is gone, or the step loop met an error it cannot
+        place); one output per failed sequence."""
+        outputs = []
+        self._in_flight = None
+        for seqs in list(self.requests.values()):
+            outputs += self._fail(seqs[0], error)
+        return outputs
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._in_flight)
+        return bool(self.requests or self._in_flight)
 
     def stats(self) -> dict:
         return {
@@ -216,17 +255,28 @@ class EngineCore:
 
     def plan(self) -> Plan:
         # A sequence whose last token (still in flight) reaches its length limit has nothing
-        # left to compute; it only waits for that token.
+        # left to compute; it only waits for that token (and keeps its place in the batch).
         running = [s for s in self.running if s.num_tokens < s.max_total_tokens]
-        return plan(self.waiting, running, self.swapped, self.blocks, self.config.scheduler, self.step_count)
+        num_idle = len(self.running) - len(running)
+        config = self.config.scheduler
+        if self.isolation.token_cap is not None:
+            config = dataclasses.replace(config, max_num_batched_tokens=self.isolation.token_cap)
+        if self.isolation.active:  # narrowing a failure down: only the suspects run, nothing new starts
+            allowed = self.isolation.restrict(running)
+            return plan((), allowed, (), self.blocks, config, self.step_count, num_idle + len(running) - len(allowed))
+        return plan(self.waiting.in_rank_order(self.step_count), running, self.swapped, self.blocks, config,
+                    self.step_count, num_idle)
 
     def _apply(self, p: Plan) -> None:
         """Carry out the plan's preemptions, swaps and allocations, in that order."""
+        swap_out = {id(s) for s in p.swap_out}
+        preempted = {id(s) for s in p.preempt}
+        if preempted:
+            self.running = [s for s in self.running if id(s) not in preempted]
         for seq in p.preempt:
-            self.running.remove(seq)
             seq.num_preemptions += 1
             self.num_preemptions += 1
-            if seq in p.swap_out:
+            if id(seq) in swap_out:
                 swap_blocks(self.kv, self.cpu_kv, self.blocks.swap_out(seq))
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
@@ -234,7 +284,7 @@ class EngineCore:
                 self.blocks.free(seq)
                 seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
                 seq.status = SequenceStatus.WAITING
-                self.waiting.append(seq)
+                self.waiting.add(seq)
         for seq in p.swap_in:
             swap_blocks(self.cpu_kv, self.kv, self.blocks.swap_in(seq))
             self.swapped.remove(seq)
@@ -245,12 +295,16 @@ class EngineCore:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = time.monotonic()
             copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Plan and launch one forward over the scheduled sequences; return the tokens sampled
-        by the step before it (async scheduling) or by this one (synchronous)."""
+        by the step before it (async scheduling) or by this one (synchronous), and the
+        sequences failed meanwhile. A failed launch is contained (runtime/faults.py); only a
+        fatal device error raises (EngineDead)."""
         clock = time.perf_counter()
         self._nvtx_next("schedule")
         outputs: list[TokenOutput] = []
@@ -265,7 +319,11 @@ class EngineCore:
         self.step_count += 1
         clock = self._phase("schedule", clock)
         if p.chunks:
-            self._in_flight = self._launch(p, previous, clock)
+            try:
+                self._in_flight = self._launch(p, previous, clock)
+                self.isolation.succeeded()
+            except Exception as exc:  # noqa: BLE001 - contained, see runtime/faults.py
+                outputs += self._launch_failed(p, exc, previous)
             clock = time.perf_counter()
         if previous is not None:
             outputs += self._resolve(previous)
@@ -275,9 +333,22 @@ class EngineCore:
         self._phase("resolve", clock)
         return outputs
 
+    def _launch_failed(self, p: Plan, exc: Exception, previous: InFlightStep | None) -> list[TokenOutput]:
+        """Contain a failed launch: nothing of it was committed, so its sequences simply run
+        again, narrowed down until the failure is placed (see runtime/faults.py)."""
+        kind = classify(exc)
+        if kind is Fault.FATAL:
+            raise EngineDead(f"the device failed: {exc!r}") from exc
+        if previous is not None:
+            previous.transfer.wait()  # (its tokens are still read below: it ran before the failure)
+        seqs = [seq for seq, _ in p.chunks]
+        return [out for seq, error in self.isolation.failed(seqs, p.num_tokens, exc, kind)
+                for out in self._fail(seq, error)]
+
     def _launch(self, p: Plan, previous: InFlightStep | None, clock: float) -> InFlightStep:
         """Build the batch, queue the forward and the sampling, and start copying the results
-        to the host; returns without waiting for the device."""
+        to the host; returns without waiting for the device. Sequences change only at the end
+        (`_commit`), once nothing can fail: a launch that raises leaves them as planned."""
         cfg = self.model.config
         chunks, logits_rows, samplers, prompt_rows = [], [], [], []
         fill_rows, fill_from = [], []  # input rows whose token is the previous step's, still on the device
@@ -291,11 +362,13 @@ class EngineCore:
             if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
                 # Row j (position start + j) predicts token start + j + 1 of the prompt.
                 last = min(end, seq.num_prompt_tokens - 1)
-                seq.prompt_logprobs_done = end >= seq.num_prompt_tokens  # (a recompute won't redo them)
-                prompt_rows.append((seq, len(logits_rows), start, last))
+                prompt_rows.append((seq, len(logits_rows), start, last, end))
                 logits_rows.extend(range(row, row + max(0, last - start)))
             if end == seq.num_tokens:
                 samplers.append((seq, len(logits_rows)))
+                # A finished prefill with pending forks: the n - 1 other completions share its
+                # blocks and sample their first token from the same logits row.
+                samplers.extend((fork, len(logits_rows)) for fork in seq.forks if not fork.is_finished)
                 logits_rows.append(row + n - 1)
             row += n
         batch = build_batch(chunks, self.config.block_size, self.device, logits_rows)
@@ -311,17 +384,6 @@ class EngineCore:
         else:
             logits = forward(self.model.params, self.kv, batch, cfg, self.attention, self.layer_fns)
         clock = self._phase("forward", clock)
-        for seq, n in p.chunks:
-            seq.num_computed_tokens += n
-        # A finished prefill with pending forks: the n - 1 other completions share its blocks
-        # and sample their first token from the same logits row.
-        for seq, logits_row in list(samplers):
-            for fork in seq.forks:
-                self.blocks.fork(seq, fork)
-                fork.status = SequenceStatus.RUNNING
-                self.running.append(fork)
-                samplers.append((fork, logits_row))
-            seq.forks = []
         sampling_seqs = [seq for seq, _ in samplers]
         all_logits = logits
         sample_rows = [r for _, r in samplers]
@@ -338,48 +400,84 @@ class EngineCore:
                                    if any(history) else (),
                                    eos_token_ids=cfg.eos_token_ids)
         tokens = sample(logits, st)
-        results = [tokens]
+        # A row whose logits are not finite (NaN, inf) samples garbage: it fails its request alone.
+        results = [tokens, logits.isfinite().all(dim=-1)]
         wanted = [p.logprobs for p in params]
         if any(k is not None for k in wanted):
             results.extend(compute_logprobs(logits, tokens, max(k or 0 for k in wanted)))
         prompt_lp = []
-        for seq, first_row, start, last in prompt_rows:
+        for seq, first_row, start, last, end in prompt_rows:
             targets = seq.prompt_token_ids[start + 1:last + 1]
-            prompt_lp.append(PromptLogprobRows(seq, start, targets, last == seq.num_prompt_tokens - 1))
+            # Complete once the chunk reaches the prompt's end, where the sequence samples
+            # its first token: the list goes out with that token.
+            prompt_lp.append(PromptLogprobRows(seq, start, targets, end >= seq.num_prompt_tokens))
             results.extend(compute_logprobs(all_logits[first_row:first_row + len(targets)],
                                             to_device(targets, torch.int64, self.device),
                                             seq.params.prompt_logprobs))
-        rows = []
-        for seq, k in zip(sampling_seqs, wanted):
-            rows.append(SampledRow(seq, seq.num_tokens, k))
-            seq.token_ids.append(PENDING)  # known once this step is resolved
+        rows = tuple(SampledRow(seq, seq.num_tokens, k) for seq, k in zip(sampling_seqs, wanted))
+        step = InFlightStep(rows, tokens, tuple(prompt_lp), DeviceToHost(results), any(history))
+        self._commit(p, prompt_rows, rows)
         self._phase("sample", clock)
-        return InFlightStep(tuple(rows), tokens, tuple(prompt_lp), DeviceToHost(results), any(history))
+        return step
+
+    def _commit(self, p: Plan, prompt_rows: list, rows: tuple[SampledRow, ...]) -> None:
+        """The launched step's effect on its sequences (nothing here can fail)."""
+        for seq, n in p.chunks:
+            seq.num_computed_tokens += n
+        for seq, _, _, _, end in prompt_rows:
+            seq.prompt_logprobs_done = end >= seq.num_prompt_tokens  # (a recompute won't redo them)
+        for seq, _ in p.chunks:
+            for fork in seq.forks if seq.num_computed_tokens == seq.num_tokens else ():
+                if fork.is_finished:
+                    continue
+                self.blocks.fork(seq, fork)
+                fork.status = SequenceStatus.RUNNING
+                fork.prompt_logprobs_done = True  # the request's prompt logprobs come with the first completion
+                self.running.append(fork)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.forks = []
+        for row in rows:
+            row.seq.token_ids.append(PENDING)  # known once this step is resolved
 
     def _resolve(self, step: InFlightStep) -> list[TokenOutput]:
         """Wait for a launched step's results and apply them: tokens appended, stop and length
         checked. Rows of sequences that finished meanwhile (an abort, or a stop token found
-        in the step before) are dropped: their one extra row of work is the price of overlap."""
-        host = step.transfer.wait()
-        tokens = host[0].tolist()
+        in the step before) are dropped: their one extra row of work is the price of overlap.
+        A row that cannot be applied fails its own request, no other."""
+        try:
+            host = step.transfer.wait()
+        except Exception as exc:  # noqa: BLE001 - errors of the device surface here, asynchronously
+            if classify(exc) is Fault.FATAL:
+                raise EngineDead(f"the device failed: {exc!r}") from exc
+            raise
+        tokens, finite = host[0].tolist(), host[1].tolist()
         logprobs = [None] * len(tokens)
-        rest = 1
+        rest = 2
         if any(r.logprobs is not None for r in step.rows):
-            chosen, top_ids, top_values = (t.tolist() for t in host[1:4])
+            chosen, top_ids, top_values = (t.tolist() for t in host[2:5])
             logprobs = [None if r.logprobs is None else
                         TokenLogprob(tokens[i], chosen[i], tuple(zip(top_ids[i][:r.logprobs], top_values[i][:r.logprobs])))
                         for i, r in enumerate(step.rows)]
-            rest = 4
+            rest = 5
+        outputs = []
         prompt_done = {}
         for j, entry in enumerate(step.prompt_logprobs):
             chosen, top_ids, top_values = (t.tolist() for t in host[rest + 3 * j:rest + 3 * j + 3])
-            done = self._extend_prompt_logprobs(entry, chosen, top_ids, top_values)
+            try:
+                done = self._extend_prompt_logprobs(entry, chosen, top_ids, top_values)
+            except Exception as exc:  # noqa: BLE001 - this request's bookkeeping: it fails alone
+                outputs += self._fail(entry.seq, self._internal_error(exc))
+                continue
             if done is not None:
                 prompt_done[entry.seq.seq_id] = done
-        outputs = []
         for i, (row, token) in enumerate(zip(step.rows, tokens)):
             seq = row.seq
             if seq.is_finished:
+                continue
+            if not finite[i]:
+                outputs += self._fail(seq, RequestFailed(
+                    "the model produced non-finite logits (NaN or inf) for this request: its output would be "
+                    "garbage, so it was stopped"))
                 continue
             seq.token_ids[row.token_index] = token
             self.generated_tokens += 1
@@ -431,12 +529,37 @@ class EngineCore:
             return "length"
         return None
 
+    @staticmethod
+    def _internal_error(exc: Exception) -> RequestFailed:
+        failure = RequestFailed(f"internal error while running this request: {exc!r}")
+        failure.__cause__ = exc
+        return failure
+
+    def _fail(self, seq: Sequence, error: Exception) -> list[TokenOutput]:
+        """Fail `seq`'s whole request with `error`: every completion ends ("error"), its blocks
+        are freed; one output per completion that was still unfinished."""
+        outputs = []
+        for other in list(self.requests.get(seq.request, (seq,))):
+            if not other.is_finished:
+                other.error = error
+                self._finish(other, "error")
+                outputs.append(TokenOutput(other, None, True))
+        return outputs
+
     def _finish(self, seq: Sequence, reason: str) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
+        """The one way a sequence ends: out of its queue, blocks freed, its request forgotten
+        once all its completions have ended."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.discard(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
         self.blocks.free(seq)
         while seq.token_ids and seq.token_ids[-1] == PENDING:  # sampled by a step still in flight
             seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seqs = self.requests.get(seq.request)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[seq.request]

@@ -66,8 +66,9 @@ class InFlightStep(NamedTuple):
     rows: tuple[SampledRow, ...]
     tokens: torch.Tensor  # [rows] int64 on the device: the next step's inputs for these sequences
     prompt_logprobs: tuple[PromptLogprobRows, ...]
-    # Host copies, in this order: tokens; then chosen/top ids/top values when any row asked
-    # for logprobs; then chosen/top ids/top values of each PromptLogprobRows.
+    # Host copies, in this order: tokens; whether each row's logits were finite; then
+    # chosen/top ids/top values when any row asked for logprobs; then chosen/top ids/top
+    # values of each PromptLogprobRows.
     transfer: DeviceToHost
     has_penalties: bool  # some row has penalties: the next step needs these tokens on the host first
 

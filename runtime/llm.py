@@ -100,7 +100,7 @@ class LLM:
                 requests.append(self.engine.submit(prompt, p))
         except BaseException:
             for request in requests:
-                self.engine.abort(request.request_id)
+                self.engine.release(request)
             raise
         bar = tqdm(total=len(requests), desc="generating", unit="prompt", disable=not use_tqdm, file=sys.stderr)
 

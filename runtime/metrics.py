@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from runtime.engine import AsyncEngine
+from runtime.engine import AsyncEngine, RequestHandle
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
 class _EngineCollector:
@@ -40,6 +43,28 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("nanoinfer_inter_token_latency_seconds", "Time between a request's tokens",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("nanoinfer_e2e_request_latency_seconds", "Request arrival to its end",
+                             buckets=E2E_BUCKETS, registry=self.registry)
+        self.queue = Histogram("nanoinfer_request_queue_time_seconds", "Request arrival to its first step",
+                               buckets=E2E_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("nanoinfer_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.requests = Counter("nanoinfer_requests", "Finished requests (completions) by finish reason",
+                                ["finish_reason"], registry=self.registry)
+
+    def observe(self, request: RequestHandle) -> None:
+        """Account for a request that has ended."""
+        end = request.finished_at or time.monotonic()
+        if request.first_token_at is not None:
+            self.ttft.observe(request.first_token_at - request.arrival)
+        for gap in request.token_gaps:
+            self.itl.observe(gap)
+        self.e2e.observe(end - request.arrival)
+        if request.scheduled_at is not None:
+            self.queue.observe(max(0.0, request.scheduled_at - request.arrival))
+        self.prompt_tokens.inc(len(request.prompt_ids))
+        for reason in request.finish_reasons:
+            self.requests.labels(finish_reason=reason or "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

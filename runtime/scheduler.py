@@ -13,8 +13,10 @@ later) or by swap (blocks copied to the host pool, copied back later).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence as Seq
+from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
 from nanoinfer.errors import RequestError
 from runtime.block_manager import BlockManager
@@ -66,37 +68,96 @@ def rank(seq: Sequence, config: SchedulerConfig, now: int) -> tuple:
     return (seq.arrival, seq.seq_id)
 
 
-def plan(waiting: Seq[Sequence], running: Seq[Sequence], swapped: Seq[Sequence], blocks: BlockManager,
-         config: SchedulerConfig, now: int) -> Plan:
+def num_slots(seq: Sequence) -> int:
+    """Places in the batch a sequence will take: itself and the completions that fork off it
+    when its prefill ends (n > 1)."""
+    return 1 + len(seq.forks)
+
+
+class WaitingQueue:
+    """The waiting sequences, kept in the policy's order so that a step reads only the head of
+    the line: its cost grows with what it admits, not with how many wait (a request of
+    thousands of sequences must not slow every step down).
+
+    One list per priority value (one list under fcfs), each sorted by arrival. Aging moves a
+    whole priority level at once, so within a list the rank order is the arrival order and the
+    global order is a merge of the lists' heads.
+    """
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._levels: dict[int, list[Sequence]] = {}
+
+    def _level(self, seq: Sequence) -> list[Sequence]:
+        return self._levels.setdefault(seq.priority if self.config.policy == "priority" else 0, [])
+
+    def add(self, seq: Sequence) -> None:
+        # New requests arrive last (an append); a preempted one goes back to its place.
+        bisect.insort(self._level(seq), seq, key=lambda s: (s.arrival, s.seq_id))
+
+    def remove(self, seq: Sequence) -> None:
+        self._level(seq).remove(seq)  # admitted sequences sit at the head: a short scan
+
+    def discard(self, seq: Sequence) -> None:
+        """Remove `seq` if it is here (a completion not yet forked off never was)."""
+        level = self._level(seq)
+        if seq in level:
+            level.remove(seq)
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self._levels.values())
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (seq for level in self._levels.values() for seq in level)
+
+    def in_rank_order(self, now: int) -> Iterator[Sequence]:
+        """Lazily, best first (see `rank`)."""
+        levels = [level for level in self._levels.values() if level]
+        if len(levels) == 1:
+            return iter(levels[0])
+        return heapq.merge(*levels, key=lambda s: rank(s, self.config, now))
+
+
+def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Sequence], blocks: BlockManager,
+         config: SchedulerConfig, now: int, num_idle: int = 0) -> Plan:
+    """`waiting` in rank order (WaitingQueue.in_rank_order), read only as far as it admits.
+    `num_idle` running sequences are left out of `running` (nothing to compute this step) but
+    still hold their places under max_num_seqs."""
     key = lambda s: rank(s, config, now)  # noqa: E731
     budget = config.max_num_batched_tokens
     free = blocks.num_free_blocks
     free_cpu = blocks.num_free_cpu_blocks
     chunks: list[ScheduledChunk] = []
     preempt: list[Sequence] = []
+    preempted: set[int] = set()  # seq ids, for O(1) membership: the search stays linear
     swap_out: list[Sequence] = []
 
     # Running sequences best-first, decodes before prefills; victims come off the far end.
     ordered = sorted(running, key=key)
     queue = [s for s in ordered if s.num_pending_tokens == 1] + [s for s in ordered if s.num_pending_tokens > 1]
     victims = list(reversed(ordered))
-    kept = set()
+    next_victim = 0  # victims[:next_victim] are preempted or kept: never looked at again
+    kept: set[int] = set()
     # Device block -> references the victims so far give up. Completions of one request share
     # blocks: a block comes free only when its last holder goes, and a block whose other holders
     # all go needs no copy-on-write.
     dropped: dict[int, int] = {}
     for seq in queue:
-        if seq in preempt:
+        if seq.seq_id in preempted:
             continue
         take = min(seq.num_pending_tokens, budget)
         if take == 0:
             break
         need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
         while need > free:
-            victim = next((v for v in victims if v not in kept and v not in preempt), None)
-            if victim is None:
+            while next_victim < len(victims) and victims[next_victim].seq_id in kept:
+                next_victim += 1
+            if next_victim == len(victims):
                 break
+            victim = victims[next_victim]
+            next_victim += 1
             preempt.append(victim)
+            preempted.add(victim.seq_id)
             if config.preemption_mode == "swap" and len(victim.block_table) <= free_cpu:
                 swap_out.append(victim)
                 free_cpu -= len(victim.block_table)
@@ -107,36 +168,38 @@ def plan(waiting: Seq[Sequence], running: Seq[Sequence], swapped: Seq[Sequence],
             if victim is seq:
                 break
             need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
-        if seq in preempt:  # it was the lowest-ranked left: it waits instead
+        if seq.seq_id in preempted:  # it was the lowest-ranked left: it waits instead
             continue
-        kept.add(seq)
+        kept.add(seq.seq_id)
         chunks.append(ScheduledChunk(seq, take))
         free -= need
         budget -= take
 
-    # Nothing new starts in a step that had to preempt: the pool is under pressure.
+    # Nothing new starts in a step that had to preempt: the pool is under pressure. A sequence
+    # with forks to come counts for all of them, so the batch stays within max_num_seqs once
+    # they join.
     swap_in: list[Sequence] = []
-    num_running = len(kept)
+    num_running = num_idle + sum(num_slots(s) for s in running if s.seq_id not in preempted)
     if not preempt:
         for seq in sorted(swapped, key=key):
             take = min(seq.num_pending_tokens, budget)
             held = len(seq.cpu_block_table)  # comes back into as many device blocks
             need = held + max(0, blocks.blocks_for(seq.num_computed_tokens + take) - held)
-            if take == 0 or num_running >= config.max_num_seqs or need > free:
+            if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
                 break
             swap_in.append(seq)
             chunks.append(ScheduledChunk(seq, take))
             free -= need
             budget -= take
-            num_running += 1
+            num_running += num_slots(seq)
         if len(swap_in) == len(swapped):  # swapped sequences go before new ones
-            for seq in sorted(waiting, key=key):
+            for seq in waiting:
                 take = min(seq.num_pending_tokens, budget)
                 need = blocks.blocks_for(seq.num_computed_tokens + take)
-                if take == 0 or num_running >= config.max_num_seqs or need > free:
+                if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
                     break
                 chunks.append(ScheduledChunk(seq, take))
                 free -= need
                 budget -= take
-                num_running += 1
+                num_running += num_slots(seq)
     return Plan(tuple(chunks), tuple(preempt), tuple(swap_out), tuple(swap_in))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Hashable
 
 from nanoinfer.sampling import SamplingParams
 
@@ -29,7 +30,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # prompt + the most output this request may produce
-    request_id: str = ""
+    # The request this sequence is one completion of: an opaque key (AsyncEngine's handle);
+    # the engine core finds a request's sequences by it.
+    request: Hashable = None
     priority: int = 0  # lower runs sooner (under the priority policy)
     arrival: int = 0  # the engine step at which it was submitted
     token_ids: list[int] = field(default_factory=list)
@@ -37,8 +40,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # device blocks
     cpu_block_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: Exception | None = None  # why the engine failed it (finish_reason "error")
     num_preemptions: int = 0
+    scheduled_at: float | None = None  # time.monotonic() when it first got a step (queue time ends)
     index: int = 0  # which of the request's n completions this is
     # Completions 1..n-1 of the request, waiting to fork off this one's prompt blocks when
     # its prefill ends: one prefill for all n.

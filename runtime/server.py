@@ -1,8 +1,13 @@
 """The OpenAI-compatible HTTP server: create_app(engine) -> a Starlette app with SSE streaming.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET / (the chat page). Bad requests get OpenAI-shaped 4xx errors and the
-server keeps serving; a client that disconnects mid-stream aborts its request.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
+GET /metrics, GET / (the chat page). Every error is OpenAI-shaped JSON and the server keeps
+serving: a bad request is a 4xx naming the field, a request the engine fails ends alone (a
+500 or, mid-stream, an SSE `error` event then `[DONE]`), and only a dead device makes it 503.
+A client that disconnects, streaming or not, aborts its requests.
+
+The mapping between OpenAI's requests and the engine's SamplingParams and outputs lives in
+runtime/protocol.py; this file is the HTTP side: reading, checking, routing, streaming.
 """
 
 from __future__ import annotations
@@ -12,14 +17,14 @@ import contextlib
 import hmac
 import html
 import logging
-import re
 import time
 import uuid
 from importlib import resources
-from typing import AsyncIterator, Sequence
+from typing import Sequence
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -27,13 +32,13 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
 from runtime import protocol as api
-from runtime.engine import AsyncEngine, EngineError
+from runtime.engine import AsyncEngine, EngineError, RequestHandle
 from runtime.metrics import ServerMetrics
-from runtime.outputs import CompletionOutput
 
+log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 
 
 class HTTPError(Exception):
@@ -42,36 +47,78 @@ class HTTPError(Exception):
         self.status, self.body, self.headers = status, api.ErrorBody(message, type_, param, code), headers
         super().__init__(message)
 
+    @classmethod
+    def of(cls, exc: BaseException, healthy: bool) -> "HTTPError":
+        """The response for an exception from the engine or our own code."""
+        if isinstance(exc, HTTPError):
+            return exc
+        cause = exc.__cause__ if isinstance(exc, EngineError) else exc
+        if isinstance(cause, RequestError):  # the request cannot be served as asked
+            return cls(400, str(cause), param=cause.param)
+        if not healthy:
+            return cls(503, f"the engine is unhealthy and must be restarted: {exc}", type_="server_error")
+        return cls(500, str(exc), type_="server_error")
+
 
 def _error_response(err: HTTPError) -> Response:
     return Response(_encode(api.ErrorResponse(err.body)), err.status, headers=err.headers,
                     media_type="application/json")
 
 
-def _param_of(message: str) -> str | None:
-    """The top-level field a msgspec validation message points at: "... - at `$.stop[0]`"
-    or "Object missing required field `prompt`"."""
-    match = re.search(r"at `\$\.(\w+)", message) or re.search(r"missing required field `(\w+)`", message)
-    return match.group(1) if match else None
-
-
 def _sse(item) -> bytes:
     return b"data: " + _encode(item) + b"\n\n"
+
+
+def _sse_error(err: HTTPError) -> bytes:
+    # OpenAI's clients raise on an `error` event (and on any data carrying "error").
+    return b"event: error\ndata: " + _encode(api.ErrorResponse(err.body)) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (after the body is read, uvicorn's `receive` waits
+    for exactly that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Server:
     """The state one app serves from: the engine, its name, limits and metrics."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_body_bytes: int,
-                 max_pending: int):
+                 max_pending: int, max_n: int, allowed_hosts: Sequence[str] | None):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
-        self.max_body_bytes, self.max_pending = max_body_bytes, max_pending
+        self.max_body_bytes, self.max_pending, self.max_n = max_body_bytes, max_pending, max_n
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
+        self._unknown_fields_logged: set[str] = set()
 
-    # -- request parsing ----------------------------------------------------------------------
+    # -- checks before any work ------------------------------------------------------------
+
+    def check_access(self, request: Request) -> None:
+        host = request.headers.get("host")
+        if self.allowed_hosts is not None and host is not None:
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.lower() not in self.allowed_hosts:
+                # A page on another site that resolves its name to 127.0.0.1 (DNS rebinding)
+                # would otherwise reach a loopback-only server from the user's browser.
+                raise HTTPError(400, f"Host {host!r} is not allowed: this server is bound to loopback and answers "
+                                     f"only {sorted(self.allowed_hosts)} (bind another --host to serve other names)",
+                                param="host")
+        if self.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                raise HTTPError(401, "missing or wrong API key (expected `Authorization: Bearer <key>`)",
+                                type_="authentication_error", code="invalid_api_key")
 
     async def read(self, request: Request, type_):
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise HTTPError(415, f"content type {content_type or '(none)'!r} is not supported: expected "
+                                 f"application/json", code="unsupported_media_type")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
@@ -81,289 +128,225 @@ class _Server:
             if len(body) > self.max_body_bytes:
                 raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
         try:
-            return msgspec.json.decode(bytes(body), type=type_)
-        except msgspec.ValidationError as exc:
-            raise HTTPError(400, f"invalid request: {exc}", param=_param_of(str(exc))) from exc
+            raw = msgspec.json.decode(bytes(body))
         except msgspec.DecodeError as exc:
             raise HTTPError(400, f"the body is not valid JSON: {exc}") from exc
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise HTTPError(400, f"model {model!r} is not served here; available: [{self.model_name!r}]",
+        except UnicodeDecodeError as exc:
+            raise HTTPError(400, f"the body is not valid UTF-8: {exc}") from exc
+        except RecursionError as exc:
+            raise HTTPError(400, "the body nests JSON too deeply") from exc
+        if not isinstance(raw, dict):
+            raise HTTPError(400, f"the body must be a JSON object, got {type(raw).__name__}")
+        for name in set(raw) - api.known_fields(type_) - self._unknown_fields_logged:
+            self._unknown_fields_logged.add(name)
+            log.warning("ignoring unknown request field %r (logged once)", name)
+        try:
+            req = msgspec.convert(raw, type_)
+        except msgspec.ValidationError as exc:
+            raise HTTPError(400, f"invalid request: {exc}", param=api.param_of(str(exc))) from exc
+        if req.model is not None and req.model != self.model_name:
+            raise HTTPError(400, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
                             param="model", code="model_not_found")
+        if (name := api.unsupported(req)) is not None:
+            raise HTTPError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if req.n > self.max_n:
+            raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {self.max_n}", param="n")
+        return req
 
-    def check_capacity(self, wanted: int) -> None:
-        if not self.engine.healthy:
-            raise HTTPError(503, "the engine is unhealthy", type_="server_error")
-        if self.engine.num_in_flight + wanted > self.max_pending:
-            raise HTTPError(503, f"the server is at its limit of {self.max_pending} queued requests; retry later",
-                            type_="overloaded_error", headers={"Retry-After": "1"})
-
-    @staticmethod
-    def sampling(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams (RequestError, a 400, names a bad value)."""
-        kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop or (), seed=req.seed, logprobs=logprobs,
-                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                  min_tokens=req.min_tokens)
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(req, name) is not None:
-                kw[name] = getattr(req, name)
-        if req.logit_bias:
-            try:
-                kw["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
-            except ValueError as exc:
-                raise HTTPError(400, f"logit_bias keys must be token ids: {exc}", param="logit_bias") from exc
-        return SamplingParams(**kw)
-
-    def submit_all(self, prompts: Sequence, params: SamplingParams):
+    def submit_all(self, prompts: Sequence, params) -> list[RequestHandle]:
         """Submit every prompt now so that a bad one is a 400, not a broken stream."""
-        self.check_capacity(len(prompts))
+        wanted = len(prompts) * params.n
+        if wanted > self.max_pending:
+            raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
+                                 f"more than this server admits at once ({self.max_pending})", param="n")
+        if self.engine.num_seqs_in_flight + wanted > self.max_pending:
+            raise HTTPError(503, f"the server is at its limit of {self.max_pending} queued sequences; retry later",
+                            type_="overloaded_error", headers={"Retry-After": "1"})
         handles = []
         try:
             for prompt in prompts:
                 handles.append(self.engine.submit(prompt, params))
         except BaseException:
             for handle in handles:
-                self.engine.abort(handle.request_id)
+                self.engine.release(handle)
             raise
         return handles
 
-    # -- running -------------------------------------------------------------------------------
+    # -- running ---------------------------------------------------------------------------
 
-    async def deltas(self, handles, arrival: float) -> AsyncIterator[tuple[int, CompletionOutput]]:
-        """(choice index, completion delta) from all prompts' n completions as they come;
-        leaving early aborts them all. Choice index = prompt index * n + completion index."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(prompt_index, handle):
-            n, first, last = len(handle.completions), True, arrival
-            try:
-                async for out in self.engine.follow(handle):
-                    now = time.monotonic()
-                    tokens = sum(len(c.token_ids) for c in out.outputs)
-                    if tokens:
-                        if first:
-                            self.metrics.ttft.observe(now - arrival)
-                            first = False
-                        else:
-                            for _ in range(tokens):
-                                self.metrics.itl.observe((now - last) / tokens)
-                        last = now
-                    for completion in out.outputs:
-                        await queue.put((prompt_index * n + completion.index, completion))
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-                await queue.put((prompt_index, exc))
-            finally:
-                await queue.put((prompt_index, done))
-
-        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-        remaining = len(tasks)
+    async def collect(self, request: Request, handles: list[RequestHandle]):
+        """Every prompt's whole output; aborts them all if the client leaves first (an HTTPError
+        for no one: the response goes nowhere)."""
+        work = asyncio.ensure_future(asyncio.gather(*(self.engine.collect(h) for h in handles)))
+        watch = asyncio.ensure_future(_disconnected(request))
         try:
-            while remaining:
-                index, item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield index, item
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in tasks:
-                task.cancel()  # a departed client: each follow() aborts its request
-            await asyncio.gather(*tasks, return_exceptions=True)
+            watch.cancel()
+            if not work.done():
+                work.cancel()  # each collect() aborts its request
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            raise HTTPError(499, "the client closed the connection", code="client_closed_request")
+        return work.result()
 
-    async def collect(self, handles, arrival):
-        """Whole choices: index -> (text, token count, finish reason, logprobs)."""
-        choices: dict[int, list] = {}
-        async for i, out in self.deltas(handles, arrival):
-            text, count, reason, logprobs = choices.setdefault(i, ["", 0, None, []])
-            choices[i] = [text + out.text, count + len(out.token_ids), out.finish_reason or reason,
-                          logprobs + list(out.logprobs or ())]
-        return dict(sorted(choices.items()))
+    def finished(self, rid: str, handles: list[RequestHandle], status: int) -> None:
+        """One log line and the metrics of a finished HTTP request."""
+        for handle in handles:
+            self.metrics.observe(handle)
+        now = time.monotonic()
+        arrival = min((h.arrival for h in handles), default=now)
+        firsts = [h.first_token_at for h in handles if h.first_token_at is not None]
+        log.info("%s: %d, prompt %d tokens, output %d tokens, finish %s, ttft %s, total %.0f ms", rid, status,
+                 sum(len(h.prompt_ids) for h in handles), sum(h.num_output_tokens for h in handles),
+                 ",".join(str(r) for h in handles for r in h.finish_reasons) or "-",
+                 f"{(min(firsts) - arrival) * 1e3:.0f} ms" if firsts else "-", (now - arrival) * 1e3)
 
-    def token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False) if self.engine.tokenizer else ""
+    def stream(self, rid: str, handles: list[RequestHandle], out) -> StreamingResponse:
+        """SSE of the renderer's chunks, then `[DONE]`. A request the engine fails ends the
+        stream with an `error` event first."""
+        async def events():
+            status = 200
+            try:
+                for chunk in out.start():
+                    yield chunk
+                async for position, delta in self.engine.merge(handles):
+                    for chunk in out.chunks(position, delta):
+                        yield chunk
+                for chunk in out.end():
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
+                err = HTTPError.of(exc, self.engine.healthy)
+                status = err.status
+                if status >= 500:
+                    log.error("%s failed: %r", rid, exc)
+                yield _sse_error(err)
+            finally:
+                self.finished(rid, handles, status)
+            yield _DONE
+        return StreamingResponse(events(), media_type="text/event-stream")
 
-    def completion_logprobs(self, logprobs, offset: int) -> api.CompletionLogprobs:
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
-        offsets, position = [], offset
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return api.CompletionLogprobs(tokens, [lp.logprob for lp in logprobs],
-                                      [{self.token_text(t): v for t, v in lp.top} for lp in logprobs], offsets)
+    # -- routes ----------------------------------------------------------------------------
 
-    def chat_logprobs(self, logprobs) -> api.ChatLogprobs:
-        def entry(token_id, value):
-            text = self.token_text(token_id)
-            return text, value, list(text.encode("utf-8"))
+    async def completions(self, request: Request) -> Response:
+        req = await self.read(request, api.CompletionRequest)
+        prompts = api.completion_prompts(req)
+        params = api.sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, api.completion_logprobs(req))
+        handles = self.submit_all(prompts, params)
+        out = api.CompletionRenderer(self.model_name, handles, req, self.engine.tokenizer)
+        return await self.answer(request, req, handles, out)
 
-        return api.ChatLogprobs([api.ChatTokenLogprob(*entry(lp.token_id, lp.logprob),
-                                                      [api.TopLogprob(*entry(t, v)) for t, v in lp.top])
-                                 for lp in logprobs])
+    async def chat_completions(self, request: Request) -> Response:
+        req = await self.read(request, api.ChatCompletionRequest)
+        messages = api.chat_messages(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = api.sampling_params(req, max_tokens, api.chat_logprobs(req))
+        handles = self.submit_all([messages], params)
+        out = api.ChatRenderer(self.model_name, handles, req, self.engine.tokenizer)
+        return await self.answer(request, req, handles, out)
 
-    @staticmethod
-    def usage(handles, n: int, completion_tokens: int) -> api.Usage:
-        """Each prompt counts once, however many (n) choices it has."""
-        prompt_tokens = sum(len(h.prompt_ids) for h in handles)
-        return api.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    async def answer(self, request: Request, req, handles: list[RequestHandle], out) -> Response:
+        """The SSE stream, or the whole response once every prompt is done."""
+        if req.stream:
+            return self.stream(out.id, handles, out)
+        status = 500
+        try:
+            results = await self.collect(request, handles)
+            status = 200
+        except Exception as exc:
+            status = HTTPError.of(exc, self.engine.healthy).status
+            raise
+        finally:
+            self.finished(out.id, handles, status)
+        return Response(_encode(out.response(results)), media_type="application/json")
+
+    async def models(self, request: Request) -> Response:
+        return Response(_encode(api.ModelList([api.ModelCard(self.model_name, self.created)])),
+                        media_type="application/json")
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise HTTPError(404, f"model {model_id!r} is not served here; available: [{self.model_name!r}]",
+                            param="model", code="model_not_found")
+        return Response(_encode(api.ModelCard(self.model_name, self.created)), media_type="application/json")
+
+    async def health(self, request: Request) -> Response:
+        ok = self.engine.healthy
+        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def chat_page(self, request: Request) -> Response:
+        page = resources.files("runtime").joinpath("static/chat.html").read_text(encoding="utf-8")
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(self.model_name)))
+
+    def guarded(self, handler):
+        """Checks common to every route, and our errors as OpenAI-shaped responses."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                self.check_access(request)
+                return await handler(request)
+            except Exception as exc:  # noqa: BLE001 - answered, and the server keeps serving
+                err = HTTPError.of(exc, self.engine.healthy)
+                if err.status == 500:
+                    log.exception("error serving %s", request.url.path)
+                return _error_response(err)
+        return endpoint
+
+    async def log_throughput(self, every: float) -> None:
+        """A line every `every` seconds while there is work: tokens per second and the queues."""
+        last_tokens, last_time = self.engine.stats().get("generated_tokens", 0), time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            s, now = self.engine.stats(), time.monotonic()
+            tokens = s.get("generated_tokens", 0)
+            if tokens != last_tokens or s.get("running") or s.get("waiting"):
+                log.info("throughput: %.1f tokens/s generated; running %d, waiting %d, swapped %d; KV blocks %d/%d "
+                         "used", (tokens - last_tokens) / (now - last_time), s["running"], s["waiting"], s["swapped"],
+                         s["total_blocks"] - s["free_blocks"], s["total_blocks"])
+            last_tokens, last_time = tokens, now
 
 
 def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: str | None = None,
                cors_origins: Sequence[str] = (), max_body_bytes: int = 1 << 20, max_pending: int = 1024,
+               max_n: int = 16, allowed_hosts: Sequence[str] | None = None, log_interval: float = 10.0,
                manage_engine: bool = True) -> Starlette:
-    """The app serving `engine`. With `manage_engine`, the app's lifespan starts the engine in
-    the server's event loop and shuts it down (aborting what is in flight) on exit."""
-    name = model_name or engine.model.path.stem
-    srv = _Server(engine, name, api_key, max_body_bytes, max_pending)
-
-    async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await srv.read(request, api.CompletionRequest)
-        srv.check_model(req.model)
-        if isinstance(req.prompt, str) or all(isinstance(t, int) for t in req.prompt):
-            prompts = [req.prompt]
-        elif all(isinstance(t, str) for t in req.prompt):
-            prompts = list(req.prompt)
-        else:
-            raise HTTPError(400, "prompt must be a string, a list of strings or a list of token ids", param="prompt")
-        if not prompts or req.echo:
-            raise HTTPError(400, "prompt must be non-empty" if not prompts else "echo is not supported",
-                            param="prompt" if not prompts else "echo")
-        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-            raise HTTPError(400, f"logprobs={req.logprobs} is invalid: expected 0 to 5", param="logprobs")
-        params = srv.sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        handles = srv.submit_all(prompts, params)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        want_logprobs = req.logprobs is not None
-
-        def choice(i, text, reason, logprobs, offset=0):
-            return api.CompletionChoice(i, text, reason,
-                                        srv.completion_logprobs(logprobs, offset) if want_logprobs else None)
-
-        if req.stream:
-            async def events():
-                tokens, offsets = 0, {}
-                async for i, out in srv.deltas(handles, arrival):
-                    tokens += len(out.token_ids)
-                    yield _sse(api.CompletionResponse(rid, created, name, [
-                        choice(i, out.text, out.finish_reason, out.logprobs or (), offsets.get(i, 0))]))
-                    offsets[i] = offsets.get(i, 0) + len(out.text)
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _sse(api.CompletionResponse(rid, created, name, [], srv.usage(handles, params.n, tokens)))
-                yield b"data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-        results = await srv.collect(handles, arrival)
-        choices = [choice(i, text, reason, logprobs) for i, (text, _, reason, logprobs) in results.items()]
-        usage = srv.usage(handles, params.n, sum(r[1] for r in results.values()))
-        return Response(_encode(api.CompletionResponse(rid, created, name, choices, usage)),
-                        media_type="application/json")
-
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await srv.read(request, api.ChatCompletionRequest)
-        srv.check_model(req.model)
-        if not req.messages:
-            raise HTTPError(400, "messages must be a non-empty list", param="messages")
-        messages = []
-        for m in req.messages:
-            if m.role not in api.ROLES:
-                raise HTTPError(400, f"message role {m.role!r} is unknown: expected one of {list(api.ROLES)}",
-                                param="messages")
-            content = m.content or ""
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise HTTPError(400, "only text content parts are supported", param="messages")
-                content = "".join(str(part.get("text", "")) for part in content)
-            messages.append({"role": m.role, "content": content})
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
-            raise HTTPError(400, f"top_logprobs={req.top_logprobs} needs logprobs=true and 0 to 20",
-                            param="top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = srv.sampling(req, max_tokens, logprobs)
-        handles = srv.submit_all([messages], params)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(choices, usage=None):
-            return _sse(api.ChatCompletionChunk(rid, created, name, choices, usage))
-
-        if req.stream:
-            async def events():
-                tokens = 0
-                for i in range(params.n):
-                    yield chunk([api.ChatChunkChoice(i, api.ChatDelta("assistant", ""))])
-                async for i, out in srv.deltas(handles, arrival):
-                    tokens += len(out.token_ids)
-                    if out.text or out.logprobs:
-                        yield chunk([api.ChatChunkChoice(i, api.ChatDelta(content=out.text), None,
-                                                         srv.chat_logprobs(out.logprobs) if req.logprobs else None)])
-                    if out.finish_reason:
-                        yield chunk([api.ChatChunkChoice(i, api.ChatDelta(), out.finish_reason)])
-                if req.stream_options and req.stream_options.include_usage:
-                    yield chunk([], srv.usage(handles, params.n, tokens))
-                yield b"data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-        results = await srv.collect(handles, arrival)
-        choices = [api.ChatChoice(i, api.AssistantMessage(text), reason,
-                                  srv.chat_logprobs(logprobs) if req.logprobs else None)
-                   for i, (text, _, reason, logprobs) in results.items()]
-        usage = srv.usage(handles, params.n, sum(r[1] for r in results.values()))
-        return Response(_encode(api.ChatCompletionResponse(rid, created, name, choices, usage)),
-                        media_type="application/json")
-
-    async def models(request: Request) -> Response:
-        return Response(_encode(api.ModelList([api.ModelCard(name, srv.created)])), media_type="application/json")
-
-    async def health(request: Request) -> Response:
-        ok = engine.healthy
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
-
-    async def metrics(request: Request) -> Response:
-        return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def chat_page(request: Request) -> Response:
-        page = resources.files("runtime").joinpath("static/chat.html").read_text(encoding="utf-8")
-        return HTMLResponse(page.replace("{{MODEL}}", html.escape(name)))
-
-    def guarded(handler):
-        """Map our errors to OpenAI-shaped responses; check the API key on /v1/*."""
-        async def endpoint(request: Request) -> Response:
-            try:
-                if api_key is not None and request.url.path.startswith("/v1/"):
-                    given = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                        raise HTTPError(401, "missing or wrong API key (expected `Authorization: Bearer <key>`)",
-                                        type_="authentication_error", code="invalid_api_key")
-                return await handler(request)
-            except HTTPError as err:
-                return _error_response(err)
-            except RequestError as err:
-                return _error_response(HTTPError(400, str(err), param=err.param))
-            except EngineError as err:
-                return _error_response(HTTPError(503, str(err), type_="server_error"))
-            except Exception as err:  # a bug of ours: answer 500 and keep serving
-                logging.getLogger("nanoinfer.server").exception("error serving %s", request.url.path)
-                return _error_response(HTTPError(500, f"internal error: {err!r}", type_="server_error"))
-        return endpoint
+    """The app serving `engine`. `max_pending` bounds the sequences (prompts x n) queued at
+    once; `allowed_hosts` (None: any) the Host headers answered. With `manage_engine`, the
+    app's lifespan starts the engine in the server's event loop and shuts it down (aborting
+    what is in flight) on exit."""
+    srv = _Server(engine, model_name or engine.model.path.stem, api_key, max_body_bytes, max_pending, max_n,
+                  allowed_hosts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if manage_engine:
             engine.start()
+        ticker = asyncio.create_task(srv.log_throughput(log_interval))
         try:
             yield
         finally:
+            ticker.cancel()
             if manage_engine:
                 await engine.shutdown()
 
-    routes = [Route("/v1/completions", guarded(completions), methods=["POST"]),
-              Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-              Route("/v1/models", guarded(models), methods=["GET"]),
-              Route("/health", guarded(health), methods=["GET"]),
-              Route("/metrics", guarded(metrics), methods=["GET"]),
-              Route("/", guarded(chat_page), methods=["GET"])]
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        allowed = exc.headers or None
+        return _error_response(HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                         code="not_found" if exc.status_code == 404 else "method_not_allowed",
+                                         headers=allowed))
+
+    g = srv.guarded
+    routes = [Route("/v1/completions", g(srv.completions), methods=["POST"]),
+              Route("/v1/chat/completions", g(srv.chat_completions), methods=["POST"]),
+              Route("/v1/models", g(srv.models), methods=["GET"]),
+              Route("/v1/models/{model_id:path}", g(srv.model), methods=["GET"]),
+              Route("/health", g(srv.health), methods=["GET"]),
+              Route("/metrics", g(srv.render_metrics), methods=["GET"]),
+              Route("/", g(srv.chat_page), methods=["GET"])]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                              allow_headers=["*"])] if cors_origins else []
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={404: not_found, 405: not_found})

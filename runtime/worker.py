@@ -1,31 +1,34 @@
 """Worker: the step loop in its own thread, fed by a command queue, reporting once per step.
 
 The event loop never runs model code, and the worker never waits on a consumer: it hands
-each step's tokens over with one thread-safe call and moves on.
+each step's tokens over with one thread-safe call and moves on. It keeps no books of its
+own: requests are known to the engine core by the key they were submitted with.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
-import traceback
-from typing import Callable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_core import EngineCore
+from runtime.engine_core import EngineCore, EngineDead, TokenOutput
+from runtime.faults import RequestFailed
 from runtime.outputs import TokenLogprob
-from runtime.sequence import Sequence
+
+log = logging.getLogger("nanoinfer.engine")
 
 
 class Submit(NamedTuple):
-    request_id: str
+    request: Hashable  # the key every event about this request carries
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
 
 
 class Abort(NamedTuple):
-    request_id: str
+    request: Hashable
     reason: str = "abort"
     index: int | None = None  # one completion of the request; None = all of them
 
@@ -35,23 +38,30 @@ class _Stop(NamedTuple):
 
 
 class TokenEvent(NamedTuple):
-    """What one completion of a request got in one step."""
+    """What one completion of a request got in one step: a token, or its end."""
 
-    request_id: str
+    request: Hashable
     index: int
-    token_id: int
-    finish_reason: str | None  # set on the completion's last token
+    token_id: int | None  # None when the engine failed the request (see `error`)
+    finish_reason: str | None  # set on the completion's last event
     logprob: TokenLogprob | None = None
     prompt_logprobs: tuple | None = None
+    error: Exception | None = None  # why the engine failed this request
+    scheduled_at: float | None = None  # time.monotonic() when the request first got a step
 
 
 class StepReport(NamedTuple):
-    """Delivered to the event loop after every step (or failure)."""
+    """Delivered to the event loop after every step."""
 
     events: tuple[TokenEvent, ...]
     stats: dict
-    failed: tuple[str, ...] = ()  # request ids that an exception ended
-    error: BaseException | None = None
+    fatal: BaseException | None = None  # the engine is dead: every request was failed with this
+
+
+def _event(out: TokenOutput) -> TokenEvent:
+    seq = out.seq
+    return TokenEvent(seq.request, seq.index, out.token_id, seq.finish_reason if out.finished else None, out.logprob,
+                      out.prompt_logprobs, seq.error, seq.scheduled_at)
 
 
 class Worker:
@@ -61,8 +71,7 @@ class Worker:
         self.core = core
         self.deliver = deliver
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.seqs: dict[str, list[Sequence]] = {}  # request id -> its n completions
-        self.error: BaseException | None = None
+        self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="nanoinfer-worker", daemon=True)
 
     def start(self) -> None:
@@ -88,50 +97,43 @@ class Worker:
                     commands.append(self.commands.get_nowait())
                 except queue.Empty:
                     break
+            events = []
             for command in commands:
                 if isinstance(command, _Stop):
                     return
-                self._handle(command)
-            if self.core.has_unfinished():
-                self._step()
+                events += self._handle(command)
+            if self.core.has_unfinished() and self.fatal is None:
+                self._step(events)
             elif commands:
-                self.deliver(StepReport((), self.core.stats()))
+                self.deliver(StepReport(tuple(events), self.core.stats(), self.fatal))
 
-    def _handle(self, command: Submit | Abort) -> None:
-        if isinstance(command, Submit):
-            try:
-                seq = self.core.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
-                                            priority=command.priority)
-                self.seqs[command.request_id] = [seq, *seq.forks]
-            except Exception as exc:  # validated already on the loop side; never lose the request silently
-                self.deliver(StepReport((), self.core.stats(), (command.request_id,), exc))
-        else:
-            seqs = self.seqs.get(command.request_id, [])
-            for seq in seqs:
-                if command.index is None or seq.index == command.index:
-                    self.core.abort(seq, command.reason)
-            if all(seq.is_finished for seq in seqs):
-                self.seqs.pop(command.request_id, None)
+    def _handle(self, command: Submit | Abort) -> list[TokenEvent]:
+        if isinstance(command, Abort):
+            self.core.abort_request(command.request, command.reason, command.index)
+            return []
+        if self.fatal is not None:
+            return [TokenEvent(command.request, 0, None, "error", error=self.fatal)]
+        try:
+            self.core.add_request(command.prompt_token_ids, command.params, request=command.request,
+                                  priority=command.priority)
+        except Exception as exc:  # noqa: BLE001 - checked on the loop side already; never lose it silently
+            return [TokenEvent(command.request, 0, None, "error", error=exc)]
+        return []
 
-    def _step(self) -> None:
+    def _step(self, events: list[TokenEvent]) -> None:
         try:
             outputs = self.core.step()
-        except Exception as exc:
-            # Fail everything in flight with the error rather than leave consumers hanging.
-            traceback.print_exc()
-            self.error = exc
-            failed = tuple(self.seqs)
-            for seqs in self.seqs.values():
-                for seq in seqs:
-                    self.core.abort(seq, "abort")
-            self.seqs.clear()
-            self.deliver(StepReport((), self.core.stats(), failed, exc))
-            return
-        events = []
-        for out in outputs:
-            rid = out.seq.request_id
-            reason = out.seq.finish_reason if out.finished else None
-            events.append(TokenEvent(rid, out.seq.index, out.token_id, reason, out.logprob, out.prompt_logprobs))
-            if out.finished and all(seq.is_finished for seq in self.seqs.get(rid, ())):
-                self.seqs.pop(rid, None)
-        self.deliver(StepReport(tuple(events), self.core.stats()))
+        except Exception as exc:  # noqa: BLE001 - the core contains what it can; this it could not
+            log.exception("the engine step failed; failing every request in flight")
+            outputs = self.core.fail_all(exc if isinstance(exc, EngineDead) else self._unplaced(exc))
+            # A dead device, or books that no longer balance, cannot serve anything again.
+            if isinstance(exc, EngineDead) or self.core.blocks.num_free_blocks != self.core.blocks.num_blocks:
+                self.fatal = exc
+        events += [_event(out) for out in outputs]
+        self.deliver(StepReport(tuple(events), self.core.stats(), self.fatal))
+
+    @staticmethod
+    def _unplaced(exc: Exception) -> RequestFailed:
+        failure = RequestFailed(f"the engine step failed outside any one request: {exc!r}")
+        failure.__cause__ = exc
+        return failure

@@ -50,14 +50,14 @@ def run(async_scheduling, abort_after=None, **engine_args):
     assert core.async_scheduling is async_scheduling
     seqs = {}
     for r, (prompt, params) in enumerate(requests()):
-        seq = core.add_request(prompt, params, request_id=str(r))
+        seq = core.add_request(prompt, params, request=r)
         for s in (seq, *seq.forks):
             seqs[(r, s.index)] = s
     results = {key: [[], None, [], None] for key in seqs}
     steps = 0
     while core.has_unfinished():
         for out in core.step():
-            res = results[(int(out.seq.request_id), out.seq.index)]
+            res = results[(out.seq.request, out.seq.index)]
             assert res[1] is None, "a token after the finish"
             res[0].append(out.token_id)
             res[2].append(out.logprob)

@@ -253,28 +253,3 @@ def test_abort_by_request_id():
     outs, stats = asyncio.run(go())
     assert outs[-1].finish_reason == "abort" and len(outs) <= 5
     assert stats["free_blocks"] == stats["total_blocks"]
-
-
-def test_a_failing_step_fails_in_flight_requests_and_marks_the_engine_unhealthy(monkeypatch):
-    async def go():
-        engine = make_engine()
-        calls = {"n": 0}
-        real_step = engine.core.step
-
-        def flaky_step():
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("boom in step 3")
-            return real_step()
-        monkeypatch.setattr(engine.core, "step", flaky_step)
-        async with engine:
-            results = await asyncio.gather(*(engine.generate(p, greedy(20)) for p in prompts(4)),
-                                           return_exceptions=True)
-            healthy = engine.healthy
-            with pytest.raises(EngineError, match="unhealthy"):
-                await engine.generate(prompts(1)[0], greedy())
-            return results, healthy, engine.stats()
-    results, healthy, stats = asyncio.run(go())
-    assert all(isinstance(r, EngineError) and "boom in step 3" in str(r) for r in results)
-    assert not healthy and stats["healthy"] is False
-    assert stats["free_blocks"] == stats["total_blocks"]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 from runtime.block_manager import BlockManager
-from runtime.scheduler import SchedulerConfig, plan, rank
+from runtime.scheduler import SchedulerConfig, WaitingQueue, plan, rank
 from runtime.sequence import Sequence, SequenceStatus
 
 WAITING, RUNNING, SWAPPED, FINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED,
@@ -130,7 +130,9 @@ class Sim:
     # -- one step -----------------------------------------------------------------------------
 
     def plan(self):
-        return plan(self.waiting, self.running, self.swapped, self.blocks, self.config, self.now)
+        # EngineCore passes its WaitingQueue in rank order (tested against this sort below).
+        waiting = sorted(self.waiting, key=lambda s: rank(s, self.config, self.now))
+        return plan(waiting, self.running, self.swapped, self.blocks, self.config, self.now)
 
     def apply(self, p) -> None:
         """EngineCore._apply, with the KV copies done on the model of the pools."""
@@ -500,6 +502,44 @@ def test_a_fork_preempted_leaves_its_sibling_the_shared_block():
     sim.step()
 
 
+@settings(max_examples=200, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 20)), max_size=30),
+       policy=st.sampled_from(["fcfs", "priority"]), aging_steps=st.integers(1, 5), now=st.integers(20, 40),
+       removed=st.sets(st.integers(0, 29)))
+def test_waiting_queue_yields_rank_order(entries, policy, aging_steps, now, removed):
+    """The queue the engine hands plan(): whatever the order of arrivals, preemptions put
+    back and removals, it yields exactly the rank order the scheduler promises."""
+    config = SchedulerConfig(policy=policy, aging_steps=aging_steps)
+    queue, kept = WaitingQueue(config), []
+    for i, (priority, arrival) in enumerate(entries):
+        seq = Sequence(i, [1], SamplingParams(), 4, priority=priority, arrival=arrival)
+        queue.add(seq)
+        kept.append(seq)
+    for i in sorted(removed):
+        if i < len(kept):
+            queue.remove(kept[i])
+    kept = [s for i, s in enumerate(kept) if i not in removed]
+    assert len(queue) == len(kept)
+    assert list(queue.in_rank_order(now)) == sorted(kept, key=lambda s: expected_rank(s, config, now))
+
+
+def test_a_huge_queue_costs_a_step_only_what_it_admits():
+    """10,000 waiting sequences: plan() reads the head of the line, not the whole queue."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    queue = WaitingQueue(config)
+    for i in range(10_000):
+        queue.add(Sequence(i, [1, 2, 3], SamplingParams(), 8, arrival=i))
+    read = []
+
+    def head_of_the_line():
+        for seq in queue.in_rank_order(0):
+            read.append(seq)
+            yield seq
+    p = plan(head_of_the_line(), [], [], BlockManager(64, 4), config, 0)
+    assert [c.seq.seq_id for c in p.chunks] == [0, 1, 2, 3]
+    assert len(read) == 5  # the four admitted, and the one that did not fit
+
+
 def test_config_rejects_bad_values():
     for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": True}, {"aging_steps": 1.5}, {"policy": "lifo"},
                 {"preemption_mode": "drop"}):
@@ -520,6 +560,9 @@ def run_to_completion(sim: Sim, requests, max_steps: int) -> None:
             arrival, prompt_len, max_total, priority, n = pending.pop(0)
             sim.add_request(prompt_len, max_total, priority, n)
         sim.step()
+        # Forks join outside the plan, when their parent's prefill ends: the plan must have kept
+        # their places (issue 10: 5,249 running at a limit of 256).
+        assert len(sim.running) <= sim.config.max_num_seqs, (len(sim.running), sim.config.max_num_seqs)
     assert len(sim.finished) == sum(r[4] for r in requests)
     assert sim.blocks.num_free_blocks == sim.blocks.num_blocks
     assert sim.blocks.num_free_cpu_blocks == sim.blocks.host.size
@@ -570,7 +613,10 @@ def workloads(draw):
         if shared + n * (-(-max_total // block_size) - shared) > num_blocks:
             n = 1
         requests.append((draw(st.integers(0, 5)), prompt_len, max_total, draw(st.integers(0, 3)), n))
-    return Sim(num_blocks, block_size, draw(st.integers(0, 10)), draw(configs())), requests
+    config = draw(configs())
+    # EngineCore.check_request rejects n > max_num_seqs: such a request could never run.
+    requests = [(*r[:4], min(r[4], config.max_num_seqs)) for r in requests]
+    return Sim(num_blocks, block_size, draw(st.integers(0, 10)), config), requests
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

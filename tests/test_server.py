@@ -182,12 +182,14 @@ def test_full_queue_is_503_with_retry_after(tiny_chat_model):
 
 
 def test_unhealthy_engine_is_503(tiny_chat_model, monkeypatch):
+    from runtime.engine_core import EngineDead
+
     with LiveServer(tiny_chat_model) as server:
         def broken_step():
-            raise RuntimeError("device lost")
+            raise EngineDead("the device failed: CUDA error: an illegal memory access was encountered")
         monkeypatch.setattr(server.engine.core, "step", broken_step)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert r.status_code in (500, 503)
+        assert r.status_code == 503 and "illegal memory access" in r.json()["error"]["message"]
         assert httpx.get(server.url + "/health").status_code == 503
         again = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"

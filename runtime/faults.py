@@ -1,0 +1,117 @@
+"""Containing a failed step: what kind of failure it is, and which request it belongs to.
+
+A step runs many requests' work at once, so an exception in it names no culprit. Rather than
+fail them all, the step loop narrows it down: the failed step's sequences are split in two and
+each half runs alone; a half that fails again is split again, a half that passes goes on as
+usual. A failure that follows one sequence down to a step of its own belongs to that request,
+which fails alone; a failure that does not come back was transient, and nobody fails.
+
+Running out of memory is a failure of size rather than of a request, so it also halves the
+step's token budget (a long prompt then prefills in smaller chunks); a single sequence that
+cannot run even at the smallest chunk fails with an error that says so. Only an error that
+leaves the device unusable (an illegal memory access, a lost device) is fatal: the engine
+is then unhealthy and a supervisor should restart the process.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Sequence as Seq
+
+import torch
+
+from nanoinfer.errors import RequestError
+from runtime.sequence import Sequence
+
+MIN_CHUNK = 16  # the smallest prefill chunk tried before a request is declared too big to run
+RELAX_AFTER = 32  # successful steps before a halved token budget is doubled again
+
+
+class Fault(enum.Enum):
+    FATAL = "fatal"  # the device is unusable: nothing on it can be trusted any more
+    OUT_OF_MEMORY = "out_of_memory"
+    ERROR = "error"  # anything else: a bug, or bad data one request brought
+
+
+def classify(exc: BaseException) -> Fault:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return Fault.OUT_OF_MEMORY
+    message = str(exc)
+    if isinstance(exc, RuntimeError) and ("can't allocate memory" in message or "out of memory" in message):
+        return Fault.OUT_OF_MEMORY  # the CPU allocator's wording
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    if isinstance(exc, accelerator_error) or (isinstance(exc, RuntimeError) and "CUDA error" in message):
+        return Fault.FATAL  # CUDA errors are sticky: every later call on the context fails too
+    return Fault.ERROR
+
+
+class RequestFailed(Exception):
+    """Why one request was failed by the engine while others went on (`__cause__`: the error)."""
+
+
+class Isolation:
+    """The search for the request a failure belongs to (see the module docstring).
+
+    `groups` are sets of sequences still to be tried in steps of their own, the first one
+    next; while any is left, a step runs only (the still-running members of) that group and
+    admits nothing new. `token_cap` bounds the tokens of a step after running out of memory.
+    """
+
+    def __init__(self, max_num_batched_tokens: int):
+        self.max_tokens = max_num_batched_tokens
+        self.groups: deque[list[Sequence]] = deque()
+        self.token_cap: int | None = None
+        self._successes = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)
+
+    def restrict(self, running: Seq[Sequence]) -> list[Sequence]:
+        """The running sequences the next step may schedule."""
+        while self.groups:
+            group = {id(s) for s in self.groups[0]}
+            allowed = [s for s in running if id(s) in group]
+            if allowed:
+                return allowed
+            self.groups.popleft()  # its members finished or were preempted meanwhile
+        return list(running)
+
+    def step_budget(self) -> int:
+        return self.max_tokens if self.token_cap is None else self.token_cap
+
+    def succeeded(self) -> None:
+        if self.groups:
+            self.groups.popleft()
+        self._successes += 1
+        if self.token_cap is not None and self._successes >= RELAX_AFTER:
+            self.token_cap = None if 2 * self.token_cap >= self.max_tokens else 2 * self.token_cap
+            self._successes = 0
+
+    def failed(self, seqs: Seq[Sequence], num_tokens: int, exc: BaseException,
+               kind: Fault) -> list[tuple[Sequence, Exception]]:
+        """Record a failed step over `seqs`; the sequences whose requests must fail now, each
+        with the error to report (empty while the search goes on)."""
+        self._successes = 0
+        if self.groups and {id(s) for s in seqs} <= {id(s) for s in self.groups[0]}:
+            self.groups.popleft()  # this group failed: its halves replace it
+        if kind is Fault.OUT_OF_MEMORY:
+            if len(seqs) == 1 and num_tokens <= MIN_CHUNK:
+                seq = seqs[0]
+                return [(seq, RequestError(
+                    f"out of memory running this request (a step of {num_tokens} tokens at context "
+                    f"{seq.num_computed_tokens + num_tokens}): it cannot run on this server; use a shorter "
+                    f"prompt or fewer tokens", param="prompt"))]
+            self.token_cap = max(MIN_CHUNK, min(num_tokens, self.step_budget()) // 2)
+            if len(seqs) == 1:
+                self.groups.appendleft(list(seqs))  # the same sequence again, in smaller chunks
+                return []
+        elif len(seqs) == 1:
+            failure = RequestFailed(f"internal error while running this request: {exc!r}")
+            failure.__cause__ = exc
+            return [(seqs[0], failure)]
+        half = len(seqs) // 2
+        self.groups.appendleft(list(seqs[half:]))
+        self.groups.appendleft(list(seqs[:half]))
+        return []
