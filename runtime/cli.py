@@ -1,13 +1,23 @@
 """The `nanoinfer` command line: generate (stream one completion), serve (the OpenAI-compatible
-server) and chat (an interactive terminal chat)."""
+server) and chat (an interactive terminal chat).
+
+Engine and server flags come from their settings dataclasses (nanoinfer/settings.py): the
+flag, the keyword argument and the check are one declaration. `--config FILE` (JSON or YAML,
+keys = flag names) sets any of them; flags given on the command line win.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
-from nanoinfer.errors import NanoInferError
+from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders.hub import DEFAULT_MODEL
+from nanoinfer.settings import add_flags, from_namespace, parse_config_file
+from runtime.engine_core import EngineConfig
+from runtime.scheduler import SchedulerConfig
+from runtime.serving import ServerConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -15,69 +25,85 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"a known name, an HF directory or a .gguf file (default: {DEFAULT_MODEL})")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="JSON or YAML file of flag names to values; flags on the command line win")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the top one")
+    parser.add_argument("--seed", type=int, default=None, help="the same seed gives the same text")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    group.add_argument("--swap-space", type=float, default=0, help="GiB of host memory for swapped KV blocks")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="share of the GPU for weights, activations and the KV pool")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs and no torch.compile")
-    group.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for Nsight Systems)")
-    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="launch each step before reading the last one's tokens (default: on with CUDA)")
+    add_flags(group, EngineConfig)
+    add_flags(group, SchedulerConfig)
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
-                swap_space=int(args.swap_space * (1 << 30)), gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager, nvtx=args.nvtx, async_scheduling=args.async_scheduling)
+    return {**from_namespace(EngineConfig, args), **from_namespace(SchedulerConfig, args)}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, unless its help already says it."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoinfer", description="From checkpoint to conversation.")
+    parser = argparse.ArgumentParser(prog="nanoinfer", description="From checkpoint to conversation.",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="complete one prompt, streaming the text to stdout")
-    gen.add_argument("prompt")
+    gen = commands.add_parser("generate", help="complete one prompt, streaming the text to stdout",
+                              formatter_class=_HelpFormatter)
+    gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
     _model_args(gen)
     _sampling_args(gen, temperature=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
+    _engine_args(gen)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=_HelpFormatter)
     _model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--cors-origin", action="append", default=[], help="allow this origin (repeatable; off by default)")
-    serve.add_argument("--max-pending", type=int, default=1024, help="queued requests before 503")
+    server = serve.add_argument_group("server")
+    add_flags(server, ServerConfig)
+    server.add_argument("--cors-origin", action="append", default=[],
+                        help="allow this origin (repeatable; CORS is off without it)")
     _engine_args(serve)
 
-    chat = commands.add_parser("chat", help="chat with the model in the terminal")
+    chat = commands.add_parser("chat", help="chat with the model in the terminal", formatter_class=_HelpFormatter)
     _model_args(chat)
     _sampling_args(chat, temperature=0.7)
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    _engine_args(chat)
+    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat}
     return parser
+
+
+def _version() -> str:
+    try:
+        return metadata.version("nanoinfer")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, with `--config FILE` values as defaults under the command line's own flags."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        sub = parser.subcommands[args.command]
+        valid = {a.dest for a in sub._actions if a.dest not in ("help", "config", "prompt")}
+        sub.set_defaults(**parse_config_file(args.config, valid))
+        args = parser.parse_args(argv)
+    return args
 
 
 def _sampling(args):
@@ -88,12 +114,19 @@ def _sampling(args):
                           repetition_penalty=args.repetition_penalty)
 
 
-def _generate(args) -> int:
+def _llm(args):
     from runtime.llm import LLM
 
+    return LLM(args.model, device=args.device, dtype=args.dtype, **_engine_kwargs(args))
+
+
+def _generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise RequestError("the prompt is empty (from standard input: nothing was read)", param="prompt")
     params = _sampling(args)
-    with LLM(args.model, device=args.device, dtype=args.dtype) as llm:
-        for delta in llm.stream(args.prompt, params, chat=args.chat):
+    with _llm(args) as llm:
+        for delta in llm.stream(prompt, params, chat=args.chat):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -101,46 +134,23 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    import uvicorn
-
     from runtime.engine import AsyncEngine
-    from runtime.server import create_app
+    from runtime.serving import check_port_free, serve
 
+    config = ServerConfig(**from_namespace(ServerConfig, args), cors_origin=tuple(args.cors_origin))
+    check_port_free(config.host, config.port)
     engine = AsyncEngine.from_model(args.model, device=args.device, dtype=args.dtype, **_engine_kwargs(args))
-    name = args.served_model_name or (args.model and str(args.model)) or DEFAULT_MODEL
-    app = create_app(engine, model_name=name, api_key=args.api_key, cors_origins=args.cors_origin,
-                     max_pending=args.max_pending)
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                port = self.servers[0].sockets[0].getsockname()[1]
-                print(f"nanoinfer: serving {name} at http://{args.host}:{port}  (chat page at /, API at /v1)",
-                      flush=True)
-
-        async def shutdown(self, sockets=None):
-            # SIGINT/SIGTERM: abort what is in flight first, so that every open stream ends
-            # properly (finish_reason "abort", then [DONE]) before uvicorn closes connections.
-            engine.abort_all()
-            await super().shutdown(sockets)
-
-        def handle_exit(self, sig, frame):
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises the signal after its graceful stop, so the process would die
-            # by SIGTERM; a clean stop on request is a normal exit here (status 0).
-            self._captured_signals.clear()
-
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
-    Server(config).run()
+    serve(engine, config)
     return 0
 
 
 def _chat(args) -> int:
-    from runtime.llm import LLM
-
+    try:
+        import readline  # noqa: F401 - input() gets line editing and history
+    except ImportError:  # (not on every platform)
+        pass
     params = _sampling(args)
-    with LLM(args.model, device=args.device, dtype=args.dtype) as llm:
+    with _llm(args) as llm:
         system = [{"role": "system", "content": args.system}] if args.system else []
         history = list(system)
         print("nanoinfer chat — /reset starts over, /exit quits, Ctrl-C stops a reply", flush=True)
@@ -162,14 +172,17 @@ def _chat(args) -> int:
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line})
-            reply = []
+            reply, finish = [], None
             stream = llm.stream(history, params)
             try:
                 for delta in stream:
                     reply.append(delta.text)
+                    finish = delta.finish_reason or finish
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
                 print()
+                if finish == "length":
+                    print(f"[the reply hit --max-tokens {params.max_tokens}]")
             except KeyboardInterrupt:
                 stream.close()  # aborts the request; what arrived stays in the history
                 print(" [stopped]")
@@ -177,9 +190,9 @@ def _chat(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     handlers = {"generate": _generate, "serve": _serve, "chat": _chat}
     try:
+        args = parse_args(argv)
         return handlers[args.command](args)
     except NanoInferError as exc:
         print(f"nanoinfer: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Sequence, Union
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
+from nanoinfer.settings import split_kwargs
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_core import EngineConfig, EngineCore
 from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -78,19 +79,11 @@ class RequestHandle:
         return [c.finish_reason for c in self.completions]
 
 
-def engine_config(*, block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                  swap_space: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
-                  max_num_batched_tokens: int = 4096, scheduling_policy: str = "fcfs",
-                  preemption_mode: str = "recompute", aging_steps: int = 64, gpu_memory_utilization: float = 0.9,
-                  enforce_eager: bool = False, nvtx: bool = False,
-                  async_scheduling: bool | None = None) -> EngineConfig:
-    """EngineConfig from the flat engine arguments users pass to LLM/AsyncEngine."""
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                policy=scheduling_policy, preemption_mode=preemption_mode, aging_steps=aging_steps)
-    return EngineConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                        swap_space=swap_space, max_model_len=max_model_len,
-                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, nvtx=nvtx,
-                        async_scheduling=async_scheduling, scheduler=scheduler)
+def engine_config(**engine_args) -> EngineConfig:
+    """EngineConfig from the flat engine arguments users pass to LLM/AsyncEngine: the settings
+    of EngineConfig and SchedulerConfig (an unknown name is a RequestError listing them)."""
+    engine, scheduler = split_kwargs(engine_args, EngineConfig, SchedulerConfig, what="engine")
+    return EngineConfig(**engine, scheduler=SchedulerConfig(**scheduler))
 
 
 class AsyncEngine:

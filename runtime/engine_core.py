@@ -25,6 +25,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hub import cache_dir
 from nanoinfer.model import EAGER, compiled_layer_functions, forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
+from nanoinfer.settings import check_settings, setting
 from runtime.block_manager import BlockManager
 from runtime.faults import Fault, Isolation, RequestFailed, classify
 from runtime.inflight import PENDING, DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
@@ -36,33 +37,28 @@ from runtime.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from kv_cache_memory (CPU) or free GPU memory
-    kv_cache_memory: int | None = None  # bytes for the KV pool when num_blocks is None
-    swap_space: int = 0  # bytes of host memory for swapped-out KV blocks
-    max_model_len: int | None = None  # None: the model's context length
-    gpu_memory_utilization: float = 0.9  # share of the GPU the weights, activations and KV pool may use
-    enforce_eager: bool = False  # no CUDA graphs and no torch.compile
-    nvtx: bool = False  # NVTX ranges around each step phase, for Nsight Systems (CUDA only)
-    # Launch step N+1 before reading step N's tokens; None: on where the device is async (CUDA).
-    async_scheduling: bool | None = None
+    block_size: int = setting(16, "tokens per KV block", minimum=1)
+    num_blocks: int | None = setting(None, "KV blocks in the pool (default: from kv_cache_memory on the CPU, from "
+                                           "free memory on a GPU)", minimum=1, optional=True)
+    kv_cache_memory: int | None = setting(None, "bytes for the KV pool when num_blocks is not given (CPU default: "
+                                                "1GiB)", minimum=1, optional=True, size=True)
+    swap_space: int = setting(0, "bytes of host memory for swapped-out KV blocks (preemption_mode swap)", minimum=0,
+                              size=True)
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's context length)",
+                                        minimum=1, optional=True)
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU the weights, activations and KV pool may use",
+                                            above=0, maximum=1)
+    enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
+    nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
+    async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
+                                                  "CUDA)", optional=True)
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise RequestError(f"block_size={self.block_size!r} is invalid: expected an integer >= 1")
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise RequestError(f"{name}={value!r} is invalid: expected an integer >= 1 or None")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise RequestError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is invalid: expected (0, 1]")
-        if not isinstance(self.swap_space, int) or self.swap_space < 0:
-            raise RequestError(f"swap_space={self.swap_space!r} is invalid: expected bytes >= 0")
-        if self.async_scheduling not in (None, True, False):
-            raise RequestError(f"async_scheduling={self.async_scheduling!r} is invalid: expected True, False or None")
+        check_settings(self)
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
-            raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)")
+            raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
+                               param="swap_space")
 
 
 class TokenOutput(NamedTuple):

@@ -18,7 +18,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
-from nanoinfer.errors import RequestError
+from nanoinfer.settings import check_settings, setting
 from runtime.block_manager import BlockManager
 from runtime.sequence import Sequence
 
@@ -28,21 +28,17 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096  # tokens per step; longer prompts prefill in chunks
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    aging_steps: int = 64  # steps of waiting that raise a request's priority by one
+    max_num_seqs: int = setting(256, "sequences in the batch at once (a request with n completions counts n)",
+                                minimum=1)
+    max_num_batched_tokens: int = setting(4096, "tokens per step; longer prompts prefill in chunks", minimum=1)
+    scheduling_policy: str = setting("fcfs", "fcfs, or priority (lower `priority` runs sooner, with aging)",
+                                     choices=POLICIES)
+    preemption_mode: str = setting("recompute", "how a sequence makes room when the KV pool runs dry",
+                                   choices=PREEMPTION_MODES)
+    aging_steps: int = setting(64, "steps of waiting that raise a request's priority by one", minimum=1)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "aging_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise RequestError(f"{name}={value!r} is invalid: expected an integer >= 1")
-        if self.policy not in POLICIES:
-            raise RequestError(f"policy={self.policy!r} is invalid: expected one of {POLICIES}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise RequestError(f"preemption_mode={self.preemption_mode!r} is invalid: expected one of {PREEMPTION_MODES}")
+        check_settings(self)
 
 
 class ScheduledChunk(NamedTuple):
@@ -63,7 +59,7 @@ class Plan(NamedTuple):
 
 def rank(seq: Sequence, config: SchedulerConfig, now: int) -> tuple:
     """Sort key: smaller runs sooner."""
-    if config.policy == "priority":
+    if config.scheduling_policy == "priority":
         return (seq.priority - (now - seq.arrival) // config.aging_steps, seq.arrival, seq.seq_id)
     return (seq.arrival, seq.seq_id)
 
@@ -89,7 +85,7 @@ class WaitingQueue:
         self._levels: dict[int, list[Sequence]] = {}
 
     def _level(self, seq: Sequence) -> list[Sequence]:
-        return self._levels.setdefault(seq.priority if self.config.policy == "priority" else 0, [])
+        return self._levels.setdefault(seq.priority if self.config.scheduling_policy == "priority" else 0, [])
 
     def add(self, seq: Sequence) -> None:
         # New requests arrive last (an append); a preempted one goes back to its place.

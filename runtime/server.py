@@ -317,7 +317,7 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
     once; `allowed_hosts` (None: any) the Host headers answered. With `manage_engine`, the
     app's lifespan starts the engine in the server's event loop and shuts it down (aborting
     what is in flight) on exit."""
-    srv = _Server(engine, model_name or engine.model.path.stem, api_key, max_body_bytes, max_pending, max_n,
+    srv = _Server(engine, model_name or engine.model.model_id, api_key, max_body_bytes, max_pending, max_n,
                   allowed_hosts)
 
     @contextlib.asynccontextmanager

@@ -56,6 +56,9 @@ def test_serve_prints_its_url_serves_and_stops_gracefully(smollm2_gguf):
         r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
                                                        "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        # The model id is the file's stem: the path (where the weights live) is nobody's business.
+        assert r.json()["model"] == smollm2_gguf.stem
+        assert str(smollm2_gguf.parent) not in httpx.get(url + "/v1/models").text + httpx.get(url + "/").text
         # A stream in flight when SIGTERM arrives: the server still exits cleanly.
         with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Once", "max_tokens": 300, "stream": True},
                           timeout=60) as stream:
@@ -66,6 +69,9 @@ def test_serve_prints_its_url_serves_and_stops_gracefully(smollm2_gguf):
         # The stream in flight is aborted and properly ended, not cut off.
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in rest[-2]
         assert proc.wait(timeout=60) == 0
+        log = proc.stderr.read()
+        # One line per request at --log-level info (the default): tokens, finish reason, timings.
+        assert re.search(r"cmpl-\w+: 200, prompt \d+ tokens, output 4 tokens, finish length, ttft \d+ ms", log), log
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -105,3 +111,64 @@ def test_async_scheduling_flag_reaches_the_engine_config():
     for flag, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         args = _parser().parse_args(["serve", *flag])
         assert engine_config(**_engine_kwargs(args)).async_scheduling is want
+
+
+def test_version_and_defaults_in_help():
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("nanoinfer ")
+    for command in ("generate", "serve", "chat"):
+        text = run_cli(command, "--help").stdout
+        assert "--max-num-seqs MAX_NUM_SEQS" in text and "(default: 256)" in text, command
+    assert "(default: 127.0.0.1)" in run_cli("serve", "--help").stdout
+
+
+def test_generate_reads_the_prompt_from_stdin(smollm2_gguf):
+    args = ["-m", "runtime.cli", "generate", "-", "--model", str(smollm2_gguf), "--max-tokens", "4", "--device", "cpu"]
+    piped = subprocess.run([sys.executable, *args], input="The capital of France is", capture_output=True, text=True,
+                           timeout=300)
+    direct = run_cli("generate", "The capital of France is", *args[4:])
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == direct.stdout and piped.stdout.strip()
+
+
+def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    from runtime.cli import _engine_kwargs, parse_args
+    from runtime.engine import engine_config
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 8\nswap_space: 1GiB\npreemption-mode: swap\nmax-n: 4\n")
+    args = parse_args(["serve", "--config", str(config), "--max-num-seqs", "4"])
+    engine = engine_config(**_engine_kwargs(args))
+    assert engine.scheduler.max_num_seqs == 4  # the command line wins
+    assert engine.swap_space == 1 << 30 and engine.scheduler.preemption_mode == "swap" and args.max_n == 4
+    (tmp_path / "bad.json").write_text('{"max-num-sequences": 8}')
+    proc = run_cli("serve", "--config", str(tmp_path / "bad.json"))
+    assert proc.returncode == 2 and "max-num-sequences" in proc.stderr and "max-num-seqs" in proc.stderr
+
+
+def test_serve_checks_the_port_before_loading_the_model():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("serve", "--port", str(port), "--model", "/nonexistent/model.gguf")
+    assert proc.returncode == 2 and f"port {port}" in proc.stderr and "in use" in proc.stderr
+
+
+def test_chat_says_when_a_reply_hit_max_tokens(smollm2_gguf):
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "runtime.cli", "chat", "--model", str(smollm2_gguf), "--device",
+                                           "cpu", "--temperature", "0", "--max-tokens", "3"],
+                          encoding="utf-8", timeout=120)
+    try:
+        child.expect(">>> ")
+        child.sendline("Write a long poem about the sea.")
+        child.expect(r"\[the reply hit --max-tokens 3\]")
+        child.expect(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()

@@ -23,7 +23,7 @@ WAITING, RUNNING, SWAPPED, FINISHED = (SequenceStatus.WAITING, SequenceStatus.RU
 def expected_rank(seq: Sequence, config: SchedulerConfig, now: int) -> tuple:
     """The order the scheduler's docstring promises: lower priority value first, one step better
     per `aging_steps` waited since arrival; ties, and fcfs, by arrival (then id)."""
-    if config.policy == "priority":
+    if config.scheduling_policy == "priority":
         return (seq.priority - (now - seq.arrival) // config.aging_steps, seq.arrival, seq.seq_id)
     return (seq.arrival, seq.seq_id)
 
@@ -359,7 +359,7 @@ def check_state(sim: Sim, scheduled: dict | None = None) -> None:
 @st.composite
 def configs(draw, max_num_seqs=st.integers(1, 6)):
     return SchedulerConfig(max_num_seqs=draw(max_num_seqs), max_num_batched_tokens=draw(st.integers(1, 24)),
-                           policy=draw(st.sampled_from(["fcfs", "priority"])),
+                           scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
                            preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
                            aging_steps=draw(st.integers(1, 5)))
 
@@ -425,7 +425,7 @@ def test_plan_on_random_situations(sim):
 def test_priority_ages_by_one_per_aging_steps(early, late, aging_steps, now):
     """A request that has waited `now` steps ranks as priority `early - now // aging_steps`: it goes
     ahead of a fresh one exactly when that is no worse (ties go to the earlier arrival)."""
-    config = SchedulerConfig(policy="priority", aging_steps=aging_steps, max_num_batched_tokens=8)
+    config = SchedulerConfig(scheduling_policy="priority", aging_steps=aging_steps, max_num_batched_tokens=8)
     sim = Sim(4, 1, 0, config)  # room for one of the two prompts, not both
     sim.now = now
     old = sim.new_seq(3, 4, priority=early, arrival=0)
@@ -441,7 +441,7 @@ def test_priority_ages_by_one_per_aging_steps(early, late, aging_steps, now):
 @given(arrivals=st.lists(st.integers(0, 10), min_size=1, max_size=8), priorities=st.lists(st.integers(0, 4), min_size=8,
        max_size=8), num_blocks=st.integers(2, 12), budget=st.integers(1, 30), max_num_seqs=st.integers(1, 8))
 def test_fcfs_admits_in_arrival_order_whatever_the_priority(arrivals, priorities, num_blocks, budget, max_num_seqs):
-    config = SchedulerConfig(policy="fcfs", max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    config = SchedulerConfig(scheduling_policy="fcfs", max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
     sim = Sim(num_blocks, 2, 0, config)
     sim.now = 10
     for arrival, priority in zip(arrivals, priorities):
@@ -509,7 +509,7 @@ def test_a_fork_preempted_leaves_its_sibling_the_shared_block():
 def test_waiting_queue_yields_rank_order(entries, policy, aging_steps, now, removed):
     """The queue the engine hands plan(): whatever the order of arrivals, preemptions put
     back and removals, it yields exactly the rank order the scheduler promises."""
-    config = SchedulerConfig(policy=policy, aging_steps=aging_steps)
+    config = SchedulerConfig(scheduling_policy=policy, aging_steps=aging_steps)
     queue, kept = WaitingQueue(config), []
     for i, (priority, arrival) in enumerate(entries):
         seq = Sequence(i, [1], SamplingParams(), 4, priority=priority, arrival=arrival)
@@ -541,7 +541,7 @@ def test_a_huge_queue_costs_a_step_only_what_it_admits():
 
 
 def test_config_rejects_bad_values():
-    for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": True}, {"aging_steps": 1.5}, {"policy": "lifo"},
+    for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": True}, {"aging_steps": 1.5}, {"scheduling_policy": "lifo"},
                 {"preemption_mode": "drop"}):
         with pytest.raises(RequestError):
             SchedulerConfig(**bad)
@@ -574,7 +574,7 @@ def run_to_completion(sim: Sim, requests, max_steps: int) -> None:
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_tiny_pool_forces_preemption_and_everything_finishes(mode, policy):
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, policy=policy, preemption_mode=mode,
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, scheduling_policy=policy, preemption_mode=mode,
                              aging_steps=3)
     sim = Sim(6, 2, 6, config)  # 12 token slots; every request grows to 9-12 tokens
     requests = [(i // 2, 3 + i % 3, 9 + i % 4, (5 - i) % 3, 1) for i in range(10)]

@@ -110,6 +110,24 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "stop": 5}).encode(), 400, "stop"),
     ("/v1/chat/completions", b"x" * (2 << 20), 413, None),
+    # Issue 10: invalid UTF-8 and deep nesting were 500s.
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}", 400, None),
+    # Issue 10: max_tokens beyond the context was silently capped (vLLM answers 400).
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2048}).encode(), 400, "max_tokens"),
+    # Issue 10: parameters whose effect we do not implement were silently ignored.
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "response_format": {"type": "json_object"}}).encode(),
+     400, "response_format"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}).encode(), 400, "tools"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tool_choice": "required"}).encode(), 400,
+     "tool_choice"),
+    ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
+    ("/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400, "echo"),
+    # Issue 10: n is bounded (sequences are what admission counts).
+    ("/v1/completions", json.dumps({"prompt": "x", "n": 17}).encode(), 400, "n"),
+    ("/v1/completions", json.dumps({"prompt": ["x"] * 100, "n": 16}).encode(), 400, "n"),
 ]
 
 
@@ -223,3 +241,63 @@ def test_logprobs_in_both_formats_and_penalties(client, live_server):
     ids = live_server.engine.tokenizer.encode(plain.choices[0].text)
     assert len(set(ids)) < len(ids), "precondition: the plain output repeats a token"
     assert pen.choices[0].text != plain.choices[0].text
+
+
+def test_harmless_and_unknown_fields_pass(client, caplog):
+    r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=3, user="u1", store=False,
+                                       response_format={"type": "text"}, tool_choice="none",
+                                       extra_body={"some_future_field": 1})
+    assert r.choices[0].message.content is not None
+    assert any("some_future_field" in m for m in caplog.messages)
+
+
+def test_errors_for_unknown_routes_and_methods_are_json(live_server):
+    r = httpx.get(live_server.url + "/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(live_server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and "allow" in r.headers
+    assert httpx.get(live_server.url + "/v1/models/tiny-chat").json()["id"] == "tiny-chat"
+    r = httpx.get(live_server.url + "/v1/models/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_only_json_bodies_are_read(live_server):
+    r = httpx.post(live_server.url + "/v1/completions", content=json.dumps({"prompt": "hi"}),
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(live_server.url + "/v1/completions", content=json.dumps({"prompt": "hi", "max_tokens": 2}),
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(tiny_chat_model):
+    with LiveServer(tiny_chat_model, allowed_hosts=("localhost", "127.0.0.1", "[::1]")) as server:
+        body = {"prompt": "hi", "max_tokens": 2}
+        evil = httpx.post(server.url + "/v1/completions", json=body, headers={"host": "evil.example:8000"})
+        assert evil.status_code == 400 and evil.json()["error"]["param"] == "host"
+        assert httpx.get(server.url + "/", headers={"host": "evil.example"}).status_code == 400
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+        port = server.url.rsplit(":", 1)[1]
+        assert httpx.post(server.url + "/v1/completions", json=body,
+                          headers={"host": f"localhost:{port}"}).status_code == 200
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(live_server):
+    """Issue 10, bug 5: it kept generating (here ~1,900 tokens) for no one."""
+    body = {"prompt": "hi", "max_tokens": 1900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    before = metric(live_server.url, "nanoinfer_generated_tokens_total")
+    assert wait_drained(live_server.url, timeout=1.0), "still generating after the client left"
+    assert metric(live_server.url, "nanoinfer_generated_tokens_total") - before < 1000
+    assert metric(live_server.url, 'nanoinfer_requests_total{finish_reason="abort"}') >= 1
+
+
+def test_metrics_count_requests_tokens_and_latencies(live_server):
+    before = metric(live_server.url, "nanoinfer_prompt_tokens_total")
+    r = httpx.post(live_server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3})
+    assert r.status_code == 200
+    assert metric(live_server.url, "nanoinfer_prompt_tokens_total") == before + 3
+    assert metric(live_server.url, 'nanoinfer_requests_total{finish_reason="length"}') >= 1
+    for name in ("nanoinfer_e2e_request_latency_seconds_count", "nanoinfer_request_queue_time_seconds_count"):
+        assert metric(live_server.url, name) >= 1

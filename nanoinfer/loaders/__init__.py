@@ -25,6 +25,13 @@ class LoadedModel:
     params: Params
     tokenizer: "Tokenizer | None"  # None when an HF directory ships no tokenizer files
     path: Path
+    name: str | None = None  # how users named it, when that was a short name
+
+    @property
+    def model_id(self) -> str:
+        """What a server calls it: the short name, else the file or directory stem (never a
+        path: that would tell every client where the weights live)."""
+        return self.name or self.path.stem
 
 
 def load_model(
@@ -65,4 +72,4 @@ def load_model(
         # token the config names but the tokenizer does not, or the other way round).
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    return LoadedModel(cfg, params, tokenizer, path)
+    return LoadedModel(cfg, params, tokenizer, path, name if name in KNOWN_MODELS else None)

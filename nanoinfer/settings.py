@@ -1,0 +1,212 @@
+"""Settings defined once: a dataclass field declared with `setting(...)` is a keyword argument,
+a command-line flag and a checked value, all from that one declaration.
+
+    @dataclass(frozen=True)
+    class EngineConfig:
+        block_size: int = setting(16, "tokens per KV block", minimum=1)
+        def __post_init__(self):
+            check_settings(self)
+
+`check_settings` raises RequestError naming the value and what was expected; `add_flags`
+puts the fields on an argparse parser (`--block-size`, booleans as `--x/--no-x`, sizes such
+as `4GiB`), and `from_namespace` reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from nanoinfer.errors import RequestError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `4GiB`, `512MiB`, `2G`, `1048576` (a bare number is bytes)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise RequestError(f"size {text!r} is invalid: expected bytes, or a number with KiB, MiB, GiB or TiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a setting accepts. Numbers are checked as float32 too where `float32` is set: a
+    value the sampler would round to 0 or infinity must fail here, not emit garbage later."""
+
+    help: str
+    minimum: float | None = None  # inclusive
+    above: float | None = None  # exclusive lower bound
+    maximum: float | None = None  # inclusive
+    choices: tuple | None = None
+    optional: bool = False  # None is allowed (it means "automatic" or "off")
+    size: bool = False  # bytes; the flag and the keyword also take "4GiB"
+    float32: bool = False
+    flag: bool = True  # on the command line
+
+    def expected(self, kind: type) -> str:
+        if self.choices is not None:
+            text = f"one of {list(self.choices)}"
+        else:
+            text = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
+            bounds = []
+            if self.above is not None:
+                bounds.append(f"> {self.above:g}")
+            if self.minimum is not None:
+                bounds.append(f">= {self.minimum:g}")
+            if self.maximum is not None:
+                bounds.append(f"<= {self.maximum:g}")
+            if bounds:
+                text += " " + " and ".join(bounds)
+        return text + (" or None" if self.optional else "")
+
+
+def setting(default: Any, help: str, **spec) -> Any:
+    """A dataclass field that is also a flag and a check (see the module docstring)."""
+    return dataclasses.field(default=default, metadata={"setting": Spec(help, **spec)})
+
+
+def _kind(cls, f: dataclasses.Field) -> type:
+    """The field's Python type, from its default or its annotation."""
+    annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if re.match(rf"^{name}\b", annotation):
+            return kind
+    return type(f.default) if f.default is not None else str
+
+
+def specs(cls) -> Iterable[tuple[dataclasses.Field, Spec, type]]:
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get("setting")
+        if spec is not None:
+            yield f, spec, _kind(cls, f)
+
+
+def check_value(name: str, value: Any, spec: Spec, kind: type) -> Any:
+    """`value` as the setting holds it (a size parsed), or RequestError naming it."""
+    def fail():
+        raise RequestError(f"{name}={value!r} is invalid: expected {spec.expected(kind)}", param=name)
+
+    if value is None:
+        return None if spec.optional else fail()
+    if spec.size and isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except RequestError:
+            fail()
+    if kind is bool:
+        return value if isinstance(value, bool) else fail()
+    if isinstance(value, bool) or (kind in (int, float) and not isinstance(value, (int, float))):
+        fail()
+    if kind is int and not isinstance(value, int):
+        fail()
+    if kind is str and not isinstance(value, str):
+        fail()
+    if spec.choices is not None and value not in spec.choices:
+        fail()
+    if kind in (int, float):
+        if isinstance(value, float) and not math.isfinite(value):
+            fail()
+        as32 = float(np.float32(value)) if spec.float32 else value
+        if spec.float32 and not math.isfinite(as32):
+            fail()
+        if spec.minimum is not None and as32 < spec.minimum:
+            fail()
+        if spec.above is not None and not as32 > spec.above:
+            fail()
+        if spec.maximum is not None and as32 > spec.maximum:
+            fail()
+    return value
+
+
+def check_settings(obj) -> None:
+    """Check (and normalize: sizes to bytes) every `setting` field of a frozen dataclass."""
+    for f, spec, kind in specs(type(obj)):
+        value = check_value(f.name, getattr(obj, f.name), spec, kind)
+        object.__setattr__(obj, f.name, value)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser, cls, *, only: Iterable[str] | None = None, defaults: dict | None = None) -> None:
+    """One flag per `setting` field of `cls` (or those named in `only`), help and default
+    from the declaration (`defaults` overrides some, e.g. a CLI's own sampling defaults)."""
+    defaults = defaults or {}
+    wanted = None if only is None else set(only)
+    for f, spec, kind in specs(cls):
+        if not spec.flag or (wanted is not None and f.name not in wanted):
+            continue
+        default = defaults.get(f.name, f.default)
+        kw: dict[str, Any] = dict(default=default, help=spec.help, dest=f.name)
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif spec.size:
+            kw["type"] = str
+            kw["metavar"] = "BYTES"
+        else:
+            kw["type"] = kind
+            if spec.choices is not None:
+                kw["choices"] = list(spec.choices)
+        parser.add_argument(flag_name(f.name), **kw)
+
+
+def from_namespace(cls, args: argparse.Namespace) -> dict:
+    """The keyword arguments of `cls` that `add_flags` put on the parser."""
+    return {f.name: getattr(args, f.name) for f, spec, _ in specs(cls) if hasattr(args, f.name)}
+
+
+def setting_names(cls) -> list[str]:
+    return [f.name for f, _, _ in specs(cls)]
+
+
+def split_kwargs(kwargs: dict, *classes, what: str) -> list[dict]:
+    """Route flat keyword arguments to the dataclasses that declare them; an unknown name is a
+    RequestError listing the known ones."""
+    parts: list[dict] = [{} for _ in classes]
+    for name, value in kwargs.items():
+        for part, cls in zip(parts, classes):
+            if name in {f.name for f in dataclasses.fields(cls)}:
+                part[name] = value
+                break
+        else:
+            known = sorted(n for cls in classes for n in setting_names(cls))
+            raise RequestError(f"unknown {what} argument {name!r}: expected one of {known}", param=name)
+    return parts
+
+
+def parse_config_file(path: str, valid: Iterable[str]) -> dict:
+    """`--config FILE`: a JSON or YAML mapping of flag names (dashes or underscores) to values."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        data = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise RequestError(f"config file {path}: {exc}", param="config") from exc
+    if not isinstance(data, dict):
+        raise RequestError(f"{path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    valid = set(valid)
+    out = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in valid:
+            raise RequestError(f"{path}: unknown setting {key!r}: expected one of "
+                               f"{sorted(n.replace('_', '-') for n in valid)}", param=str(key))
+        out[name] = value
+    return out
+

@@ -1,0 +1,134 @@
+"""Running the server process: its settings, uvicorn with limits for slow clients, clean stops.
+
+`serve(engine, config)` binds, prints the URL, serves until SIGINT/SIGTERM, aborts what is in
+flight so every open stream ends properly, and returns. The HTTP app itself is
+runtime/server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from nanoinfer.errors import NanoInferError
+from nanoinfer.settings import check_settings, setting
+from runtime.engine import AsyncEngine
+from runtime.server import LOOPBACK_HOSTS, create_app
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = setting("127.0.0.1", "address to bind (loopback only unless you say otherwise)")
+    port: int = setting(8000, "port to bind (0 picks a free one)", minimum=0, maximum=65535)
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*", optional=True)
+    served_model_name: str | None = setting(None, "the model id clients use (default: the model's short name or "
+                                                  "file stem)", optional=True)
+    cors_origin: tuple[str, ...] = field(default=(), metadata={})  # (a repeatable flag, added by the CLI)
+    max_pending: int = setting(1024, "sequences (prompts x n) queued at once before new requests get 503",
+                               minimum=1)
+    max_n: int = setting(16, "largest n (completions per prompt) a request may ask for", minimum=1, maximum=128)
+    max_body_bytes: int = setting(1 << 20, "largest request body", minimum=1, size=True)
+    log_level: str = setting("info", "info: a line per request and a throughput line; warning: quiet",
+                             choices=LOG_LEVELS)
+    timeout_keep_alive: int = setting(5, "seconds an idle keep-alive connection stays open", minimum=1)
+    timeout_headers: float = setting(10.0, "seconds a client may take to send a request's headers", above=0)
+    max_header_bytes: int = setting(16384, "largest request head (request line and headers)", minimum=1024,
+                                    size=True)
+
+    def __post_init__(self):
+        check_settings(self)
+
+
+def _protocol(header_timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request's head: uvicorn has none, so a
+    client sending its headers a byte every few seconds would hold a connection for ever."""
+    class Protocol(H11Protocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and self._head_deadline is not None:
+                self._head_deadline.cancel()  # the head is in: the request runs as long as it needs
+                self._head_deadline = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request on this connection gets its own deadline
+
+        def connection_lost(self, exc):
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            self._head_deadline = self.loop.call_later(header_timeout, self._head_timed_out)
+
+        def _head_timed_out(self) -> None:
+            self._head_deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+    return Protocol
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before loading a model for minutes, not after."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise NanoInferError(f"port {port} on {host} {why}: pick another with --port") from exc
+
+
+def serve(engine: AsyncEngine, config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loopback = config.host in LOOPBACK_HOSTS
+    name = config.served_model_name or engine.model.model_id
+    app = create_app(engine, model_name=name, api_key=config.api_key, cors_origins=config.cors_origin,
+                     max_pending=config.max_pending, max_n=config.max_n, max_body_bytes=config.max_body_bytes,
+                     allowed_hosts=LOOPBACK_HOSTS if loopback else None)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                port = self.servers[0].sockets[0].getsockname()[1]
+                print(f"nanoinfer: serving {name} at http://{config.host}:{port}  (chat page at /, API at /v1)",
+                      flush=True)
+
+        async def shutdown(self, sockets=None):
+            # SIGINT/SIGTERM: abort what is in flight first, so that every open stream ends
+            # properly (finish_reason "abort", then [DONE]) before uvicorn closes connections.
+            engine.abort_all()
+            await super().shutdown(sockets)
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its graceful stop, so the process would die
+            # by SIGTERM; a clean stop on request is a normal exit here (status 0).
+            self._captured_signals.clear()
+
+    uvicorn_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+        timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive,
+        http=_protocol(config.timeout_headers), h11_max_incomplete_event_size=config.max_header_bytes)
+    Server(uvicorn_config).run()
