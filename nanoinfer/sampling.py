@@ -17,8 +17,8 @@ from nanoinfer.host_copy import to_device_packed
 from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p", "uniform_noise",
-           "uniform_noise_from_bits", "exponential_race"]
+__all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
+           "uniform_noise", "uniform_noise_from_bits", "exponential_race"]
 
 
 class SamplingTensors(NamedTuple):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -207,3 +208,32 @@ def test_top_p_one_filters_nothing_beside_top_k():
     for k in (100, 1000, 4000):
         masked = apply_top_k_top_p(logits, torch.tensor([k]), torch.tensor([1.0]))
         assert torch.isfinite(masked).sum() == k
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("top_p", 1e-50, r"\(0, 1\]"),  # 0 in float32, the sampler's precision
+    ("top_p", float("nan"), r"\(0, 1\]"),
+    ("repetition_penalty", 1e-50, "> 0"),  # 0 in float32: logits / 0
+    ("repetition_penalty", float("inf"), "> 0"),
+    ("repetition_penalty", 1e39, "> 0"),  # finite in float64, inf in float32
+    ("temperature", float("inf"), ">= 0"),
+    ("temperature", 1e39, ">= 0"),
+    ("temperature", float("nan"), ">= 0"),
+    ("min_p", float("nan"), r"\[0, 1\]"),
+    ("presence_penalty", float("nan"), r"\[-2, 2\]"),
+    ("frequency_penalty", float("-inf"), r"\[-2, 2\]"),
+])
+def test_values_the_sampler_cannot_represent_are_rejected(field, value, expected):
+    message = rf"{field}={re.escape(repr(value))} is invalid: expected .*{expected}"
+    with pytest.raises(RequestError, match=message) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_float32_range_helper():
+    from nanoinfer.sampling_params import float32_in
+
+    assert float32_in(0.5, 0, 1, low_open=True) and float32_in(1, 0, 1) and float32_in(-2.0, -2, 2)
+    assert not float32_in(1e-50, 0, 1, low_open=True) and float32_in(1e-40, 0, 1, low_open=True)  # subnormal
+    assert not float32_in(3.5e38) and float32_in(3.4e38) and not float32_in(10**400)
+    assert not float32_in(float("nan")) and not float32_in(True) and not float32_in("1")
