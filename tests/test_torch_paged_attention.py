@@ -34,6 +34,6 @@ def test_batched_attention_equals_reference(step):
     batch = build_batch(chunks, block_size)
     q = torch.randn(batch.num_tokens, heads, 8, generator=g)
     fast = TorchPagedAttention(block_size)
-    expected = REFERENCE.attention(q, kv_layer, REFERENCE.prepare(batch, cfg))
-    got = fast.attention(q, kv_layer, fast.prepare(batch, cfg))
+    expected = REFERENCE.attention(q, kv_layer, REFERENCE.prepare(batch, cfg, window))
+    got = fast.attention(q, kv_layer, fast.prepare(batch, cfg, window))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

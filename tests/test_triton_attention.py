@@ -83,9 +83,9 @@ def make_step(seqs, cfg, block_size, dtype, device=DEVICE, num_pad=3, seed=0):
 def run_and_check(backend, batch, cfg, q, kv_layer, dtype):
     """Backend output (into a NaN-poisoned buffer) against the fp32 reference."""
     out = torch.full_like(q, float("nan"))
-    returned = backend.attention(q, kv_layer, backend.prepare(batch, cfg), out=out)
+    returned = backend.attention(q, kv_layer, backend.prepare(batch, cfg, cfg.sliding_window), out=out)
     assert returned is out
-    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg))
+    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg, cfg.sliding_window))
     num_valid = int(batch.query_start_loc[-1])
     got = out[:num_valid].float()
     assert not got.isnan().any(), f"{int(got.isnan().any(-1).any(-1).sum())} rows unwritten or NaN"
@@ -195,7 +195,7 @@ def test_decode_step_captures_in_cuda_graph():
     batch, q, k, v, kv_layer = make_step(decode_seqs(random.Random(3)), cfg, 16, torch.bfloat16, seed=3)
     expected_kv = kv_layer.clone()
     REF.write_kv(expected_kv, k, v, batch.slot_mapping)
-    meta = backend.prepare(batch, cfg)
+    meta = backend.prepare(batch, cfg, cfg.sliding_window)
     out = torch.empty_like(q)
     backend.attention(q, kv_layer.clone(), meta, out=out)  # compile outside the capture
     backend.write_kv(kv_layer.clone(), k, v, batch.slot_mapping)
@@ -207,7 +207,7 @@ def test_decode_step_captures_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(kv_layer, expected_kv)
-    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg))
+    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg, cfg.sliding_window))
     num_valid = int(batch.query_start_loc[-1])
     err = (out.float() - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-6)
     assert err[:num_valid].max() < TOLERANCE[torch.bfloat16] and torch.equal(out[num_valid:], expected[num_valid:].to(out.dtype))
@@ -230,7 +230,7 @@ def _bench_decode():
         batch, q, _, _, kv_layer = make_step([(context, 1)] * batch_size, cfg, 16, torch.bfloat16, num_pad=0)
         times = []
         for backend in (TritonPagedAttention(cfg), TritonPagedAttention(cfg, max_split_tokens=0), REF):
-            meta = backend.prepare(batch, cfg)
+            meta = backend.prepare(batch, cfg, cfg.sliding_window)
             times.append(do_bench(lambda: backend.attention(q, kv_layer, meta), warmup=50, rep=200,
                                   return_mode="median"))
         kv_bytes = batch_size * context * cfg.num_kv_heads * cfg.head_dim * 2 * 2

@@ -33,7 +33,7 @@ class ReferenceMetadata(NamedTuple):
 class ReferenceAttention:
     """Stateless; one instance serves every model."""
 
-    def prepare(self, batch: Batch, cfg: ModelConfig) -> ReferenceMetadata:
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> ReferenceMetadata:
         starts = batch.query_start_loc.tolist()
         seq_lens = batch.seq_lens.tolist()
         device = batch.input_ids.device
@@ -42,14 +42,14 @@ class ReferenceAttention:
             start, end = starts[s], starts[s + 1]
             n = end - start
             # Query i of this chunk sits at position context_len - n + i; it sees keys at
-            # positions <= its own, and within the sliding window when the model has one.
+            # positions <= its own, and within the sliding window when the layer has one.
             mask = None
-            if n > 1 or cfg.sliding_window is not None:
+            if n > 1 or window is not None:
                 q_pos = torch.arange(context_len - n, context_len, device=device)[:, None]
                 k_pos = torch.arange(context_len, device=device)[None, :]
                 mask = k_pos <= q_pos
-                if cfg.sliding_window is not None:
-                    mask &= k_pos > q_pos - cfg.sliding_window
+                if window is not None:
+                    mask &= k_pos > q_pos - window
             seqs.append(SeqView(start, end, batch.block_tables[s], context_len, mask))
         return ReferenceMetadata(tuple(seqs), cfg.head_dim**-0.5)
 

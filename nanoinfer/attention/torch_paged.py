@@ -33,8 +33,8 @@ class TorchPagedAttention:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def prepare(self, batch: Batch, cfg: ModelConfig) -> TorchPagedMetadata:
-        ref = REFERENCE.prepare(batch, cfg)
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TorchPagedMetadata:
+        ref = REFERENCE.prepare(batch, cfg, window)
         decodes = [s for s in ref.seqs if s.query_end - s.query_start == 1]
         others = tuple(s for s in ref.seqs if s.query_end - s.query_start != 1)
         group = None
@@ -45,8 +45,8 @@ class TorchPagedAttention:
             tables = torch.stack([s.block_ids[:blocks] for s in decodes]).long()
             positions = torch.arange(blocks * self.block_size, device=device)
             visible = positions[None, :] < lens[:, None]
-            if cfg.sliding_window is not None:  # the query sits at position len - 1
-                visible &= positions[None, :] > (lens[:, None] - 1 - cfg.sliding_window)
+            if window is not None:  # the query sits at position len - 1
+                visible &= positions[None, :] > (lens[:, None] - 1 - window)
             rows = torch.tensor([s.query_start for s in decodes], device=device)
             group = DecodeGroup(rows, tables, visible)
         return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale), ref.scale)
