@@ -1,12 +1,16 @@
-"""The batched CPU attention path against the reference on random mixed batches."""
+"""The batched CPU attention path against the reference on random mixed batches, and both
+against stale NaN/inf in the slots no step wrote."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.attention.torch_paged import TorchPagedAttention
 from nanoinfer.batch import SeqChunk, build_batch
-from tests.tiny import tiny_config
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model import forward
+from tests.tiny import random_params, tiny_config
 
 
 @st.composite
@@ -37,3 +41,28 @@ def test_batched_attention_equals_reference(step):
     expected = REFERENCE.attention(q, kv_layer, REFERENCE.prepare(batch, cfg, window))
     got = fast.attention(q, kv_layer, fast.prepare(batch, cfg, window))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [REFERENCE, TorchPagedAttention(4)], ids=["reference", "torch_paged"])
+@pytest.mark.parametrize("windowed_layers", [None, (False, True)])
+def test_stale_nan_and_inf_in_unwritten_slots_change_nothing(backend, windowed_layers):
+    """A pool full of NaN/inf where no step wrote (block tails, padding table entries, other
+    sequences' blocks) must not reach any row: masked keys are excluded, not weighted by 0."""
+    cfg = tiny_config(sliding_window=5 if windowed_layers else None, windowed_layers=windowed_layers)
+    params = random_params(cfg)
+    block_size, prompts = 4, [[5, 9, 2, 7, 1, 8, 3], [4, 4, 6], list(range(10, 20))]
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]  # block 0, 10, 11: nobody's; tables padded with 0
+    clean = allocate_kv_pool(cfg, 12, block_size, torch.float32, "cpu")
+    poisoned = clean.clone()
+    poisoned[..., 0::2] = float("nan")
+    poisoned[..., 1::2] = float("inf")
+    poisoned[:, 1, ..., 1::4] = float("-inf")
+    chunks = [SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables)]
+    for step in range(4):
+        batch = build_batch(chunks, block_size)
+        expected = forward(params, clean, batch, cfg, REFERENCE)
+        got = forward(params, poisoned, batch, cfg, backend)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        lens = [c.start_pos + len(c.token_ids) for c in chunks]
+        chunks = [SeqChunk([int(t)], n, c.block_table, True) for c, t, n in zip(chunks, expected.argmax(-1), lens)]

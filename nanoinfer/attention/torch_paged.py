@@ -63,7 +63,10 @@ class TorchPagedAttention:
         n, heads = group.rows.shape[0], q.shape[1]
         # k, v: [decodes, kv_heads, context, head_dim]; q: [decodes, kv_heads, group, head_dim]
         k = kv_layer[0][group.block_tables].reshape(n, -1, kv_heads, head_dim).transpose(1, 2)
-        v = kv_layer[1][group.block_tables].reshape(n, -1, kv_heads, head_dim).transpose(1, 2)
+        v = kv_layer[1][group.block_tables].reshape(n, -1, kv_heads, head_dim)
+        # A masked slot may hold anything (a block's unwritten tail, a padding table entry, a
+        # freed block): its score becomes -inf and its value 0, as probability 0 * NaN is NaN.
+        v = v.masked_fill_(~group.key_mask[:, :, None, None], 0.0).transpose(1, 2)
         qg = q[group.rows].reshape(n, kv_heads, heads // kv_heads, head_dim)
         scores = (qg @ k.transpose(-1, -2)).float() * meta.scale  # [decodes, kv_heads, group, context]
         scores = scores.masked_fill(~group.key_mask[:, None, None, :], float("-inf"))
