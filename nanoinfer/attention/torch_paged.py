@@ -49,7 +49,7 @@ class TorchPagedAttention:
                 visible &= positions[None, :] > (lens[:, None] - 1 - window)
             rows = torch.tensor([s.query_start for s in decodes], device=device)
             group = DecodeGroup(rows, tables, visible)
-        return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale), ref.scale)
+        return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale, window), ref.scale)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
