@@ -46,10 +46,22 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
-    sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
+    sliding_window: int | None = None  # keys older than this many positions are masked, in windowed layers
+    windowed_layers: tuple[bool, ...] | None = None  # per layer (Qwen's layer_types); None = all of them
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the checkpoint's own dtype, for dtype="auto"
+
+    def __post_init__(self):
+        if self.windowed_layers is not None and len(self.windowed_layers) != self.num_layers:
+            raise ValueError(f"windowed_layers has {len(self.windowed_layers)} entries for {self.num_layers} layers")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window; None for a layer of full causal attention."""
+        if self.windowed_layers is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if windowed else None for windowed in self.windowed_layers)
 
     @property
     def q_size(self) -> int:
@@ -61,7 +73,8 @@ class ModelConfig:
 
     def with_layers(self, num_layers: int) -> "ModelConfig":
         """The same model cut to its first `num_layers` layers (tests, tools)."""
-        return dataclasses.replace(self, num_layers=num_layers)
+        windowed = None if self.windowed_layers is None else self.windowed_layers[:num_layers]
+        return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -92,6 +105,33 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None, path) -> RopeScaling 
     raise CheckpointError(path, f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
+                           path) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, windowed_layers) as transformers applies them: Mistral windows every
+    layer; Qwen2/Qwen3 only with `use_sliding_window`, and then only the layers `layer_types`
+    names "sliding_attention" (derived when absent: the layers from `max_window_layers` on);
+    Llama never. No windowed layer gives (None, None); all of them (window, None)."""
+    window = cfg.get("sliding_window")
+    if not window or arch == "llama" or (arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+        return None, None
+    if arch == "mistral":  # (transformers' Mistral ignores layer_types)
+        return int(window), None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = cfg.get("max_window_layers")
+        first = 28 if first is None else int(first)  # transformers' default
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise CheckpointError(path, f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise CheckpointError(path, f"layer type {unknown[0]!r} is not supported (full_attention, sliding_attention)")
+    windowed = tuple(t == "sliding_attention" for t in layer_types)
+    if not any(windowed):
+        return None, None
+    return int(window), None if all(windowed) else windowed
+
+
 def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json`; `path` is named in errors."""
     archs = cfg.get("architectures") or []
@@ -105,9 +145,8 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
         theta = cfg.get("rope_theta") or (rope_params or {}).get("rope_theta") or 10000.0
-        window = cfg.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen configs carry a window they do not use unless asked
+        num_layers = int(cfg["num_hidden_layers"])
+        window, windowed_layers = sliding_window_from_hf(cfg, arch, num_layers, path)
         if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
             raise CheckpointError(path, "attention_bias/mlp_bias on this architecture is not supported")
         return ModelConfig(
@@ -115,7 +154,7 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -126,7 +165,8 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
             rope_scaling=rope_scaling_from_hf(rope_params, path),
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            windowed_layers=windowed_layers,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -141,7 +141,9 @@ def forward(
     slots the batch owns, and nowhere else. Returning a fresh pool instead would copy the
     whole cache every step (see DESIGN.md §2); `forward_out_of_place` is that mode for tests.
     """
-    meta = backend.prepare(batch, cfg)
+    windows = cfg.layer_windows
+    # One metadata per kind of layer: a model that windows some layers only prepares two.
+    meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
     x = params.embed[batch.input_ids]  # [tokens, hidden]
     cos, sin = rope_cos_sin(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
@@ -151,7 +153,7 @@ def forward(
         else:  # (the pool's layout is kv_cache.py's, whatever the backend)
             qkv = layer_fns.qkv_projection(x, lp, cfg, layer_fns.linear)
             q = layer_fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv[layer_idx], batch.slot_mapping, cfg)
-        attn = backend.attention(q, kv[layer_idx], meta)  # [tokens, heads, head_dim]
+        attn = backend.attention(q, kv[layer_idx], meta[windows[layer_idx]])  # [tokens, heads, head_dim]
         x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear)
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)

@@ -25,13 +25,20 @@ from nanoinfer.config import ModelConfig
 def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
                        stride_qkv, stride_qo, stride_cos, stride_kv, eps,
                        NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       QK_NORM: tl.constexpr):
+                       HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, in the projection's column order
-    half = tl.arange(0, HEAD_DIM // 2)
+    # Each half of the head in a tile of HALF_PAD (a power of two: tl.arange's rule) columns;
+    # past HEAD_DIM // 2 they are masked. For a power-of-two head_dim the mask is a constant
+    # `True` that folds away: the compiled kernel is the unpadded one.
+    half = tl.arange(0, HALF_PAD)
+    if HALF_PAD == HEAD_DIM // 2:
+        in_half = tl.full([HALF_PAD], 1, tl.int1)
+    else:
+        in_half = half < HEAD_DIM // 2
     src = qkv_ptr + token * stride_qkv + head * HEAD_DIM
-    x1 = tl.load(src + half).to(tl.float32)
-    x2 = tl.load(src + HEAD_DIM // 2 + half).to(tl.float32)
+    x1 = tl.load(src + half, mask=in_half, other=0.0).to(tl.float32)  # padded columns: 0, so the norm is exact
+    x2 = tl.load(src + HEAD_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)
     is_q = head < NUM_HEADS
     is_v = head >= NUM_HEADS + KV_HEADS
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -39,8 +46,8 @@ def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q
     dst = kv_ptr + slot * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + tl.where(is_v, stride_kv, 0)
     if is_v:
         if slot >= 0:  # padding rows (slot -1) store nothing
-            tl.store(dst + half, x1.to(kv_ptr.dtype.element_ty))
-            tl.store(dst + HEAD_DIM // 2 + half, x2.to(kv_ptr.dtype.element_ty))
+            tl.store(dst + half, x1.to(kv_ptr.dtype.element_ty), mask=in_half)
+            tl.store(dst + HEAD_DIM // 2 + half, x2.to(kv_ptr.dtype.element_ty), mask=in_half)
         return
     if QK_NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
@@ -49,20 +56,21 @@ def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q
         else:
             w_ptr = k_norm_ptr
         # Round the normalized head to the model dtype before the weight, as rms_norm does.
-        x1 = (x1 * rstd).to(qkv_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + half).to(tl.float32)
+        x1 = (x1 * rstd).to(qkv_ptr.dtype.element_ty).to(tl.float32) * tl.load(
+            w_ptr + half, mask=in_half, other=0.0).to(tl.float32)
         x2 = (x2 * rstd).to(qkv_ptr.dtype.element_ty).to(tl.float32) * tl.load(
-            w_ptr + HEAD_DIM // 2 + half).to(tl.float32)
-    cos = tl.load(cos_ptr + token * stride_cos + half).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_cos + half).to(tl.float32)
+            w_ptr + HEAD_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_cos + half, mask=in_half, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_cos + half, mask=in_half, other=0.0).to(tl.float32)
     r1 = x1 * cos - x2 * sin  # "rotate half" RoPE (nanoinfer.layers.apply_rope)
     r2 = x2 * cos + x1 * sin
     if is_q:
         out = q_out_ptr + token * stride_qo + head * HEAD_DIM
-        tl.store(out + half, r1.to(q_out_ptr.dtype.element_ty))
-        tl.store(out + HEAD_DIM // 2 + half, r2.to(q_out_ptr.dtype.element_ty))
+        tl.store(out + half, r1.to(q_out_ptr.dtype.element_ty), mask=in_half)
+        tl.store(out + HEAD_DIM // 2 + half, r2.to(q_out_ptr.dtype.element_ty), mask=in_half)
     elif slot >= 0:
-        tl.store(dst + half, r1.to(kv_ptr.dtype.element_ty))
-        tl.store(dst + HEAD_DIM // 2 + half, r2.to(kv_ptr.dtype.element_ty))
+        tl.store(dst + half, r1.to(kv_ptr.dtype.element_ty), mask=in_half)
+        tl.store(dst + HEAD_DIM // 2 + half, r2.to(kv_ptr.dtype.element_ty), mask=in_half)
 
 
 def rope_and_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
@@ -80,5 +88,6 @@ def rope_and_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
     _rope_write_kernel[(tokens, cfg.num_heads + 2 * cfg.num_kv_heads)](
         qkv, q, kv_layer, slot_mapping, cos, sin, norm, k_norm if cfg.qk_norm else norm,
         qkv.stride(0), q.stride(0), cos.stride(0), kv_layer.stride(0), cfg.rms_norm_eps,
-        NUM_HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=d, QK_NORM=cfg.qk_norm, num_warps=1)
+        NUM_HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=d, HALF_PAD=triton.next_power_of_2(d // 2),
+        QK_NORM=cfg.qk_norm, num_warps=1)
     return q

@@ -17,7 +17,8 @@ from nanoinfer.host_copy import to_device_packed
 from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p", "uniform_noise"]
+__all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
+           "uniform_noise", "uniform_noise_from_bits", "exponential_race"]
 
 
 class SamplingTensors(NamedTuple):
@@ -88,20 +89,36 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     key = _mix32((key + _mul32(steps & _MASK32, 0x9E3779B9)) & _MASK32)  # [rows]
     token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32((key[:, None] ^ _mix32(token)[None, :]))
-    bits = _mix32((bits + key[:, None]) & _MASK32)
-    # The top 24 bits, centred in their bucket: exactly representable, never 0 or 1.
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return uniform_noise_from_bits(_mix32((bits + key[:, None]) & _MASK32))
+
+
+def uniform_noise_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """f32 uniforms from 32-bit hash values (int64 in [0, 2**32))."""
+    # The top 23 bits, centred in their bucket: (2k + 1) / 2**24, exact in float32, in
+    # [2**-24, 1 - 2**-24]. With 24 bits the top centre, 1 - 2**-25, falls halfway between
+    # two floats and rounds to 1.0: E = -log(1) = 0 then wins the race for a masked token.
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def exponential_race(probs: torch.Tensor, exponential: torch.Tensor) -> torch.Tensor:
+    """argmax(p / E) per row: with E ~ Exp(1) this draws token i with probability p_i (the
+    Gumbel-max trick without the normalization or a host sync). A token of probability 0 (one
+    that top-k, top-p, min-p or a ban masked) never wins, whatever E holds: 0/0 would be NaN,
+    and argmax takes NaN for the largest value."""
+    return torch.where(probs > 0, probs / exponential, -1.0).argmax(dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf every token outside each row's top-k, then outside the smallest set whose
-    probability (renormalized after top-k) reaches top-p. The most likely token always stays."""
+    probability (renormalized after top-k) reaches top-p. The most likely token always stays,
+    and a top-p of 1 masks nothing (the fp32 cumsum can reach 1 before the last token)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
@@ -125,7 +142,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     exponential = -torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1]))
-    sampled = (probs / exponential).argmax(dim=-1)
+    sampled = exponential_race(probs, exponential)
     return torch.where(st.temperature == 0, greedy, sampled)
 
 

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
 
 MAX_LOGPROBS = 20
+
+
+def float32_in(value, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False) -> bool:
+    """Whether `value` is a real number that, rounded to float32 (the precision the sampler
+    computes in), is finite and in [low, high] — (low, high] with `low_open`. A check in
+    float64 passes 1e-50 as a top-p or a penalty, which then reaches the sampler as 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        x = struct.unpack("f", struct.pack("f", float(value)))[0]  # past float32's range: inf
+    except OverflowError:  # an int past any float's range
+        return False
+    return math.isfinite(x) and (low < x if low_open else low <= x) and x <= high
 
 
 @dataclass(frozen=True)
@@ -40,9 +55,6 @@ class SamplingParams:
             if not ok:
                 raise RequestError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}", param=name)
 
-        def number(value) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
         def integer(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
@@ -57,7 +69,7 @@ class SamplingParams:
             bias = tuple(sorted((int(t), float(b)) for t, b in bias))
         except (TypeError, ValueError):
             check(False, "logit_bias", "a {token id: bias} mapping")
-        check(all(t >= 0 and -100 <= b <= 100 for t, b in bias), "logit_bias",
+        check(all(t >= 0 and float32_in(b, -100, 100) for t, b in bias), "logit_bias",
               "token ids >= 0 mapped to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
         check(integer(self.n) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
@@ -65,17 +77,15 @@ class SamplingParams:
               "max_tokens", "an integer >= 1 or None")
         check(integer(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
               "min_tokens", "an integer in [0, max_tokens]")
-        check(number(self.temperature) and 0 <= self.temperature, "temperature", "a number >= 0")
-        check(number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        check(float32_in(self.temperature, 0), "temperature", "a finite number >= 0 (in float32)")
+        check(float32_in(self.top_p, 0, 1, low_open=True), "top_p", "a number in (0, 1] (in float32)")
         check(integer(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1 = disabled)")
-        check(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        check(float32_in(self.min_p, 0, 1), "min_p", "a number in [0, 1]")
         check(self.seed is None or integer(self.seed), "seed", "an integer or None")
-        check(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-              "a number in [-2, 2]")
-        check(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-              "a number in [-2, 2]")
-        check(number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-              "a number > 0 (1 = off)")
+        check(float32_in(self.presence_penalty, -2, 2), "presence_penalty", "a number in [-2, 2]")
+        check(float32_in(self.frequency_penalty, -2, 2), "frequency_penalty", "a number in [-2, 2]")
+        check(float32_in(self.repetition_penalty, 0, low_open=True), "repetition_penalty",
+              "a finite number > 0 (in float32; 1 = off)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (integer(value) and 0 <= value <= MAX_LOGPROBS), name,

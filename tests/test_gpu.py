@@ -153,7 +153,9 @@ def test_gemv_matches_an_fp32_matmul(n, k):
 
 
 @pytest.mark.parametrize("qk_norm,head_dim,kv_heads,dtype", [(True, 128, 8, torch.bfloat16), (False, 64, 8, torch.bfloat16),
-                                                              (True, 64, 2, torch.float16), (False, 128, 4, torch.float16)])
+                                                              (True, 64, 2, torch.float16), (False, 128, 4, torch.float16),
+                                                              (True, 80, 2, torch.bfloat16), (False, 96, 4, torch.float16),
+                                                              (True, 96, 8, torch.float16), (False, 80, 4, torch.bfloat16)])
 def test_rope_and_write_matches_the_reference_composition(qk_norm, head_dim, kv_heads, dtype):
     from nanoinfer.attention.reference import REFERENCE
     from nanoinfer.layers import rope_cos_sin, rope_inv_freq

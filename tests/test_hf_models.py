@@ -6,6 +6,8 @@ import torch
 import transformers
 
 from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.config import config_from_hf
+from nanoinfer.errors import CheckpointError
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config
@@ -15,6 +17,8 @@ from runtime.engine_core import EngineConfig, EngineCore
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
               initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+QWEN_WINDOW = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
 
 # (name, config class, fields): GQA ratios 1, 2, 4; tied and untied; llama3 rope scaling;
 # Qwen2's QKV bias, Qwen3's q/k norm and a head_dim that is not hidden/heads; Mistral's window.
@@ -31,6 +35,15 @@ CASES = [
                                                             tie_word_embeddings=True)),
     ("qwen3-gqa4-qknorm", transformers.Qwen3Config, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                                                          tie_word_embeddings=False)),
+    # Qwen windows only the layers from max_window_layers on (here layer 1 of 2), or those an
+    # explicit layer_types names (here layer 0, against what max_window_layers would say).
+    ("qwen2-window-layer1", transformers.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                           tie_word_embeddings=True, **QWEN_WINDOW)),
+    ("qwen3-window-layer1", transformers.Qwen3Config, dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                                           tie_word_embeddings=False, **QWEN_WINDOW)),
+    ("qwen2-window-explicit-layer0", transformers.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **QWEN_WINDOW,
+        layer_types=["sliding_attention", "full_attention"])),
 ]
 SHARDED = {"mistral-gqa4-window", "qwen3-gqa4-qknorm"}  # saved as an index + several shards
 
@@ -81,3 +94,30 @@ def test_greedy_continuation_matches_transformers_generate(checkpoint):
         assert seq.output_token_ids == expected.tolist()
         assert seq.finish_reason == "length"
     assert engine.blocks.num_free_blocks == 64
+
+
+QWEN_JSON = dict(architectures=["Qwen2ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
+                 num_hidden_layers=4, num_attention_heads=4, sliding_window=8, max_window_layers=2)
+
+
+@pytest.mark.parametrize("fields,windows", [
+    (dict(), (None,) * 4),  # Qwen carries a window it does not use unless asked
+    (dict(use_sliding_window=True), (None, None, 8, 8)),  # a config.json from before layer_types
+    (dict(use_sliding_window=True, max_window_layers=0), (8,) * 4),
+    (dict(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"] * 2), (8, None, 8, None)),
+    (dict(use_sliding_window=True, max_window_layers=4), (None,) * 4),
+    (dict(architectures=["MistralForCausalLM"], max_window_layers=None), (8,) * 4),  # every layer
+    (dict(architectures=["LlamaForCausalLM"], max_window_layers=None), (None,) * 4),  # Llama has no window
+])
+def test_layer_windows_follow_transformers(fields, windows):
+    cfg = config_from_hf({**QWEN_JSON, **fields}, "config.json")
+    assert cfg.layer_windows == windows
+    assert cfg.sliding_window == (8 if 8 in windows else None)
+    assert cfg.with_layers(3).layer_windows == windows[:3]
+
+
+@pytest.mark.parametrize("layer_types,problem", [(["full_attention"] * 3, "4 layers"),
+                                                 (["chunked_attention"] * 4, "chunked_attention")])
+def test_bad_layer_types_are_a_checkpoint_error(layer_types, problem):
+    with pytest.raises(CheckpointError, match=problem):
+        config_from_hf({**QWEN_JSON, "use_sliding_window": True, "layer_types": layer_types}, "config.json")

@@ -1,13 +1,16 @@
 """Sampler v1: greedy, temperature, top-k, top-p, min-p and seeds, vectorized over rows."""
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample, uniform_noise
+from nanoinfer.sampling import (SamplingParams, SamplingTensors, apply_top_k_top_p, exponential_race, sample,
+                                uniform_noise, uniform_noise_from_bits)
 
 V = 12
 PROBS = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003])
@@ -139,3 +142,98 @@ def test_top_k_top_p_mask_matches_a_per_row_reference(values, k, p):
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**{field: value})
+
+
+# 100 seeds x 1000 steps x 32 tokens: the grid holds (seed 44, step 450, token 26), whose hash
+# lands in the top 2**-24 bucket, the one that used to round to u = 1.0 (E = -log u = 0).
+GRID_SEEDS, GRID_STEPS, GRID_V = 100, 1000, 32
+
+
+def grid_rows(params_cycle):
+    n = GRID_SEEDS * GRID_STEPS
+    params = [dataclasses.replace(params_cycle[i % len(params_cycle)], seed=i // GRID_STEPS) for i in range(n)]
+    logits = torch.randn(n, GRID_V, generator=torch.Generator().manual_seed(0)) * 2
+    return params, [i % GRID_STEPS for i in range(n)], logits
+
+
+def test_the_grid_holds_a_top_bucket_hash():
+    u = uniform_noise(torch.tensor([44]), torch.tensor([450]), GRID_V)
+    assert u[0, 26] == u.max() and u.max() > 1 - 2**-23  # the largest uniform the sampler can draw
+
+
+def test_noise_is_strictly_inside_the_unit_interval_in_float32():
+    # Every hash value, from 0 to 2**32 - 1, must map strictly inside (0, 1) after rounding.
+    bits = torch.cat([torch.arange(0, 1 << 12), torch.arange((1 << 32) - (1 << 12), 1 << 32)])
+    u = uniform_noise_from_bits(bits)
+    assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1
+    assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
+
+
+def test_top_k_one_is_greedy_over_100k_draws():
+    params, steps, logits = grid_rows([SamplingParams(temperature=1.0, top_k=1)])
+    tokens = sample(logits, SamplingTensors.build(params, steps, GRID_V, "cpu"))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_no_draw_falls_outside_the_kept_set():
+    # Row kinds cycle: top-k 3, top-p 0.5, min-p 0.3, tokens 0..15 banned (min_tokens).
+    kinds = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(min_p=0.3),
+             SamplingParams(min_tokens=1, stop_token_ids=tuple(range(16)))]
+    params, steps, logits = grid_rows(kinds)
+    st_ = SamplingTensors.build(params, steps, GRID_V, "cpu", outputs=[()] * len(params))
+    tokens = sample(logits, st_)
+    probs = logits.softmax(-1)
+    order = probs.argsort(-1, descending=True)
+    rank = order.argsort(-1)
+    mass_before = probs.gather(1, order).cumsum(-1).gather(1, rank) - probs
+    kept = torch.stack([rank < 3, mass_before < 0.5, probs >= 0.3 * probs.max(-1, keepdim=True).values,
+                        torch.arange(GRID_V)[None, :].expand_as(probs) >= 16])  # [kinds, rows, vocab]
+    kind = torch.arange(len(params)) % 4
+    kept = kept[kind, torch.arange(len(params))]
+    assert kept[torch.arange(len(params)), tokens].all()
+
+
+def test_a_masked_token_never_wins_the_race_whatever_the_noise():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0]])
+    for bad in (0.0, -0.0, float("nan"), float("inf"), -1.0):
+        exponential = torch.ones_like(probs).masked_fill(probs == 0, bad)
+        tokens = exponential_race(probs, exponential)
+        assert (probs[torch.arange(3), tokens] > 0).all(), bad
+
+
+def test_top_p_one_filters_nothing_beside_top_k():
+    # A long tail: the fp32 cumsum of the sorted probabilities reaches 1 well before rank K,
+    # and `mass_before >= 1.0` would trim the rest of the top-k.
+    logits = torch.cat([torch.tensor([12.0]), torch.linspace(0, -8, 4095)])[None, :]
+    for k in (100, 1000, 4000):
+        masked = apply_top_k_top_p(logits, torch.tensor([k]), torch.tensor([1.0]))
+        assert torch.isfinite(masked).sum() == k
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("top_p", 1e-50, r"\(0, 1\]"),  # 0 in float32, the sampler's precision
+    ("top_p", float("nan"), r"\(0, 1\]"),
+    ("repetition_penalty", 1e-50, "> 0"),  # 0 in float32: logits / 0
+    ("repetition_penalty", float("inf"), "> 0"),
+    ("repetition_penalty", 1e39, "> 0"),  # finite in float64, inf in float32
+    ("temperature", float("inf"), ">= 0"),
+    ("temperature", 1e39, ">= 0"),
+    ("temperature", float("nan"), ">= 0"),
+    ("min_p", float("nan"), r"\[0, 1\]"),
+    ("presence_penalty", float("nan"), r"\[-2, 2\]"),
+    ("frequency_penalty", float("-inf"), r"\[-2, 2\]"),
+])
+def test_values_the_sampler_cannot_represent_are_rejected(field, value, expected):
+    message = rf"{field}={re.escape(repr(value))} is invalid: expected .*{expected}"
+    with pytest.raises(RequestError, match=message) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_float32_range_helper():
+    from nanoinfer.sampling_params import float32_in
+
+    assert float32_in(0.5, 0, 1, low_open=True) and float32_in(1, 0, 1) and float32_in(-2.0, -2, 2)
+    assert not float32_in(1e-50, 0, 1, low_open=True) and float32_in(1e-40, 0, 1, low_open=True)  # subnormal
+    assert not float32_in(3.5e38) and float32_in(3.4e38) and not float32_in(10**400)
+    assert not float32_in(float("nan")) and not float32_in(True) and not float32_in("1")

@@ -1,12 +1,14 @@
 """The Triton paged-attention backend against the torch reference, on fresh random paged batches.
 
-Needs CUDA and Triton; skipped cleanly without them. The oracle is ReferenceAttention run in
-fp32 on the same (bf16/fp16) inputs, so the tolerance measures only the kernels' own rounding.
+Needs CUDA and Triton; skipped cleanly without them. With TRITON_INTERPRET=1 the kernels run on
+CPU tensors in Triton's interpreter (slow: pick tests with -k). The oracle is ReferenceAttention
+run in fp32 on the same (bf16/fp16) inputs, so the tolerance measures only the kernels' own rounding.
 Run as a script for a decode timing printout (not a test): python tests/test_triton_attention.py
 """
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 
@@ -20,9 +22,10 @@ from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from nanoinfer.batch import Batch  # noqa: E402
 from nanoinfer.config import ModelConfig  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend needs CUDA")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the Triton backend needs CUDA")
 
-DEVICE = "cuda"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = ReferenceAttention()
 # Max per-(row, head) relative L2 error against the fp32 oracle: P is rounded to the input
 # dtype before P @ V (as in every flash kernel) and the output is rounded once more.
@@ -83,9 +86,9 @@ def make_step(seqs, cfg, block_size, dtype, device=DEVICE, num_pad=3, seed=0):
 def run_and_check(backend, batch, cfg, q, kv_layer, dtype):
     """Backend output (into a NaN-poisoned buffer) against the fp32 reference."""
     out = torch.full_like(q, float("nan"))
-    returned = backend.attention(q, kv_layer, backend.prepare(batch, cfg), out=out)
+    returned = backend.attention(q, kv_layer, backend.prepare(batch, cfg, cfg.sliding_window), out=out)
     assert returned is out
-    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg))
+    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg, cfg.sliding_window))
     num_valid = int(batch.query_start_loc[-1])
     got = out[:num_valid].float()
     assert not got.isnan().any(), f"{int(got.isnan().any(-1).any(-1).sum())} rows unwritten or NaN"
@@ -119,44 +122,44 @@ def mixed_seqs(rng, large: bool):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kv_heads,head_dim", [(2, 64), (8, 128), (3, 128)])
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 64), (8, 128), (3, 128), (2, 80), (3, 96)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_write_kv_matches_reference_bitwise(block_size, kv_heads, head_dim, dtype):
     cfg = make_cfg(kv_heads, 1, head_dim)
     batch, _, k, v, kv_layer = make_step([(40, 40), (100, 7), (16, 1), (1, 1)], cfg, block_size, dtype, num_pad=5)
     ours, theirs = kv_layer.clone(), kv_layer.clone()
-    TritonPagedAttention(cfg).write_kv(ours, k, v, batch.slot_mapping)
+    TritonPagedAttention(cfg, device=DEVICE).write_kv(ours, k, v, batch.slot_mapping)
     REF.write_kv(theirs, k, v, batch.slot_mapping)
     assert torch.equal(ours, theirs)  # also: padding rows (slot -1) wrote nothing
     assert not torch.equal(ours, kv_layer)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 96])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_split_k(block_size, group, head_dim, dtype):
     cfg = make_cfg(2, group, head_dim)
     seed = seed_of(block_size, group, head_dim, dtype)
     batch, q, _, _, kv_layer = make_step(decode_seqs(random.Random(seed)), cfg, block_size, dtype, seed=seed)
-    run_and_check(TritonPagedAttention(cfg), batch, cfg, q, kv_layer, dtype)
+    run_and_check(TritonPagedAttention(cfg, device=DEVICE), batch, cfg, q, kv_layer, dtype)
 
 
 @pytest.mark.parametrize("group", [1, 8])
 def test_decode_unsplit(group):
     cfg = make_cfg(2, group, 128)
     batch, q, _, _, kv_layer = make_step(decode_seqs(random.Random(group)), cfg, 16, torch.bfloat16, seed=group)
-    run_and_check(TritonPagedAttention(cfg, max_split_tokens=0), batch, cfg, q, kv_layer, torch.bfloat16)
+    run_and_check(TritonPagedAttention(cfg, device=DEVICE, max_split_tokens=0), batch, cfg, q, kv_layer, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 96])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 def test_mixed_step_write_then_attend(group, head_dim, dtype):
     """A whole layer step: write the new k, v (checked bitwise), then attend over the pool."""
     block_size = 16 if dtype == torch.bfloat16 else 32
     cfg = make_cfg(2, group, head_dim)
-    backend = TritonPagedAttention(cfg, max_split_tokens=256)
+    backend = TritonPagedAttention(cfg, device=DEVICE, max_split_tokens=256)
     for large in (False, True):
         seed = seed_of(group, head_dim, dtype, large)
         batch, q, k, v, kv_layer = make_step(mixed_seqs(random.Random(seed), large), cfg, block_size, dtype, seed=seed)
@@ -168,10 +171,10 @@ def test_mixed_step_write_then_attend(group, head_dim, dtype):
         run_and_check(backend, batch, cfg, q, kv_layer, dtype)
 
 
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (1, 128), (4, 64), (4, 128), (2, 32)])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (1, 128), (4, 64), (4, 128), (2, 32), (3, 96)])
 def test_block_size_one(group, head_dim):
     cfg = make_cfg(2, group, head_dim)
-    backend = TritonPagedAttention(cfg)
+    backend = TritonPagedAttention(cfg, device=DEVICE)
     for large in (False, True):
         batch, q, _, _, kv_layer = make_step(mixed_seqs(random.Random(7), large), cfg, 1, torch.bfloat16, seed=7)
         run_and_check(backend, batch, cfg, q, kv_layer, torch.bfloat16)
@@ -181,21 +184,33 @@ def test_block_size_one(group, head_dim):
 @pytest.mark.parametrize("window", [1, 16, 100, 4096])
 def test_sliding_window(window, dtype):
     cfg = make_cfg(2, 4, 128, sliding_window=window)
-    backend = TritonPagedAttention(cfg)
+    backend = TritonPagedAttention(cfg, device=DEVICE)
     for large in (False, True):
         seed = window + large
         batch, q, _, _, kv_layer = make_step(mixed_seqs(random.Random(seed), large), cfg, 16, dtype, seed=seed)
         run_and_check(backend, batch, cfg, q, kv_layer, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 112, 160, 192, 256])
+def test_any_even_head_dim_up_to_256(head_dim, dtype):
+    """Head dims that are not a power of two run in tiles padded to the next one (masked)."""
+    cfg = make_cfg(2, 4, head_dim, sliding_window=100)
+    backend = TritonPagedAttention(cfg, device=DEVICE, max_split_tokens=256)
+    for large in (False, True):
+        batch, q, _, _, kv_layer = make_step(mixed_seqs(random.Random(head_dim), large), cfg, 16, dtype, seed=head_dim)
+        run_and_check(backend, batch, cfg, q, kv_layer, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_decode_step_captures_in_cuda_graph():
     """No host sync in write_kv/attention: a decode step captures in a CUDA graph and replays."""
     cfg = make_cfg(2, 4, 128)
-    backend = TritonPagedAttention(cfg)
+    backend = TritonPagedAttention(cfg, device=DEVICE)
     batch, q, k, v, kv_layer = make_step(decode_seqs(random.Random(3)), cfg, 16, torch.bfloat16, seed=3)
     expected_kv = kv_layer.clone()
     REF.write_kv(expected_kv, k, v, batch.slot_mapping)
-    meta = backend.prepare(batch, cfg)
+    meta = backend.prepare(batch, cfg, cfg.sliding_window)
     out = torch.empty_like(q)
     backend.attention(q, kv_layer.clone(), meta, out=out)  # compile outside the capture
     backend.write_kv(kv_layer.clone(), k, v, batch.slot_mapping)
@@ -207,13 +222,13 @@ def test_decode_step_captures_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(kv_layer, expected_kv)
-    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg))
+    expected = REF.attention(q.float(), kv_layer.float(), REF.prepare(batch, cfg, cfg.sliding_window))
     num_valid = int(batch.query_start_loc[-1])
     err = (out.float() - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-6)
     assert err[:num_valid].max() < TOLERANCE[torch.bfloat16] and torch.equal(out[num_valid:], expected[num_valid:].to(out.dtype))
 
 
-@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize("head_dim", [258, 512])
 def test_unsupported_head_dim_is_a_clear_error(head_dim):
     with pytest.raises(ValueError, match="head_dim"):
         TritonPagedAttention(make_cfg(2, 1, head_dim))
@@ -229,8 +244,9 @@ def _bench_decode():
     for batch_size, context in ((64, 2048), (8, 8192), (1, 16384)):
         batch, q, _, _, kv_layer = make_step([(context, 1)] * batch_size, cfg, 16, torch.bfloat16, num_pad=0)
         times = []
-        for backend in (TritonPagedAttention(cfg), TritonPagedAttention(cfg, max_split_tokens=0), REF):
-            meta = backend.prepare(batch, cfg)
+        for backend in (TritonPagedAttention(cfg, device=DEVICE),
+                        TritonPagedAttention(cfg, device=DEVICE, max_split_tokens=0), REF):
+            meta = backend.prepare(batch, cfg, cfg.sliding_window)
             times.append(do_bench(lambda: backend.attention(q, kv_layer, meta), warmup=50, rep=200,
                                   return_mode="median"))
         kv_bytes = batch_size * context * cfg.num_kv_heads * cfg.head_dim * 2 * 2

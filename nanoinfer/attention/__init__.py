@@ -2,7 +2,8 @@
 
 A backend is any object with these three methods; `forward` receives one explicitly.
 
-- `prepare(batch, cfg) -> metadata`: once per step, whatever the backend needs in every layer.
+- `prepare(batch, cfg, window) -> metadata`: once per step for each kind of layer, whatever
+  the backend needs in those layers; `window` is their sliding window (None: full causal).
 - `write_kv(kv_layer, k, v, slot_mapping)`: store k, v: [tokens, kv_heads, head_dim] into
   kv_layer: [2, num_blocks, block_size, kv_heads, head_dim] at the flat slots; slot -1 skips.
 - `attention(q, kv_layer, metadata) -> out`: q, out: [tokens, heads, head_dim]; each query
@@ -20,7 +21,7 @@ from nanoinfer.config import ModelConfig
 
 
 class AttentionBackend(Protocol):
-    def prepare(self, batch: Batch, cfg: ModelConfig) -> Any: ...
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> Any: ...
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
 

@@ -2,6 +2,8 @@
 
 Runs on any device and is the oracle the fast backends are tested against. It loops over
 the sequences of a step on the host, which is fine for a reference and for small CPU batches.
+A long prefill chunk is attended in tiles of query rows, so a step's memory is bounded by
+`max_score_bytes` whatever the chunk and context lengths (see `query_tile_rows`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import torch.nn.functional as F
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 
+# 64 MiB of fp32 scores per tile: 233 query rows of the default model (9 heads) at 8000 keys.
+DEFAULT_MAX_SCORE_BYTES = 64 * 2**20
+
+
+def query_tile_rows(heads: int, context_len: int, max_score_bytes: int) -> int:
+    """Query rows per SDPA call such that heads x rows x keys fp32 scores (what a math-path
+    SDPA materializes) fit in `max_score_bytes`; one row at least."""
+    return max(1, max_score_bytes // (heads * context_len * 4))
+
 
 class SeqView(NamedTuple):
     """Where one sequence's queries sit in the step, and what they may attend to."""
@@ -22,36 +33,25 @@ class SeqView(NamedTuple):
     query_end: int
     block_ids: torch.Tensor  # [blocks covering the context] physical block ids
     context_len: int
-    mask: torch.Tensor | None  # [queries, context_len] bool; None = attend to everything
 
 
 class ReferenceMetadata(NamedTuple):
     seqs: tuple[SeqView, ...]
     scale: float
+    window: int | None  # sliding window of the layers this serves; None = full causal
 
 
 class ReferenceAttention:
-    """Stateless; one instance serves every model."""
+    """Stateless beyond its tile budget; one instance serves every model."""
 
-    def prepare(self, batch: Batch, cfg: ModelConfig) -> ReferenceMetadata:
+    def __init__(self, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES):
+        self.max_score_bytes = max_score_bytes
+
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> ReferenceMetadata:
         starts = batch.query_start_loc.tolist()
-        seq_lens = batch.seq_lens.tolist()
-        device = batch.input_ids.device
-        seqs = []
-        for s, context_len in enumerate(seq_lens):
-            start, end = starts[s], starts[s + 1]
-            n = end - start
-            # Query i of this chunk sits at position context_len - n + i; it sees keys at
-            # positions <= its own, and within the sliding window when the model has one.
-            mask = None
-            if n > 1 or cfg.sliding_window is not None:
-                q_pos = torch.arange(context_len - n, context_len, device=device)[:, None]
-                k_pos = torch.arange(context_len, device=device)[None, :]
-                mask = k_pos <= q_pos
-                if cfg.sliding_window is not None:
-                    mask &= k_pos > q_pos - cfg.sliding_window
-            seqs.append(SeqView(start, end, batch.block_tables[s], context_len, mask))
-        return ReferenceMetadata(tuple(seqs), cfg.head_dim**-0.5)
+        seqs = tuple(SeqView(starts[s], starts[s + 1], batch.block_tables[s], context_len)
+                     for s, context_len in enumerate(batch.seq_lens.tolist()))
+        return ReferenceMetadata(seqs, cfg.head_dim**-0.5, window)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # Flat views [num_blocks * block_size, kv_heads, head_dim]: a slot is one row.
@@ -65,23 +65,38 @@ class ReferenceAttention:
         # q: [tokens, heads, head_dim]; padding rows past the last sequence stay zero.
         out = torch.zeros_like(q)
         _, _, block_size, kv_heads, head_dim = kv_layer.shape
+        window = metadata.window
         for seq in metadata.seqs:
-            if seq.query_end == seq.query_start:
+            n = seq.query_end - seq.query_start
+            if n == 0:
                 continue
             num_blocks = -(-seq.context_len // block_size)
             pages = seq.block_ids[:num_blocks].long()
             # k, v: [kv_heads, context, head_dim] after the gather
-            k = kv_layer[0].index_select(0, pages).reshape(-1, kv_heads, head_dim)[: seq.context_len]
-            v = kv_layer[1].index_select(0, pages).reshape(-1, kv_heads, head_dim)[: seq.context_len]
-            o = F.scaled_dot_product_attention(
-                q[seq.query_start : seq.query_end].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=seq.mask,
-                scale=metadata.scale,
-                enable_gqa=True,
-            )
-            out[seq.query_start : seq.query_end] = o.transpose(0, 1)
+            k = kv_layer[0].index_select(0, pages).reshape(-1, kv_heads, head_dim)[: seq.context_len].transpose(0, 1)
+            v = kv_layer[1].index_select(0, pages).reshape(-1, kv_heads, head_dim)[: seq.context_len].transpose(0, 1)
+            q_seq = q[seq.query_start : seq.query_end].transpose(0, 1)  # [heads, n, head_dim]
+            rows = query_tile_rows(q.shape[1], seq.context_len, self.max_score_bytes)
+            for first in range(0, n, rows):
+                last = min(first + rows, n)
+                # Query i of the chunk sits at position context_len - n + i; it sees keys at
+                # positions <= its own, and within the sliding window when the layer has one.
+                # Keys no query of the tile sees are left out of the call altogether.
+                first_pos, hi = seq.context_len - n + first, seq.context_len - n + last
+                lo = 0 if window is None else max(0, first_pos - window + 1)
+                mask = None
+                if last - first > 1:
+                    q_pos = torch.arange(first_pos, hi, device=q.device)
+                    k_pos = torch.arange(lo, hi, device=q.device)
+                    mask = k_pos[None, :] <= q_pos[:, None]
+                    if window is not None:
+                        mask &= k_pos[None, :] > q_pos[:, None] - window
+                # A batch dimension of 1 lets torch pick its fused kernels (flash on the CPU),
+                # which take a mask and GQA without materializing the scores; 3-D inputs run
+                # the math path.
+                o = F.scaled_dot_product_attention(q_seq[None, :, first:last], k[None, :, lo:hi], v[None, :, lo:hi],
+                                                   attn_mask=mask, scale=metadata.scale, enable_gqa=True)
+                out[seq.query_start + first : seq.query_start + last] = o[0].transpose(0, 1)
         return out
 
 

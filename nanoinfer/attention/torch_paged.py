@@ -33,8 +33,8 @@ class TorchPagedAttention:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def prepare(self, batch: Batch, cfg: ModelConfig) -> TorchPagedMetadata:
-        ref = REFERENCE.prepare(batch, cfg)
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TorchPagedMetadata:
+        ref = REFERENCE.prepare(batch, cfg, window)
         decodes = [s for s in ref.seqs if s.query_end - s.query_start == 1]
         others = tuple(s for s in ref.seqs if s.query_end - s.query_start != 1)
         group = None
@@ -45,11 +45,11 @@ class TorchPagedAttention:
             tables = torch.stack([s.block_ids[:blocks] for s in decodes]).long()
             positions = torch.arange(blocks * self.block_size, device=device)
             visible = positions[None, :] < lens[:, None]
-            if cfg.sliding_window is not None:  # the query sits at position len - 1
-                visible &= positions[None, :] > (lens[:, None] - 1 - cfg.sliding_window)
+            if window is not None:  # the query sits at position len - 1
+                visible &= positions[None, :] > (lens[:, None] - 1 - window)
             rows = torch.tensor([s.query_start for s in decodes], device=device)
             group = DecodeGroup(rows, tables, visible)
-        return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale), ref.scale)
+        return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale, window), ref.scale)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
@@ -63,7 +63,10 @@ class TorchPagedAttention:
         n, heads = group.rows.shape[0], q.shape[1]
         # k, v: [decodes, kv_heads, context, head_dim]; q: [decodes, kv_heads, group, head_dim]
         k = kv_layer[0][group.block_tables].reshape(n, -1, kv_heads, head_dim).transpose(1, 2)
-        v = kv_layer[1][group.block_tables].reshape(n, -1, kv_heads, head_dim).transpose(1, 2)
+        v = kv_layer[1][group.block_tables].reshape(n, -1, kv_heads, head_dim)
+        # A masked slot may hold anything (a block's unwritten tail, a padding table entry, a
+        # freed block): its score becomes -inf and its value 0, as probability 0 * NaN is NaN.
+        v = v.masked_fill_(~group.key_mask[:, :, None, None], 0.0).transpose(1, 2)
         qg = q[group.rows].reshape(n, kv_heads, heads // kv_heads, head_dim)
         scores = (qg @ k.transpose(-1, -2)).float() * meta.scale  # [decodes, kv_heads, group, context]
         scores = scores.masked_fill(~group.key_mask[:, None, None, :], float("-inf"))

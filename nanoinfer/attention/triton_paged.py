@@ -16,7 +16,8 @@ Three kernels, all reading the pool in place (no page gather into a dense copy):
 No host sync anywhere: which program serves which sequence is found on the device (a binary
 search over query_start_loc), and every launch size comes from tensor shapes, never values,
 so a step can be captured in a CUDA graph. `prepare` does no host work beyond packing
-references to the batch's tensors.
+references to the batch's tensors. Any head_dim up to 256 works: a head that is not a power
+of two sits in a tile padded to the next one, its extra columns masked.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kh, strid
 
 
 @triton.jit
+def _head_dim_mask(HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    # Tiles span HEAD_DIM_PAD (tl.arange needs a power of two) columns, the last ones masked.
+    # For a power-of-two head_dim the mask is a constant `True` that folds out of every load
+    # and store: the compiled kernel is the unpadded one.
+    if HEAD_DIM == HEAD_DIM_PAD:
+        return tl.full([HEAD_DIM_PAD], 1, tl.int1)
+    else:
+        return tl.arange(0, HEAD_DIM_PAD) < HEAD_DIM
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     # Sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s + 1] // BLOCK_Q + s + 1): a bound that
     # needs no host pass over the lengths (at most one tile per sequence is wasted). Return the
@@ -73,8 +85,8 @@ def _paged_attention_kernel(
     m_ptr, l_ptr, acc_ptr,  # split-K workspaces (unused without SPLIT)
     num_seqs, num_tokens, qk_scale, window, partition_size, max_partitions,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -93,7 +105,8 @@ def _paged_attention_kernel(
     in_tile = offs_m // GROUP < BLOCK_Q  # BLOCK_M need not be a multiple of GROUP
     row_valid = in_tile & (q_idx < num_queries)
     token = q_start + q_idx
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = _head_dim_mask(HEAD_DIM, HEAD_DIM_PAD)[None, :]
     out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if q_off >= num_queries:
         # Tiles past the last sequence's queries zero the padding rows (as the reference does),
@@ -102,11 +115,13 @@ def _paged_attention_kernel(
         if not SPLIT:
             if seq == num_seqs - 1:
                 pad = in_tile & (token < num_tokens)
-                tl.store(out_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty), mask=pad[:, None])
+                tl.store(out_ptrs, tl.zeros([BLOCK_M, HEAD_DIM_PAD], out_ptr.dtype.element_ty),
+                         mask=pad[:, None] & d_valid)
         return
 
+    # Padded columns load as 0: they add nothing to q.k, and p @ v gives 0 there.
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+                mask=row_valid[:, None] & d_valid, other=0.0)
     # Query i of the chunk sits at position context_len - num_queries + i (causal over the cache).
     q_pos = context_len - num_queries + q_idx
     last_q = tl.minimum(q_off + BLOCK_Q, num_queries) - 1
@@ -122,7 +137,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     kv_base = kv_ptr + kv_head * stride_kvh
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -133,8 +148,8 @@ def _paged_attention_kernel(
         # int64: block * stride_blk overflows int32 in pools of more than 2^31 elements per layer.
         k_off = block.to(tl.int64) * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot
         kv_ptrs = kv_base + k_off[:, None] + offs_d[None, :]
-        k = tl.load(kv_ptrs, mask=k_valid[:, None], other=0.0)
-        v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None], other=0.0)
+        k = tl.load(kv_ptrs, mask=k_valid[:, None] & d_valid, other=0.0)
+        v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None] & d_valid, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # fp32 [BLOCK_M, BLOCK_N]
         mask = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -156,38 +171,41 @@ def _paged_attention_kernel(
         ws = (token * NUM_HEADS + head) * max_partitions + part
         tl.store(m_ptr + ws, m_i, mask=row_valid)
         tl.store(l_ptr + ws, l_i, mask=row_valid)
-        tl.store(acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None] & d_valid)
     else:
         # l == 0 only for a row that sees no key (a dummy sequence of length 0): output 0, not NaN.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out = tl.where(row_valid[:, None], out, 0.0)
         pad = in_tile & (q_idx >= num_queries) & (seq == num_seqs - 1) & (token < num_tokens)
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(row_valid | pad)[:, None])
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(row_valid | pad)[:, None] & d_valid)
 
 
 @triton.jit
 def _reduce_partitions_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, query_start_loc_ptr, num_seqs, num_partitions,
                               max_partitions, stride_ot, stride_oh,
-                              NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr):
+                              NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                              PARTS: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = _head_dim_mask(HEAD_DIM, HEAD_DIM_PAD)
     out_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
     if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding row: no partials were written
-        tl.store(out_ptrs, tl.zeros([HEAD_DIM], out_ptr.dtype.element_ty))
+        tl.store(out_ptrs, tl.zeros([HEAD_DIM_PAD], out_ptr.dtype.element_ty), mask=d_valid)
         return
     offs_p = tl.arange(0, PARTS)
     p_valid = offs_p < num_partitions
     ws = (token * NUM_HEADS + head) * max_partitions + offs_p
     m = tl.load(m_ptr + ws, mask=p_valid, other=float("-inf"))
     l = tl.load(l_ptr + ws, mask=p_valid, other=0.0)
-    acc = tl.load(acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=p_valid[:, None], other=0.0)
+    acc = tl.load(acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=p_valid[:, None] & d_valid[None, :],
+                  other=0.0)
     # Rescale every partition to the global max: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p.
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     total = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 class TritonMetadata(NamedTuple):
@@ -214,15 +232,18 @@ class TritonPagedAttention:
         if max_split_tokens is None:
             max_split_tokens = max(1, 512 // cfg.num_kv_heads)
         d = cfg.head_dim
-        # One register tile holds a whole head (tl.arange needs a power of two); past 128 the
-        # fp32 accumulator of a 64-row tile no longer fits in registers.
-        if d & (d - 1) or not 16 <= d <= 128:
-            raise ValueError(f"TritonPagedAttention needs head_dim 16, 32, 64 or 128, got {d}")
+        # One register tile holds a whole head, padded to a power of two (tl.arange's rule) and
+        # to tl.dot's minimum of 16; past 256 the tiles no longer fit in registers.
+        if not 1 <= d <= 256:
+            raise ValueError(f"TritonPagedAttention needs head_dim in [1, 256], got {d}")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
-        self.num_heads, self.head_dim = cfg.num_heads, d
+        self.num_heads, self.head_dim, self.head_dim_pad = cfg.num_heads, d, max(16, triton.next_power_of_2(d))
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self.block_n = 64
+        # Heads past 128 columns: half as many keys per tile and twice the warps, so the K/V
+        # tiles (two pipeline stages) stay in shared memory and the accumulator in registers.
+        wide = self.head_dim_pad > 128
+        self.block_n, self.num_warps = (32, 8) if wide else (64, 4)
         self.partition_size = triton.cdiv(partition_size, self.block_n) * self.block_n
         self.max_split_tokens, self.max_partitions = max_split_tokens, max_partitions
         ws = (max_split_tokens, cfg.num_heads, max_partitions)
@@ -230,11 +251,10 @@ class TritonPagedAttention:
         self.ws_sum = torch.empty(ws, dtype=torch.float32, device=device)
         self.ws_acc = torch.empty((*ws, d), dtype=torch.float32, device=device)
 
-    def prepare(self, batch: Batch, cfg: ModelConfig) -> TritonMetadata:
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TritonMetadata:
         # No host work beyond this packing: launch sizes come from shapes inside `attention`.
-        window = cfg.sliding_window or 0
         return TritonMetadata(batch.block_tables.to(torch.int32), batch.seq_lens.to(torch.int32),
-                              batch.query_start_loc.to(torch.int32), cfg.head_dim**-0.5, window)
+                              batch.query_start_loc.to(torch.int32), cfg.head_dim**-0.5, window or 0)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # kv_layer: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
@@ -279,12 +299,13 @@ class TritonPagedAttention:
             num_seqs, tokens, metadata.scale * _LOG2E, metadata.sliding_window, part_size, self.max_partitions,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_layer.stride(0), kv_layer.stride(1),
             kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0),
-            NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, BLOCK_SIZE=block_size,
+            NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=self.block_n,
-            SLIDING=metadata.sliding_window > 0, SPLIT=split, num_warps=4, num_stages=2)
+            SLIDING=metadata.sliding_window > 0, SPLIT=split, num_warps=self.num_warps, num_stages=2)
         if split:
             _reduce_partitions_kernel[(tokens, heads)](
                 out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, num_seqs, num_parts,
                 self.max_partitions, out.stride(0), out.stride(1),
-                NUM_HEADS=heads, HEAD_DIM=d, PARTS=triton.next_power_of_2(num_parts), num_warps=4)
+                NUM_HEADS=heads, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, PARTS=triton.next_power_of_2(num_parts),
+                num_warps=4)
         return out
