@@ -3,66 +3,58 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import struct
 from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
+from nanoinfer.settings import check_settings, float32_in, setting
 
 MAX_LOGPROBS = 20
-
-
-def float32_in(value, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False) -> bool:
-    """Whether `value` is a real number that, rounded to float32 (the precision the sampler
-    computes in), is finite and in [low, high] — (low, high] with `low_open`. A check in
-    float64 passes 1e-50 as a top-p or a penalty, which then reaches the sampler as 0."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        x = struct.unpack("f", struct.pack("f", float(value)))[0]  # past float32's range: inf
-    except OverflowError:  # an int past any float's range
-        return False
-    return math.isfinite(x) and (low < x if low_open else low <= x) and x <= high
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Field names and defaults follow vLLM (and so map one-to-one onto OpenAI's)."""
 
-    n: int = 1  # completions per prompt; they share the prompt's KV blocks
-    max_tokens: int | None = 16  # None: up to the model's context length
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = all tokens
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
-    frequency_penalty: float = 0.0  # OpenAI: minus this times how often it was generated
-    repetition_penalty: float = 1.0  # transformers: divide (positive) or multiply (negative)
-    # the logits of tokens in the prompt or the output
+    n: int = setting(1, "completions per prompt; they share the prompt's KV blocks", minimum=1, maximum=128)
+    max_tokens: int | None = setting(16, "most tokens to generate (None: up to the model's context length)",
+                                     minimum=1, optional=True)
+    min_tokens: int = setting(0, "EOS and stop_token_ids are masked until this many tokens exist", minimum=0)
+    temperature: float = setting(1.0, "0 = greedy", minimum=0, float32=True)
+    top_p: float = setting(1.0, "nucleus sampling: keep the most likely tokens holding this much probability",
+                           above=0, maximum=1, float32=True)
+    top_k: int = setting(0, "keep the k most likely tokens (0 or -1 = all)", minimum=-1)
+    min_p: float = setting(0.0, "drop tokens less likely than this share of the most likely one", minimum=0,
+                           maximum=1, float32=True)
+    seed: int | None = setting(None, "the same seed gives the same tokens, whatever else runs", optional=True)
+    presence_penalty: float = setting(0.0, "OpenAI's: minus this for every token already generated", minimum=-2,
+                                      maximum=2, float32=True)
+    frequency_penalty: float = setting(0.0, "OpenAI's: minus this times how often a token was generated",
+                                       minimum=-2, maximum=2, float32=True)
+    repetition_penalty: float = setting(1.0, "> 1 discourages repeating tokens of the prompt and output "
+                                             "(transformers' rule; 1 = off)", above=0, float32=True)
     logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} dict is accepted
-    logprobs: int | None = None  # per generated token: its logprob and the top-k alternatives
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    logprobs: int | None = setting(None, "per generated token: its logprob and this many top alternatives",
+                                   minimum=0, maximum=MAX_LOGPROBS, optional=True)
+    prompt_logprobs: int | None = setting(None, "the same for every prompt token after the first", minimum=0,
+                                          maximum=MAX_LOGPROBS, optional=True)
     stop: tuple[str, ...] = ()  # a str or a list is accepted and normalized
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: bool = setting(False, "keep generating past the end-of-sequence token")
+    include_stop_str_in_output: bool = setting(False, "keep the stop string that ended the text")
+    skip_special_tokens: bool = setting(True, "leave special tokens out of the text")
 
     def __post_init__(self):
+        check_settings(self)
+
         def check(ok: bool, name: str, expected: str):
             if not ok:
                 raise RequestError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}", param=name)
 
-        def integer(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         check(all(isinstance(s, str) and s for s in stop), "stop", "non-empty strings")
-        check(all(integer(t) and t >= 0 for t in self.stop_token_ids or ()), "stop_token_ids",
-              "non-negative token ids")
+        check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids or ()),
+              "stop_token_ids", "non-negative token ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         try:
@@ -72,24 +64,7 @@ class SamplingParams:
         check(all(t >= 0 and float32_in(b, -100, 100) for t, b in bias), "logit_bias",
               "token ids >= 0 mapped to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
-        check(integer(self.n) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
-        check(self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", "an integer >= 1 or None")
-        check(integer(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
-              "min_tokens", "an integer in [0, max_tokens]")
-        check(float32_in(self.temperature, 0), "temperature", "a finite number >= 0 (in float32)")
-        check(float32_in(self.top_p, 0, 1, low_open=True), "top_p", "a number in (0, 1] (in float32)")
-        check(integer(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1 = disabled)")
-        check(float32_in(self.min_p, 0, 1), "min_p", "a number in [0, 1]")
-        check(self.seed is None or integer(self.seed), "seed", "an integer or None")
-        check(float32_in(self.presence_penalty, -2, 2), "presence_penalty", "a number in [-2, 2]")
-        check(float32_in(self.frequency_penalty, -2, 2), "frequency_penalty", "a number in [-2, 2]")
-        check(float32_in(self.repetition_penalty, 0, low_open=True), "repetition_penalty",
-              "a finite number > 0 (in float32; 1 = off)")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(value is None or (integer(value) and 0 <= value <= MAX_LOGPROBS), name,
-                  f"an integer in [0, {MAX_LOGPROBS}] or None")
+        check(self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens", "an integer in [0, max_tokens]")
 
     @property
     def greedy(self) -> bool:

@@ -18,10 +18,9 @@ import argparse
 import dataclasses
 import math
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
-
-import numpy as np
 
 from nanoinfer.errors import RequestError
 
@@ -37,6 +36,19 @@ def parse_size(text: str | int) -> int:
     if match is None:
         raise RequestError(f"size {text!r} is invalid: expected bytes, or a number with KiB, MiB, GiB or TiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def float32_in(value, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False) -> bool:
+    """Whether `value` is a real number that, rounded to float32 (the precision the sampler
+    computes in), is finite and in [low, high] — (low, high] with `low_open`. A check in
+    float64 passes 1e-50 as a top-p or a penalty, which then reaches the sampler as 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        x = struct.unpack("f", struct.pack("f", float(value)))[0]  # past float32's range: inf
+    except OverflowError:  # an int past any float's range
+        return False
+    return math.isfinite(x) and (low < x if low_open else low <= x) and x <= high
 
 
 @dataclass(frozen=True)
@@ -59,15 +71,16 @@ class Spec:
             text = f"one of {list(self.choices)}"
         else:
             text = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
-            bounds = []
-            if self.above is not None:
-                bounds.append(f"> {self.above:g}")
-            if self.minimum is not None:
-                bounds.append(f">= {self.minimum:g}")
-            if self.maximum is not None:
-                bounds.append(f"<= {self.maximum:g}")
-            if bounds:
-                text += " " + " and ".join(bounds)
+            low = self.above if self.above is not None else self.minimum
+            opening = "(" if self.above is not None else "["
+            if low is not None and self.maximum is not None:
+                text += f" in {opening}{low:g}, {self.maximum:g}]"
+            elif low is not None:
+                text += f" {'>' if self.above is not None else '>='} {low:g}"
+            elif self.maximum is not None:
+                text += f" <= {self.maximum:g}"
+            if self.float32:
+                text += " (in float32)"
         return text + (" or None" if self.optional else "")
 
 
@@ -115,16 +128,16 @@ def check_value(name: str, value: Any, spec: Spec, kind: type) -> Any:
     if spec.choices is not None and value not in spec.choices:
         fail()
     if kind in (int, float):
-        if isinstance(value, float) and not math.isfinite(value):
-            fail()
-        as32 = float(np.float32(value)) if spec.float32 else value
-        if spec.float32 and not math.isfinite(as32):
-            fail()
-        if spec.minimum is not None and as32 < spec.minimum:
-            fail()
-        if spec.above is not None and not as32 > spec.above:
-            fail()
-        if spec.maximum is not None and as32 > spec.maximum:
+        low = spec.above if spec.above is not None else spec.minimum
+        low = -math.inf if low is None else low
+        high = math.inf if spec.maximum is None else spec.maximum
+        low_open = spec.above is not None
+        if spec.float32:
+            ok = float32_in(value, low, high, low_open=low_open)
+        else:
+            finite = isinstance(value, int) or math.isfinite(value)
+            ok = finite and (low < value if low_open else low <= value) and value <= high
+        if not ok:
             fail()
     return value
 

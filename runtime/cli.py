@@ -29,14 +29,15 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="JSON or YAML file of flag names to values; flags on the command line win")
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
+
+
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the top one")
-    parser.add_argument("--seed", type=int, default=None, help="the same seed gives the same text")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
+    from nanoinfer.sampling import SamplingParams
+
+    add_flags(parser.add_argument_group("sampling"), SamplingParams, only=SAMPLING_FLAGS,
+              defaults={"max_tokens": 256, "temperature": temperature})
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -109,9 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _sampling(args):
     from nanoinfer.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                          repetition_penalty=args.repetition_penalty)
+    return SamplingParams(**from_namespace(SamplingParams, args))
 
 
 def _llm(args):

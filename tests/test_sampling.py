@@ -231,7 +231,7 @@ def test_values_the_sampler_cannot_represent_are_rejected(field, value, expected
 
 
 def test_float32_range_helper():
-    from nanoinfer.sampling_params import float32_in
+    from nanoinfer.settings import float32_in
 
     assert float32_in(0.5, 0, 1, low_open=True) and float32_in(1, 0, 1) and float32_in(-2.0, -2, 2)
     assert not float32_in(1e-50, 0, 1, low_open=True) and float32_in(1e-40, 0, 1, low_open=True)  # subnormal
