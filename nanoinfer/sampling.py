@@ -155,7 +155,15 @@ class Logprobs(NamedTuple):
     top_logprobs: torch.Tensor  # [rows, k]
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, max_bytes: int = 64 << 20) -> Logprobs:
+    """Logprobs of `token_ids` [rows] and the top `k` under `logits` [rows, vocab], computed
+    `max_bytes` of log-softmax at a time: prompt logprobs ask for a row per prompt token, and
+    a whole 4,096-token chunk at a 152k vocabulary would be another 2.5 GB at once."""
+    rows = max(1, max_bytes // (4 * logits.shape[-1]))
+    if logits.shape[0] > rows:
+        parts = [compute_logprobs(logits[i:i + rows], token_ids[i:i + rows], k, max_bytes)
+                 for i in range(0, logits.shape[0], rows)]
+        return Logprobs(*(torch.cat(columns) for columns in zip(*parts)))
     logp = logits.float().log_softmax(dim=-1)
     top = logp.topk(k, dim=-1) if k > 0 else None
     empty = logp.new_empty(logp.shape[0], 0)

@@ -9,6 +9,7 @@ request early. On CUDA a step launches its work and returns the tokens of the st
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import time
@@ -59,6 +60,9 @@ class EngineConfig:
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
             raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
                                param="swap_space")
+
+
+log = logging.getLogger("nanoinfer.engine")
 
 
 class TokenOutput(NamedTuple):
@@ -338,8 +342,11 @@ class EngineCore:
         if previous is not None:
             previous.transfer.wait()  # (its tokens are still read below: it ran before the failure)
         seqs = [seq for seq, _ in p.chunks]
-        return [out for seq, error in self.isolation.failed(seqs, p.num_tokens, exc, kind)
-                for out in self._fail(seq, error)]
+        culprits = self.isolation.failed(seqs, p.num_tokens, exc, kind)
+        log.warning("a step of %d tokens over %d sequences failed (%r): %s", p.num_tokens, len(seqs), exc,
+                    "failing the request it belongs to" if culprits else
+                    f"retrying its sequences in smaller steps (token budget {self.isolation.step_budget()})")
+        return [out for seq, error in culprits for out in self._fail(seq, error)]
 
     def _launch(self, p: Plan, previous: InFlightStep | None, clock: float) -> InFlightStep:
         """Build the batch, queue the forward and the sampling, and start copying the results

@@ -237,3 +237,16 @@ def test_float32_range_helper():
     assert not float32_in(1e-50, 0, 1, low_open=True) and float32_in(1e-40, 0, 1, low_open=True)  # subnormal
     assert not float32_in(3.5e38) and float32_in(3.4e38) and not float32_in(10**400)
     assert not float32_in(float("nan")) and not float32_in(True) and not float32_in("1")
+
+
+def test_logprobs_in_slices_equal_logprobs_at_once():
+    from nanoinfer.sampling import compute_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 500, generator=g) * 3
+    tokens = torch.randint(0, 500, (37,), generator=g)
+    whole = compute_logprobs(logits, tokens, 4)
+    sliced = compute_logprobs(logits, tokens, 4, max_bytes=5 * 500 * 4)  # 5 rows at a time
+    for a, b in zip(whole, sliced):
+        assert torch.equal(a, b)
+    assert sliced.top_ids.shape == (37, 4)
