@@ -232,3 +232,36 @@ def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
         outs.append([s.output_token_ids for s in seqs])
         assert engine.blocks.num_free_blocks == 512
     assert outs[0] == outs[1]
+
+
+def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
+    """Issue 10 on the GPU path (async scheduling, CUDA graphs): an out-of-memory forward is
+    retried, a request whose logits turn NaN fails alone, the others run to their length."""
+    import runtime.engine_core as engine_core
+    from runtime.faults import RequestFailed
+
+    _, model = hf_and_ours
+    embed = model.params.embed.clone()
+    embed[7] = float("nan")  # a token whose embedding poisons whoever reads it
+    poisoned = dataclasses.replace(model, params=dataclasses.replace(model.params, embed=embed))
+    real_forward, calls = engine_core.forward, {"n": 0}
+
+    def flaky_forward(*args):  # (decode steps replay graphs: this runs the prefills)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_forward(*args)
+
+    monkeypatch.setattr(engine_core, "forward", flaky_forward)
+    engine = EngineCore(poisoned, EngineConfig(block_size=16, num_blocks=512, max_model_len=1024,
+                                               async_scheduling=True))
+    good = [engine.add_request(list(range(100 + i, 130 + 7 * i)), SamplingParams(temperature=0.8, seed=i,
+                                                                                 max_tokens=12, ignore_eos=True))
+            for i in range(6)]
+    bad = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert calls["n"] >= 3 and bad.finish_reason == "error" and isinstance(bad.error, RequestFailed)
+    assert "non-finite" in str(bad.error)
+    assert all(s.finish_reason == "length" and len(s.output_token_ids) == 12 for s in good)
+    assert engine.blocks.num_free_blocks == 512
