@@ -32,6 +32,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from nanoinfer.errors import RequestError
+from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_logprobs, chat_messages, completion_logprobs,
+                                 completion_prompts, param_of, sampling_params)
 from runtime import protocol as api
 from runtime.engine import AsyncEngine, EngineError, RequestHandle
 from runtime.metrics import ServerMetrics
@@ -143,7 +145,7 @@ class _Server:
         try:
             req = msgspec.convert(raw, type_)
         except msgspec.ValidationError as exc:
-            raise HTTPError(400, f"invalid request: {exc}", param=api.param_of(str(exc))) from exc
+            raise HTTPError(400, f"invalid request: {exc}", param=param_of(str(exc))) from exc
         if req.model is not None and req.model != self.model_name:
             raise HTTPError(400, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
                             param="model", code="model_not_found")
@@ -230,19 +232,19 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         req = await self.read(request, api.CompletionRequest)
-        prompts = api.completion_prompts(req)
-        params = api.sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, api.completion_logprobs(req))
+        prompts = completion_prompts(req)
+        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, completion_logprobs(req))
         handles = self.submit_all(prompts, params)
-        out = api.CompletionRenderer(self.model_name, handles, req, self.engine.tokenizer)
+        out = CompletionRenderer(self.model_name, handles, req, self.engine.tokenizer)
         return await self.answer(request, req, handles, out)
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self.read(request, api.ChatCompletionRequest)
-        messages = api.chat_messages(req)
+        messages = chat_messages(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = api.sampling_params(req, max_tokens, api.chat_logprobs(req))
+        params = sampling_params(req, max_tokens, chat_logprobs(req))
         handles = self.submit_all([messages], params)
-        out = api.ChatRenderer(self.model_name, handles, req, self.engine.tokenizer)
+        out = ChatRenderer(self.model_name, handles, req, self.engine.tokenizer)
         return await self.answer(request, req, handles, out)
 
     async def answer(self, request: Request, req, handles: list[RequestHandle], out) -> Response:

@@ -243,6 +243,11 @@ def test_logprobs_in_both_formats_and_penalties(client, live_server):
     assert pen.choices[0].text != plain.choices[0].text
 
 
+def test_several_token_id_prompts(client):
+    r = client.completions.create(model="tiny-chat", prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == 5
+
+
 def test_harmless_and_unknown_fields_pass(client, caplog):
     r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=3, user="u1", store=False,
                                        response_format={"type": "text"}, tool_choice="none",

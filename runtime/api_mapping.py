@@ -1,0 +1,213 @@
+"""Between OpenAI's API and the engine: requests to prompts and SamplingParams, the engine's
+outputs to choices, whole responses and stream chunks (types in runtime/protocol.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import msgspec
+
+from nanoinfer.errors import RequestError
+from nanoinfer.sampling import SamplingParams
+from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                              ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                              CompletionResponse, TopLogprob, Usage, SamplingFields)
+
+
+# -- requests -> the engine's inputs --------------------------------------------------------
+
+
+def param_of(message: str) -> str | None:
+    """The top-level field a msgspec validation message points at: "... - at `$.stop[0]`"
+    or "Object missing required field `prompt`"."""
+    match = re.search(r"at `\$\.(\w+)", message) or re.search(r"missing required field `(\w+)`", message)
+    return match.group(1) if match else None
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams (RequestError, a 400, names a bad value)."""
+    kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop or (), seed=req.seed, logprobs=logprobs,
+              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+              min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+              skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.logit_bias:
+        try:
+            kw["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+        except ValueError as exc:
+            raise RequestError(f"logit_bias keys must be token ids: {exc}", param="logit_bias") from exc
+    return SamplingParams(**kw)
+
+
+def completion_prompts(req: CompletionRequest) -> list:
+    """The prompts of a completion request: one string or id list, or several of either."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    elif all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt):
+        prompts = list(prompt)
+    else:
+        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                           "lists", param="prompt")
+    if not prompts or not all(prompts):
+        raise RequestError("prompt must be non-empty", param="prompt")
+    return prompts
+
+
+def completion_logprobs(req: CompletionRequest) -> int | None:
+    if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+        raise RequestError(f"logprobs={req.logprobs} is invalid: expected 0 to 5", param="logprobs")
+    return req.logprobs
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
+        raise RequestError(f"top_logprobs={req.top_logprobs} needs logprobs=true and 0 to 20", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The conversation as {"role", "content"} dicts for the chat template."""
+    if not req.messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    messages = []
+    for m in req.messages:
+        if m.role not in ROLES:
+            raise RequestError(f"message role {m.role!r} is unknown: expected one of {list(ROLES)}", param="messages")
+        content = m.content or ""
+        if isinstance(content, list):
+            if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
+                raise RequestError("only text content parts are supported", param="messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        messages.append({"role": m.role, "content": content})
+    return messages
+
+
+# -- the engine's outputs -> responses ---------------------------------------------------------
+
+
+class _Renderer:
+    """Turns the engine's outputs for one HTTP request (its prompts' handles, n completions
+    each) into OpenAI responses and stream chunks. Choice index = prompt * n + completion."""
+
+    prefix = ""
+
+    def __init__(self, model: str, handles, req, tokenizer):
+        self.id, self.created, self.model = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time()), model
+        self.handles, self.n, self.tokenizer = handles, req.n, tokenizer
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.completion_tokens = 0
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+
+    def usage(self, completion_tokens: int) -> Usage:
+        """Each prompt counts once, however many (n) choices it has."""
+        prompt_tokens = sum(len(h.prompt_ids) for h in self.handles)
+        return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def chunks(self, position: int, delta) -> list[bytes]:
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        return [self.chunk(position * self.n + c.index, c) for c in delta.outputs]
+
+    def choices(self, results) -> list:
+        return [self.choice(p * self.n + c.index, c) for p, out in enumerate(results) for c in out.outputs]
+
+    def total_tokens(self, results) -> int:
+        return sum(len(c.token_ids) for out in results for c in out.outputs)
+
+
+def _sse(item) -> bytes:
+    return b"data: " + msgspec.json.encode(item) + b"\n\n"
+
+
+class CompletionRenderer(_Renderer):
+    prefix = "cmpl"
+
+    def __init__(self, model, handles, req, tokenizer):
+        super().__init__(model, handles, req, tokenizer)
+        self.want_logprobs = req.logprobs is not None
+        self.offsets: dict[int, int] = {}  # choice -> text length so far (logprobs' text_offset)
+
+    def logprobs(self, logprobs, offset: int) -> CompletionLogprobs:
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets, position = [], offset
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return CompletionLogprobs(tokens, [lp.logprob for lp in logprobs],
+                                  [{self.token_text(t): v for t, v in lp.top} for lp in logprobs], offsets)
+
+    def choice(self, index: int, c, offset: int = 0) -> CompletionChoice:
+        return CompletionChoice(index, c.text, c.finish_reason,
+                                self.logprobs(c.logprobs or (), offset) if self.want_logprobs else None)
+
+    def chunk(self, index: int, c) -> bytes:
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(c.text)
+        return _sse(CompletionResponse(self.id, self.created, self.model, [self.choice(index, c, offset)]))
+
+    def end(self) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        return [_sse(CompletionResponse(self.id, self.created, self.model, [], self.usage(self.completion_tokens)))]
+
+    def response(self, results) -> CompletionResponse:
+        return CompletionResponse(self.id, self.created, self.model, self.choices(results),
+                                  self.usage(self.total_tokens(results)))
+
+
+class ChatRenderer(_Renderer):
+    prefix = "chatcmpl"
+
+    def __init__(self, model, handles, req, tokenizer):
+        super().__init__(model, handles, req, tokenizer)
+        self.want_logprobs = req.logprobs
+
+    def logprobs(self, logprobs) -> ChatLogprobs:
+        def entry(token_id, value):
+            text = self.token_text(token_id)
+            return text, value, list(text.encode("utf-8"))
+
+        return ChatLogprobs([ChatTokenLogprob(*entry(lp.token_id, lp.logprob),
+                                              [TopLogprob(*entry(t, v)) for t, v in lp.top]) for lp in logprobs])
+
+    def _chunk(self, choices, usage=None) -> bytes:
+        return _sse(ChatCompletionChunk(self.id, self.created, self.model, choices, usage))
+
+    def start(self) -> list[bytes]:
+        return [self._chunk([ChatChunkChoice(i, ChatDelta("assistant", ""))])
+                for i in range(len(self.handles) * self.n)]
+
+    def chunks(self, position: int, delta) -> list[bytes]:
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        out = []
+        for c in delta.outputs:
+            index = position * self.n + c.index
+            if c.text or c.logprobs:
+                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(content=c.text), None,
+                                                        self.logprobs(c.logprobs) if self.want_logprobs else None)]))
+            if c.finish_reason:
+                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(), c.finish_reason)]))
+        return out
+
+    def end(self) -> list[bytes]:
+        return [self._chunk([], self.usage(self.completion_tokens))] if self.include_usage else []
+
+    def choice(self, index: int, c) -> ChatChoice:
+        return ChatChoice(index, AssistantMessage(c.text), c.finish_reason,
+                          self.logprobs(c.logprobs or ()) if self.want_logprobs else None)
+
+    def response(self, results) -> ChatCompletionResponse:
+        return ChatCompletionResponse(self.id, self.created, self.model, self.choices(results),
+                                      self.usage(self.total_tokens(results)))
