@@ -1,5 +1,6 @@
 """How many KV blocks fit: a byte budget on the CPU, or on a GPU what the allowed share of its
-memory leaves after the weights and a profiling forward at the largest step."""
+memory leaves after the weights and a profiling run of the costliest step (forward, sampling,
+logprobs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from nanoinfer.batch import Batch
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
+from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
+from nanoinfer.sampling_params import MAX_LOGPROBS
+from runtime.scheduler import PROMPT_LOGPROB_ROWS
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 
@@ -30,18 +34,36 @@ def kv_blocks_for_memory(model: LoadedModel, config, max_model_len: int, bytes_p
 
 def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend) -> int:
     """Bytes left for the KV pool: `gpu_memory_utilization` of the GPU, less the weights (already
-    allocated) and the activation peak of the largest step, measured by running it."""
+    allocated) and the memory peak of the largest step, measured by running it."""
+    dev = model.params.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    run_peak_step(model, config, backend)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info(dev)
+    # Headroom for CUDA graphs and allocator fragmentation.
+    return int(total * config.gpu_memory_utilization) - peak - (512 << 20)
+
+
+def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None:
+    """The most memory one step can take: `max_num_batched_tokens` tokens over `max_num_seqs`
+    sequences, logits for every sequence and for a step's worth of prompt-logprob rows, and
+    every row through the sampler's costliest path (top-k/top-p sort, min-p, penalties with
+    their dense [rows, vocab] tables) and 20 logprobs. `config` is an EngineConfig."""
     cfg, sched, dev = model.config, config.scheduler, model.params.device
     tokens = sched.max_num_batched_tokens
     seqs = max(1, min(sched.max_num_seqs, tokens))
     bs = config.block_size
-    # The largest step: `tokens` tokens over `seqs` sequences, all pages pointing at one
-    # scratch block and no KV written (slot -1): only the activation peak matters here.
+    # All pages point at one scratch block and no KV is written (slot -1): only the
+    # activations' peak matters here.
     per_seq = -(-tokens // seqs)
     lens = [min(per_seq, tokens - i * per_seq) for i in range(seqs) if tokens - i * per_seq > 0]
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
+    logits_rows = max(len(lens), min(tokens, PROMPT_LOGPROB_ROWS))
     scratch = allocate_kv_pool(cfg, 1, bs, model.params.dtype, dev)
     batch = Batch(torch.zeros(tokens, dtype=torch.int64, device=dev),
                   torch.cat([torch.arange(n, device=dev) for n in lens]),
@@ -49,15 +71,14 @@ def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend) -> int:
                   torch.zeros(len(lens), -(-per_seq // bs), dtype=torch.int32, device=dev),
                   torch.tensor(lens, dtype=torch.int32, device=dev),
                   torch.tensor(starts, dtype=torch.int32, device=dev),
-                  torch.tensor(starts[1:], dtype=torch.int64, device=dev) - 1)
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
+                  torch.arange(tokens - logits_rows, tokens, dtype=torch.int64, device=dev))
+    costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.5, logit_bias={0: 1.0}, min_tokens=1, logprobs=MAX_LOGPROBS)
+    rows = len(lens)
     with torch.inference_mode():
-        forward(model.params, scratch, batch, cfg, backend)
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev)
-    del scratch, batch
-    torch.cuda.empty_cache()
-    _, total = torch.cuda.mem_get_info(dev)
-    # Headroom for CUDA graphs, the sampler and allocator fragmentation.
-    return int(total * config.gpu_memory_utilization) - peak - (512 << 20)
+        logits = forward(model.params, scratch, batch, cfg, backend)
+        st = SamplingTensors.build([costly] * rows, [0] * rows, cfg.vocab_size, dev, prompts=[[0]] * rows,
+                                   outputs=[[]] * rows, eos_token_ids=cfg.eos_token_ids)
+        sampled = sample(logits[:rows], st)
+        compute_logprobs(logits[:rows], sampled, MAX_LOGPROBS)
+        compute_logprobs(logits, torch.zeros(logits_rows, dtype=torch.int64, device=dev), MAX_LOGPROBS)

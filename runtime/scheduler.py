@@ -23,6 +23,10 @@ from runtime.block_manager import BlockManager
 from runtime.sequence import Sequence
 
 POLICIES = ("fcfs", "priority")
+# Prompt tokens per step whose logprobs are computed: each needs a [vocab] row of logits, so a
+# whole 4,096-token chunk at a 152k vocabulary would hold 2.5 GB of them at once. The pool
+# sizing (runtime/kv_budget.py) reserves room for this many rows.
+PROMPT_LOGPROB_ROWS = 512
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -114,6 +118,10 @@ class WaitingQueue:
         return heapq.merge(*levels, key=lambda s: rank(s, self.config, now))
 
 
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    return seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done
+
+
 def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Sequence], blocks: BlockManager,
          config: SchedulerConfig, now: int, num_idle: int = 0) -> Plan:
     """`waiting` in rank order (WaitingQueue.in_rank_order), read only as far as it admits.
@@ -121,6 +129,12 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
     still hold their places under max_num_seqs."""
     key = lambda s: rank(s, config, now)  # noqa: E731
     budget = config.max_num_batched_tokens
+    logprob_rows = PROMPT_LOGPROB_ROWS
+
+    def tokens_for(seq: Sequence) -> int:
+        """What `seq` may compute this step: its pending tokens, within the budgets."""
+        take = min(seq.num_pending_tokens, budget)
+        return min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
     free = blocks.num_free_blocks
     free_cpu = blocks.num_free_cpu_blocks
     chunks: list[ScheduledChunk] = []
@@ -141,9 +155,11 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
     for seq in queue:
         if seq.seq_id in preempted:
             continue
-        take = min(seq.num_pending_tokens, budget)
-        if take == 0:
+        take = tokens_for(seq)
+        if budget == 0:
             break
+        if take == 0:
+            continue  # no prompt-logprob rows left this step
         need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
         while need > free:
             while next_victim < len(victims) and victims[next_victim].seq_id in kept:
@@ -170,6 +186,7 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
         chunks.append(ScheduledChunk(seq, take))
         free -= need
         budget -= take
+        logprob_rows -= take if wants_prompt_logprobs(seq) else 0
 
     # Nothing new starts in a step that had to preempt: the pool is under pressure. A sequence
     # with forks to come counts for all of them, so the batch stays within max_num_seqs once
@@ -178,7 +195,7 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
     num_running = num_idle + sum(num_slots(s) for s in running if s.seq_id not in preempted)
     if not preempt:
         for seq in sorted(swapped, key=key):
-            take = min(seq.num_pending_tokens, budget)
+            take = tokens_for(seq)
             held = len(seq.cpu_block_table)  # comes back into as many device blocks
             need = held + max(0, blocks.blocks_for(seq.num_computed_tokens + take) - held)
             if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
@@ -187,15 +204,17 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
             chunks.append(ScheduledChunk(seq, take))
             free -= need
             budget -= take
+            logprob_rows -= take if wants_prompt_logprobs(seq) else 0
             num_running += num_slots(seq)
         if len(swap_in) == len(swapped):  # swapped sequences go before new ones
             for seq in waiting:
-                take = min(seq.num_pending_tokens, budget)
+                take = tokens_for(seq)
                 need = blocks.blocks_for(seq.num_computed_tokens + take)
                 if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
                     break
                 chunks.append(ScheduledChunk(seq, take))
                 free -= need
                 budget -= take
+                logprob_rows -= take if wants_prompt_logprobs(seq) else 0
                 num_running += num_slots(seq)
     return Plan(tuple(chunks), tuple(preempt), tuple(swap_out), tuple(swap_in))

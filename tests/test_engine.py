@@ -253,3 +253,11 @@ def test_abort_by_request_id():
     outs, stats = asyncio.run(go())
     assert outs[-1].finish_reason == "abort" and len(outs) <= 5
     assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_the_profiling_step_runs_the_costliest_path():
+    """What sizes the GPU's KV pool (runtime/kv_budget.py) is a real step: forward, the sampler's
+    sort, penalties and logprobs for every row. It runs anywhere; here on the CPU."""
+    from runtime.kv_budget import run_peak_step
+
+    run_peak_step(MODEL, engine_config(max_num_batched_tokens=64, max_num_seqs=8), make_engine().core.attention)

@@ -625,3 +625,24 @@ def test_random_workloads_finish(workload):
     sim, requests = workload
     # A generous bound: each request alone needs at most max_total steps; no livelock may take longer.
     run_to_completion(sim, requests, max_steps=50 + 4 * sum(r[2] * r[4] for r in requests))
+
+
+def test_prompt_logprob_rows_per_step_are_bounded():
+    """Each prompt token whose logprobs are asked for costs a [vocab] row of logits: a step
+    computes at most PROMPT_LOGPROB_ROWS of them, however large the token budget."""
+    from runtime.scheduler import PROMPT_LOGPROB_ROWS
+
+    config = SchedulerConfig(max_num_batched_tokens=4096)
+    sim = Sim(512, 16, 0, config)
+    asking = [Sequence(i, list(range(700)), SamplingParams(prompt_logprobs=1), 800, arrival=i) for i in range(2)]
+    plain = Sequence(2, list(range(700)), SamplingParams(), 800, arrival=2)
+    p = plan(asking + [plain], [], [], sim.blocks, config, 0)
+    assert [(c.seq.seq_id, c.num_tokens) for c in p.chunks] == [(0, PROMPT_LOGPROB_ROWS)]  # the second waits its turn
+    for seq in asking:
+        sim.add_waiting(seq)
+    sim.add_waiting(plain)
+    sim.step()
+    # The first one's rest (188), then the second takes the rows left (324), then the plain one.
+    rest = 700 - PROMPT_LOGPROB_ROWS
+    p = sim.plan()
+    assert [(c.seq.seq_id, c.num_tokens) for c in p.chunks] == [(0, rest), (1, PROMPT_LOGPROB_ROWS - rest), (2, 700)]
