@@ -41,7 +41,7 @@ class ServerConfig:
                              choices=LOG_LEVELS)
     timeout_keep_alive: int = setting(5, "seconds an idle keep-alive connection stays open", minimum=1)
     timeout_headers: float = setting(10.0, "seconds a client may take to send a request's headers", above=0)
-    max_header_bytes: int = setting(16384, "largest request head (request line and headers)", minimum=1024,
+    max_header_bytes: int = setting(16384, "largest request head (line and headers) held while it arrives", minimum=1024,
                                     size=True)
 
     def __post_init__(self):

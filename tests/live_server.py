@@ -29,9 +29,10 @@ def tiny_chat_model(gguf_path: Path) -> LoadedModel:
 class LiveServer:
     def __init__(self, model: LoadedModel, **app_kw):
         engine_kw = app_kw.pop("engine_kw", {})
+        uvicorn_kw = app_kw.pop("uvicorn_kw", {})
         self.engine = AsyncEngine(model, engine_config(**{"num_blocks": 2048, "block_size": 16, **engine_kw}))
         self.app = create_app(self.engine, model_name="tiny-chat", **app_kw)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", **uvicorn_kw)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -306,3 +306,28 @@ def test_metrics_count_requests_tokens_and_latencies(live_server):
     assert metric(live_server.url, 'nanoinfer_requests_total{finish_reason="length"}') >= 1
     for name in ("nanoinfer_e2e_request_latency_seconds_count", "nanoinfer_request_queue_time_seconds_count"):
         assert metric(live_server.url, name) >= 1
+
+
+def test_slow_and_oversized_request_heads_are_cut_off(tiny_chat_model):
+    """uvicorn has no deadline for a request's head: one byte every few seconds would hold a
+    connection for ever (serving.py adds one), and a head over the limit is refused."""
+    import socket
+
+    from runtime.serving import _protocol
+
+    with LiveServer(tiny_chat_model, uvicorn_kw={"http": _protocol(0.5), "h11_max_incomplete_event_size": 4096}) \
+            as server:
+        host, port = server.url[len("http://"):].split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # ...and never the blank line
+            time.sleep(1.0)
+            slow.sendall(b"X-Late: 1\r\n")  # still trickling in: too late
+            assert slow.recv(1024) == b""  # closed
+        with socket.create_connection((host, int(port)), timeout=5) as big:
+            # (h11 bounds the head it holds unfinished: a head that arrives whole in one read,
+            # at most uvicorn's 64 KiB, is parsed before any limit applies)
+            big.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 8192)
+            time.sleep(0.1)
+            big.sendall(b"\r\n\r\n")
+            assert big.recv(1024).startswith(b"HTTP/1.1 400")
+        assert httpx.get(server.url + "/health").status_code == 200
