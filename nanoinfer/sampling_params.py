@@ -30,8 +30,10 @@ class SamplingParams:
                                       maximum=2, float32=True)
     frequency_penalty: float = setting(0.0, "OpenAI's: minus this times how often a token was generated",
                                        minimum=-2, maximum=2, float32=True)
+    # Bounded: a subnormal penalty divides the logits into inf (and NaN), a huge one likewise.
     repetition_penalty: float = setting(1.0, "> 1 discourages repeating tokens of the prompt and output "
-                                             "(transformers' rule; 1 = off)", above=0, float32=True)
+                                             "(transformers' rule; 1 = off)", minimum=0.01, maximum=100,
+                                        float32=True)
     logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} dict is accepted
     logprobs: int | None = setting(None, "per generated token: its logprob and this many top alternatives",
                                    minimum=0, maximum=MAX_LOGPROBS, optional=True)

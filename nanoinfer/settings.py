@@ -29,9 +29,13 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from `4GiB`, `512MiB`, `2G`, `1048576` (a bare number is bytes)."""
+    """Bytes from `4GiB`, `512MiB`, `2G`, `1048576` or `1.5e9` (a bare number is bytes)."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
+    try:
+        return int(float(text))  # (YAML reads 1.5e9 as a string)
+    except ValueError:
+        pass
     match = _SIZE.match(str(text))
     if match is None:
         raise RequestError(f"size {text!r} is invalid: expected bytes, or a number with KiB, MiB, GiB or TiB")
@@ -64,6 +68,7 @@ class Spec:
     optional: bool = False  # None is allowed (it means "automatic" or "off")
     size: bool = False  # bytes; the flag and the keyword also take "4GiB"
     float32: bool = False
+    repeated: bool = False  # a tuple of strings; the flag may be given several times
     flag: bool = True  # on the command line
 
     def expected(self, kind: type) -> str:
@@ -81,6 +86,10 @@ class Spec:
                 text += f" <= {self.maximum:g}"
             if self.float32:
                 text += " (in float32)"
+            if self.size:
+                text += ", or a size such as 4GiB"
+            if self.repeated:
+                text = "strings"
         return text + (" or None" if self.optional else "")
 
 
@@ -112,7 +121,10 @@ def check_value(name: str, value: Any, spec: Spec, kind: type) -> Any:
 
     if value is None:
         return None if spec.optional else fail()
-    if spec.size and isinstance(value, str):
+    if spec.repeated:
+        values = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
+        return values if values is not None and all(isinstance(v, str) for v in values) else fail()
+    if spec.size and isinstance(value, (str, float)):
         try:
             value = parse_size(value)
         except RequestError:
@@ -165,6 +177,9 @@ def add_flags(parser, cls, *, only: Iterable[str] | None = None, defaults: dict 
         kw: dict[str, Any] = dict(default=default, help=spec.help, dest=f.name)
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif spec.repeated:
+            kw["action"] = _Repeated
+            kw["metavar"] = f.name.upper()
         elif spec.size:
             kw["type"] = str
             kw["metavar"] = "BYTES"
@@ -173,6 +188,16 @@ def add_flags(parser, cls, *, only: Iterable[str] | None = None, defaults: dict 
             if spec.choices is not None:
                 kw["choices"] = list(spec.choices)
         parser.add_argument(flag_name(f.name), **kw)
+
+
+class _Repeated(argparse.Action):
+    """A flag given several times collects its values; given at all, it replaces the default
+    (a value from --config) rather than adding to it: the command line wins."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        first = current is self.default  # (argparse puts the default object itself there)
+        setattr(namespace, self.dest, (values,) if first else (*current, values))
 
 
 def from_namespace(cls, args: argparse.Namespace) -> dict:
@@ -190,7 +215,7 @@ def split_kwargs(kwargs: dict, *classes, what: str) -> list[dict]:
     parts: list[dict] = [{} for _ in classes]
     for name, value in kwargs.items():
         for part, cls in zip(parts, classes):
-            if name in {f.name for f in dataclasses.fields(cls)}:
+            if name in setting_names(cls):
                 part[name] = value
                 break
         else:

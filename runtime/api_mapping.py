@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 
 import msgspec
 
@@ -97,10 +96,8 @@ class _Renderer:
     """Turns the engine's outputs for one HTTP request (its prompts' handles, n completions
     each) into OpenAI responses and stream chunks. Choice index = prompt * n + completion."""
 
-    prefix = ""
-
-    def __init__(self, model: str, handles, req, tokenizer):
-        self.id, self.created, self.model = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time()), model
+    def __init__(self, response_id: str, model: str, handles, req, tokenizer):
+        self.id, self.created, self.model = response_id, int(time.time()), model
         self.handles, self.n, self.tokenizer = handles, req.n, tokenizer
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.completion_tokens = 0
@@ -132,10 +129,8 @@ def _sse(item) -> bytes:
 
 
 class CompletionRenderer(_Renderer):
-    prefix = "cmpl"
-
-    def __init__(self, model, handles, req, tokenizer):
-        super().__init__(model, handles, req, tokenizer)
+    def __init__(self, response_id, model, handles, req, tokenizer):
+        super().__init__(response_id, model, handles, req, tokenizer)
         self.want_logprobs = req.logprobs is not None
         self.offsets: dict[int, int] = {}  # choice -> text length so far (logprobs' text_offset)
 
@@ -168,10 +163,8 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    prefix = "chatcmpl"
-
-    def __init__(self, model, handles, req, tokenizer):
-        super().__init__(model, handles, req, tokenizer)
+    def __init__(self, response_id, model, handles, req, tokenizer):
+        super().__init__(response_id, model, handles, req, tokenizer)
         self.want_logprobs = req.logprobs
 
     def logprobs(self, logprobs) -> ChatLogprobs:

@@ -16,6 +16,11 @@ from runtime.sequence import Sequence
 BlockCopy = tuple[int, int]  # (source block, destination block)
 
 
+class PoolExhausted(RuntimeError):
+    """More blocks asked for than are free: the scheduler's accounting is wrong (a bug; not an
+    out-of-memory the step could recover from by shrinking)."""
+
+
 class _Pool:
     """A free list with reference counts over block ids 0..size-1."""
 
@@ -103,7 +108,7 @@ class BlockManager:
         shared = self._shared_in_write_range(seq, num_tokens)
         need = max(0, self.blocks_for(num_tokens) - len(seq.block_table)) + len(shared)
         if need > self.num_free_blocks:
-            raise MemoryError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
+            raise PoolExhausted(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
         copies = []
         for i in shared:
             shared = seq.block_table[i]
@@ -141,7 +146,7 @@ class BlockManager:
         """Move `seq` to host blocks; returns (device block, host block) copies to apply
         before the device blocks are reused."""
         if not self.can_swap_out(seq):
-            raise MemoryError(f"host pool exhausted: need {len(seq.block_table)} blocks, "
+            raise PoolExhausted(f"host pool exhausted: need {len(seq.block_table)} blocks, "
                               f"{self.num_free_cpu_blocks} free")
         mapping = [(block, self.host.take()) for block in seq.block_table]
         for block in seq.block_table:
@@ -155,7 +160,7 @@ class BlockManager:
     def swap_in(self, seq: Sequence) -> list[BlockCopy]:
         """Move `seq` back to device blocks; returns (host block, device block) copies."""
         if not self.can_swap_in(seq):
-            raise MemoryError(f"KV pool exhausted: need {len(seq.cpu_block_table)} blocks to swap in, "
+            raise PoolExhausted(f"KV pool exhausted: need {len(seq.cpu_block_table)} blocks to swap in, "
                               f"{self.num_free_blocks} free")
         mapping = [(block, self.device.take()) for block in seq.cpu_block_table]
         for block in seq.cpu_block_table:

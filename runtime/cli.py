@@ -75,8 +75,6 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(serve)
     server = serve.add_argument_group("server")
     add_flags(server, ServerConfig)
-    server.add_argument("--cors-origin", action="append", default=[],
-                        help="allow this origin (repeatable; CORS is off without it)")
     _engine_args(serve)
 
     chat = commands.add_parser("chat", help="chat with the model in the terminal", formatter_class=_HelpFormatter)
@@ -136,7 +134,7 @@ def _serve(args) -> int:
     from runtime.engine import AsyncEngine
     from runtime.serving import check_port_free, serve
 
-    config = ServerConfig(**from_namespace(ServerConfig, args), cors_origin=tuple(args.cors_origin))
+    config = ServerConfig(**from_namespace(ServerConfig, args))
     check_port_free(config.host, config.port)
     engine = AsyncEngine.from_model(args.model, device=args.device, dtype=args.dtype, **_engine_kwargs(args))
     serve(engine, config)

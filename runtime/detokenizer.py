@@ -36,11 +36,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Feed new output tokens; sets `stopped` once a stop string appears."""
-        for token in token_ids:
+    def add(self, token_ids: Sequence[int]) -> int:
+        """Feed new output tokens; sets `stopped` once a stop string appears. Returns how many
+        were taken: all, or those up to the one that completed the stop string."""
+        for taken, token in enumerate(token_ids):
             if self.stopped:
-                return
+                return taken
             self.ids.append(token)
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
@@ -49,6 +50,7 @@ class IncrementalDetokenizer:
                 self.text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
                 self._check_stop(start)
+        return len(token_ids)
 
     def _check_stop(self, new_from: int) -> None:
         longest = max((len(s) for s in self.stop), default=0)

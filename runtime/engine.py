@@ -181,7 +181,7 @@ class AsyncEngine:
         if self._worker is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if self._fatal is not None:
-            raise EngineError(f"the engine is unhealthy after a device error: {self._fatal!r}") from self._fatal
+            raise EngineError(f"the engine is unhealthy (restart it): {self._fatal!r}") from self._fatal
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -192,6 +192,9 @@ class AsyncEngine:
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
         text, ids = self._prepare(prompt)
         ids = self.core.check_request(ids, params)  # fail this consumer now, not the worker later
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"{self.model.path} has no tokenizer, so stop strings cannot be matched: use "
+                               f"stop_token_ids", param="stop")
 
         def detok():
             if self.tokenizer is None:
@@ -223,9 +226,9 @@ class AsyncEngine:
              tell_worker: bool = True) -> None:
         """End every unfinished completion of `request` with `reason`, take it off the books and
         wake its consumer. `tell_worker`: the worker may still be running it (an abort)."""
-        if error is not None and request.error is None:
-            request.error = error
         unfinished = [c for c in request.completions if c.finish_reason is None]
+        if error is not None and request.error is None and unfinished:
+            request.error = error  # (a request that already ended, by a stop string say, keeps its result)
         for c in unfinished:
             c.finish_reason = reason
         if unfinished and tell_worker and self._worker is not None:
@@ -293,13 +296,17 @@ class AsyncEngine:
             new_ids, c.pending = c.pending, []
             new_logprobs, c.pending_logprobs = c.pending_logprobs, []
             text = ""
-            if c.detok is not None:
-                c.detok.add(new_ids)
-                if c.detok.stopped and c.finish_reason is None:
-                    # A stop string ended it before the worker knew: finish here, free there.
+            if c.detok is not None and not c.reported:
+                was_stopped = c.detok.stopped
+                taken = c.detok.add(new_ids)
+                if c.detok.stopped and not was_stopped:
+                    # A stop string ended it: its tokens end with the one that completed it,
+                    # whatever else arrived meanwhile (a slow consumer's coalesced delta).
+                    c.num_tokens -= len(new_ids) - taken
+                    new_ids, new_logprobs = new_ids[:taken], new_logprobs[:taken]
+                    if c.finish_reason is None and self._worker is not None:
+                        self._worker.submit(Abort(request, "stop", index))  # finish here, free there
                     c.finish_reason = "stop"
-                    if self._worker is not None:
-                        self._worker.submit(Abort(request, "stop", index))
                     if request.finished:
                         self._retire(request)
                 text = c.detok.take_delta(final=c.finish_reason is not None)
@@ -354,7 +361,7 @@ class AsyncEngine:
                 await wakeup.wait()
                 wakeup.clear()
                 for i, request in enumerate(requests):
-                    out = self._take_delta(request)
+                    out = None if self._done(request) else self._take_delta(request)
                     if out is not None:
                         yield i, out
         finally:

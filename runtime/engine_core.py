@@ -267,37 +267,52 @@ class EngineCore:
         return plan(self.waiting.in_rank_order(self.step_count), running, self.swapped, self.blocks, config,
                     self.step_count, num_idle)
 
-    def _apply(self, p: Plan) -> None:
-        """Carry out the plan's preemptions, swaps and allocations, in that order."""
+    def _apply(self, p: Plan) -> tuple[Plan, list[TokenOutput]]:
+        """Carry out the plan's preemptions, swaps and allocations, in that order; the part of
+        the plan that was carried out. A sequence whose part fails (a copy of its blocks) fails
+        its request; the rest of the plan then waits for the next step, where it is planned
+        again from what did happen. A fatal device error raises (EngineDead)."""
         swap_out = {id(s) for s in p.swap_out}
-        preempted = {id(s) for s in p.preempt}
-        if preempted:
-            self.running = [s for s in self.running if id(s) not in preempted]
-        for seq in p.preempt:
-            seq.num_preemptions += 1
-            self.num_preemptions += 1
-            if id(seq) in swap_out:
-                swap_blocks(self.kv, self.cpu_kv, self.blocks.swap_out(seq))
-                seq.status = SequenceStatus.SWAPPED
-                self.swapped.append(seq)
-            else:
-                self.blocks.free(seq)
-                seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
-                seq.status = SequenceStatus.WAITING
-                self.waiting.add(seq)
-        for seq in p.swap_in:
-            swap_blocks(self.cpu_kv, self.kv, self.blocks.swap_in(seq))
-            self.swapped.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        for seq, n in p.chunks:
-            if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
+        done: list = []
+        try:
+            for seq in p.preempt:
+                done.append(seq)
+                self.running.remove(seq)
+                seq.num_preemptions += 1
+                self.num_preemptions += 1
+                if id(seq) in swap_out:
+                    seq.status = SequenceStatus.SWAPPED
+                    self.swapped.append(seq)
+                    swap_blocks(self.kv, self.cpu_kv, self.blocks.swap_out(seq))
+                else:
+                    self.blocks.free(seq)
+                    seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
+                    seq.status = SequenceStatus.WAITING
+                    self.waiting.add(seq)
+            for seq in p.swap_in:
+                done.append(seq)
+                self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                if seq.scheduled_at is None:
-                    seq.scheduled_at = time.monotonic()
-            copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
+                swap_blocks(self.cpu_kv, self.kv, self.blocks.swap_in(seq))
+            chunks = []
+            for seq, n in p.chunks:
+                done.append(seq)
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.append(seq)
+                    if seq.scheduled_at is None:
+                        seq.scheduled_at = time.monotonic()
+                copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
+                chunks.append((seq, n))
+        except Exception as exc:  # noqa: BLE001 - contained: the sequence it happened to fails
+            if classify(exc) is Fault.FATAL:
+                raise EngineDead(f"the device failed: {exc!r}") from exc
+            log.warning("preparing a step failed at sequence %d (%r): failing its request", done[-1].seq_id, exc)
+            return Plan((), (), (), ()), self._fail(done[-1], RequestFailed.because(
+                "internal error while preparing this request's step", exc))
+        return p, []
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
@@ -314,8 +329,8 @@ class EngineCore:
             # the previous step's samplers hold a PENDING token; the flag says if any of them
             # has penalties, known when it was launched: no scan of the batch here.)
             outputs, previous = self._resolve(previous), None
-        p = self.plan()
-        self._apply(p)
+        p, outputs_failed = self._apply(self.plan())
+        outputs += outputs_failed
         self.step_count += 1
         clock = self._phase("schedule", clock)
         if p.chunks:
@@ -341,12 +356,14 @@ class EngineCore:
             raise EngineDead(f"the device failed: {exc!r}") from exc
         if previous is not None:
             previous.transfer.wait()  # (its tokens are still read below: it ran before the failure)
+        if kind is Fault.OUT_OF_MEMORY and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the allocator's cached, fragmented blocks go first
         seqs = [seq for seq, _ in p.chunks]
-        culprits = self.isolation.failed(seqs, p.num_tokens, exc, kind)
+        culprit = self.isolation.failed(seqs, p.num_tokens, exc, kind)
         log.warning("a step of %d tokens over %d sequences failed (%r): %s", p.num_tokens, len(seqs), exc,
-                    "failing the request it belongs to" if culprits else
+                    "failing the request it belongs to" if culprit else
                     f"retrying its sequences in smaller steps (token budget {self.isolation.step_budget()})")
-        return [out for seq, error in culprits for out in self._fail(seq, error)]
+        return [] if culprit is None else self._fail(*culprit)
 
     def _launch(self, p: Plan, previous: InFlightStep | None, clock: float) -> InFlightStep:
         """Build the batch, queue the forward and the sampling, and start copying the results
@@ -469,7 +486,8 @@ class EngineCore:
             try:
                 done = self._extend_prompt_logprobs(entry, chosen, top_ids, top_values)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping: it fails alone
-                outputs += self._fail(entry.seq, self._internal_error(exc))
+                outputs += self._fail(entry.seq, RequestFailed.because("internal error while running this request",
+                                                                       exc))
                 continue
             if done is not None:
                 prompt_done[entry.seq.seq_id] = done
@@ -532,12 +550,6 @@ class EngineCore:
             return "length"
         return None
 
-    @staticmethod
-    def _internal_error(exc: Exception) -> RequestFailed:
-        failure = RequestFailed(f"internal error while running this request: {exc!r}")
-        failure.__cause__ = exc
-        return failure
-
     def _fail(self, seq: Sequence, error: Exception) -> list[TokenOutput]:
         """Fail `seq`'s whole request with `error`: every completion ends ("error"), its blocks
         are freed; one output per completion that was still unfinished."""
@@ -551,13 +563,14 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """The one way a sequence ends: out of its queue, blocks freed, its request forgotten
-        once all its completions have ended."""
-        if seq.status is SequenceStatus.RUNNING:
+        once all its completions have ended. (`_apply` keeps a sequence's status and queue in
+        step even when it fails half way.)"""
+        if seq.status is SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.discard(seq)
-        elif seq.status is SequenceStatus.SWAPPED:
+        elif seq.status is SequenceStatus.SWAPPED and seq in self.swapped:
             self.swapped.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.discard(seq)  # (a completion not yet forked off was never queued)
         self.blocks.free(seq)
         while seq.token_ids and seq.token_ids[-1] == PENDING:  # sampled by a step still in flight
             seq.token_ids.pop()

@@ -3,8 +3,8 @@
 A step runs many requests' work at once, so an exception in it names no culprit. Rather than
 fail them all, the step loop narrows it down: the failed step's sequences are split in two and
 each half runs alone; a half that fails again is split again, a half that passes goes on as
-usual. A failure that follows one sequence down to a step of its own belongs to that request,
-which fails alone; a failure that does not come back was transient, and nobody fails.
+usual. A failure that follows one sequence down to a step of its own, twice, belongs to that
+request, which fails alone; a failure that does not come back was transient, and nobody fails.
 
 Running out of memory is a failure of size rather than of a request, so it also halves the
 step's token budget (a long prompt then prefills in smaller chunks); a single sequence that
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from typing import Sequence as Seq
+from typing import NamedTuple, Sequence as Seq
 
 import torch
 
@@ -25,7 +25,7 @@ from nanoinfer.errors import RequestError
 from runtime.sequence import Sequence
 
 MIN_CHUNK = 16  # the smallest prefill chunk tried before a request is declared too big to run
-RELAX_AFTER = 32  # successful steps before a halved token budget is doubled again
+RELAX_AFTER = 8  # successful steps before a halved token budget is doubled again
 
 
 class Fault(enum.Enum):
@@ -49,6 +49,17 @@ def classify(exc: BaseException) -> Fault:
 class RequestFailed(Exception):
     """Why one request was failed by the engine while others went on (`__cause__`: the error)."""
 
+    @classmethod
+    def because(cls, what: str, exc: BaseException) -> "RequestFailed":
+        failure = cls(f"{what}: {exc!r}")
+        failure.__cause__ = exc
+        return failure
+
+
+class Suspects(NamedTuple):
+    seqs: list[Sequence]
+    strikes: int  # times this very group failed alone: a lone sequence is blamed at the second
+
 
 class Isolation:
     """The search for the request a failure belongs to (see the module docstring).
@@ -60,7 +71,7 @@ class Isolation:
 
     def __init__(self, max_num_batched_tokens: int):
         self.max_tokens = max_num_batched_tokens
-        self.groups: deque[list[Sequence]] = deque()
+        self.groups: deque[Suspects] = deque()
         self.token_cap: int | None = None
         self._successes = 0
 
@@ -71,7 +82,7 @@ class Isolation:
     def restrict(self, running: Seq[Sequence]) -> list[Sequence]:
         """The running sequences the next step may schedule."""
         while self.groups:
-            group = {id(s) for s in self.groups[0]}
+            group = {id(s) for s in self.groups[0].seqs}
             allowed = [s for s in running if id(s) in group]
             if allowed:
                 return allowed
@@ -82,6 +93,8 @@ class Isolation:
         return self.max_tokens if self.token_cap is None else self.token_cap
 
     def succeeded(self) -> None:
+        # The group is cleared even if the budget let only some of it run: should the culprit
+        # be among the rest, it fails again in a later step and a new search starts there.
         if self.groups:
             self.groups.popleft()
         self._successes += 1
@@ -90,28 +103,29 @@ class Isolation:
             self._successes = 0
 
     def failed(self, seqs: Seq[Sequence], num_tokens: int, exc: BaseException,
-               kind: Fault) -> list[tuple[Sequence, Exception]]:
-        """Record a failed step over `seqs`; the sequences whose requests must fail now, each
-        with the error to report (empty while the search goes on)."""
+               kind: Fault) -> tuple[Sequence, Exception] | None:
+        """Record a failed step over `seqs`: the sequence whose request must fail now, with the
+        error to report, or None while the search goes on."""
         self._successes = 0
-        if self.groups and {id(s) for s in seqs} <= {id(s) for s in self.groups[0]}:
-            self.groups.popleft()  # this group failed: its halves replace it
-        if kind is Fault.OUT_OF_MEMORY:
-            if len(seqs) == 1 and num_tokens <= MIN_CHUNK:
-                seq = seqs[0]
-                return [(seq, RequestError(
+        strikes = 0
+        if self.groups and {id(s) for s in seqs} <= {id(s) for s in self.groups[0].seqs}:
+            strikes = self.groups.popleft().strikes  # this group failed: its halves replace it
+        if kind is Fault.OUT_OF_MEMORY and num_tokens > MIN_CHUNK:
+            self.token_cap = max(min(MIN_CHUNK, self.max_tokens), min(num_tokens, self.step_budget()) // 2)
+        elif len(seqs) == 1 and strikes >= 1:
+            seq = seqs[0]
+            if kind is Fault.OUT_OF_MEMORY:
+                return seq, RequestError(
                     f"out of memory running this request (a step of {num_tokens} tokens at context "
                     f"{seq.num_computed_tokens + num_tokens}): it cannot run on this server; use a shorter "
-                    f"prompt or fewer tokens", param="prompt"))]
-            self.token_cap = max(MIN_CHUNK, min(num_tokens, self.step_budget()) // 2)
-            if len(seqs) == 1:
-                self.groups.appendleft(list(seqs))  # the same sequence again, in smaller chunks
-                return []
-        elif len(seqs) == 1:
-            failure = RequestFailed(f"internal error while running this request: {exc!r}")
-            failure.__cause__ = exc
-            return [(seqs[0], failure)]
+                    f"prompt or fewer tokens", param="prompt")
+            return seq, RequestFailed.because("internal error while running this request", exc)
+        if len(seqs) == 1:
+            # Alone again (in smaller chunks after an OOM): a second failure here is its own.
+            self.groups.appendleft(Suspects(list(seqs), strikes + (kind is not Fault.OUT_OF_MEMORY
+                                                                   or num_tokens <= MIN_CHUNK)))
+            return None
         half = len(seqs) // 2
-        self.groups.appendleft(list(seqs[half:]))
-        self.groups.appendleft(list(seqs[:half]))
-        return []
+        self.groups.appendleft(Suspects(list(seqs[half:]), 0))
+        self.groups.appendleft(Suspects(list(seqs[:half]), 0))
+        return None

@@ -63,7 +63,7 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    logits_rows = max(len(lens), min(tokens, PROMPT_LOGPROB_ROWS))
+    logits_rows = min(tokens, len(lens) + PROMPT_LOGPROB_ROWS)  # every sampler, and the prompt-logprob rows
     scratch = allocate_kv_pool(cfg, 1, bs, model.params.dtype, dev)
     batch = Batch(torch.zeros(tokens, dtype=torch.int64, device=dev),
                   torch.cat([torch.arange(n, device=dev) for n in lens]),

@@ -28,9 +28,8 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     `model` is a short name (default: smollm2-135m-instruct), an HF directory or a .gguf
-    path; `engine_args` are block_size, num_blocks, kv_cache_memory, swap_space,
-    max_model_len, max_num_seqs, max_num_batched_tokens, scheduling_policy,
-    preemption_mode, aging_steps.
+    path; `engine_args` are the settings of EngineConfig and SchedulerConfig (see
+    `runtime.engine.engine_config`; an unknown name is a RequestError listing them).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",

@@ -21,9 +21,10 @@ class _EngineCollector:
 
     def collect(self):
         s = self.engine.stats()
-        gauges = [("nanoinfer_requests_running", "Requests holding KV blocks", s["running"]),
-                  ("nanoinfer_requests_waiting", "Requests queued for their first step", s["waiting"]),
-                  ("nanoinfer_requests_swapped", "Requests preempted to host memory", s["swapped"]),
+        # (as vLLM's num_requests_*, these count sequences: a request with n completions counts n)
+        gauges = [("nanoinfer_requests_running", "Sequences holding KV blocks", s["running"]),
+                  ("nanoinfer_requests_waiting", "Sequences queued for a step", s["waiting"]),
+                  ("nanoinfer_requests_swapped", "Sequences preempted to host memory", s["swapped"]),
                   ("nanoinfer_kv_blocks_used", "KV cache blocks in use", s["total_blocks"] - s["free_blocks"]),
                   ("nanoinfer_kv_blocks_total", "KV cache blocks in the pool", s["total_blocks"]),
                   ("nanoinfer_healthy", "1 while the engine is healthy", int(s["healthy"]))]

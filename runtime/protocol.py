@@ -9,7 +9,7 @@ working.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import msgspec
 
@@ -60,6 +60,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    prompt_logprobs: Any = None  # (the engine has them; the API's shape for them does not exist yet)
+    use_beam_search: Any = None
+    verbosity: Any = None
     # Harmless: accepted, no effect on the output.
     store: Any = None
     metadata: Any = None
@@ -68,23 +71,22 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 def _has_effect(name: str, value: Any, req) -> bool:
-    """Whether an unsupported field's value asks for something (defaults and no-ops pass)."""
-    if value is None or value is False:
+    """Whether an unsupported field's value asks for something (absent, empty, "none" and the
+    values that mean the default pass)."""
+    if value in (None, False, "", "none", [], {}):
         return False
     if name == "response_format":
         return not (isinstance(value, dict) and value.get("type") == "text")
-    if name == "tool_choice":
-        return value != "none"
-    if name in ("tools", "functions"):
-        return bool(value)
     if name == "best_of":
         return value != req.n
     if name == "modalities":
         return value != ["text"]
+    if name == "verbosity":
+        return value != "medium"
     return True
 
 
-UNSUPPORTED = ("echo", "response_format", "tools", "tool_choice", "functions", "function_call", "best_of", "suffix", "audio",
+UNSUPPORTED = ("echo", "prompt_logprobs", "use_beam_search", "verbosity", "response_format", "tools", "tool_choice", "functions", "function_call", "best_of", "suffix", "audio",
                "modalities", "prediction", "reasoning_effort", "web_search_options", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar")
 
@@ -234,5 +236,3 @@ class ErrorBody(msgspec.Struct):
 class ErrorResponse(msgspec.Struct):
     error: ErrorBody
 
-
-ErrorType = Literal["invalid_request_error", "authentication_error", "server_error", "overloaded_error"]

@@ -6,8 +6,9 @@ serving: a bad request is a 4xx naming the field, a request the engine fails end
 500 or, mid-stream, an SSE `error` event then `[DONE]`), and only a dead device makes it 503.
 A client that disconnects, streaming or not, aborts its requests.
 
-The mapping between OpenAI's requests and the engine's SamplingParams and outputs lives in
-runtime/protocol.py; this file is the HTTP side: reading, checking, routing, streaming.
+The API's types are in runtime/protocol.py and their mapping to the engine's SamplingParams
+and outputs in runtime/api_mapping.py; this file is the HTTP side: reading, checking,
+routing, streaming.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from runtime.metrics import ServerMetrics
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+MAX_UNKNOWN_FIELDS_LOGGED = 100
 
 
 class HTTPError(Exception):
@@ -65,10 +67,6 @@ class HTTPError(Exception):
 def _error_response(err: HTTPError) -> Response:
     return Response(_encode(api.ErrorResponse(err.body)), err.status, headers=err.headers,
                     media_type="application/json")
-
-
-def _sse(item) -> bytes:
-    return b"data: " + _encode(item) + b"\n\n"
 
 
 def _sse_error(err: HTTPError) -> bytes:
@@ -140,6 +138,8 @@ class _Server:
         if not isinstance(raw, dict):
             raise HTTPError(400, f"the body must be a JSON object, got {type(raw).__name__}")
         for name in set(raw) - api.known_fields(type_) - self._unknown_fields_logged:
+            if len(self._unknown_fields_logged) >= MAX_UNKNOWN_FIELDS_LOGGED:
+                break  # (clients choose these names: the set, and the log, must stay bounded)
             self._unknown_fields_logged.add(name)
             log.warning("ignoring unknown request field %r (logged once)", name)
         try:
@@ -147,7 +147,7 @@ class _Server:
         except msgspec.ValidationError as exc:
             raise HTTPError(400, f"invalid request: {exc}", param=param_of(str(exc))) from exc
         if req.model is not None and req.model != self.model_name:
-            raise HTTPError(400, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
+            raise HTTPError(404, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
                             param="model", code="model_not_found")
         if (name := api.unsupported(req)) is not None:
             raise HTTPError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
@@ -155,7 +155,7 @@ class _Server:
             raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {self.max_n}", param="n")
         return req
 
-    def submit_all(self, prompts: Sequence, params) -> list[RequestHandle]:
+    def submit_all(self, rid: str, prompts: Sequence, params) -> list[RequestHandle]:
         """Submit every prompt now so that a bad one is a 400, not a broken stream."""
         wanted = len(prompts) * params.n
         if wanted > self.max_pending:
@@ -166,8 +166,9 @@ class _Server:
                             type_="overloaded_error", headers={"Retry-After": "1"})
         handles = []
         try:
-            for prompt in prompts:
-                handles.append(self.engine.submit(prompt, params))
+            for i, prompt in enumerate(prompts):
+                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                handles.append(self.engine.submit(prompt, params, request_id=request_id))
         except BaseException:
             for handle in handles:
                 self.engine.release(handle)
@@ -177,20 +178,27 @@ class _Server:
     # -- running ---------------------------------------------------------------------------
 
     async def collect(self, request: Request, handles: list[RequestHandle]):
-        """Every prompt's whole output; aborts them all if the client leaves first (an HTTPError
-        for no one: the response goes nowhere)."""
-        work = asyncio.ensure_future(asyncio.gather(*(self.engine.collect(h) for h in handles)))
+        """Every prompt's whole output. If one prompt fails, or the client leaves, the others
+        are aborted (cancelling a collect() aborts its request): no work for a dead response."""
+        work = [asyncio.ensure_future(self.engine.collect(h)) for h in handles]
         watch = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+            pending = {*work, watch}
+            while not watch.done() and not all(t.done() for t in work):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(t.exception() is not None for t in done if t is not watch):
+                    break  # one prompt failed: the response is an error, the rest is wasted work
         finally:
             watch.cancel()
-            if not work.done():
-                work.cancel()  # each collect() aborts its request
-                await asyncio.gather(work, return_exceptions=True)
-        if work.cancelled():
+            for task in work:
+                task.cancel()
+            await asyncio.gather(*work, return_exceptions=True)
+        failed = next((t.exception() for t in work if not t.cancelled() and t.exception()), None)
+        if failed is not None:
+            raise failed
+        if any(t.cancelled() for t in work):
             raise HTTPError(499, "the client closed the connection", code="client_closed_request")
-        return work.result()
+        return [t.result() for t in work]
 
     def finished(self, rid: str, handles: list[RequestHandle], status: int) -> None:
         """One log line and the metrics of a finished HTTP request."""
@@ -208,7 +216,7 @@ class _Server:
         """SSE of the renderer's chunks, then `[DONE]`. A request the engine fails ends the
         stream with an `error` event first."""
         async def events():
-            status = 200
+            status = 499  # until it ends: a client that leaves mid-stream closes it here
             try:
                 for chunk in out.start():
                     yield chunk
@@ -217,6 +225,7 @@ class _Server:
                         yield chunk
                 for chunk in out.end():
                     yield chunk
+                status = 200
             except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
                 err = HTTPError.of(exc, self.engine.healthy)
                 status = err.status
@@ -234,8 +243,9 @@ class _Server:
         req = await self.read(request, api.CompletionRequest)
         prompts = completion_prompts(req)
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, completion_logprobs(req))
-        handles = self.submit_all(prompts, params)
-        out = CompletionRenderer(self.model_name, handles, req, self.engine.tokenizer)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        handles = self.submit_all(rid, prompts, params)
+        out = CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)
         return await self.answer(request, req, handles, out)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -243,12 +253,14 @@ class _Server:
         messages = chat_messages(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, chat_logprobs(req))
-        handles = self.submit_all([messages], params)
-        out = ChatRenderer(self.model_name, handles, req, self.engine.tokenizer)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        handles = self.submit_all(rid, [messages], params)
+        out = ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)
         return await self.answer(request, req, handles, out)
 
     async def answer(self, request: Request, req, handles: list[RequestHandle], out) -> Response:
         """The SSE stream, or the whole response once every prompt is done."""
+        request.state.logged = True  # `finished` writes this request's line
         if req.stream:
             return self.stream(out.id, handles, out)
         status = 500
@@ -294,6 +306,8 @@ class _Server:
                 err = HTTPError.of(exc, self.engine.healthy)
                 if err.status == 500:
                     log.exception("error serving %s", request.url.path)
+                elif not getattr(request.state, "logged", False):  # (refused before any work: its one line)
+                    log.info("%s %s: %d, %s", request.method, request.url.path, err.status, err.body.message)
                 return _error_response(err)
         return endpoint
 

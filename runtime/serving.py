@@ -11,7 +11,7 @@ import asyncio
 import errno
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import h11
 import uvicorn
@@ -32,17 +32,18 @@ class ServerConfig:
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*", optional=True)
     served_model_name: str | None = setting(None, "the model id clients use (default: the model's short name or "
                                                   "file stem)", optional=True)
-    cors_origin: tuple[str, ...] = field(default=(), metadata={})  # (a repeatable flag, added by the CLI)
-    max_pending: int = setting(1024, "sequences (prompts x n) queued at once before new requests get 503",
-                               minimum=1)
+    cors_origin: tuple[str, ...] = setting((), "allow this origin (repeatable; CORS is off without it)",
+                                           repeated=True)
+    max_pending: int = setting(1024, "sequences (prompts x n) in flight, waiting or running, before new "
+                                     "requests get 503", minimum=1)
     max_n: int = setting(16, "largest n (completions per prompt) a request may ask for", minimum=1, maximum=128)
     max_body_bytes: int = setting(1 << 20, "largest request body", minimum=1, size=True)
     log_level: str = setting("info", "info: a line per request and a throughput line; warning: quiet",
                              choices=LOG_LEVELS)
     timeout_keep_alive: int = setting(5, "seconds an idle keep-alive connection stays open", minimum=1)
     timeout_headers: float = setting(10.0, "seconds a client may take to send a request's headers", above=0)
-    max_header_bytes: int = setting(16384, "largest request head (line and headers) held while it arrives", minimum=1024,
-                                    size=True)
+    max_header_bytes: int = setting(16384, "largest request head (line and headers) held while it arrives",
+                                    minimum=1024, size=True)
 
     def __post_init__(self):
         check_settings(self)

@@ -85,6 +85,26 @@ class Worker:
         self.commands.put(command)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - a bug in the loop itself: fail loudly, never hang
+            log.exception("the engine's step loop failed; the engine is dead")
+            self.fatal = exc
+            try:
+                events = [_event(out) for out in self.core.fail_all(exc)]
+            except Exception:  # noqa: BLE001 - the books are beyond repair: report nothing more
+                events = []
+            self.deliver(StepReport(tuple(events), self.core.stats(), exc))
+            self._refuse_until_stopped()
+
+    def _refuse_until_stopped(self) -> None:
+        """After a fatal error: fail every new request at once, until stop()."""
+        while not isinstance(command := self.commands.get(), _Stop):
+            if isinstance(command, Submit):
+                self.deliver(StepReport((TokenEvent(command.request, 0, None, "error", error=self.fatal),),
+                                        self.core.stats(), self.fatal))
+
+    def _loop(self) -> None:
         while True:
             # Block for a command only when there is nothing to compute.
             block = not self.core.has_unfinished()
@@ -134,6 +154,4 @@ class Worker:
 
     @staticmethod
     def _unplaced(exc: Exception) -> RequestFailed:
-        failure = RequestFailed(f"the engine step failed outside any one request: {exc!r}")
-        failure.__cause__ = exc
-        return failure
+        return RequestFailed.because("the engine step failed outside any one request", exc)

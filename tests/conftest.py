@@ -31,3 +31,19 @@ def live_server(tiny_chat_model):
 
     with LiveServer(tiny_chat_model) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def poisoned_server(tiny_chat_model):
+    """The live server over the tiny chat model with one token's embedding set to NaN (any
+    prompt holding tests.test_faults.POISON makes non-finite logits)."""
+    import dataclasses
+
+    from tests.live_server import LiveServer
+    from tests.test_faults import POISON
+
+    embed = tiny_chat_model.params.embed.clone()
+    embed[POISON] = float("nan")
+    model = dataclasses.replace(tiny_chat_model, params=dataclasses.replace(tiny_chat_model.params, embed=embed))
+    with LiveServer(model) as server:
+        yield server

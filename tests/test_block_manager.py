@@ -12,7 +12,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanoinfer.sampling import SamplingParams
-from runtime.block_manager import BlockManager
+from runtime.block_manager import BlockManager, PoolExhausted
 from runtime.sequence import Sequence
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS = 12, 4, 8
@@ -87,7 +87,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.blocks.blocks_needed(seq, new) == need
         assert self.blocks.can_append(seq, new) == (need <= free_before)
         if need > free_before:
-            with pytest.raises(MemoryError):
+            with pytest.raises(PoolExhausted):
                 self.blocks.append_slots(seq, new)
             assert self.blocks.num_free_blocks == free_before and seq.block_table == table_before
             return
@@ -157,7 +157,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         fits = len(held) <= cpu_free_before
         assert self.blocks.can_swap_out(seq) == fits
         if not fits:
-            with pytest.raises(MemoryError):
+            with pytest.raises(PoolExhausted):
                 self.blocks.swap_out(seq)
             assert seq.block_table == held and seq.cpu_block_table == []
             return
@@ -182,7 +182,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         fits = len(held) <= free_before
         assert self.blocks.can_swap_in(seq) == fits
         if not fits:
-            with pytest.raises(MemoryError):
+            with pytest.raises(PoolExhausted):
                 self.blocks.swap_in(seq)
             assert seq.cpu_block_table == held and seq.block_table == []
             return

@@ -261,3 +261,27 @@ def test_the_profiling_step_runs_the_costliest_path():
     from runtime.kv_budget import run_peak_step
 
     run_peak_step(MODEL, engine_config(max_num_batched_tokens=64, max_num_seqs=8), make_engine().core.attention)
+
+
+def test_a_slow_consumer_gets_the_stop_reason_and_no_tokens_past_the_stop(tiny_chat_model):
+    """Review of issue 10: when the worker's last token arrived in the same coalesced delta as
+    the stop string's match, the stream ended with "length" and every token past the stop."""
+    greedy_16 = dict(temperature=0, max_tokens=16, ignore_eos=True)
+
+    async def go():
+        async with AsyncEngine(tiny_chat_model, engine_config(block_size=16, num_blocks=256)) as engine:
+            base = await engine.generate("The sea", SamplingParams(**greedy_16))
+            stop = base.text[3:7]
+            params = SamplingParams(**greedy_16, stop=[stop])
+            fast = await engine.generate("The sea", params)
+            items = []
+            async for out in engine.stream("The sea", params):
+                items.append(out)
+                await asyncio.sleep(0.3)  # the worker finishes all 16 tokens meanwhile
+            return base, stop, fast, items
+    base, stop, fast, items = asyncio.run(go())
+    assert fast.finish_reason == "stop" and fast.text == base.text[:base.text.index(stop)]
+    assert len(fast.token_ids) < 16
+    assert items[-1].finish_reason == "stop"
+    assert "".join(o.text for o in items) == fast.text
+    assert sum((list(o.token_ids) for o in items), []) == list(fast.token_ids)

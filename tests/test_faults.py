@@ -257,18 +257,6 @@ def test_closing_a_stream_aborts_at_once_and_frees_its_id():
 # -- through the HTTP server -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def poisoned_server(tiny_chat_model):
-    """The live server over the tiny chat model with one token's embedding set to NaN."""
-    from tests.live_server import LiveServer
-
-    embed = tiny_chat_model.params.embed.clone()
-    embed[POISON] = float("nan")
-    model = dataclasses.replace(tiny_chat_model, params=dataclasses.replace(tiny_chat_model.params, embed=embed))
-    with LiveServer(model) as server:
-        yield server
-
-
 def sse_events(response) -> list[tuple[str | None, str]]:
     """(event name, data) of each server-sent event."""
     events, name = [], None
@@ -340,3 +328,53 @@ def test_a_request_that_cannot_fit_in_memory_is_a_400(poisoned_server, monkeypat
     assert r.status_code == 400 and "out of memory" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "prompt"
     assert httpx.post(url, json={"prompt": [3, 4], "max_tokens": 4}, timeout=30).status_code == 200
+
+
+def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
+    """A failure is pinned on a request only when it comes back with that request alone."""
+    real_forward, calls = engine_core.forward, {"n": 0}
+
+    def forward(params, kv, batch, *args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("a one-off glitch")
+        return real_forward(params, kv, batch, *args)
+
+    monkeypatch.setattr(engine_core, "forward", forward)
+
+    async def go():
+        async with make_engine() as engine:
+            return await engine.generate(PROMPTS[0], params(0))
+    assert asyncio.run(go()).finish_reason == "length"
+
+
+def test_a_failure_while_preparing_a_step_fails_that_request_and_the_loop_lives_on(monkeypatch, undisturbed):
+    """Review of issue 10: a swap that raised killed the worker thread (every request hung)."""
+    real_swap, calls = engine_core.swap_blocks, {"n": 0}
+
+    def swap_blocks(src, dst, copies):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("the copy engine hiccuped")
+        return real_swap(src, dst, copies)
+
+    monkeypatch.setattr(engine_core, "swap_blocks", swap_blocks)
+
+    async def go():
+        async with make_engine(num_blocks=24, preemption_mode="swap", swap_space=1 << 22) as engine:
+            results = await asyncio.wait_for(run_all(engine, [(p, params(i)) for i, p in enumerate(PROMPTS)]), 60)
+            return results, await idle_stats(engine), engine.healthy
+    results, stats, healthy = asyncio.run(go())
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert calls["n"] > 1 and len(failed) == 1 and "preparing this request's step" in str(results[failed[0]])
+    check_others(results, undisturbed, culprit=failed[0])
+    assert healthy
+
+
+def test_the_token_cap_never_exceeds_the_budget():
+    from runtime.faults import Fault, Isolation
+
+    isolation = Isolation(8)
+    seqs = [engine_core.Sequence(i, [1, 2], SamplingParams(), 10) for i in range(2)]
+    isolation.failed(seqs, 8, torch.OutOfMemoryError("x"), Fault.OUT_OF_MEMORY)
+    assert isolation.step_budget() <= 8

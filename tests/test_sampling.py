@@ -213,9 +213,10 @@ def test_top_p_one_filters_nothing_beside_top_k():
 @pytest.mark.parametrize("field,value,expected", [
     ("top_p", 1e-50, r"\(0, 1\]"),  # 0 in float32, the sampler's precision
     ("top_p", float("nan"), r"\(0, 1\]"),
-    ("repetition_penalty", 1e-50, "> 0"),  # 0 in float32: logits / 0
-    ("repetition_penalty", float("inf"), "> 0"),
-    ("repetition_penalty", 1e39, "> 0"),  # finite in float64, inf in float32
+    ("repetition_penalty", 1e-50, r"\[0.01, 100\]"),  # 0 in float32: logits / 0
+    ("repetition_penalty", 1e-40, r"\[0.01, 100\]"),  # subnormal in float32: logits / r overflows
+    ("repetition_penalty", float("inf"), r"\[0.01, 100\]"),
+    ("repetition_penalty", 1e39, r"\[0.01, 100\]"),  # finite in float64, inf in float32
     ("temperature", float("inf"), ">= 0"),
     ("temperature", 1e39, ">= 0"),
     ("temperature", float("nan"), ">= 0"),

@@ -102,7 +102,7 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": [1, "a"]}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": [10**9]}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"max_tokens": 5}).encode(), 400, "prompt"),
-    ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 400, "model"),
+    ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-9"}).encode(), 404, "model"),
     ("/v1/completions", json.dumps({"prompt": "word " * 3000}).encode(), 400, "prompt"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400,
      "messages"),
@@ -331,3 +331,13 @@ def test_slow_and_oversized_request_heads_are_cut_off(tiny_chat_model):
             big.sendall(b"\r\n\r\n")
             assert big.recv(1024).startswith(b"HTTP/1.1 400")
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_failed_prompt_aborts_its_siblings(poisoned_server):
+    """Review of issue 10: the other prompts of a failed non-streaming request kept generating."""
+    from tests.test_faults import POISON
+
+    r = httpx.post(poisoned_server.url + "/v1/completions",
+                   json={"prompt": [[POISON, 1, 2], [3, 4, 5]], "max_tokens": 1500, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 500
+    assert wait_drained(poisoned_server.url, timeout=2.0), "the healthy sibling is still generating"
