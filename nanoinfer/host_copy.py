@@ -12,11 +12,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
+          torch.bool: np.bool_}
+
 
 def to_device_packed(arrays, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
     """Several host arrays of one dtype as tensors on `device`, in one copy: concatenated
     into one buffer, moved, and split back into views of their shapes. (Each copy costs a
     pinned staging and a launch, ~30 µs of host time: a decode step at batch 1 has a dozen.)"""
+    if torch.device(device).type == "cpu":  # (nothing to pack: no copy to save)
+        return [torch.from_numpy(np.asarray(a, dtype=_NUMPY[dtype])) for a in arrays]
     arrays = [np.asarray(a) for a in arrays]
     # Each view starts at a multiple of 16 elements: Triton specializes kernels on 16-byte
     # pointer alignment, and views at arbitrary offsets would compile (and run) other variants.

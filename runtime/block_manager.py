@@ -98,6 +98,16 @@ class BlockManager:
         missing = max(0, self.blocks_for(num_tokens) - len(seq.block_table))
         return missing + len(self._shared_in_write_range(seq, num_tokens, dropped))
 
+    def needs_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `append_slots(seq, num_tokens)` has anything to do (most decode steps: no)."""
+        table, bs = seq.block_table, self.block_size
+        if len(table) * bs < num_tokens:
+            return True
+        refs, first, last = self.device.ref_counts, seq.num_computed_tokens // bs, -(-num_tokens // bs)
+        if last - first == 1:  # (a decode: one block to check)
+            return refs[table[first]] > 1
+        return any(refs[table[i]] > 1 for i in range(first, last))
+
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 

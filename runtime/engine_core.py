@@ -1,66 +1,36 @@
-"""EngineCore: the step (plan, apply, batch, forward, sample, resolve).
+"""EngineCore: the requests — queues, the plan and how it is applied, forks, finishing.
 
-One instance is driven by one thread (the worker). It knows tokens, not text: detokenization
-and stop strings happen on the consumer side, which calls `abort` when a stop string ends a
-request early. On CUDA a step launches its work and returns the tokens of the step before
-(async scheduling, runtime/inflight.py), so host work overlaps the device's.
+One instance is driven by one thread (the worker). It decides each step's work and hands it
+to the ModelRunner (runtime/model_runner.py), which owns everything on the device. It knows
+tokens, not text: detokenization and stop strings happen on the consumer side, which calls
+`abort_request` when a stop string ends a request early. On CUDA a step launches its work and
+returns the tokens of the step before (async scheduling, runtime/inflight.py), so host work
+overlaps the device's. A failed step is contained (runtime/faults.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 import time
-from dataclasses import dataclass
 from typing import Hashable, NamedTuple, Sequence as Seq
 
 import torch
 
-from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.host_copy import to_device, to_device_packed
-from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.loaders.hub import cache_dir
-from nanoinfer.model import EAGER, compiled_layer_functions, forward
-from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
-from nanoinfer.settings import check_settings, setting
+from nanoinfer.sampling import SamplingParams
 from runtime.block_manager import BlockManager
+from runtime.engine_config import EngineConfig
 from runtime.faults import Fault, Isolation, RequestFailed, classify
-from runtime.inflight import PENDING, DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
-from runtime.kv_budget import kv_blocks_for_memory
+from runtime.inflight import InFlightStep, PromptLogprobRows
+from runtime.model_runner import Chunk, ModelRunner, StepInput
 from runtime.outputs import TokenLogprob
-from runtime.scheduler import Plan, SchedulerConfig, WaitingQueue, plan
+from runtime.scheduler import Plan, WaitingQueue, decode_plan, plan
 from runtime.sequence import Sequence, SequenceStatus
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = setting(16, "tokens per KV block", minimum=1)
-    num_blocks: int | None = setting(None, "KV blocks in the pool (default: from kv_cache_memory on the CPU, from "
-                                           "free memory on a GPU)", minimum=1, optional=True)
-    kv_cache_memory: int | None = setting(None, "bytes for the KV pool when num_blocks is not given (CPU default: "
-                                                "1GiB)", minimum=1, optional=True, size=True)
-    swap_space: int = setting(0, "bytes of host memory for swapped-out KV blocks (preemption_mode swap)", minimum=0,
-                              size=True)
-    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's context length)",
-                                        minimum=1, optional=True)
-    gpu_memory_utilization: float = setting(0.9, "share of the GPU the weights, activations and KV pool may use",
-                                            above=0, maximum=1)
-    enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
-    nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
-    async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
-                                                  "CUDA)", optional=True)
-    scheduler: SchedulerConfig = SchedulerConfig()
-
-    def __post_init__(self):
-        check_settings(self)
-        if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
-            raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
-                               param="swap_space")
-
+__all__ = ["EngineConfig", "EngineCore", "EngineDead", "TokenOutput"]
 
 log = logging.getLogger("nanoinfer.engine")
 
@@ -87,36 +57,8 @@ class EngineCore:
         cfg = model.config
         self.device = model.params.device
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        dtype = model.params.dtype
-        per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
-        num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, self.max_model_len, per_block,
-                                                               self._attention_backend)
-        num_cpu_blocks = config.swap_space // per_block
-        self.kv = allocate_kv_pool(cfg, num_blocks, config.block_size, dtype, self.device)
-        # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
-        self.cpu_kv = allocate_kv_pool(cfg, num_cpu_blocks, config.block_size, dtype, "cpu")
-        if self.device.type == "cuda" and num_cpu_blocks:
-            self.cpu_kv = self.cpu_kv.pin_memory()
-        self.blocks = BlockManager(num_blocks, config.block_size, num_cpu_blocks)
-        self.attention = self._attention_backend()
-        self.layer_fns, self.graphs = EAGER, None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            from nanoinfer.graphs import DecodeGraphs
-
-            # Keep Inductor's compiled kernels beside the models, so a second start is fast.
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-            from nanoinfer.gemv import linear
-            from nanoinfer.rope_write import rope_and_write
-
-            self.layer_fns = compiled_layer_functions(linear, rope_and_write)
-            self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
-                                       max_batch=min(config.scheduler.max_num_seqs, 512),
-                                       max_blocks=-(-self.max_model_len // config.block_size),
-                                       layer_fns=self.layer_fns,
-                                       # Steps whose contexts fit one split-K partition get graphs
-                                       # whose attention runs in one pass (no reduce kernel).
-                                       widths=(self.attention.partition_size // config.block_size,))
-            self.graphs.capture()
+        self.runner = ModelRunner(model, config, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks)
         self.waiting = WaitingQueue(config.scheduler)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -133,17 +75,6 @@ class EngineCore:
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: InFlightStep | None = None  # launched, results not yet applied
-
-    def _attention_backend(self):
-        """Triton kernels on CUDA; batched torch ops on the CPU. Both are tested against the
-        reference backend, which stays the oracle."""
-        if self.device.type == "cuda":
-            from nanoinfer.attention.triton_paged import TritonPagedAttention
-
-            return TritonPagedAttention(self.model.config, device=self.device)
-        from nanoinfer.attention.torch_paged import TorchPagedAttention
-
-        return TorchPagedAttention(self.config.block_size)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -264,6 +195,8 @@ class EngineCore:
         if self.isolation.active:  # narrowing a failure down: only the suspects run, nothing new starts
             allowed = self.isolation.restrict(running)
             return plan((), allowed, (), self.blocks, config, self.step_count, num_idle + len(running) - len(allowed))
+        if not self.waiting and not self.swapped and (p := decode_plan(running, self.blocks, config)) is not None:
+            return p
         return plan(self.waiting.in_rank_order(self.step_count), running, self.swapped, self.blocks, config,
                     self.step_count, num_idle)
 
@@ -273,44 +206,46 @@ class EngineCore:
         its request; the rest of the plan then waits for the next step, where it is planned
         again from what did happen. A fatal device error raises (EngineDead)."""
         swap_out = {id(s) for s in p.swap_out}
-        done: list = []
+        seq = None  # the one being worked on, when something fails
         try:
             for seq in p.preempt:
-                done.append(seq)
                 self.running.remove(seq)
+                self.runner.remove(seq)
                 seq.num_preemptions += 1
                 self.num_preemptions += 1
                 if id(seq) in swap_out:
                     seq.status = SequenceStatus.SWAPPED
                     self.swapped.append(seq)
-                    swap_blocks(self.kv, self.cpu_kv, self.blocks.swap_out(seq))
+                    self.runner.swap_out(self.blocks.swap_out(seq))
                 else:
                     self.blocks.free(seq)
                     seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
                     seq.status = SequenceStatus.WAITING
                     self.waiting.add(seq)
             for seq in p.swap_in:
-                done.append(seq)
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                swap_blocks(self.cpu_kv, self.kv, self.blocks.swap_in(seq))
-            chunks = []
+                self.runner.swap_in(self.blocks.swap_in(seq))
+                self.runner.add(seq)
+            blocks, runner, rows = self.blocks, self.runner, self.runner.batch.row_of  # (every sequence, every step)
             for seq, n in p.chunks:
-                done.append(seq)
                 if seq.status is SequenceStatus.WAITING:
                     self.waiting.remove(seq)
                     seq.status = SequenceStatus.RUNNING
                     self.running.append(seq)
                     if seq.scheduled_at is None:
                         seq.scheduled_at = time.monotonic()
-                copy_blocks(self.kv, self.blocks.append_slots(seq, seq.num_computed_tokens + n))
-                chunks.append((seq, n))
+                if blocks.needs_slots(seq, seq.num_computed_tokens + n):
+                    runner.copy_blocks(blocks.append_slots(seq, seq.num_computed_tokens + n))
+                    runner.table_changed(seq)
+                if seq.seq_id not in rows:
+                    runner.add(seq)
         except Exception as exc:  # noqa: BLE001 - contained: the sequence it happened to fails
             if classify(exc) is Fault.FATAL:
                 raise EngineDead(f"the device failed: {exc!r}") from exc
-            log.warning("preparing a step failed at sequence %d (%r): failing its request", done[-1].seq_id, exc)
-            return Plan((), (), (), ()), self._fail(done[-1], RequestFailed.because(
+            log.warning("preparing a step failed at sequence %d (%r): failing its request", seq.seq_id, exc)
+            return Plan((), (), (), ()), self._fail(seq, RequestFailed.because(
                 "internal error while preparing this request's step", exc))
         return p, []
 
@@ -322,20 +257,13 @@ class EngineCore:
         fatal device error raises (EngineDead)."""
         clock = time.perf_counter()
         self._nvtx_next("schedule")
-        outputs: list[TokenOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and previous.has_penalties:
-            # Penalties count the previous token on the host: this step cannot overlap. (Only
-            # the previous step's samplers hold a PENDING token; the flag says if any of them
-            # has penalties, known when it was launched: no scan of the batch here.)
-            outputs, previous = self._resolve(previous), None
-        p, outputs_failed = self._apply(self.plan())
-        outputs += outputs_failed
+        p, outputs = self._apply(self.plan())
         self.step_count += 1
         clock = self._phase("schedule", clock)
         if p.chunks:
             try:
-                self._in_flight = self._launch(p, previous, clock)
+                self._in_flight = self._launch(p, clock)
                 self.isolation.succeeded()
             except Exception as exc:  # noqa: BLE001 - contained, see runtime/faults.py
                 outputs += self._launch_failed(p, exc, previous)
@@ -365,99 +293,62 @@ class EngineCore:
                     f"retrying its sequences in smaller steps (token budget {self.isolation.step_budget()})")
         return [] if culprit is None else self._fail(*culprit)
 
-    def _launch(self, p: Plan, previous: InFlightStep | None, clock: float) -> InFlightStep:
-        """Build the batch, queue the forward and the sampling, and start copying the results
-        to the host; returns without waiting for the device. Sequences change only at the end
-        (`_commit`), once nothing can fail: a launch that raises leaves them as planned."""
-        cfg = self.model.config
+    def _launch(self, p: Plan, clock: float) -> InFlightStep:
+        """Decide what the step computes (the rows whose logits are wanted, who samples from
+        which), have the runner launch it, and commit its effect on the sequences. Sequences
+        change only in `_commit`, once nothing can fail: a launch that raises leaves them as
+        planned."""
         chunks, logits_rows, samplers, prompt_rows = [], [], [], []
-        fill_rows, fill_from = [], []  # input rows whose token is the previous step's, still on the device
         row = 0
-        for seq, n in p.chunks:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            chunks.append(SeqChunk(seq.token_ids[start:end], start, seq.block_table, end == seq.num_tokens))
-            if end == seq.num_tokens and seq.token_ids[-1] == PENDING:
-                fill_rows.append(row + n - 1)
-                fill_from.append(seq.seq_id)
+        for seq, n in p.chunks:  # (every sequence, every step: kept lean)
+            start = seq.num_computed_tokens
+            end = start + n
+            chunks.append(Chunk(seq, start, n))
             if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
-                # Row j (position start + j) predicts token start + j + 1 of the prompt.
+                # Row j (position start + j) predicts token start + j + 1 of the prompt; the list
+                # is complete once the chunk reaches the prompt's end, where the sequence samples
+                # its first token: it goes out with that token.
                 last = min(end, seq.num_prompt_tokens - 1)
-                prompt_rows.append((seq, len(logits_rows), start, last, end))
+                prompt_rows.append((seq, len(logits_rows), start, seq.prompt_token_ids[start + 1:last + 1],
+                                    end >= seq.num_prompt_tokens))
                 logits_rows.extend(range(row, row + max(0, last - start)))
             if end == seq.num_tokens:
                 samplers.append((seq, len(logits_rows)))
-                # A finished prefill with pending forks: the n - 1 other completions share its
-                # blocks and sample their first token from the same logits row.
-                samplers.extend((fork, len(logits_rows)) for fork in seq.forks if not fork.is_finished)
+                if seq.forks:
+                    # A finished prefill with pending forks: the n - 1 other completions share
+                    # its blocks and sample their first token from the same logits row.
+                    forks = [fork for fork in seq.forks if not fork.is_finished]
+                    for fork in forks:
+                        self.runner.add(fork)  # (a row, for its own sampling parameters)
+                    samplers.extend((fork, len(logits_rows)) for fork in forks)
                 logits_rows.append(row + n - 1)
             row += n
-        batch = build_batch(chunks, self.config.block_size, self.device, logits_rows)
-        if fill_rows:
-            if previous is None:
-                raise RuntimeError("internal: a pending token to compute but no step in flight")
-            row_of = previous.row_of()
-            src, dst = to_device_packed([[row_of[i] for i in fill_from], fill_rows], torch.int64, self.device)
-            batch.input_ids.index_copy_(0, dst, previous.tokens.index_select(0, src))
         clock = self._phase("batch", clock)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
-        else:
-            logits = forward(self.model.params, self.kv, batch, cfg, self.attention, self.layer_fns)
-        clock = self._phase("forward", clock)
-        sampling_seqs = [seq for seq, _ in samplers]
-        all_logits = logits
-        sample_rows = [r for _, r in samplers]
-        if sample_rows != list(range(logits.shape[0])):  # (a pure decode step needs no gather)
-            logits = logits[to_device(sample_rows, torch.int64, logits.device)]
-        params = [s.params for s in sampling_seqs]
-        # Token histories only for the rows with penalties: those never hold a PENDING token
-        # (`step` resolves the step in flight first), the others may.
-        history = [p.has_penalties for p in params]
-        st = SamplingTensors.build(params, [s.num_output_tokens for s in sampling_seqs], cfg.vocab_size, self.device,
-                                   prompts=[s.prompt_token_ids if h else () for s, h in zip(sampling_seqs, history)]
-                                   if any(history) else (),
-                                   outputs=[s.output_token_ids if h else () for s, h in zip(sampling_seqs, history)]
-                                   if any(history) else (),
-                                   eos_token_ids=cfg.eos_token_ids)
-        tokens = sample(logits, st)
-        # A row whose logits are not finite (NaN, inf) samples garbage: it fails its request alone.
-        results = [tokens, logits.isfinite().all(dim=-1)]
-        wanted = [p.logprobs for p in params]
-        if any(k is not None for k in wanted):
-            results.extend(compute_logprobs(logits, tokens, max(k or 0 for k in wanted)))
-        prompt_lp = []
-        for seq, first_row, start, last, end in prompt_rows:
-            targets = seq.prompt_token_ids[start + 1:last + 1]
-            # Complete once the chunk reaches the prompt's end, where the sequence samples
-            # its first token: the list goes out with that token.
-            prompt_lp.append(PromptLogprobRows(seq, start, targets, end >= seq.num_prompt_tokens))
-            results.extend(compute_logprobs(all_logits[first_row:first_row + len(targets)],
-                                            to_device(targets, torch.int64, self.device),
-                                            seq.params.prompt_logprobs))
-        rows = tuple(SampledRow(seq, seq.num_tokens, k) for seq, k in zip(sampling_seqs, wanted))
-        step = InFlightStep(rows, tokens, tuple(prompt_lp), DeviceToHost(results), any(history))
-        self._commit(p, prompt_rows, rows)
-        self._phase("sample", clock)
+        step = self.runner.launch(StepInput(tuple(chunks), tuple(logits_rows), tuple(samplers), tuple(prompt_rows)))
+        self._phase("forward", clock)
+        self._commit(p, prompt_rows, samplers)
         return step
 
-    def _commit(self, p: Plan, prompt_rows: list, rows: tuple[SampledRow, ...]) -> None:
+    def _commit(self, p: Plan, prompt_rows: list, samplers: list) -> None:
         """The launched step's effect on its sequences (nothing here can fail)."""
         for seq, n in p.chunks:
             seq.num_computed_tokens += n
-        for seq, _, _, _, end in prompt_rows:
-            seq.prompt_logprobs_done = end >= seq.num_prompt_tokens  # (a recompute won't redo them)
+        for seq, _, _, _, final in prompt_rows:
+            seq.prompt_logprobs_done = final  # (a recompute won't redo them)
         for seq, _ in p.chunks:
-            for fork in seq.forks if seq.num_computed_tokens == seq.num_tokens else ():
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            for fork in seq.forks:
                 if fork.is_finished:
                     continue
                 self.blocks.fork(seq, fork)
+                self.runner.table_changed(fork)
                 fork.status = SequenceStatus.RUNNING
                 fork.prompt_logprobs_done = True  # the request's prompt logprobs come with the first completion
                 self.running.append(fork)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.forks = []
-        for row in rows:
-            row.seq.token_ids.append(PENDING)  # known once this step is resolved
+            seq.forks = []
+        for seq, _ in samplers:
+            seq.num_unresolved += 1  # known once this step is resolved
 
     def _resolve(self, step: InFlightStep) -> list[TokenOutput]:
         """Wait for a launched step's results and apply them: tokens appended, stop and length
@@ -491,21 +382,32 @@ class EngineCore:
                 continue
             if done is not None:
                 prompt_done[entry.seq.seq_id] = done
-        for i, (row, token) in enumerate(zip(step.rows, tokens)):
+        finished, accepted = SequenceStatus.FINISHED, 0
+        eos = self.model.config.eos_token_ids
+        for i, (row, token, ok) in enumerate(zip(step.rows, tokens, finite)):  # (every sequence, every step)
             seq = row.seq
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
-            if not finite[i]:
+            seq.num_unresolved -= 1
+            if not ok:
                 outputs += self._fail(seq, RequestFailed(
                     "the model produced non-finite logits (NaN or inf) for this request: its output would be "
                     "garbage, so it was stopped"))
                 continue
-            seq.token_ids[row.token_index] = token
-            self.generated_tokens += 1
-            reason = self._finish_reason(seq, token, row.token_index + 1)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(TokenOutput(seq, token, reason is not None, logprobs[i], prompt_done.get(seq.seq_id)))
+            ids = seq.token_ids
+            ids.append(token)
+            accepted += 1
+            params = seq.params
+            if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
+                reason = "stop"
+            elif len(ids) >= seq.max_total_tokens:
+                reason = "length"
+            else:
+                outputs.append(TokenOutput(seq, token, False, logprobs[i], prompt_done.get(seq.seq_id)))
+                continue
+            self._finish(seq, reason)
+            outputs.append(TokenOutput(seq, token, True, logprobs[i], prompt_done.get(seq.seq_id)))
+        self.generated_tokens += accepted
         return outputs
 
     # Phases in order; each `_phase(name)` call ends `name` and starts the next.
@@ -539,17 +441,6 @@ class EngineCore:
             seq.prompt_logprobs.append(TokenLogprob(t, v, tuple(zip(ids, vals))))
         return tuple(seq.prompt_logprobs) if entry.final else None
 
-    def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
-        """Why `seq` ends with `token`, its `num_tokens`-th token, or None."""
-        params = seq.params
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.model.config.eos_token_ids:
-            return "stop"
-        if num_tokens >= seq.max_total_tokens:
-            return "length"
-        return None
-
     def _fail(self, seq: Sequence, error: Exception) -> list[TokenOutput]:
         """Fail `seq`'s whole request with `error`: every completion ends ("error"), its blocks
         are freed; one output per completion that was still unfinished."""
@@ -572,8 +463,8 @@ class EngineCore:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.discard(seq)  # (a completion not yet forked off was never queued)
         self.blocks.free(seq)
-        while seq.token_ids and seq.token_ids[-1] == PENDING:  # sampled by a step still in flight
-            seq.token_ids.pop()
+        self.runner.remove(seq)
+        seq.num_unresolved = 0  # (tokens of a step still in flight are dropped when it resolves)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seqs = self.requests.get(seq.request)

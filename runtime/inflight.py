@@ -1,11 +1,11 @@
 """InFlightStep: a launched step whose sampled tokens are still on their way to the host.
 
-With async scheduling (issue 5, overlap) the step loop plans, builds and launches step N+1
-while the GPU still runs step N, and reads step N's tokens only afterwards. Meanwhile:
+With async scheduling the step loop plans, builds and launches step N+1 while the GPU still
+runs step N, and reads step N's tokens only afterwards. Meanwhile:
 
-- each sequence that sampled in step N holds PENDING as its last token; if step N+1
-  computes it, the input comes straight from step N's token tensor on the device
-  (`InFlightStep.tokens`), never through the host;
+- each sequence that sampled in step N counts one unresolved token (`Sequence.num_unresolved`);
+  if step N+1 computes it, the input comes straight from the device, where the sampler left it
+  in the input batch (`InputBatch.last_token`), never through the host;
 - step N's results go to the host as non-blocking copies into pinned buffers, with an event
   recorded after them, so `DeviceToHost.wait` blocks for step N alone. (`.tolist()` on a
   CUDA tensor would also wait for step N+1, which is queued behind it: no overlap left.)
@@ -18,8 +18,6 @@ from typing import NamedTuple, Sequence as Seq
 import torch
 
 from runtime.sequence import Sequence
-
-PENDING = -1  # a sampled token id not yet known on the host
 
 
 class DeviceToHost:
@@ -46,10 +44,9 @@ class DeviceToHost:
 
 
 class SampledRow(NamedTuple):
-    """Row i of a step's sampled tokens: which sequence, and where in its token_ids it goes."""
+    """Row i of a step's sampled tokens: which sequence it extends."""
 
     seq: Sequence
-    token_index: int
     logprobs: int | None  # top-k logprobs it asked for
 
 
@@ -64,14 +61,8 @@ class PromptLogprobRows(NamedTuple):
 
 class InFlightStep(NamedTuple):
     rows: tuple[SampledRow, ...]
-    tokens: torch.Tensor  # [rows] int64 on the device: the next step's inputs for these sequences
     prompt_logprobs: tuple[PromptLogprobRows, ...]
     # Host copies, in this order: tokens; whether each row's logits were finite; then
     # chosen/top ids/top values when any row asked for logprobs; then chosen/top ids/top
     # values of each PromptLogprobRows.
     transfer: DeviceToHost
-    has_penalties: bool  # some row has penalties: the next step needs these tokens on the host first
-
-    def row_of(self) -> dict[int, int]:
-        """Sequence id -> its row in `tokens`."""
-        return {row.seq.seq_id: i for i, row in enumerate(self.rows)}

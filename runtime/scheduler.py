@@ -122,6 +122,27 @@ def wants_prompt_logprobs(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done
 
 
+def decode_plan(running: Seq[Sequence], blocks: BlockManager, config: SchedulerConfig) -> Plan | None:
+    """The steady state planned in one cheap pass: every running sequence decodes its one
+    token and the pool has the blocks for it. (The caller checks that nothing waits or is
+    swapped out.) None when that is not the case: then `plan` decides. The plan is the one
+    `plan` would make, but for the batch order, which changes no sequence's result."""
+    if len(running) > config.max_num_batched_tokens:
+        return None
+    bs, refs, need = blocks.block_size, blocks.ref_counts, 0
+    for seq in running:
+        computed, table = seq.num_computed_tokens, seq.block_table
+        if seq.num_tokens - computed != 1 or seq.forks or (seq.params.prompt_logprobs is not None
+                                                            and not seq.prompt_logprobs_done):
+            return None
+        i = computed // bs
+        if i >= len(table) or refs[table[i]] > 1:  # a new block, or a shared one to copy first
+            need += 1
+    if need > blocks.num_free_blocks:
+        return None
+    return Plan(tuple(ScheduledChunk(seq, 1) for seq in running), (), (), ())
+
+
 def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Sequence], blocks: BlockManager,
          config: SchedulerConfig, now: int, num_idle: int = 0) -> Plan:
     """`waiting` in rank order (WaitingQueue.in_rank_order), read only as far as it admits.

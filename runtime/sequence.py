@@ -20,10 +20,11 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Mutable state of one request, owned by the engine thread.
 
-    `token_ids` is prompt + output so far; the first `num_computed_tokens` of them have their
-    keys and values in the cache, so the next step computes token_ids[num_computed_tokens:]
-    (a whole prompt, a chunk of it, the one token sampled last step, or after a recompute
-    preemption the prompt and the output so far again).
+    `token_ids` is prompt + output so far, as known on the host; `num_unresolved` more tokens
+    were sampled by steps still in flight (async scheduling), so the sequence is `num_tokens`
+    long. The first `num_computed_tokens` have their keys and values in the cache, so the next
+    step computes tokens num_computed_tokens.. (a whole prompt, a chunk of it, the one token
+    sampled last step, or after a recompute preemption the prompt and the output again).
     """
 
     seq_id: int
@@ -37,6 +38,7 @@ class Sequence:
     arrival: int = 0  # the engine step at which it was submitted
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_unresolved: int = 0  # sampled on the device, not yet read back (see runtime/inflight.py)
     block_table: list[int] = field(default_factory=list)  # device blocks
     cpu_block_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING
@@ -61,12 +63,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_unresolved
 
     @property
     def num_pending_tokens(self) -> int:
         """Tokens the next step should compute for this sequence."""
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -74,6 +76,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known on the host (`num_unresolved` more are on their way)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property

@@ -14,7 +14,6 @@ from nanoinfer import SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.engine import engine_config
 from runtime.engine_core import EngineCore
-from runtime.inflight import PENDING
 from tests.tiny import random_params, tiny_config
 
 CFG = tiny_config(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -71,7 +70,7 @@ def run(async_scheduling, abort_after=None, **engine_args):
                 core.abort(seqs[key], "abort")
                 results[key][1] = results[key][1] or "abort"
     for key, seq in seqs.items():
-        assert PENDING not in seq.token_ids
+        assert seq.num_unresolved == 0
         assert seq.is_finished
         if results[key][1] != "abort":
             assert seq.output_token_ids == results[key][0]
@@ -139,15 +138,15 @@ def test_outputs_lag_one_step_and_the_next_input_comes_from_the_device():
     core = EngineCore(MODEL, engine_config(block_size=4, num_blocks=64, async_scheduling=True))
     seq = core.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert core.step() == []  # the prefill is launched; its token is still "on the device"
-    assert seq.token_ids[-1] == PENDING
+    assert seq.num_unresolved == 1 and seq.token_ids == [1, 2, 3]  # the host never holds a fake token
     first = core.step()  # launches decode 1 with that token as input, then reads it
-    assert [o.token_id for o in first] == [seq.token_ids[3]] and seq.token_ids[4] == PENDING
+    assert [o.token_id for o in first] == [seq.token_ids[3]] and seq.num_unresolved == 1
     core.step()
     assert core.has_unfinished()  # the last token is in flight; nothing left to compute
     assert core.plan().chunks == ()
     last = core.step()
     assert last[0].finished and seq.finish_reason == "length" and not core.has_unfinished()
-    assert len(seq.output_token_ids) == 3 and PENDING not in seq.token_ids
+    assert len(seq.output_token_ids) == 3 and seq.num_unresolved == 0
 
 
 def test_bad_async_scheduling_value_is_named():

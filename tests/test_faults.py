@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import runtime.engine_core as engine_core
+import runtime.model_runner as model_runner
+from runtime.input_batch import InputBatch
 from nanoinfer import EngineError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.engine import AsyncEngine, engine_config
@@ -80,14 +82,14 @@ def check_others(results, undisturbed, culprit):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
 def test_an_error_in_one_requests_sampling_setup_fails_it_alone(monkeypatch, undisturbed, async_scheduling):
-    real_build = engine_core.SamplingTensors.build
+    real_add = InputBatch.add
 
-    def build(params, *args, **kw):
-        if any(p.seed == 666 for p in params):
+    def add(self, seq):  # where a request's sampling parameters are set up, once, as it starts running
+        if seq.params.seed == 666:
             raise ValueError("this request's sampling setup is broken")
-        return real_build(params, *args, **kw)
+        return real_add(self, seq)
 
-    monkeypatch.setattr(engine_core.SamplingTensors, "build", build)
+    monkeypatch.setattr(InputBatch, "add", add)
 
     async def go():
         async with make_engine(async_scheduling=async_scheduling) as engine:
@@ -122,7 +124,7 @@ def test_nan_logits_in_one_row_fail_that_request_alone(undisturbed, async_schedu
 
 
 def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, undisturbed):
-    real_forward = engine_core.forward
+    real_forward = model_runner.forward
     calls = {"n": 0}
 
     def forward(params, kv, batch, *args):
@@ -131,7 +133,7 @@ def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, un
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_forward(params, kv, batch, *args)
 
-    monkeypatch.setattr(engine_core, "forward", forward)
+    monkeypatch.setattr(model_runner, "forward", forward)
 
     async def go():
         async with make_engine() as engine:
@@ -146,14 +148,14 @@ def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, un
 def test_a_request_too_big_for_memory_fails_with_a_request_error_and_the_rest_finish(monkeypatch, undisturbed):
     """The forward runs out of memory whenever a sequence's context passes 60 tokens: the
     100-token prompt is chunked down to the smallest chunk, then failed with a clear 4xx."""
-    real_forward = engine_core.forward
+    real_forward = model_runner.forward
 
     def forward(params, kv, batch, *args):
         if int(batch.seq_lens.max()) > 60:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
         return real_forward(params, kv, batch, *args)
 
-    monkeypatch.setattr(engine_core, "forward", forward)
+    monkeypatch.setattr(model_runner, "forward", forward)
 
     async def go():
         async with make_engine() as engine:
@@ -170,7 +172,7 @@ def test_a_request_too_big_for_memory_fails_with_a_request_error_and_the_rest_fi
 
 
 def test_a_transient_error_fails_nobody(monkeypatch, undisturbed):
-    real_forward = engine_core.forward
+    real_forward = model_runner.forward
     calls = {"n": 0}
 
     def forward(params, kv, batch, *args):
@@ -179,7 +181,7 @@ def test_a_transient_error_fails_nobody(monkeypatch, undisturbed):
             raise RuntimeError("a cosmic ray")
         return real_forward(params, kv, batch, *args)
 
-    monkeypatch.setattr(engine_core, "forward", forward)
+    monkeypatch.setattr(model_runner, "forward", forward)
 
     async def go():
         async with make_engine() as engine:
@@ -214,7 +216,7 @@ def test_a_device_error_is_fatal(monkeypatch):
     def forward(*args):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(engine_core, "forward", forward)
+    monkeypatch.setattr(model_runner, "forward", forward)
 
     async def go():
         async with make_engine() as engine:
@@ -315,14 +317,14 @@ def test_a_failed_request_is_a_500_and_the_server_keeps_serving(poisoned_server)
 def test_a_request_that_cannot_fit_in_memory_is_a_400(poisoned_server, monkeypatch):
     import httpx
 
-    real_forward = engine_core.forward
+    real_forward = model_runner.forward
 
     def forward(params, kv, batch, *args):
         if int(batch.seq_lens.max()) > 100:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real_forward(params, kv, batch, *args)
 
-    monkeypatch.setattr(engine_core, "forward", forward)
+    monkeypatch.setattr(model_runner, "forward", forward)
     url = poisoned_server.url + "/v1/completions"
     r = httpx.post(url, json={"prompt": list(range(20, 220)), "max_tokens": 4}, timeout=60)
     assert r.status_code == 400 and "out of memory" in r.json()["error"]["message"]
@@ -332,7 +334,7 @@ def test_a_request_that_cannot_fit_in_memory_is_a_400(poisoned_server, monkeypat
 
 def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
     """A failure is pinned on a request only when it comes back with that request alone."""
-    real_forward, calls = engine_core.forward, {"n": 0}
+    real_forward, calls = model_runner.forward, {"n": 0}
 
     def forward(params, kv, batch, *args):
         calls["n"] += 1
@@ -340,7 +342,7 @@ def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
             raise ValueError("a one-off glitch")
         return real_forward(params, kv, batch, *args)
 
-    monkeypatch.setattr(engine_core, "forward", forward)
+    monkeypatch.setattr(model_runner, "forward", forward)
 
     async def go():
         async with make_engine() as engine:
@@ -350,7 +352,7 @@ def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
 
 def test_a_failure_while_preparing_a_step_fails_that_request_and_the_loop_lives_on(monkeypatch, undisturbed):
     """Review of issue 10: a swap that raised killed the worker thread (every request hung)."""
-    real_swap, calls = engine_core.swap_blocks, {"n": 0}
+    real_swap, calls = model_runner.swap_blocks, {"n": 0}
 
     def swap_blocks(src, dst, copies):
         calls["n"] += 1
@@ -358,7 +360,7 @@ def test_a_failure_while_preparing_a_step_fails_that_request_and_the_loop_lives_
             raise RuntimeError("the copy engine hiccuped")
         return real_swap(src, dst, copies)
 
-    monkeypatch.setattr(engine_core, "swap_blocks", swap_blocks)
+    monkeypatch.setattr(model_runner, "swap_blocks", swap_blocks)
 
     async def go():
         async with make_engine(num_blocks=24, preemption_mode="swap", swap_space=1 << 22) as engine:

@@ -237,14 +237,14 @@ def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
 def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
     """Issue 10 on the GPU path (async scheduling, CUDA graphs): an out-of-memory forward is
     retried, a request whose logits turn NaN fails alone, the others run to their length."""
-    import runtime.engine_core as engine_core
+    import runtime.model_runner as model_runner
     from runtime.faults import RequestFailed
 
     _, model = hf_and_ours
     embed = model.params.embed.clone()
     embed[7] = float("nan")  # a token whose embedding poisons whoever reads it
     poisoned = dataclasses.replace(model, params=dataclasses.replace(model.params, embed=embed))
-    real_forward, calls = engine_core.forward, {"n": 0}
+    real_forward, calls = model_runner.forward, {"n": 0}
 
     def flaky_forward(*args):  # (decode steps replay graphs: this runs the prefills)
         calls["n"] += 1
@@ -252,7 +252,7 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real_forward(*args)
 
-    monkeypatch.setattr(engine_core, "forward", flaky_forward)
+    monkeypatch.setattr(model_runner, "forward", flaky_forward)
     engine = EngineCore(poisoned, EngineConfig(block_size=16, num_blocks=512, max_model_len=1024,
                                                async_scheduling=True))
     good = [engine.add_request(list(range(100 + i, 130 + 7 * i)), SamplingParams(temperature=0.8, seed=i,

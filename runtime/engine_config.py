@@ -1,0 +1,35 @@
+"""EngineConfig: the engine's settings (each a keyword, a CLI flag and a check; see nanoinfer/settings.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoinfer.errors import RequestError
+from nanoinfer.settings import check_settings, setting
+from runtime.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = setting(16, "tokens per KV block", minimum=1)
+    num_blocks: int | None = setting(None, "KV blocks in the pool (default: from kv_cache_memory on the CPU, from "
+                                           "free memory on a GPU)", minimum=1, optional=True)
+    kv_cache_memory: int | None = setting(None, "bytes for the KV pool when num_blocks is not given (CPU default: "
+                                                "1GiB)", minimum=1, optional=True, size=True)
+    swap_space: int = setting(0, "bytes of host memory for swapped-out KV blocks (preemption_mode swap)", minimum=0,
+                              size=True)
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's context length)",
+                                        minimum=1, optional=True)
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU the weights, activations and KV pool may use",
+                                            above=0, maximum=1)
+    enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
+    nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
+    async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
+                                                  "CUDA)", optional=True)
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self):
+        check_settings(self)
+        if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
+            raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
+                               param="swap_space")

@@ -1,0 +1,184 @@
+"""InputBatch: each running sequence's per-row state, kept on the host and the device between steps.
+
+A sequence gets a row when it starts running and keeps it until it stops. Its block table,
+its sampling parameters, its last sampled token and (for penalties) its token counts live in
+preallocated tensors: written when the row joins or its table grows, never rebuilt per step.
+A step gathers the rows it runs. So a decode step's host work grows with what changed (a new
+block here and there, a row joining), not with batch × context, and penalties need no token
+history from the host: the counts are updated on the device by the sampler's own output.
+
+The block tables have a host copy (pinned on CUDA) that the step's slot mapping is computed
+from with numpy, and a device copy the attention kernels read; updates go to both, the
+device's in one packed copy per step (`flush`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nanoinfer.host_copy import to_device_packed
+from nanoinfer.penalties import Penalties
+from nanoinfer.sampling import SamplingTensors
+from nanoinfer.sampling_params import SamplingParams
+from runtime.sequence import Sequence
+
+
+class _PenaltyState(NamedTuple):
+    """Dense per-row tables of the history-dependent processors (made on first use)."""
+
+    output_counts: torch.Tensor  # [rows, vocab] f32: times generated so far
+    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or the output
+    bias: torch.Tensor  # [rows, vocab] f32
+    stop_mask: torch.Tensor  # [rows, vocab] bool: EOS/stop ids, banned while short of min_tokens
+    scalars: torch.Tensor  # [rows, 4] f32: presence, frequency, repetition, min_tokens
+
+
+class InputBatch:
+    def __init__(self, max_rows: int, max_blocks: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 device: torch.device):
+        self.device, self.vocab_size, self.eos_token_ids = device, vocab_size, eos_token_ids
+        self.max_blocks = max_blocks
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self._free = list(range(max_rows - 1, -1, -1))
+        pin = device.type == "cuda"
+        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=pin)  # host
+        self.table_np = self.table.numpy()
+        self.table_device = self.table if device.type == "cpu" else torch.zeros_like(self.table, device=device)
+        self.synced = np.zeros(max_rows, dtype=np.int64)  # entries of each row's table written so far
+        self.last_token = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's latest sample
+        # Sampling parameters: host columns (flags are read there) and their device copies.
+        self.floats = np.zeros((3, max_rows), dtype=np.float32)  # temperature, top_p, min_p
+        self.ints = np.zeros((2, max_rows), dtype=np.int64)  # top_k, seed
+        self.floats_device = torch.zeros(3, max_rows, dtype=torch.float32, device=device)
+        self.ints_device = torch.zeros(2, max_rows, dtype=torch.int64, device=device)
+        self.greedy = np.ones(max_rows, dtype=bool)
+        self.sorts = np.zeros(max_rows, dtype=bool)  # top-k or top-p
+        self.min_ps = np.zeros(max_rows, dtype=bool)
+        self.penalized = np.zeros(max_rows, dtype=bool)
+        self.penalties: _PenaltyState | None = None
+        self._table_updates: list[tuple[int, int, int]] = []  # (row, column, block)
+        self._joined: list[tuple[int, Sequence]] = []  # rows whose parameters still go to the device
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.row_of
+
+    def add(self, seq: Sequence) -> int:
+        """Give `seq` a row: its table, parameters and last token (sent at the next flush)."""
+        row = self.row_of.get(seq.seq_id)
+        if row is not None:
+            return row
+        if not self._free:
+            raise RuntimeError("internal: more running sequences than the input batch has rows")
+        row = self._free.pop()
+        self.row_of[seq.seq_id] = row
+        p = seq.params
+        top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+        self.floats[:, row] = (p.temperature, p.top_p, p.min_p)
+        self.ints[:, row] = (top_k, (p.seed or 0) & 0xFFFF_FFFF_FFFF)
+        self.greedy[row] = p.greedy
+        self.sorts[row] = not p.greedy and (top_k < self.vocab_size or p.top_p < 1)
+        self.min_ps[row] = not p.greedy and p.min_p > 0
+        self.penalized[row] = p.has_penalties
+        self.table_np[row, :len(seq.block_table)] = seq.block_table
+        self._table_updates.extend((row, i, b) for i, b in enumerate(seq.block_table))
+        self.synced[row] = len(seq.block_table)
+        self._joined.append((row, seq))
+        return row
+
+    def remove(self, seq: Sequence) -> None:
+        row = self.row_of.pop(seq.seq_id, None)
+        if row is not None:
+            self._free.append(row)
+            self._joined = [(r, s) for r, s in self._joined if r != row]
+
+    def sync_table(self, seq: Sequence, first: int) -> None:
+        """Copy `seq`'s block table into its row from entry `first` on (blocks replaced by
+        copy-on-write: only ever in the range a step is about to write), and every entry not
+        written yet (new blocks; a fork's shared prompt blocks)."""
+        row = self.row_of[seq.seq_id]
+        table = seq.block_table
+        for i in range(min(first, int(self.synced[row])), len(table)):
+            if self.table_np[row, i] != table[i]:
+                self.table_np[row, i] = table[i]
+                self._table_updates.append((row, i, table[i]))
+        self.synced[row] = len(table)
+
+    def flush(self) -> None:
+        """Send what changed since the last flush to the device: table entries, and the
+        parameters (and penalty rows) of rows that joined."""
+        joined, self._joined = self._joined, []
+        updates, self._table_updates = self._table_updates, []
+        if self.device.type != "cpu" and updates:
+            rows, cols, blocks = to_device_packed(list(zip(*updates)), torch.int64, self.device)
+            self.table_device[rows, cols] = blocks.to(torch.int32)
+        if not joined:
+            return
+        rows = [r for r, _ in joined]
+        rows_t, tokens, ints = to_device_packed([rows, [s.token_ids[-1] for _, s in joined], self.ints[:, rows]],
+                                                torch.int64, self.device)
+        (floats,) = to_device_packed([self.floats[:, rows]], torch.float32, self.device)
+        self.floats_device[:, rows_t] = floats
+        self.ints_device[:, rows_t] = ints
+        self.last_token[rows_t] = tokens  # (a row's first step after a swap-in decodes this token)
+        if any(s.params.has_penalties for _, s in joined) or self.penalties is not None:
+            self._init_penalties(rows_t, [s for _, s in joined])
+
+    def _init_penalties(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Reset the joined rows' penalty tables, and fill them for the rows that use them."""
+        if self.penalties is None:
+            shape = (self.table.shape[0], self.vocab_size)
+            dev = self.device
+            neutral = torch.tensor([0.0, 0.0, 1.0, 0.0], device=dev).repeat(shape[0], 1)  # (rows never filled)
+            self.penalties = _PenaltyState(torch.zeros(shape, device=dev),
+                                           torch.zeros(shape, dtype=torch.bool, device=dev),
+                                           torch.zeros(shape, device=dev),
+                                           torch.zeros(shape, dtype=torch.bool, device=dev), neutral)
+        ps = self.penalties
+        params = [s.params for s in seqs]
+        fresh = Penalties.build([p if p.has_penalties else SamplingParams() for p in params],
+                                [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                                self.vocab_size, self.eos_token_ids, self.device)
+        if fresh is None:  # none of them uses penalties: neutral rows
+            for table in (ps.output_counts, ps.seen, ps.bias, ps.stop_mask):
+                table[rows] = 0
+            ps.scalars[rows] = torch.tensor([0.0, 0.0, 1.0, 0.0], device=self.device)
+            return
+        ps.output_counts[rows] = fresh.output_counts
+        ps.seen[rows] = fresh.seen
+        ps.bias[rows] = fresh.bias
+        # The ban table holds every row's EOS/stop ids; the step bans them while short of min_tokens.
+        stop = torch.zeros(len(seqs), self.vocab_size, dtype=torch.bool)
+        for i, p in enumerate(params):
+            ids = [t for t in (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids) if t < self.vocab_size]
+            stop[i, ids] = True
+        ps.stop_mask[rows] = stop.to(self.device)
+        (scalars,) = to_device_packed([[[p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens]
+                                        for p in params]], torch.float32, self.device)
+        ps.scalars[rows] = scalars
+
+    def sampling(self, rows: np.ndarray, rows_device: torch.Tensor, steps: torch.Tensor) -> SamplingTensors:
+        """The sampling tensors of the rows a step samples (in that order); `steps` [rows]:
+        how many tokens each has produced (the index of the one being drawn)."""
+        floats = self.floats_device[:, rows_device]
+        ints = self.ints_device[:, rows_device]
+        penalties = None
+        if self.penalties is not None and self.penalized[rows].any():
+            ps = self.penalties
+            scalars = ps.scalars[rows_device]
+            banned = ps.stop_mask[rows_device] & (steps < scalars[:, 3])[:, None]
+            penalties = Penalties(ps.output_counts[rows_device], ps.seen[rows_device], scalars[:, 0], scalars[:, 1],
+                                  scalars[:, 2], ps.bias[rows_device], banned)
+        return SamplingTensors(floats[0], ints[0], floats[1], floats[2], ints[1], steps,
+                               all_greedy=bool(self.greedy[rows].all()), needs_sort=bool(self.sorts[rows].any()),
+                               needs_min_p=bool(self.min_ps[rows].any()), penalties=penalties)
+
+    def sampled(self, rows_device: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record a step's samples on the device: each row's last token, and its counts."""
+        self.last_token[rows_device] = tokens
+        if self.penalties is not None:
+            self.penalties.output_counts.index_put_((rows_device, tokens), torch.ones_like(tokens, dtype=torch.float32),
+                                                    accumulate=True)
+            self.penalties.seen[rows_device, tokens] = True

@@ -1,0 +1,186 @@
+"""ModelRunner: everything on the device — the KV pools, the input batch, the kernels, the graphs,
+and the launch of a step (forward and sampling) whose results come back later.
+
+EngineCore (runtime/engine_core.py) decides what runs; the runner makes it run. It keeps each
+running sequence's state in the input batch (runtime/input_batch.py) so a step sends only
+what changed, builds the step's index tensors from it with numpy, launches the forward (a
+CUDA graph for decode steps where it can) and the sampler, and starts copying the results to
+the host without waiting: `InFlightStep.transfer.wait()` is the only place a step blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nanoinfer.batch import Batch
+from nanoinfer.host_copy import to_device_packed
+from nanoinfer.kernels import kernels_for
+from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
+from nanoinfer.loaders import LoadedModel
+from nanoinfer.model import forward
+from nanoinfer.sampling import compute_logprobs, sample
+from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
+from runtime.input_batch import InputBatch
+from runtime.kv_budget import kv_blocks_for_memory
+from runtime.sequence import Sequence
+
+
+class Chunk(NamedTuple):
+    """`num_tokens` tokens of `seq` from position `start`, computed by one step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+
+class StepInput(NamedTuple):
+    """What a step computes, in batch order (EngineCore decides it; the runner runs it)."""
+
+    chunks: tuple[Chunk, ...]
+    logits_rows: tuple[int, ...]  # token rows whose logits are computed
+    samplers: tuple[tuple[Sequence, int], ...]  # (sequence, its index into those logits rows)
+    prompt_rows: tuple[tuple[Sequence, int, int, list[int], bool], ...]  # (seq, first logits index, start,
+    # the prompt tokens those rows predict, whether the prompt's logprobs are complete after them)
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, config, max_model_len: int):
+        """`config` is an EngineConfig."""
+        cfg, dtype = model.config, model.params.dtype
+        self.model, self.config, self.cfg = model, config, cfg
+        self.device = model.params.device
+        self.block_size = config.block_size
+        kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager)
+        self.attention, self.layer_fns = kernels.attention, kernels.layer_fns
+        per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
+        self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
+                                                                    lambda: self.attention)
+        self.num_cpu_blocks = config.swap_space // per_block
+        self.kv = allocate_kv_pool(cfg, self.num_blocks, config.block_size, dtype, self.device)
+        # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
+        self.cpu_kv = allocate_kv_pool(cfg, self.num_cpu_blocks, config.block_size, dtype, "cpu")
+        if self.device.type == "cuda" and self.num_cpu_blocks:
+            self.cpu_kv = self.cpu_kv.pin_memory()
+        max_blocks = -(-max_model_len // config.block_size)
+        # (n - 1 forks may take rows in the step their parent's prefill ends, before it is planned)
+        self.batch = InputBatch(config.scheduler.max_num_seqs + 8, max_blocks, cfg.vocab_size, cfg.eos_token_ids,
+                                self.device)
+        self.graphs = None
+        if kernels.graphs:
+            from nanoinfer.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
+                                       max_batch=min(config.scheduler.max_num_seqs, 512), max_blocks=max_blocks,
+                                       layer_fns=self.layer_fns,
+                                       # Steps whose contexts fit one split-K partition get graphs
+                                       # whose attention runs in one pass (no reduce kernel).
+                                       widths=(self.attention.partition_size // config.block_size,))
+            self.graphs.capture()
+
+    # -- the KV pools ----------------------------------------------------------------------
+
+    def copy_blocks(self, copies) -> None:
+        copy_blocks(self.kv, copies)
+
+    def swap_out(self, copies) -> None:
+        swap_blocks(self.kv, self.cpu_kv, copies)
+
+    def swap_in(self, copies) -> None:
+        swap_blocks(self.cpu_kv, self.kv, copies)
+
+    # -- rows --------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """`seq` starts running: give it a row."""
+        self.batch.add(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """`seq` stopped running (finished, preempted): free its row."""
+        self.batch.remove(seq)
+
+    def table_changed(self, seq: Sequence) -> None:
+        """`seq`'s block table grew, or a block in its write range was replaced (copy-on-write)."""
+        if seq in self.batch:
+            self.batch.sync_table(seq, seq.num_computed_tokens // self.block_size)
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def _build(self, inp: StepInput) -> tuple[Batch, np.ndarray, torch.Tensor]:
+        """The step's Batch; also the samplers' rows, on the host and the device."""
+        rows_of, bs = self.batch.row_of, self.block_size
+        self.batch.flush()
+        # One pass over the chunks (it runs for every sequence, every step), then numpy.
+        meta: list[int] = []  # row, start, tokens, tokens known on the host: per chunk
+        host_tokens: list[int] = []
+        for seq, start, n in inp.chunks:
+            ids = seq.token_ids
+            known = min(start + n, len(ids)) - start
+            meta += (rows_of[seq.seq_id], start, n, known)
+            if known == 1:
+                host_tokens.append(ids[start])
+            elif known > 1:
+                host_tokens += ids[start:start + known]
+        rows, starts, lens, known = np.array(meta, dtype=np.int64).reshape(-1, 4).T
+        num = len(rows)
+        ends = starts + lens
+        qsl = np.zeros(num + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        total = int(qsl[-1])
+        seq_of_token = np.repeat(np.arange(num), lens)
+        offsets = np.arange(total) - qsl[:-1][seq_of_token]
+        positions = starts[seq_of_token] + offsets
+        slots = self.batch.table_np[rows[seq_of_token], positions // bs].astype(np.int64) * bs + positions % bs
+        # Tokens known on the host come from it; a chunk that ends at a token still on its way
+        # (sampled by the step in flight) takes it from the device, where it already is.
+        from_host = offsets < known[seq_of_token]
+        input_ids = np.zeros(total, dtype=np.int64)
+        input_ids[from_host] = host_tokens
+        fill_at = np.flatnonzero(~from_host)
+        fill_rows = rows[seq_of_token[fill_at]]
+        sampler_meta = [v for seq, _ in inp.samplers
+                        for v in (rows_of[seq.seq_id], len(seq.token_ids) - seq.num_prompt_tokens + seq.num_unresolved)]
+        sampler_rows, steps = np.array(sampler_meta, dtype=np.int64).reshape(-1, 2).T
+        (input_ids_t, positions_t, slots_t, logits_t, rows_t, fill_at_t, fill_rows_t, sampler_rows_t,
+         steps_t) = to_device_packed([input_ids, positions, slots, inp.logits_rows, rows, fill_at, fill_rows,
+                                      sampler_rows, steps], torch.int64, self.device)
+        seq_lens, qsl_t = to_device_packed([ends, qsl], torch.int32, self.device)
+        if len(fill_at):
+            input_ids_t.index_copy_(0, fill_at_t, self.batch.last_token.index_select(0, fill_rows_t))
+        width = int(-(-ends.max() // bs)) if num else 0
+        block_tables = self.batch.table_device.index_select(0, rows_t)[:, :width]
+        batch = Batch(input_ids_t, positions_t, slots_t, block_tables, seq_lens, qsl_t, logits_t)
+        return batch, sampler_rows, (sampler_rows_t, steps_t)
+
+    def launch(self, inp: StepInput) -> InFlightStep:
+        """Queue the step's forward and sampling and start copying the results to the host;
+        returns without waiting for the device. Changes no sequence."""
+        batch, sampler_rows, (sampler_rows_t, steps_t) = self._build(inp)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = forward(self.model.params, self.kv, batch, self.cfg, self.attention, self.layer_fns)
+        all_logits = logits
+        sample_at = [i for _, i in inp.samplers]
+        if sample_at != list(range(logits.shape[0])):  # (a pure decode step needs no gather)
+            (index,) = to_device_packed([sample_at], torch.int64, self.device)
+            logits = logits.index_select(0, index)
+        st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)
+        tokens = sample(logits, st)
+        self.batch.sampled(sampler_rows_t, tokens)
+        # A row whose logits are not finite (NaN, inf) samples garbage: it fails its request alone.
+        results = [tokens, logits.sum(dim=-1).isfinite()]  # (one reduction: NaN and inf survive a sum)
+        wanted = [s.params.logprobs for s, _ in inp.samplers]
+        if any(k is not None for k in wanted):
+            results.extend(compute_logprobs(logits, tokens, max(k or 0 for k in wanted)))
+        prompt_lp = []
+        for seq, first, start, targets, final in inp.prompt_rows:
+            prompt_lp.append(PromptLogprobRows(seq, start, targets, final))
+            (target_t,) = to_device_packed([targets], torch.int64, self.device)
+            results.extend(compute_logprobs(all_logits[first:first + len(targets)], target_t,
+                                            seq.params.prompt_logprobs))
+        rows = tuple(SampledRow(seq, k) for (seq, _), k in zip(inp.samplers, wanted))
+        return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results))
+
