@@ -324,8 +324,14 @@ class EngineCore:
                 logits_rows.append(row + n - 1)
             row += n
         clock = self._phase("batch", clock)
-        step = self.runner.launch(StepInput(tuple(chunks), tuple(logits_rows), tuple(samplers), tuple(prompt_rows)))
-        self._phase("forward", clock)
+        clocks = [clock]
+
+        def forward_done() -> None:  # (the runner's own phases: forward launched, then sampling)
+            clocks[0] = self._phase("forward", clocks[0])
+
+        step = self.runner.launch(StepInput(tuple(chunks), tuple(logits_rows), tuple(samplers), tuple(prompt_rows)),
+                                  forward_done)
+        self._phase("sample", clocks[0])
         self._commit(p, prompt_rows, samplers)
         return step
 

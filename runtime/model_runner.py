@@ -10,7 +10,7 @@ the host without waiting: `InFlightStep.transfer.wait()` is the only place a ste
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -154,14 +154,16 @@ class ModelRunner:
         batch = Batch(input_ids_t, positions_t, slots_t, block_tables, seq_lens, qsl_t, logits_t)
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
-    def launch(self, inp: StepInput) -> InFlightStep:
+    def launch(self, inp: StepInput, forward_done: Callable[[], None] = lambda: None) -> InFlightStep:
         """Queue the step's forward and sampling and start copying the results to the host;
-        returns without waiting for the device. Changes no sequence."""
+        returns without waiting for the device. Changes no sequence. (`forward_done` is called
+        between the two, for the step's phase timings.)"""
         batch, sampler_rows, (sampler_rows_t, steps_t) = self._build(inp)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         else:
             logits = forward(self.model.params, self.kv, batch, self.cfg, self.attention, self.layer_fns)
+        forward_done()
         all_logits = logits
         sample_at = [i for _, i in inp.samplers]
         if sample_at != list(range(logits.shape[0])):  # (a pure decode step needs no gather)
