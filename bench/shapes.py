@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 
 from nanoinfer.config import ModelConfig, RopeScaling
-from nanoinfer.layers import rope_inv_freq
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import LayerParams, Params
+from nanoinfer.loaders.dummy import dummy_params
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1e6, 40960, True, qk_norm=True),
@@ -34,25 +33,7 @@ HF_CONFIGS = {  # the same shapes for transformers (the baseline)
 
 
 def random_model(name: str, device="cuda", dtype=torch.bfloat16) -> LoadedModel:
-    cfg = SHAPES[name]
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def w(*shape):
-        return (torch.randn(*shape, device=device, dtype=dtype, generator=gen) * shape[-1] ** -0.5)
-
-    def ones(n):
-        return torch.ones(n, device=device, dtype=dtype)
-
-    qkv = cfg.q_size + 2 * cfg.kv_size
-    layers = tuple(LayerParams(ones(cfg.hidden_size), w(qkv, cfg.hidden_size), None,
-                               ones(cfg.head_dim) if cfg.qk_norm else None, ones(cfg.head_dim) if cfg.qk_norm else None,
-                               w(cfg.hidden_size, cfg.q_size), ones(cfg.hidden_size),
-                               w(2 * cfg.intermediate_size, cfg.hidden_size), w(cfg.hidden_size, cfg.intermediate_size))
-                   for _ in range(cfg.num_layers))
-    embed = w(cfg.vocab_size, cfg.hidden_size)
-    params = Params(embed, layers, ones(cfg.hidden_size), embed if cfg.tie_word_embeddings
-                    else w(cfg.vocab_size, cfg.hidden_size), rope_inv_freq(cfg).to(device))
-    return LoadedModel(cfg, params, None, Path(name))
+    return LoadedModel(SHAPES[name], dummy_params(SHAPES[name], dtype, device), None, Path(name))
 
 
 def weight_bytes(model: LoadedModel) -> int:

@@ -61,8 +61,7 @@ class DecodeGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
-                for _ in range(2):
-                    forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
+                forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

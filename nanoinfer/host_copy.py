@@ -26,12 +26,12 @@ def to_device_packed(arrays, dtype: torch.dtype, device: torch.device | str) -> 
     # Each view starts at a multiple of 16 elements: Triton specializes kernels on 16-byte
     # pointer alignment, and views at arbitrary offsets would compile (and run) other variants.
     padded = [-(-a.size // 16) * 16 for a in arrays]
-    host = np.zeros(sum(padded), dtype=np.float64 if dtype.is_floating_point else np.int64)
-    start = 0
+    staging = _pinned(sum(padded), dtype)
+    host, start = staging.numpy(), 0
     for a, size in zip(arrays, padded):
         host[start:start + a.size] = a.ravel()
         start += size
-    flat = to_device(host, dtype, device)
+    flat = staging.to(device, non_blocking=True)
     out, start = [], 0
     for a, size in zip(arrays, padded):
         out.append(flat[start:start + a.size].view(a.shape))
@@ -39,10 +39,21 @@ def to_device_packed(arrays, dtype: torch.dtype, device: torch.device | str) -> 
     return out
 
 
+def _pinned(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pinned host buffer from PyTorch's caching host allocator. (Pinning a pageable tensor
+    instead first asks the driver whether it is pinned: measured at ~0.5 ms a call, a dozen a
+    step.)"""
+    return torch.empty(size, dtype=dtype, pin_memory=True)
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`values` (a list, numpy array or CPU tensor) as a `dtype` tensor on `device`."""
-    t = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else torch.as_tensor(values)
-    t = t.to(dtype)
     if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        t = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else torch.as_tensor(values)
+        return t.to(dtype).to(device)
+    if isinstance(values, torch.Tensor):
+        return values.to(dtype).pin_memory().to(device, non_blocking=True)
+    array = np.asarray(values, dtype=_NUMPY[dtype])
+    staging = _pinned(array.size, dtype)
+    staging.numpy()[:] = array.ravel()
+    return staging.view(array.shape).to(device, non_blocking=True)

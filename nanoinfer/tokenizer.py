@@ -163,6 +163,19 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def save_hf(self, directory: str | Path) -> None:
+        """Write this tokenizer as a Hugging Face directory's files (tokenizer.json and
+        tokenizer_config.json with the chat template), e.g. a GGUF's beside a dummy config."""
+        if not isinstance(self._backend, _TokenizersBackend):
+            raise RequestError(f"{self.source}: only a `tokenizers` vocabulary can be written as tokenizer.json")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.backend.save(str(directory / "tokenizer.json"))
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+                  "add_bos_token": False}
+        (directory / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
+                                                                    indent=1))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """The prompt text for a conversation, as transformers renders it (`tokenize=False`)."""

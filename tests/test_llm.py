@@ -108,3 +108,29 @@ def test_bad_requests_fail_alone_and_the_engine_keeps_serving(llm):
         llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
     assert all_blocks_free(llm)
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].token_ids) == 12
+
+
+def test_dummy_load_format_needs_only_the_config_and_tokenizer(smollm2_gguf, tmp_path):
+    """`load_format="dummy"` (vLLM's name): random weights for a checkpoint's config, with its
+    tokenizer, where the weights are not at hand (benchmarks on the GPU machine)."""
+    import json
+
+    import transformers
+
+    from nanoinfer import CheckpointError, RequestError
+    from nanoinfer.loaders.gguf import open_gguf
+    from nanoinfer.tokenizer import Tokenizer
+
+    config = transformers.Qwen3Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8).to_dict()
+    directory = tmp_path / "qwen3-tiny.dummy"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf).save_hf(directory)
+    with pytest.raises(CheckpointError):
+        LLM(directory, device="cpu", progress=False)  # no weights to read
+    with pytest.raises(RequestError, match="load_format"):
+        LLM(directory, device="cpu", progress=False, load_format="random")
+    with LLM(directory, device="cpu", progress=False, load_format="dummy") as llm:
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.token_ids) == 5 and llm.model.model_id == "qwen3-tiny.dummy"

@@ -382,3 +382,18 @@ def test_unknown_gguf_tokenizer_model(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="'rwkv'.*'gpt2'.*'llama'") as info:
         Tokenizer.from_gguf(gguf.GGUFReader(path), path)
     assert str(path) in str(info.value)
+
+
+def test_a_gguf_tokenizer_written_as_hf_files_reads_back_the_same(smollm2_gguf, tmp_path):
+    from nanoinfer.loaders.gguf import open_gguf
+    from nanoinfer.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
+    ours.save_hf(tmp_path)
+    back = Tokenizer.from_hf_dir(tmp_path)
+    for text in ("Hello, world!", "  two  spaces\n\n1234 digits", "<|im_start|>user\nhi<|im_end|>", "héllo ✓"):
+        assert back.encode(text) == ours.encode(text), text
+        assert back.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    messages = [{"role": "user", "content": "Hi"}]
+    assert back.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert back.eos_token_ids == ours.eos_token_ids

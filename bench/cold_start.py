@@ -1,0 +1,110 @@
+"""Cold start: seconds from process start to the first token, with the compile cache cold and
+warm, and where they go (imports, load, KV pool sizing, compile, graph capture, first token).
+
+    python bench/cold_start.py CHECKPOINT_DIR [--load-format dummy] [--device cuda]
+
+Each start is a new process (`--one`) with TORCHINDUCTOR_CACHE_DIR pointing at a fresh
+directory (cold), then the same directory again (warm: Inductor's compiled kernels and
+Triton's are on disk). Make a weightless checkpoint with bench/dummy_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+START = time.perf_counter()  # (as early as this process's own code can see)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def one(model: str, load_format: str, device: str) -> dict:
+    marks = {}
+
+    def mark(name: str, since: float) -> float:
+        now = time.perf_counter()
+        marks[name] = now - since
+        return now
+
+    clock = time.perf_counter()
+    import torch
+
+    from nanoinfer import SamplingParams
+    from nanoinfer.loaders import load_model
+    from runtime import model_runner
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
+
+    clock = mark("imports", clock)
+    model = load_model(model, device=device, load_format=load_format, progress=False)
+    if model.params.device.type == "cuda":
+        torch.cuda.synchronize()
+    clock = mark("load weights", clock)
+    # Split the engine's start: KV pool sizing (a profiling step: the first compile), graphs.
+    real_capture = model_runner.ModelRunner.__init__
+    phases = {}
+
+    def timed_init(self, *args, **kw):
+        from nanoinfer.graphs import DecodeGraphs
+
+        real = DecodeGraphs.capture
+
+        def capture(graphs):
+            t = time.perf_counter()
+            real(graphs)
+            phases["graph capture"] = time.perf_counter() - t
+        DecodeGraphs.capture = capture
+        try:
+            real_capture(self, *args, **kw)
+        finally:
+            DecodeGraphs.capture = real
+    model_runner.ModelRunner.__init__ = timed_init
+    core = EngineCore(model, engine_config(max_model_len=4096))
+    clock = mark("engine: KV sizing, compile (graph capture below)", clock)
+    marks["engine: KV sizing, compile (graph capture below)"] -= phases.get("graph capture", 0.0)
+    marks.update(phases)
+    core.add_request(list(range(100, 120)), SamplingParams(temperature=0, max_tokens=1))
+    while core.has_unfinished():
+        core.step()
+    mark("first request (prefill, first token)", clock)
+    marks["first token at (epoch)"] = time.time()
+    return marks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.model, args.load_format, args.device)))
+        return
+    runs = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+               "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        for name in ("cold", "warm"):
+            spawned = time.time()
+            out = subprocess.run([sys.executable, str(ROOT / "bench" / "cold_start.py"), args.model, "--one",
+                                  "--load-format", args.load_format, "--device", args.device],
+                                 env=env, capture_output=True, text=True, check=True).stdout
+            marks = json.loads(out.strip().splitlines()[-1])
+            first = marks.pop("first token at (epoch)")
+            marks["interpreter start"] = first - spawned - sum(marks.values())
+            marks["total: process start to first token"] = first - spawned
+            runs[name] = marks
+    print(f"model {args.model}  load format {args.load_format}  device {args.device}")
+    print(f"{'seconds':<42}{'cold cache':>12}{'warm cache':>12}")
+    for key in runs["cold"]:
+        print(f"{key:<42}{runs['cold'][key]:>12.2f}{runs['warm'].get(key, float('nan')):>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Random weights for a model's config: `load_format="dummy"`, as vLLM names it.
+
+A checkpoint's config and tokenizer with weights that were never read: what benchmarks and
+serving tests need where the weights are not at hand (speed does not depend on their values).
+The scale keeps activations and logits of O(1) spread, so nothing overflows in half precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoinfer.config import ModelConfig
+from nanoinfer.layers import rope_inv_freq
+from nanoinfer.model import LayerParams, Params
+
+
+def dummy_params(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> Params:
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen) * shape[-1] ** -0.5
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layers = tuple(LayerParams(ones(cfg.hidden_size), w(qkv, cfg.hidden_size),
+                               w(qkv) * 0.1 if cfg.qkv_bias else None,
+                               ones(cfg.head_dim) if cfg.qk_norm else None, ones(cfg.head_dim) if cfg.qk_norm else None,
+                               w(cfg.hidden_size, cfg.q_size), ones(cfg.hidden_size),
+                               w(2 * cfg.intermediate_size, cfg.hidden_size), w(cfg.hidden_size, cfg.intermediate_size))
+                   for _ in range(cfg.num_layers))
+    embed = w(cfg.vocab_size, cfg.hidden_size)
+    return Params(embed, layers, ones(cfg.hidden_size),
+                  embed if cfg.tie_word_embeddings else w(cfg.vocab_size, cfg.hidden_size),
+                  rope_inv_freq(cfg).to(device))
