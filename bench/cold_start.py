@@ -50,19 +50,19 @@ def one(model: str, load_format: str, device: str) -> dict:
     phases = {}
 
     def timed_init(self, *args, **kw):
-        from nanoinfer.graphs import DecodeGraphs
+        from nanoinfer.graphs import StepGraphs
 
-        real = DecodeGraphs.capture
+        real = StepGraphs.capture
 
         def capture(graphs):
             t = time.perf_counter()
             real(graphs)
             phases["graph capture"] = time.perf_counter() - t
-        DecodeGraphs.capture = capture
+        StepGraphs.capture = capture
         try:
             real_capture(self, *args, **kw)
         finally:
-            DecodeGraphs.capture = real
+            StepGraphs.capture = real
     model_runner.ModelRunner.__init__ = timed_init
     core = EngineCore(model, engine_config(max_model_len=4096))
     clock = mark("engine: KV sizing, compile (graph capture below)", clock)

@@ -1,94 +1,139 @@
-"""CUDA-graph capture and replay of the decode forward, over static input buffers.
+"""CUDA-graph capture and replay of the forward, over static input buffers.
 
 A decode step is ~10 small kernels per layer; at batch 1 launching them from Python costs
-more than running them. We capture `forward` once per batch-size bucket into a CUDA graph
-whose inputs live in static buffers, and replay it: copy the step's (padded) Batch into the
-buffers, replay, read the logits. Padding rows carry slot -1 (the KV write skips them) and a
-context of 0 keys (attention writes zeros), and their logits are sliced off.
+more than running them, and a mixed step (prefill chunks beside decodes) of a 28-layer model
+costs ~25 ms of host launches on an H100's host, several times its GPU work. We capture the
+forward into CUDA graphs whose inputs live in static buffers and replay them: copy the step's
+Batch into the buffers (padded), replay, read the logits.
+
+- Decode graphs, per batch-size bucket and block-table width: one query row per sequence.
+- Mixed graphs, per token-count bucket: any step of up to `max_batch` sequences and sampling
+  rows; its block tables take the full width and its sequence count is `max_batch` (padding
+  sequences own no query rows).
+
+Padding rows carry slot -1 (the KV write skips them) and belong to a sequence with a context
+of 0 keys (attention writes zeros); their logits are sliced off.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from nanoinfer.attention import AttentionBackend
 from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
-from nanoinfer.model import EAGER, LayerFunctions, Params, forward
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Mixed steps: at most 1.5x the step's tokens run (the budget's full steps, the common case, exactly).
+DEFAULT_TOKEN_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
-class DecodeGraphs:
-    """Graphs of `forward` for decode batches of up to `max_batch` sequences (one query row
-    each) whose block tables are at most `max_blocks` wide.
+class StepGraphs:
+    """Graphs of a forward `step` for batches of up to `max_batch` sequences whose block tables
+    are at most `max_blocks` wide: decode batches (one query row each), and, when
+    `max_tokens` is given, mixed batches of up to `max_tokens` tokens.
 
-    Each batch-size bucket is captured once per block-table width in `widths` (plus
+    Each decode bucket is captured once per block-table width in `widths` (plus
     `max_blocks`): attention kernels size their launch from that width (the longest
     context it allows), so a step of short contexts replays a graph sized for them rather
     than one that splits every sequence's keys for the longest context the model allows.
     """
 
-    def __init__(self, params: Params, kv: torch.Tensor, cfg: ModelConfig, backend: AttentionBackend,
-                 max_batch: int, max_blocks: int, buckets=DEFAULT_BUCKETS, layer_fns: LayerFunctions = EAGER,
-                 widths: tuple[int, ...] = ()):
-        self.params, self.kv, self.cfg, self.backend, self.layer_fns = params, kv, cfg, backend, layer_fns
+    def __init__(self, step: Callable[[Batch], torch.Tensor], device: torch.device, max_batch: int, max_blocks: int,
+                 buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
+                 token_buckets=DEFAULT_TOKEN_BUCKETS):
+        """`step(batch)`: the forward to capture (its logits; it writes the batch's KV)."""
+        self.step = step
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.widths = tuple(sorted({w for w in widths if 0 < w < max_blocks})) + (max_blocks,)
-        self.max_blocks = max_blocks
-        device = kv.device
-        n = max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # Mixed steps have more tokens than sequences: buckets past the decode sizes only.
+        self.token_buckets = () if max_tokens <= max_batch else (
+            tuple(t for t in token_buckets if max_batch < t < max_tokens) + (max_tokens,))
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        n, t = max_batch, max(max_batch, max_tokens)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one row per sequence
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by (size, width)
+        self.decode_starts = torch.arange(n + 1, dtype=torch.int32, device=device)  # one row per sequence
+        self.decode_rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.mixed_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.mixed_rows = torch.zeros(n, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode, by (size, width)
+        self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by token bucket
         self.pool = None
 
-    def _static_batch(self, size: int, width: int) -> Batch:
+    def _decode_batch(self, size: int, width: int) -> Batch:
         return Batch(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                     self.block_tables[:size, :width], self.seq_lens[:size], self.query_start_loc[:size + 1],
-                     self.logits_indices[:size])
+                     self.block_tables[:size, :width], self.seq_lens[:size], self.decode_starts[:size + 1],
+                     self.decode_rows[:size])
+
+    def _mixed_batch(self, tokens: int) -> Batch:
+        return Batch(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens], self.block_tables,
+                     self.seq_lens, self.mixed_starts, self.mixed_rows)
+
+    def _capture(self, batch: Batch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
+            self.step(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.step(batch)
+        self.pool = graph.pool()
+        return graph, logits
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        # Capture-time batches: every token in the first sequence, no keys read or written.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(0)
+        self.mixed_starts.fill_(0)
+        for tokens in sorted(self.token_buckets, reverse=True):
+            self.mixed_starts[1:].fill_(tokens)
+            self.mixed[tokens] = self._capture(self._mixed_batch(tokens))
         for size, width in sorted(((s, w) for s in self.buckets for w in self.widths), reverse=True):
-            batch = self._static_batch(size, width)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
-                forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = forward(self.params, self.kv, batch, self.cfg, self.backend, self.layer_fns)
-            self.pool = graph.pool()
-            self.graphs[size, width] = (graph, logits)
+            self.graphs[size, width] = self._capture(self._decode_batch(size, width))
         torch.cuda.synchronize()
 
     def can_run(self, batch: Batch) -> bool:
-        """Pure decode (one token per sequence, logits for each) within the captured sizes."""
-        n = batch.num_seqs
-        return (bool(self.graphs) and batch.num_tokens == n and n <= self.buckets[-1]
-                and batch.logits_indices.shape[0] == n and batch.block_tables.shape[1] <= self.max_blocks)
+        """A step within the captured sizes: decode, or mixed when mixed graphs were captured."""
+        n, t = batch.num_seqs, batch.num_tokens
+        if not self.graphs or n > self.max_batch or batch.block_tables.shape[1] > self.max_blocks:
+            return False
+        if t == n:
+            return batch.logits_indices.shape[0] == n
+        return bool(self.token_buckets) and t <= self.token_buckets[-1] and batch.logits_indices.shape[0] <= n
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [num_seqs, vocab] for a decode batch (see `can_run`), by graph replay."""
-        n = batch.num_seqs
-        size = next(b for b in self.buckets if b >= n)
+        """Logits [len(batch.logits_indices), vocab] for a batch that `can_run`, by graph replay."""
+        n, t = batch.num_seqs, batch.num_tokens
         width = batch.block_tables.shape[1]
         # Columns past `width` may hold another step's blocks: seq_lens keeps them unread.
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:size].fill_(-1)
+        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:t].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
         self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        self.seq_lens[n:size].fill_(0)
-        graph, logits = self.graphs[size, next(w for w in self.widths if w >= width)]
+        if t == n:
+            size = next(b for b in self.buckets if b >= n)
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(0)
+            graph, logits = self.graphs[size, next(w for w in self.widths if w >= width)]
+            graph.replay()
+            return logits[:n]
+        tokens = next(b for b in self.token_buckets if b >= t)
+        rows = batch.logits_indices.shape[0]
+        self.slot_mapping[t:tokens].fill_(-1)
+        self.seq_lens[n:].fill_(0)
+        # Padding tokens form sequence n (no keys: attention writes zeros); later ones own none.
+        self.mixed_starts[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
+        self.mixed_starts[n + 1:].fill_(tokens)
+        self.mixed_rows[:rows].copy_(batch.logits_indices, non_blocking=True)
+        self.mixed_rows[rows:].fill_(0)
+        graph, logits = self.mixed[tokens]
         graph.replay()
-        return logits[:n]
+        return logits[:rows]

@@ -54,7 +54,7 @@ class ModelRunner:
         self.device = model.params.device
         self.block_size = config.block_size
         kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager)
-        self.attention, self.layer_fns = kernels.attention, kernels.layer_fns
+        self.kernels, self.attention = kernels, kernels.attention
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
                                                                     lambda: self.attention)
@@ -70,14 +70,14 @@ class ModelRunner:
                                 self.device)
         self.graphs = None
         if kernels.graphs:
-            from nanoinfer.graphs import DecodeGraphs
+            from nanoinfer.graphs import StepGraphs
 
-            self.graphs = DecodeGraphs(model.params, self.kv, cfg, self.attention,
-                                       max_batch=min(config.scheduler.max_num_seqs, 512), max_blocks=max_blocks,
-                                       layer_fns=self.layer_fns,
-                                       # Steps whose contexts fit one split-K partition get graphs
-                                       # whose attention runs in one pass (no reduce kernel).
-                                       widths=(self.attention.partition_size // config.block_size,))
+            self.graphs = StepGraphs(self._eager_forward, self.device,
+                                     max_batch=min(config.scheduler.max_num_seqs, 512), max_blocks=max_blocks,
+                                     max_tokens=config.scheduler.max_num_batched_tokens,
+                                     # Steps whose contexts fit one split-K partition get graphs
+                                     # whose attention runs in one pass (no reduce kernel).
+                                     widths=(self.attention.partition_size // config.block_size,))
             self.graphs.capture()
 
     # -- the KV pools ----------------------------------------------------------------------
@@ -154,15 +154,22 @@ class ModelRunner:
         batch = Batch(input_ids_t, positions_t, slots_t, block_tables, seq_lens, qsl_t, logits_t)
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
+    def _eager_forward(self, batch: Batch) -> torch.Tensor:
+        k = self.kernels
+        return forward(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """The step's logits: a CUDA graph's replay where one fits the batch."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self._eager_forward(batch)
+
     def launch(self, inp: StepInput, forward_done: Callable[[], None] = lambda: None) -> InFlightStep:
         """Queue the step's forward and sampling and start copying the results to the host;
         returns without waiting for the device. Changes no sequence. (`forward_done` is called
         between the two, for the step's phase timings.)"""
         batch, sampler_rows, (sampler_rows_t, steps_t) = self._build(inp)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
-        else:
-            logits = forward(self.model.params, self.kv, batch, self.cfg, self.attention, self.layer_fns)
+        logits = self._forward(batch)
         forward_done()
         all_logits = logits
         sample_at = [i for _, i in inp.samplers]

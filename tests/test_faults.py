@@ -17,7 +17,7 @@ from runtime.input_batch import InputBatch
 from nanoinfer import EngineError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.engine import AsyncEngine, engine_config
-from tests.tiny import random_params, tiny_config
+from tests.tiny import patch_forward, random_params, tiny_config
 
 CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16)
@@ -124,16 +124,15 @@ def test_nan_logits_in_one_row_fail_that_request_alone(undisturbed, async_schedu
 
 
 def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, undisturbed):
-    real_forward = model_runner.forward
     calls = {"n": 0}
 
-    def forward(params, kv, batch, *args):
+    def forward(batch, real):
         calls["n"] += 1
         if calls["n"] in (1, 4):  # the first (all prompts at once) and a later step
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_forward(params, kv, batch, *args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", forward)
+    patch_forward(monkeypatch, forward)
 
     async def go():
         async with make_engine() as engine:
@@ -148,14 +147,13 @@ def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, un
 def test_a_request_too_big_for_memory_fails_with_a_request_error_and_the_rest_finish(monkeypatch, undisturbed):
     """The forward runs out of memory whenever a sequence's context passes 60 tokens: the
     100-token prompt is chunked down to the smallest chunk, then failed with a clear 4xx."""
-    real_forward = model_runner.forward
 
-    def forward(params, kv, batch, *args):
+    def forward(batch, real):
         if int(batch.seq_lens.max()) > 60:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
-        return real_forward(params, kv, batch, *args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", forward)
+    patch_forward(monkeypatch, forward)
 
     async def go():
         async with make_engine() as engine:
@@ -172,16 +170,15 @@ def test_a_request_too_big_for_memory_fails_with_a_request_error_and_the_rest_fi
 
 
 def test_a_transient_error_fails_nobody(monkeypatch, undisturbed):
-    real_forward = model_runner.forward
     calls = {"n": 0}
 
-    def forward(params, kv, batch, *args):
+    def forward(batch, real):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("a cosmic ray")
-        return real_forward(params, kv, batch, *args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", forward)
+    patch_forward(monkeypatch, forward)
 
     async def go():
         async with make_engine() as engine:
@@ -216,7 +213,7 @@ def test_a_device_error_is_fatal(monkeypatch):
     def forward(*args):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(model_runner, "forward", forward)
+    patch_forward(monkeypatch, forward)
 
     async def go():
         async with make_engine() as engine:
@@ -317,14 +314,12 @@ def test_a_failed_request_is_a_500_and_the_server_keeps_serving(poisoned_server)
 def test_a_request_that_cannot_fit_in_memory_is_a_400(poisoned_server, monkeypatch):
     import httpx
 
-    real_forward = model_runner.forward
-
-    def forward(params, kv, batch, *args):
+    def forward(batch, real):
         if int(batch.seq_lens.max()) > 100:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return real_forward(params, kv, batch, *args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", forward)
+    patch_forward(monkeypatch, forward)
     url = poisoned_server.url + "/v1/completions"
     r = httpx.post(url, json={"prompt": list(range(20, 220)), "max_tokens": 4}, timeout=60)
     assert r.status_code == 400 and "out of memory" in r.json()["error"]["message"]
@@ -334,15 +329,15 @@ def test_a_request_that_cannot_fit_in_memory_is_a_400(poisoned_server, monkeypat
 
 def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
     """A failure is pinned on a request only when it comes back with that request alone."""
-    real_forward, calls = model_runner.forward, {"n": 0}
+    calls = {"n": 0}
 
-    def forward(params, kv, batch, *args):
+    def forward(batch, real):
         calls["n"] += 1
         if calls["n"] == 2:
             raise ValueError("a one-off glitch")
-        return real_forward(params, kv, batch, *args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", forward)
+    patch_forward(monkeypatch, forward)
 
     async def go():
         async with make_engine() as engine:

@@ -18,7 +18,7 @@ from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling import SamplingTensors, sample
 from runtime.engine import engine_config
 from runtime.engine_core import EngineConfig, EngineCore
-from tests.tiny import random_params, tiny_config
+from tests.tiny import patch_forward, random_params, tiny_config
 
 V = 16
 
@@ -140,20 +140,17 @@ def test_seeded_request_alone_equals_inside_a_batch_of_16():
 
 
 def test_n4_shares_one_prefill(monkeypatch):
-    import runtime.model_runner as model_runner
-
     prompt = list(range(1, 23))  # 22 tokens: 5 full blocks of 4 and a partial one
     core = EngineCore(TINY, EngineConfig(block_size=4, num_blocks=64))
     parent = core.add_request(prompt, SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True))
     forks = list(parent.forks)
     computed = []
-    real_forward = model_runner.forward
 
-    def counting_forward(params, kv, batch, *args):
+    def counting_forward(batch, real):
         computed.append(batch.num_tokens)
-        return real_forward(params, kv, batch, *args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", counting_forward)
+    patch_forward(monkeypatch, counting_forward)
     core.step()
     tables = [s.block_table for s in (parent, *forks)]
     assert all(t[:5] == tables[0][:5] for t in tables)  # the prompt's full blocks, shared

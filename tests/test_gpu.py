@@ -16,7 +16,7 @@ import transformers  # noqa: E402
 
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from nanoinfer.batch import SeqChunk, build_batch  # noqa: E402
-from nanoinfer.graphs import DecodeGraphs  # noqa: E402
+from nanoinfer.graphs import StepGraphs  # noqa: E402
 from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
 from nanoinfer.layers import rms_norm  # noqa: E402
 from nanoinfer.loaders import LoadedModel  # noqa: E402
@@ -48,8 +48,8 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
     kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
     kv.normal_()
     backend = TritonPagedAttention(cfg, device="cuda")
-    graphs = DecodeGraphs(model.params, kv, cfg, backend, max_batch=8, max_blocks=16, buckets=(1, 2, 4, 8),
-                          widths=(4,))
+    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend), kv.device, max_batch=8, max_blocks=16,
+                        buckets=(1, 2, 4, 8), widths=(4,))
     graphs.capture()
     assert set(graphs.graphs) == {(b, w) for b in (1, 2, 4, 8) for w in (4, 16)}
     # Decode rows at these positions: 5 rows padded to bucket 8, 3 rows to bucket 4; the
@@ -87,12 +87,49 @@ def test_compiled_forward_matches_eager_and_replays_exactly(hf_and_ours):
     eager_err = (eager - exact).abs().max().item()
     fused_err = (fused - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
-    graphs = DecodeGraphs(model.params, kv, cfg, backend, max_batch=4, max_blocks=16, buckets=(1, 4),
-                          layer_fns=compiled)
+    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend, compiled), kv.device, max_batch=4,
+                        max_blocks=16, buckets=(1, 4))
     graphs.capture()
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
         assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode).clone())
+
+
+def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours):
+    """Prefill chunks beside decodes, padded to a token bucket and to the graphs' sequence
+    count, replay what the eager forward computes; padding writes no KV."""
+    _, model = hf_and_ours
+    cfg, bs = model.config, 16
+    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
+    kv.normal_()
+    backend = TritonPagedAttention(cfg, device="cuda")
+    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend), kv.device, max_batch=8, max_blocks=16,
+                        buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
+    graphs.capture()
+    assert set(graphs.mixed) == {16, 32, 64}
+    steps = [  # chunks: (tokens, start, blocks, sample); the last step fills all 8 sequences
+        [(9, 0, 1, True), (1, 20, 2, True), (3, 5, 1, False)],
+        [(30, 0, 2, True)],
+        [(20, 16, 3, True), (1, 100, 7, True), (1, 3, 1, True), (1, 40, 3, True), (5, 0, 1, True)],
+        [(2, 0, 1, True)] * 7 + [(50, 0, 4, True)],
+    ]
+    for chunks in steps:
+        blocks = iter(range(64))
+        batch = build_batch([SeqChunk(list(range(1, 1 + n)), start, [next(blocks) for _ in range(b)], sample)
+                             for n, start, b, sample in chunks], bs, "cuda")
+        assert graphs.can_run(batch) and batch.num_tokens > batch.num_seqs
+        eager_kv = kv.clone()
+        with torch.inference_mode():
+            eager = forward(model.params, eager_kv, batch, cfg, backend)
+            replayed = graphs.run(batch).clone()
+        assert replayed.shape == eager.shape
+        assert (replayed - eager).abs().max().item() <= 0.02 * eager.abs().max().item(), chunks
+        written = torch.zeros(64 * bs, dtype=torch.bool, device="cuda")
+        written[batch.slot_mapping] = True
+        flat, eager_flat = kv.view(cfg.num_layers, 2, 64 * bs, -1), eager_kv.view(cfg.num_layers, 2, 64 * bs, -1)
+        assert torch.equal(flat[:, :, ~written], eager_flat[:, :, ~written])
+        assert (flat[:, :, written].float() - eager_flat[:, :, written].float()).abs().max().item() < 0.1
+        kv.copy_(eager_kv)  # (both paths go on from the same cache)
 
 
 def test_bf16_greedy_agrees_with_transformers_up_to_near_ties(hf_and_ours):
@@ -209,8 +246,8 @@ def test_compiled_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours
     eager_err = (eager - exact).abs().max().item()
     fused_err = (fused - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
-    graphs = DecodeGraphs(model.params, kv, cfg, backend, max_batch=2, max_blocks=16, buckets=(1, 2),
-                          layer_fns=compiled)
+    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend, compiled), kv.device, max_batch=2,
+                        max_blocks=16, buckets=(1, 2))
     graphs.capture()
     with torch.inference_mode():
         assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode).clone())
@@ -237,24 +274,24 @@ def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
 def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
     """Issue 10 on the GPU path (async scheduling, CUDA graphs): an out-of-memory forward is
     retried, a request whose logits turn NaN fails alone, the others run to their length."""
-    import runtime.model_runner as model_runner
     from runtime.faults import RequestFailed
+    from tests.tiny import patch_forward
 
     _, model = hf_and_ours
     embed = model.params.embed.clone()
     embed[7] = float("nan")  # a token whose embedding poisons whoever reads it
     poisoned = dataclasses.replace(model, params=dataclasses.replace(model.params, embed=embed))
-    real_forward, calls = model_runner.forward, {"n": 0}
+    calls = {"n": 0}
 
-    def flaky_forward(*args):  # (decode steps replay graphs: this runs the prefills)
+    def flaky_forward(batch, real):  # (decode steps replay graphs: this runs the prefills)
         calls["n"] += 1
         if calls["n"] == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return real_forward(*args)
+        return real(batch)
 
-    monkeypatch.setattr(model_runner, "forward", flaky_forward)
     engine = EngineCore(poisoned, EngineConfig(block_size=16, num_blocks=512, max_model_len=1024,
                                                async_scheduling=True))
+    patch_forward(monkeypatch, flaky_forward)  # (after the graphs are captured)
     good = [engine.add_request(list(range(100 + i, 130 + 7 * i)), SamplingParams(temperature=0.8, seed=i,
                                                                                  max_tokens=12, ignore_eos=True))
             for i in range(6)]

@@ -47,3 +47,12 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Param
     return Params(embed=embed, layers=layers, final_norm=norm(cfg.hidden_size),
                   lm_head=embed if cfg.tie_word_embeddings else w(cfg.vocab_size, cfg.hidden_size, scale=0.5),
                   rope_inv_freq=rope_inv_freq(cfg))
+
+
+def patch_forward(monkeypatch, fn) -> None:
+    """Every ModelRunner's eager forward (graph replays aside) becomes `fn(batch, real)`, where
+    `real(batch)` runs the forward it replaced: how tests inject faults into a step."""
+    from runtime.model_runner import ModelRunner
+
+    real = ModelRunner._forward
+    monkeypatch.setattr(ModelRunner, "_forward", lambda self, batch: fn(batch, lambda b: real(self, b)))
