@@ -89,8 +89,8 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
-        # Each torch.cuda.graph() begins with gc.collect(), which walks every object that
-        # compiling left on the heap (about a quarter of a second, per graph): freeze them.
+        # Each torch.cuda.graph() begins with gc.collect(), which walks every object on the
+        # heap, compiling's included: frozen objects are skipped (as vLLM does).
         gc.collect()
         gc.freeze()
         try:
