@@ -1,7 +1,7 @@
 """Offline throughput on nano-vllm's workload: N sequences, random prompt and output lengths.
 
     python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
-                               [--model M] [--device cpu] [--baseline-batch 16]
+                               [--model M] [--device cpu] [--baseline-batch 16] [--temperature 0]
 
 Prompts are random token ids, lengths uniform in the given ranges (fixed seed), generation
 with ignore_eos so every request produces exactly its output length. Output tok/s counts
@@ -26,10 +26,11 @@ def workload(num_seqs, input_len, output_len, vocab, seed=0):
     return prompts, outputs
 
 
-def run_ours(llm, prompts, outputs):
+def run_ours(llm, prompts, outputs, temperature=0.0):
     from nanoinfer import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate(outputs)]
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -62,6 +63,7 @@ def main():
     parser.add_argument("--baseline-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; nano-vllm's bench samples at 0.6")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -78,8 +80,8 @@ def main():
     # Warm-up over prompts of the workload's own lengths: the first prefill of each shape JIT-
     # compiles Triton kernels and Inductor code (cold start is bench/cold_start.py's business).
     warm = min(32, len(prompts))
-    run_ours(llm, prompts[:warm], [8] * warm)
-    ours = run_ours(llm, prompts, outputs)
+    run_ours(llm, prompts[:warm], [8] * warm, args.temperature)
+    ours = run_ours(llm, prompts, outputs, args.temperature)
     total = sum(outputs)
     rows = [("nanoinfer", ours, total / ours)]
     core = llm.engine.core
@@ -113,7 +115,8 @@ def main():
         with torch.inference_mode():
             theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
-    print(f"model {model_path.name}  device {args.device}  seqs {args.num_seqs}  input {args.input_len}  "
+    print(f"model {model_path.name}  device {args.device}  temperature {args.temperature}  seqs {args.num_seqs}  "
+          f"input {args.input_len}  "
           f"output {args.output_len}  output tokens {total}")
     print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")  # (last row = baseline)
     for name, seconds, tps in rows:

@@ -9,7 +9,7 @@ requests share the batch, and no per-row generator state has to live anywhere.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
-           "uniform_noise", "uniform_noise_from_bits", "exponential_race"]
+           "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw"]
 
 
 class SamplingTensors(NamedTuple):
@@ -108,6 +108,14 @@ def exponential_race(probs: torch.Tensor, exponential: torch.Tensor) -> torch.Te
     return torch.where(probs > 0, probs / exponential, -1.0).argmax(dim=-1)
 
 
+def random_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One token per row, drawn with probability `probs` [rows, vocab]: the exponential race
+    over the counter-based noise of each row's (seed, step). Eager, it makes ~40 passes over
+    [rows, vocab] int64 tensors (the hash); compiled (nanoinfer.kernels on CUDA) it is one
+    reduction that computes the noise in registers."""
+    return exponential_race(probs, -torch.log(uniform_noise(seeds, steps, probs.shape[-1])))
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf every token outside each row's top-k, then outside the smallest set whose
     probability (renormalized after top-k) reaches top-p. The most likely token always stays,
@@ -122,7 +130,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_draw) -> torch.Tensor:
     """Next token ids [rows] (int64) from logits [rows, vocab] (fp32).
 
     Order per row: penalties (see `apply_penalties`), temperature, top-k, top-p, min-p (relative to the most likely token), then
@@ -141,8 +149,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.needs_min_p:
         threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-    exponential = -torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1]))
-    sampled = exponential_race(probs, exponential)
+    sampled = draw(probs, st.seeds, st.steps)  # (`random_draw`, or a compiled version of it)
     return torch.where(st.temperature == 0, greedy, sampled)
 
 

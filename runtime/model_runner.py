@@ -17,7 +17,7 @@ import torch
 
 from nanoinfer.batch import Batch
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kernels import kernels_for
+from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
@@ -55,6 +55,7 @@ class ModelRunner:
         self.block_size = config.block_size
         kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager)
         self.kernels, self.attention = kernels, kernels.attention
+        prepare(kernels, model.params, cfg.vocab_size)
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
                                                                     lambda: self.attention)
@@ -177,7 +178,7 @@ class ModelRunner:
             (index,) = to_device_packed([sample_at], torch.int64, self.device)
             logits = logits.index_select(0, index)
         st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)
-        tokens = sample(logits, st)
+        tokens = sample(logits, st, self.kernels.draw)
         self.batch.sampled(sampler_rows_t, tokens)
         # A row whose logits are not finite (NaN, inf) samples garbage: it fails its request alone.
         results = [tokens, logits.sum(dim=-1).isfinite()]  # (one reduction: NaN and inf survive a sum)

@@ -17,6 +17,7 @@ import transformers  # noqa: E402
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from nanoinfer.batch import SeqChunk, build_batch  # noqa: E402
 from nanoinfer.graphs import StepGraphs  # noqa: E402
+from nanoinfer.kernels import kernels_for  # noqa: E402
 from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
 from nanoinfer.layers import rms_norm  # noqa: E402
 from nanoinfer.loaders import LoadedModel  # noqa: E402
@@ -40,6 +41,12 @@ def hf_and_ours(tmp_path_factory):
     cfg = read_hf_config(path)
     ours = LoadedModel(cfg, load_hf_params(path, cfg, torch.bfloat16, "cuda", progress=False), None, path)
     return hf, ours
+
+
+def tiny_cfg():
+    from tests.tiny import tiny_config
+
+    return tiny_config()
 
 
 def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
@@ -166,6 +173,25 @@ def test_engine_on_cuda_with_nvtx_ranges_and_phase_times(hf_and_ours):
         engine.step()
     assert len(seq.output_token_ids) == 4 and not engine._nvtx_open
     assert set(engine.phase_times) == {"schedule", "batch", "forward", "sample", "resolve"}
+
+
+def test_compiled_random_draw_equals_eager():
+    """The fused draw (CUDA's kernels) picks the same token as the eager hash + race, masked
+    tokens never win, and rows with a different (seed, step) draw differently."""
+    from nanoinfer.sampling import random_draw
+
+    compiled = kernels_for(tiny_cfg(), torch.device("cuda"), 16).draw
+    assert compiled is not random_draw
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, vocab in ((1, 97), (7, 151936), (256, 32000)):
+        probs = torch.rand(rows, vocab, device="cuda", generator=g) ** 8
+        probs[:, ::3] = 0.0  # masked tokens
+        probs /= probs.sum(dim=-1, keepdim=True)
+        seeds = torch.randint(0, 1 << 40, (rows,), device="cuda", generator=g)
+        steps = torch.randint(0, 5000, (rows,), device="cuda", generator=g)
+        eager, fused = random_draw(probs, seeds, steps), compiled(probs, seeds, steps)
+        assert torch.equal(eager, fused), (rows, vocab)
+        assert (probs.gather(1, fused[:, None]) > 0).all()
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1000, 1000), (7, 33),
