@@ -25,7 +25,8 @@ import torch
 from nanoinfer.batch import Batch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# Mixed steps: at most 1.5x the step's tokens run (the budget's full steps, the common case, exactly).
+# A mixed step pads to the next of these: at most 2x its tokens below 1,024, 1.5x above; a
+# step that fills the token budget (the common case) not at all.
 DEFAULT_TOKEN_BUCKETS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 

@@ -1,10 +1,11 @@
-"""Which kernels run a model on a device: its attention backend and its layer functions.
+"""Which kernels run a model on a device: attention backend, layer functions, sampler draw.
 
 The one place that decides, per device. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections, the fused q/k-norm + RoPE + KV-write kernel, and
-torch.compile'd dense layer parts and random draw of the sampler (unless `eager`); CUDA
-graphs may then capture steps. On the CPU: batched torch attention and eager layers. Each fast path is tested
-against the reference backend (nanoinfer/attention/reference.py), which stays the oracle.
+torch.compile'd dense layer parts and the sampler's random draw (unless `eager`); CUDA
+graphs may then capture steps. On the CPU: batched torch attention and eager layers. Each
+fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
+the eager functions for the compiled ones), which stays the oracle.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from nanoinfer.sampling import random_draw
 class Kernels(NamedTuple):
     attention: AttentionBackend
     layer_fns: LayerFunctions
-    graphs: bool
-    draw: Callable = random_draw  # the sampler's random draw (nanoinfer.sampling.random_draw)  # decode steps may be captured in CUDA graphs
+    graphs: bool  # steps may be captured in CUDA graphs
+    draw: Callable = random_draw  # the sampler's random draw (nanoinfer.sampling.random_draw, or compiled)
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:
