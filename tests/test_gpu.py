@@ -49,12 +49,17 @@ def tiny_cfg():
     return tiny_config()
 
 
+def random_pool_and_backend(cfg, bs):
+    """A 64-block bf16 KV pool full of random values, and the Triton attention backend."""
+    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
+    kv.normal_()
+    return kv, TritonPagedAttention(cfg, device="cuda")
+
+
 def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
     _, model = hf_and_ours
     cfg, bs = model.config, 16
-    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
-    kv.normal_()
-    backend = TritonPagedAttention(cfg, device="cuda")
+    kv, backend = random_pool_and_backend(cfg, bs)
     graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend), kv.device, max_batch=8, max_blocks=16,
                         buckets=(1, 2, 4, 8), widths=(4,))
     graphs.capture()
@@ -78,9 +83,7 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
 def test_compiled_forward_matches_eager_and_replays_exactly(hf_and_ours):
     _, model = hf_and_ours
     cfg, bs = model.config, 16
-    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
-    kv.normal_()
-    backend = TritonPagedAttention(cfg, device="cuda")
+    kv, backend = random_pool_and_backend(cfg, bs)
     compiled = compiled_layer_functions()
     mixed = build_batch([SeqChunk(list(range(5, 45)), 3, list(range(0, 3)), True),
                          SeqChunk([9], 70, list(range(10, 15)), True)], bs, "cuda")
@@ -107,9 +110,7 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
     count, replay what the eager forward computes; padding writes no KV."""
     _, model = hf_and_ours
     cfg, bs = model.config, 16
-    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
-    kv.normal_()
-    backend = TritonPagedAttention(cfg, device="cuda")
+    kv, backend = random_pool_and_backend(cfg, bs)
     graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend), kv.device, max_batch=8, max_blocks=16,
                         buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
     graphs.capture()
@@ -260,9 +261,7 @@ def test_compiled_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours
 
     _, model = hf_and_ours
     cfg, bs = model.config, 16
-    kv = allocate_kv_pool(cfg, 64, bs, torch.bfloat16, "cuda")
-    kv.normal_()
-    backend = TritonPagedAttention(cfg, device="cuda")
+    kv, backend = random_pool_and_backend(cfg, bs)
     compiled = compiled_layer_functions(linear, rope_and_write)
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
