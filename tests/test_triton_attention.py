@@ -145,10 +145,14 @@ def test_decode_split_k(block_size, group, head_dim, dtype):
     run_and_check(TritonPagedAttention(cfg, device=DEVICE), batch, cfg, q, kv_layer, dtype)
 
 
-@pytest.mark.parametrize("group", [1, 8])
-def test_decode_unsplit(group):
-    cfg = make_cfg(2, group, 128)
-    batch, q, _, _, kv_layer = make_step(decode_seqs(random.Random(group)), cfg, 16, torch.bfloat16, seed=group)
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 256])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_unsplit(block_size, group, head_dim):
+    """The unsplit decode launch (its own tile length and pipeline depth) against the reference."""
+    cfg = make_cfg(2, group, head_dim)
+    seed = seed_of(block_size, group, head_dim)
+    batch, q, _, _, kv_layer = make_step(decode_seqs(random.Random(seed)), cfg, block_size, torch.bfloat16, seed=seed)
     run_and_check(TritonPagedAttention(cfg, device=DEVICE, max_split_tokens=0), batch, cfg, q, kv_layer, torch.bfloat16)
 
 

@@ -288,6 +288,12 @@ class TritonPagedAttention:
         # rows per K/V tile load.
         block_m = max(16 if split or tokens <= num_seqs else 64, triton.next_power_of_2(self.group))
         block_q = block_m // self.group
+        # An unsplit decode step streams each sequence's whole context through one program:
+        # longer K/V tiles, three stages deep, keep more loads in flight (batch 256 x ~1k
+        # tokens on an H200: 3.83 -> 4.04 TB/s). Wide heads keep their smaller tiles.
+        block_n, stages = self.block_n, 2
+        if not split and tokens <= num_seqs and self.head_dim_pad <= 128:
+            block_n, stages = 2 * self.block_n, 3
         part_size = 0
         if split:
             part_size = triton.cdiv(triton.cdiv(max_context, num_parts), self.block_n) * self.block_n
@@ -300,8 +306,8 @@ class TritonPagedAttention:
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_layer.stride(0), kv_layer.stride(1),
             kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0),
             NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=self.block_n,
-            SLIDING=metadata.sliding_window > 0, SPLIT=split, num_warps=self.num_warps, num_stages=2)
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+            SLIDING=metadata.sliding_window > 0, SPLIT=split, num_warps=self.num_warps, num_stages=stages)
         if split:
             _reduce_partitions_kernel[(tokens, heads)](
                 out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, num_seqs, num_parts,
