@@ -1,6 +1,8 @@
 """CUDA-graph capture and replay of the forward, over static input buffers.
 
-A decode step is ~10 small kernels per layer; at batch 1 launching them from Python costs
+A step's forward returns a tuple of tensors with one row per logits row (the runner's: the
+logits, and the greedy token and finite flag of each row, so a greedy step samples inside
+the graph). A decode step is ~10 small kernels per layer; at batch 1 launching them from Python costs
 more than running them, and a mixed step (prefill chunks beside decodes) of a 28-layer model
 costs ~25 ms of host launches on an H100's host, several times its GPU work. We capture the
 forward into CUDA graphs whose inputs live in static buffers and replay them: copy the step's
@@ -12,13 +14,13 @@ Batch into the buffers (padded), replay, read the logits.
   sequences own no query rows).
 
 Padding rows carry slot -1 (the KV write skips them) and belong to a sequence with a context
-of 0 keys (attention writes zeros); their logits are sliced off.
+of 0 keys (attention writes zeros); their outputs are sliced off.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,10 +43,11 @@ class StepGraphs:
     than one that splits every sequence's keys for the longest context the model allows.
     """
 
-    def __init__(self, step: Callable[[Batch], torch.Tensor], device: torch.device, max_batch: int, max_blocks: int,
+    def __init__(self, step: Callable[[Batch], Sequence[torch.Tensor]], device: torch.device, max_batch: int, max_blocks: int,
                  buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
                  token_buckets=DEFAULT_TOKEN_BUCKETS):
-        """`step(batch)`: the forward to capture (its logits; it writes the batch's KV)."""
+        """`step(batch)`: the forward to capture (it writes the batch's KV); it returns a tuple
+        of tensors whose rows are the batch's logits rows."""
         self.step = step
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.widths = tuple(sorted({w for w in widths if 0 < w < max_blocks})) + (max_blocks,)
@@ -62,8 +65,9 @@ class StepGraphs:
         self.decode_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.mixed_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.mixed_rows = torch.zeros(n, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode, by (size, width)
-        self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by token bucket
+        Captured = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]  # the graph, its outputs
+        self.graphs: dict[tuple[int, int], Captured] = {}  # decode, by (size, width)
+        self.mixed: dict[int, Captured] = {}  # by token bucket
         self.pool = None
 
     def _decode_batch(self, size: int, width: int) -> Batch:
@@ -75,7 +79,7 @@ class StepGraphs:
         return Batch(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens], self.block_tables,
                      self.seq_lens, self.mixed_starts, self.mixed_rows)
 
-    def _capture(self, batch: Batch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: Batch) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
@@ -83,9 +87,9 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.step(batch)
+            outputs = tuple(self.step(batch))
         self.pool = graph.pool()
-        return graph, logits
+        return graph, outputs
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -120,8 +124,9 @@ class StepGraphs:
             return batch.logits_indices.shape[0] == n
         return bool(self.token_buckets) and t <= self.token_buckets[-1] and batch.logits_indices.shape[0] <= n
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] for a batch that `can_run`, by graph replay."""
+    def run(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The step's outputs (rows: len(batch.logits_indices)) for a batch that `can_run`, by
+        graph replay."""
         n, t = batch.num_seqs, batch.num_tokens
         width = batch.block_tables.shape[1]
         # Columns past `width` may hold another step's blocks: seq_lens keeps them unread.
@@ -134,9 +139,9 @@ class StepGraphs:
             size = next(b for b in self.buckets if b >= n)
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(0)
-            graph, logits = self.graphs[size, next(w for w in self.widths if w >= width)]
+            graph, outputs = self.graphs[size, next(w for w in self.widths if w >= width)]
             graph.replay()
-            return logits[:n]
+            return tuple(out[:n] for out in outputs)
         tokens = next(b for b in self.token_buckets if b >= t)
         rows = batch.logits_indices.shape[0]
         self.slot_mapping[t:tokens].fill_(-1)
@@ -146,6 +151,6 @@ class StepGraphs:
         self.mixed_starts[n + 1:].fill_(tokens)
         self.mixed_rows[:rows].copy_(batch.logits_indices, non_blocking=True)
         self.mixed_rows[rows:].fill_(0)
-        graph, logits = self.mixed[tokens]
+        graph, outputs = self.mixed[tokens]
         graph.replay()
-        return logits[:rows]
+        return tuple(out[:rows] for out in outputs)

@@ -134,8 +134,10 @@ def forward(
     cfg: ModelConfig,
     backend: AttentionBackend = REFERENCE,
     layer_fns: LayerFunctions = EAGER,
+    logits_dtype: torch.dtype | None = torch.float32,
 ) -> torch.Tensor:
-    """Logits [len(batch.logits_indices), vocab] (fp32) for the batch's sampling rows.
+    """Logits [len(batch.logits_indices), vocab] for the batch's sampling rows, in
+    `logits_dtype` (None: the model's own dtype, which a greedy step needs no more than).
 
     Side effect: writes this step's keys and values into `kv` at `batch.slot_mapping`, the
     slots the batch owns, and nowhere else. Returning a fresh pool instead would copy the
@@ -157,7 +159,8 @@ def forward(
         x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear)
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
-    return F.linear(x, params.lm_head).float()
+    logits = F.linear(x, params.lm_head)
+    return logits if logits_dtype is None else logits.to(logits_dtype)
 
 
 def forward_out_of_place(

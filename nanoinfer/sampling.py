@@ -18,7 +18,7 @@ from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
-           "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw"]
+           "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw", "greedy_and_finite"]
 
 
 class SamplingTensors(NamedTuple):
@@ -130,16 +130,28 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_draw) -> torch.Tensor:
+def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of logits [rows, vocab] (any float dtype): the most likely token (int64; the
+    first on ties, as on the fp32 copy: widening is exact) and whether every logit is
+    finite. Two reading passes, no float copy: what a greedy step needs from its logits."""
+    low, high = torch.aminmax(logits, dim=-1)  # (NaN propagates into both)
+    return logits.argmax(dim=-1), low.isfinite() & high.isfinite()
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_draw,
+           greedy: torch.Tensor | None = None) -> torch.Tensor:
     """Next token ids [rows] (int64) from logits [rows, vocab] (fp32).
 
     Order per row: penalties (see `apply_penalties`), temperature, top-k, top-p, min-p (relative to the most likely token), then
     an exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p
-    (the Gumbel-max trick without the normalization or a host sync).
+    (the Gumbel-max trick without the normalization or a host sync). `greedy`: the logits'
+    argmax where the caller has it already (penalties, which change it, make it recomputed).
     """
     if st.penalties is not None:
         logits = apply_penalties(logits, st.penalties)
-    greedy = logits.argmax(dim=-1)
+        greedy = None
+    if greedy is None:
+        greedy = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy
     scaled = logits / st.temperature.clamp_min(1e-6)[:, None]

@@ -21,7 +21,7 @@ from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
-from nanoinfer.sampling import compute_logprobs, sample
+from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
 from runtime.input_batch import InputBatch
 from runtime.kv_budget import kv_blocks_for_memory
@@ -44,6 +44,15 @@ class StepInput(NamedTuple):
     samplers: tuple[tuple[Sequence, int], ...]  # (sequence, its index into those logits rows)
     prompt_rows: tuple[tuple[Sequence, int, int, list[int], bool], ...]  # (seq, first logits index, start,
     # the prompt tokens those rows predict, whether the prompt's logprobs are complete after them)
+
+
+class ForwardOutput(NamedTuple):
+    """A step's forward, per logits row: the logits (the model's dtype) and what a greedy step
+    needs of them, computed in the same CUDA graph."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    greedy: torch.Tensor  # [rows] int64: the most likely token
+    finite: torch.Tensor  # [rows] bool: every logit finite
 
 
 class ModelRunner:
@@ -155,14 +164,15 @@ class ModelRunner:
         batch = Batch(input_ids_t, positions_t, slots_t, block_tables, seq_lens, qsl_t, logits_t)
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
-    def _eager_forward(self, batch: Batch) -> torch.Tensor:
+    def _eager_forward(self, batch: Batch) -> ForwardOutput:
         k = self.kernels
-        return forward(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns)
+        logits = forward(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
+        return ForwardOutput(logits, *greedy_and_finite(logits))
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
-        """The step's logits: a CUDA graph's replay where one fits the batch."""
+    def _forward(self, batch: Batch) -> ForwardOutput:
+        """The step's forward: a CUDA graph's replay where one fits the batch."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return ForwardOutput(*self.graphs.run(batch))
         return self._eager_forward(batch)
 
     def launch(self, inp: StepInput, forward_done: Callable[[], None] = lambda: None) -> InFlightStep:
@@ -170,18 +180,23 @@ class ModelRunner:
         returns without waiting for the device. Changes no sequence. (`forward_done` is called
         between the two, for the step's phase timings.)"""
         batch, sampler_rows, (sampler_rows_t, steps_t) = self._build(inp)
-        logits = self._forward(batch)
+        out = self._forward(batch)
         forward_done()
-        all_logits = logits
+        all_logits = out.logits
         sample_at = [i for _, i in inp.samplers]
-        if sample_at != list(range(logits.shape[0])):  # (a pure decode step needs no gather)
+        if sample_at != list(range(out.logits.shape[0])):  # (a pure decode step needs no gather)
             (index,) = to_device_packed([sample_at], torch.int64, self.device)
-            logits = logits.index_select(0, index)
+            out = ForwardOutput(*(t.index_select(0, index) for t in out))
         st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)
-        tokens = sample(logits, st, self.kernels.draw)
+        logits = out.logits
+        if st.all_greedy and st.penalties is None:
+            tokens = out.greedy  # (the graph's own argmax: no float copy of the logits, no launch)
+        else:
+            logits = logits.float()
+            tokens = sample(logits, st, self.kernels.draw, greedy=out.greedy)
         self.batch.sampled(sampler_rows_t, tokens)
         # A row whose logits are not finite (NaN, inf) samples garbage: it fails its request alone.
-        results = [tokens, logits.sum(dim=-1).isfinite()]  # (one reduction: NaN and inf survive a sum)
+        results = [tokens, out.finite]
         wanted = [s.params.logprobs for s, _ in inp.samplers]
         if any(k is not None for k in wanted):
             results.extend(compute_logprobs(logits, tokens, max(k or 0 for k in wanted)))

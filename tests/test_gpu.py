@@ -60,7 +60,7 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
-    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend), kv.device, max_batch=8, max_blocks=16,
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend),), kv.device, max_batch=8, max_blocks=16,
                         buckets=(1, 2, 4, 8), widths=(4,))
     graphs.capture()
     assert set(graphs.graphs) == {(b, w) for b in (1, 2, 4, 8) for w in (4, 16)}
@@ -76,7 +76,7 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
         assert graphs.can_run(batch)
         with torch.inference_mode():
             eager = forward(model.params, kv, batch, cfg, backend).clone()
-            replayed = graphs.run(batch).clone()
+            replayed = graphs.run(batch)[0].clone()
         assert torch.equal(eager, replayed), contexts
 
 
@@ -97,12 +97,12 @@ def test_compiled_forward_matches_eager_and_replays_exactly(hf_and_ours):
     eager_err = (eager - exact).abs().max().item()
     fused_err = (fused - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
-    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend, compiled), kv.device, max_batch=4,
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, compiled),), kv.device, max_batch=4,
                         max_blocks=16, buckets=(1, 4))
     graphs.capture()
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
-        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode).clone())
+        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
 
 
 def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours):
@@ -111,7 +111,7 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
-    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend), kv.device, max_batch=8, max_blocks=16,
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend),), kv.device, max_batch=8, max_blocks=16,
                         buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
     graphs.capture()
     assert set(graphs.mixed) == {16, 32, 64}
@@ -129,7 +129,7 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
         eager_kv = kv.clone()
         with torch.inference_mode():
             eager = forward(model.params, eager_kv, batch, cfg, backend)
-            replayed = graphs.run(batch).clone()
+            replayed = graphs.run(batch)[0].clone()
         assert replayed.shape == eager.shape
         assert (replayed - eager).abs().max().item() <= 0.02 * eager.abs().max().item(), chunks
         written = torch.zeros(64 * bs, dtype=torch.bool, device="cuda")
@@ -271,11 +271,11 @@ def test_compiled_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours
     eager_err = (eager - exact).abs().max().item()
     fused_err = (fused - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
-    graphs = StepGraphs(lambda b: forward(model.params, kv, b, cfg, backend, compiled), kv.device, max_batch=2,
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, compiled),), kv.device, max_batch=2,
                         max_blocks=16, buckets=(1, 2))
     graphs.capture()
     with torch.inference_mode():
-        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode).clone())
+        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
 
 
 def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import (SamplingParams, SamplingTensors, apply_top_k_top_p, exponential_race, sample,
+from nanoinfer.sampling import (SamplingParams, SamplingTensors, apply_top_k_top_p, exponential_race, greedy_and_finite,
+                                sample,
                                 uniform_noise, uniform_noise_from_bits)
 
 V = 12
@@ -39,6 +40,21 @@ def test_greedy_is_argmax_for_every_row():
     logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
     st_ = SamplingTensors.build([SamplingParams(temperature=0)] * 64, [0] * 64, 1000, "cpu")
     assert torch.equal(sample(logits, st_), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_and_finite_on_the_models_dtype_equals_argmax_of_the_float_copy(dtype):
+    """The graph's greedy head reads the logits as the LM head left them: same tokens as the
+    argmax of their fp32 copy (ties included: bf16 rows repeat values), and a row with any
+    NaN or inf is flagged, whatever else it holds."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 3000, generator=g) * 4).to(dtype)
+    logits[1, 7] = logits[1].max()  # a tie: the first index wins, as on the float copy
+    logits[2, 10], logits[3, 2999], logits[4, 0] = float("nan"), float("inf"), float("-inf")
+    tokens, finite = greedy_and_finite(logits)
+    ok = torch.tensor([True, True, False, False, False, True])
+    assert torch.equal(tokens[ok], logits.float().argmax(dim=-1)[ok])
+    assert torch.equal(finite, ok) and tokens.dtype == torch.int64
 
 
 def test_temperature_one_follows_the_distribution():
