@@ -18,13 +18,12 @@ import time
 import torch
 
 
-def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, num_scheduler_steps=1):
+def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine_core import EngineConfig, EngineCore
 
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
-                                            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-                                            num_scheduler_steps=num_scheduler_steps))
+                                            enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     prompt = [11, 22, 33, 44, 55]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     while engine.has_unfinished():
@@ -77,25 +76,23 @@ def main():
     from bench.shapes import random_model, weight_bytes
 
     print(f"device {torch.cuda.get_device_name()}  new tokens {args.new_tokens}  prompt 5")
-    print(f"{'shape':<14}{'engine':<34}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample resolve")
+    print(f"{'shape':<14}{'engine':<30}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample resolve")
     for name in args.shapes:
         model = random_model(name)
         nbytes = weight_bytes(model)
-        for label, eager, overlap, steps in (("nanoinfer (graphs, overlap)", False, True, 1),
-                                             ("nanoinfer (graphs, 4 steps/plan)", False, True, 4),
-                                             ("nanoinfer (graphs, no overlap)", False, False, 1),
-                                             ("nanoinfer (eager)", True, True, 1)):
-            tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap,
-                                    num_scheduler_steps=steps)
+        for label, eager, overlap in (("nanoinfer (graphs, overlap)", False, True),
+                                      ("nanoinfer (graphs, no overlap)", False, False),
+                                      ("nanoinfer (eager)", True, True)):
+            tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap)
             breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
                                                                       "resolve"))
-            print(f"{name:<14}{label:<34}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
+            print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
         del model
         gc.collect()
         torch.cuda.empty_cache()
         if not args.no_baseline:
             tps = time_transformers(name, args.new_tokens)
-            print(f"{name:<14}{'transformers (eager)':<34}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}")
+            print(f"{name:<14}{'transformers (eager)':<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}")
         gc.collect()
         torch.cuda.empty_cache()
 

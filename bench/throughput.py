@@ -2,7 +2,6 @@
 
     python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
                                [--model M] [--device cpu] [--baseline-batch 16] [--temperature 0]
-                               [--num-scheduler-steps 1]
 
 Prompts are random token ids, lengths uniform in the given ranges (fixed seed), generation
 with ignore_eos so every request produces exactly its output length. Output tok/s counts
@@ -64,7 +63,6 @@ def main():
     parser.add_argument("--baseline-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps launched per plan")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; nano-vllm's bench samples at 0.6")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,10 +73,9 @@ def main():
         from bench.shapes import random_model
 
         llm = LLM.from_loaded(random_model(args.shape, device=args.device), max_model_len=4096,
-                              max_num_seqs=args.num_seqs, num_scheduler_steps=args.num_scheduler_steps)
+                              max_num_seqs=args.num_seqs)
     else:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False,
-                  num_scheduler_steps=args.num_scheduler_steps)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
     prompts, outputs = workload(args.num_seqs, args.input_len, args.output_len, llm.model.config.vocab_size)
     # Warm-up over prompts of the workload's own lengths: the first prefill of each shape JIT-
     # compiles Triton kernels and Inductor code (cold start is bench/cold_start.py's business).
@@ -119,7 +116,6 @@ def main():
             theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
     print(f"model {model_path.name}  device {args.device}  temperature {args.temperature}  seqs {args.num_seqs}  "
-          f"steps/plan {args.num_scheduler_steps}  "
           f"input {args.input_len}  "
           f"output {args.output_len}  output tokens {total}")
     print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")  # (last row = baseline)

@@ -26,9 +26,6 @@ class EngineConfig:
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
                                                   "CUDA)", optional=True)
-    num_scheduler_steps: int = setting(1, "decode steps launched per plan while every running sequence decodes and "
-                                          "nothing waits (with async scheduling; tokens then reach the host in "
-                                          "bursts)", minimum=1)
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):

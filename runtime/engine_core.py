@@ -74,7 +74,7 @@ class EngineCore:
         # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
-        self._in_flight: list[InFlightStep] = []  # launched, results not yet applied (oldest first)
+        self._in_flight: InFlightStep | None = None  # launched, results not yet applied
 
     # -- requests -------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ class EngineCore:
         """Fail every request (the device is gone, or the step loop met an error it cannot
         place); one output per failed sequence."""
         outputs = []
-        self._in_flight = []
+        self._in_flight = None
         for seqs in list(self.requests.values()):
             outputs += self._fail(seqs[0], error)
         return outputs
@@ -249,60 +249,41 @@ class EngineCore:
                 "internal error while preparing this request's step", exc))
         return p, []
 
-    def _next_decode(self) -> Plan | None:
-        """The plan of one more decode step launched after the step just launched, before its
-        tokens are known (multi-step decode): only while every running sequence decodes and
-        nothing waits, is swapped out or is being narrowed down after a failure."""
-        if self.waiting or self.swapped or self.isolation.active:
-            return None
-        running = [s for s in self.running if s.num_tokens < s.max_total_tokens]
-        return decode_plan(running, self.blocks, self.config.scheduler) if running else None
-
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        """Plan and launch one forward over the scheduled sequences (up to
-        `num_scheduler_steps` decode forwards, see `_next_decode`); return the tokens sampled
-        by the steps launched before (async scheduling) or by these (synchronous), and the
+        """Plan and launch one forward over the scheduled sequences; return the tokens sampled
+        by the step before it (async scheduling) or by this one (synchronous), and the
         sequences failed meanwhile. A failed launch is contained (runtime/faults.py); only a
         fatal device error raises (EngineDead)."""
         clock = time.perf_counter()
         self._nvtx_next("schedule")
-        previous, self._in_flight = self._in_flight, []
+        previous, self._in_flight = self._in_flight, None
         p, outputs = self._apply(self.plan())
-        while True:
-            self.step_count += 1
-            clock = self._phase("schedule", clock)
-            if not p.chunks:
-                break
+        self.step_count += 1
+        clock = self._phase("schedule", clock)
+        if p.chunks:
             try:
-                self._in_flight.append(self._launch(p, clock))
+                self._in_flight = self._launch(p, clock)
                 self.isolation.succeeded()
             except Exception as exc:  # noqa: BLE001 - contained, see runtime/faults.py
-                outputs += self._launch_failed(p, exc, previous + self._in_flight)
-                break
+                outputs += self._launch_failed(p, exc, previous)
             clock = time.perf_counter()
-            more = self.async_scheduling and len(self._in_flight) < self.config.num_scheduler_steps
-            if not more or (nxt := self._next_decode()) is None:
-                break
-            p, failed = self._apply(nxt)
-            outputs += failed
-        for step in previous:
-            outputs += self._resolve(step)
-        if not self.async_scheduling:
-            for step in self._in_flight:
-                outputs += self._resolve(step)
-            self._in_flight = []
+        if previous is not None:
+            outputs += self._resolve(previous)
+        if self._in_flight is not None and not self.async_scheduling:
+            outputs += self._resolve(self._in_flight)
+            self._in_flight = None
         self._phase("resolve", clock)
         return outputs
 
-    def _launch_failed(self, p: Plan, exc: Exception, launched: list[InFlightStep]) -> list[TokenOutput]:
+    def _launch_failed(self, p: Plan, exc: Exception, previous: InFlightStep | None) -> list[TokenOutput]:
         """Contain a failed launch: nothing of it was committed, so its sequences simply run
         again, narrowed down until the failure is placed (see runtime/faults.py)."""
         kind = classify(exc)
         if kind is Fault.FATAL:
             raise EngineDead(f"the device failed: {exc!r}") from exc
-        for step in launched:
-            step.transfer.wait()  # (their tokens are still read: they ran before the failure)
+        if previous is not None:
+            previous.transfer.wait()  # (its tokens are still read below: it ran before the failure)
         if kind is Fault.OUT_OF_MEMORY and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the allocator's cached, fragmented blocks go first
         seqs = [seq for seq, _ in p.chunks]
