@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from nanoinfer import AsyncEngine, EngineError, RequestError, SamplingParams
+from nanoinfer import AsyncEngine, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.engine import engine_config
 from tests.tiny import random_params, tiny_config

@@ -42,7 +42,7 @@ def truncated(models, num_layers):
     hf_config = theirs.config.__class__(**{**theirs.config.to_dict(), "num_hidden_layers": num_layers})
     hf_cut = transformers.LlamaForCausalLM(hf_config)
     missing, unexpected = hf_cut.load_state_dict(theirs.state_dict(), strict=False)
-    assert not missing and all(k.startswith(f"model.layers.") for k in unexpected)
+    assert not missing and all(k.startswith("model.layers.") for k in unexpected)
     return cut, hf_cut.eval()
 
 
