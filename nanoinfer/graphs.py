@@ -1,12 +1,12 @@
 """CUDA-graph capture and replay of the forward, over static input buffers.
 
-A step's forward returns a tuple of tensors with one row per logits row (the runner's: the
-logits, and the greedy token and finite flag of each row, so a greedy step samples inside
-the graph). A decode step is ~10 small kernels per layer; at batch 1 launching them from Python costs
+A decode step is ~10 small kernels per layer; at batch 1 launching them from Python costs
 more than running them, and a mixed step (prefill chunks beside decodes) of a 28-layer model
 costs ~25 ms of host launches on an H100's host, several times its GPU work. We capture the
 forward into CUDA graphs whose inputs live in static buffers and replay them: copy the step's
-Batch into the buffers (padded), replay, read the logits.
+Batch into the buffers (padded), replay, read its outputs. The captured step returns a tuple
+of tensors with one row per logits row (the runner's: the logits, and each row's greedy
+token and finite flag, so a greedy step samples inside the graph).
 
 - Decode graphs, per batch-size bucket and block-table width: one query row per sequence.
 - Mixed graphs, per token-count bucket: any step of up to `max_batch` sequences and sampling
@@ -43,8 +43,8 @@ class StepGraphs:
     than one that splits every sequence's keys for the longest context the model allows.
     """
 
-    def __init__(self, step: Callable[[Batch], Sequence[torch.Tensor]], device: torch.device, max_batch: int, max_blocks: int,
-                 buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
+    def __init__(self, step: Callable[[Batch], Sequence[torch.Tensor]], device: torch.device, max_batch: int,
+                 max_blocks: int, buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
                  token_buckets=DEFAULT_TOKEN_BUCKETS):
         """`step(batch)`: the forward to capture (it writes the batch's KV); it returns a tuple
         of tensors whose rows are the batch's logits rows."""

@@ -73,6 +73,21 @@ def undisturbed():
     return asyncio.run(go())
 
 
+def fail_forwards(monkeypatch, failing: tuple[int, ...], error: Exception) -> dict:
+    """Forwards number `failing` (counted from 1) raise `error`; the others run. Returns the
+    count of forwards so far, {"n": ...}, which the caller may read."""
+    calls = {"n": 0}
+
+    def forward(batch, real):
+        calls["n"] += 1
+        if calls["n"] in failing:
+            raise error
+        return real(batch)
+
+    patch_forward(monkeypatch, forward)
+    return calls
+
+
 def check_others(results, undisturbed, culprit):
     for i, (got, want) in enumerate(zip(results, undisturbed)):
         if i != culprit:
@@ -124,15 +139,8 @@ def test_nan_logits_in_one_row_fail_that_request_alone(undisturbed, async_schedu
 
 
 def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, undisturbed):
-    calls = {"n": 0}
-
-    def forward(batch, real):
-        calls["n"] += 1
-        if calls["n"] in (1, 4):  # the first (all prompts at once) and a later step
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(batch)
-
-    patch_forward(monkeypatch, forward)
+    # The first forward (all prompts at once) and a later one.
+    calls = fail_forwards(monkeypatch, (1, 4), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
     async def go():
         async with make_engine() as engine:
@@ -170,15 +178,7 @@ def test_a_request_too_big_for_memory_fails_with_a_request_error_and_the_rest_fi
 
 
 def test_a_transient_error_fails_nobody(monkeypatch, undisturbed):
-    calls = {"n": 0}
-
-    def forward(batch, real):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("a cosmic ray")
-        return real(batch)
-
-    patch_forward(monkeypatch, forward)
+    fail_forwards(monkeypatch, (3,), RuntimeError("a cosmic ray"))
 
     async def go():
         async with make_engine() as engine:
@@ -329,15 +329,7 @@ def test_a_request_that_cannot_fit_in_memory_is_a_400(poisoned_server, monkeypat
 
 def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
     """A failure is pinned on a request only when it comes back with that request alone."""
-    calls = {"n": 0}
-
-    def forward(batch, real):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise ValueError("a one-off glitch")
-        return real(batch)
-
-    patch_forward(monkeypatch, forward)
+    fail_forwards(monkeypatch, (2,), ValueError("a one-off glitch"))
 
     async def go():
         async with make_engine() as engine:
