@@ -1,30 +1,53 @@
-"""CPU decode speed of the default model: NanoInfer beside transformers, same GGUF, same prompt.
+"""CPU decode speed and memory of the default model: NanoInfer beside llama.cpp and transformers.
 
-    python bench/cpu_decode.py [--new-tokens 128] [--threads 2] [--repeats 3]
+    python bench/cpu_decode.py [--new-tokens 128] [--threads 2] [--repeats 3] [--install-llama-cpp]
 
-Both run fp32, greedy, one sequence, `--threads` torch threads. Decode tok/s counts the
-tokens after the first (the prefill is timed apart), best of `--repeats` runs each.
+Every engine runs the same GGUF file, greedy, one sequence, `--threads` threads:
+- nanoinfer (gguf): the file's blocks kept packed (the default for a quantized GGUF on the CPU);
+- nanoinfer (none): dequantized to fp32, the exact path;
+- llama.cpp through llama-cpp-python (`--install-llama-cpp` builds it with pip: minutes);
+- transformers, which dequantizes the file to fp32.
+Decode tok/s counts the tokens after the first (the prefill and first token are timed
+apart), best of `--repeats` runs. Memory: each nanoinfer mode loads in a fresh process,
+which reports its resident set after `import torch` and after the engine is up, and the KV
+pool's bytes (the issue's bound: RSS growth <= 3x the file + the KV pool).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
 
+LLAMA_CPP = "llama-cpp-python==0.3.36"
 
-def time_ours(model, prompt_ids, new_tokens):
-    from nanoinfer.sampling import SamplingParams
-    from runtime.engine_core import EngineConfig, EngineCore
 
-    engine = EngineCore(model, EngineConfig(num_blocks=64, block_size=16))
+def time_ours(engine, prompt_ids, new_tokens):
+    from nanoinfer.sampling_params import SamplingParams
+
     engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     start = time.perf_counter()
     engine.step()  # prefill + first token
     first = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
+    end = time.perf_counter()
+    return first - start, (new_tokens - 1) / (end - first)
+
+
+def time_llama_cpp(llm, prompt_ids, new_tokens):
+    llm.reset()
+    start = time.perf_counter()
+    for n, _ in enumerate(llm.generate(prompt_ids, temp=0.0, reset=True), start=1):
+        if n == 1:
+            first = time.perf_counter()
+        if n == new_tokens:
+            break
     end = time.perf_counter()
     return first - start, (new_tokens - 1) / (end - first)
 
@@ -41,35 +64,95 @@ def time_transformers(hf_model, prompt_ids, new_tokens):
     return first - start, (new_tokens - 1) / ((end - first) - (first - start))
 
 
+def llama_cpp(install: bool):
+    try:
+        import llama_cpp
+    except ImportError:
+        if not install:
+            return None
+        print(f"building {LLAMA_CPP} (minutes)...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", LLAMA_CPP], check=True)
+        import llama_cpp
+    return llama_cpp
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def memory_child(quantization: str, threads: int) -> None:
+    """Run in a fresh process: print the resident set before and after loading, as JSON."""
+    torch.set_num_threads(threads)
+    from nanoinfer.loaders import load_model
+    from runtime.engine_core import EngineConfig, EngineCore
+
+    before = rss_mib()
+    model = load_model(None, device="cpu", progress=False, quantization=quantization)
+    engine = EngineCore(model, EngineConfig(num_blocks=64, block_size=16))
+    kv = engine.runner.kv
+    kv_mib = kv.numel() * kv.element_size() / 2**20
+    print(json.dumps(dict(before=before, after=rss_mib(), kv=kv_mib, file=os.path.getsize(model.path) / 2**20)))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", default="Write a haiku about the sea")
+    parser.add_argument("--install-llama-cpp", action="store_true", help=f"pip install {LLAMA_CPP} if missing")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        return memory_child(args.memory_child, args.threads)
     torch.set_num_threads(args.threads)
 
-    import transformers
-
     from nanoinfer.loaders import load_model
+    from runtime.engine_core import EngineConfig, EngineCore
 
-    model = load_model(None, device="cpu", dtype="float32", progress=False)
+    engines = []  # (name, timing function, engine)
+    for quantization in ("gguf", "none"):
+        model = load_model(None, device="cpu", progress=False, quantization=quantization)
+        engines.append((f"nanoinfer ({quantization})", time_ours, EngineCore(model, EngineConfig(num_blocks=64,
+                                                                                                 block_size=16))))
     prompt_ids = model.tokenizer.encode(args.prompt)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        model.path.parent, gguf_file=model.path.name, dtype=torch.float32).eval()
+    lib = llama_cpp(args.install_llama_cpp)
+    if lib is not None:
+        engines.append((f"llama.cpp {lib.__version__}", time_llama_cpp,
+                        lib.Llama(model_path=str(model.path), n_threads=args.threads, n_threads_batch=args.threads,
+                                  n_ctx=512, verbose=False)))
+    else:
+        print(f"(llama.cpp left out: {LLAMA_CPP} is not installed; --install-llama-cpp builds it)")
+    if not args.no_transformers:
+        import transformers
 
-    rows = []
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model.path.parent, gguf_file=model.path.name,
+                                                               dtype=torch.float32).eval()
+        engines.append(("transformers", time_transformers, hf))
+
+    results = {name: [] for name, _, _ in engines}
     with torch.inference_mode():
-        for name, fn, target in (("nanoinfer", time_ours, model), ("transformers", time_transformers, hf_model)):
+        for name, fn, target in engines:
             fn(target, prompt_ids, 8)  # warm-up
-            runs = [fn(target, prompt_ids, args.new_tokens) for _ in range(args.repeats)]
-            rows.append((name, min(r[0] for r in runs) * 1e3, max(r[1] for r in runs)))
-    base = rows[1][2]
+        for _ in range(args.repeats):  # engines interleaved, so a noisy spell hits them all
+            for name, fn, target in engines:
+                results[name].append(fn(target, prompt_ids, args.new_tokens))
+    rows = [(name, min(r[0] for r in runs) * 1e3, max(r[1] for r in runs)) for name, runs in results.items()]
+    base = next((tps for name, _, tps in rows if name.startswith("llama.cpp")), None)
     print(f"model {model.path.name}  prompt {len(prompt_ids)} tokens  new {args.new_tokens}  threads {args.threads}")
-    print(f"{'engine':<14}{'prefill ms':>12}{'decode tok/s':>14}{'vs transformers':>17}")
+    print(f"{'engine':<22}{'prefill ms':>12}{'decode tok/s':>14}{'vs llama.cpp':>14}")
     for name, prefill_ms, tps in rows:
-        print(f"{name:<14}{prefill_ms:>12.1f}{tps:>14.1f}{tps / base:>16.2f}x")
+        print(f"{name:<22}{prefill_ms:>12.1f}{tps:>14.1f}" + (f"{tps / base:>13.2f}x" if base else ""))
+
+    print(f"\n{'memory (fresh process)':<22}{'RSS growth MiB':>16}{'KV pool MiB':>13}{'file MiB':>10}{'bound MiB':>11}")
+    for quantization in ("gguf", "none"):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", quantization, "--threads", str(args.threads)],
+                             capture_output=True, text=True, check=True).stdout
+        m = json.loads(out.strip().splitlines()[-1])
+        print(f"{'nanoinfer (' + quantization + ')':<22}{m['after'] - m['before']:>16.0f}{m['kv']:>13.0f}"
+              f"{m['file']:>10.0f}{3 * m['file'] + m['kv']:>11.0f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The one place that decides, per device. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections, the fused q/k-norm + RoPE + KV-write kernel, and
 torch.compile'd dense layer parts and the sampler's random draw (unless `eager`); CUDA
-graphs may then capture steps. On the CPU: batched torch attention and eager layers. Each
+graphs may then capture steps. On the CPU: batched torch attention, eager layers and RoPE
+with the KV write in a few ops (nanoinfer.rope_write_cpu; where each op costs microseconds,
+fewer ops is the CPU's fusion: torch.compile's per-call guards measured slower). Each
 fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
 the eager functions for the compiled ones), which stays the oracle.
 """
@@ -40,7 +42,12 @@ def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -
 
 def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False) -> Kernels:
     attention = attention_backend(cfg, device, block_size)
-    if device.type != "cuda" or eager:
+    if device.type != "cuda":
+        from nanoinfer import rope_write_cpu
+
+        return Kernels(attention, LayerFunctions(rope_and_write=rope_write_cpu.rope_and_write,
+                                                 rope_tables=rope_write_cpu.rope_tables), False)
+    if eager:
         return Kernels(attention, EAGER, False)
     from nanoinfer.gemv import linear
     from nanoinfer.loaders.hub import cache_dir

@@ -11,54 +11,60 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from nanoinfer.attention import AttentionBackend
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from nanoinfer import quantized
+from nanoinfer.quantized import Weight, embedding, map_weight
 
 
 @dataclass(frozen=True)
 class LayerParams:
+    """A layer's weights. The projections (`Weight`) are dense [out, in] tensors or quantized
+    matrices (nanoinfer.quantized); norms and biases are always dense, in the model's dtype."""
+
     attn_norm: torch.Tensor  # [hidden]
-    qkv_proj: torch.Tensor  # [q_size + 2 * kv_size, hidden], q, k, v stacked: one matmul
+    qkv_proj: Weight  # [q_size + 2 * kv_size, hidden], q, k, v stacked: one matmul
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: Weight  # [hidden, q_size]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden], gate then up: one matmul
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    gate_up_proj: Weight  # [2 * intermediate, hidden], gate then up: one matmul
+    down_proj: Weight  # [hidden, intermediate]
 
 
 @dataclass(frozen=True)
 class Params:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: Weight  # [vocab, hidden]: dense, or a quantized table rows are read from
     layers: tuple[LayerParams, ...]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
+    lm_head: Weight  # [vocab, hidden]; the same object as `embed` when tied and dense
     rope_inv_freq: torch.Tensor  # [head_dim // 2] fp32, scaling applied
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The activations' dtype (a quantized model's matrices hold other types)."""
+        return self.final_norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.final_norm.device
 
 
 def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Params) -> Params:
-    """Apply `fn` to every tensor of the pytree (keeps tied weights tied)."""
-    memo: dict[int, torch.Tensor] = {}
+    """Apply `fn` to every tensor of the pytree, a quantized matrix's parts included (keeps
+    tied weights tied)."""
+    memo: dict[int, object] = {}
 
     def apply(t):
         if t is None:
             return None
         if id(t) not in memo:
-            memo[id(t)] = fn(t)
+            memo[id(t)] = map_weight(fn, t)
         return memo[id(t)]
 
     def apply_all(obj):
@@ -69,13 +75,13 @@ def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Params) -> Pa
     return dataclasses.replace(apply_all(params), layers=layers)
 
 
-def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable = F.linear) -> torch.Tensor:
+def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable = quantized.linear) -> torch.Tensor:
     """Norm and the stacked QKV projection: [tokens, q_size + 2 * kv_size]."""
     return linear(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj, lp.qkv_bias)
 
 
 def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                     linear: Callable = F.linear):
+                     linear: Callable = quantized.linear):
     """Norm, QKV projection, q/k norm and RoPE: q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
     tokens = x.shape[0]
     qkv = qkv_projection(x, lp, cfg, linear)
@@ -90,7 +96,7 @@ def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: t
 
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
-                             linear: Callable = F.linear) -> torch.Tensor:
+                             linear: Callable = quantized.linear) -> torch.Tensor:
     """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual."""
     x = x + linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
@@ -101,21 +107,24 @@ class LayerFunctions(NamedTuple):
     """The dense parts of a layer; attention sits between them. Swapping in compiled
     versions (`compiled_layer_functions`) fuses the dozens of small element-wise kernels
     a layer otherwise launches, without touching the attention backend's kernels. `linear`
-    computes every projection (CUDA uses nanoinfer.gemv.linear: a Triton GEMV at batch 1).
-    With `rope_and_write` (CUDA: nanoinfer.rope_write), `qkv_projection` and that one kernel
-    replace `attention_inputs` and the backend's KV write."""
+    computes every projection and the LM head (`quantized.linear`: any weight form; CUDA
+    uses nanoinfer.gemv.linear: a Triton GEMV at batch 1).
+    With `rope_and_write` (CUDA: nanoinfer.rope_write; CPU: nanoinfer.rope_write_cpu),
+    `qkv_projection` and that one function replace `attention_inputs` and the backend's KV
+    write; `rope_tables` makes the cos and sin tables, once a step, in the form it takes."""
 
     attention_inputs: Callable = attention_inputs
     attention_output_and_mlp: Callable = attention_output_and_mlp
-    linear: Callable = F.linear
+    linear: Callable = quantized.linear
     qkv_projection: Callable = qkv_projection
     rope_and_write: Callable | None = None
+    rope_tables: Callable = rope_cos_sin
 
 
 EAGER = LayerFunctions()
 
 
-def compiled_layer_functions(linear: Callable = F.linear, rope_and_write: Callable | None = None) -> LayerFunctions:
+def compiled_layer_functions(linear: Callable = quantized.linear, rope_and_write: Callable | None = None) -> LayerFunctions:
     """torch.compile'd layer parts, shape-dynamic in the token count (one compile serves
     every batch size; batch 1 gets its own graph). Set TORCHINDUCTOR_CACHE_DIR to keep the
     kernels across starts. (`linear` is passed at each call rather than bound with a partial:
@@ -146,8 +155,8 @@ def forward(
     windows = cfg.layer_windows
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
-    x = params.embed[batch.input_ids]  # [tokens, hidden]
-    cos, sin = rope_cos_sin(params.rope_inv_freq, batch.positions, x.dtype)
+    x = embedding(params.embed, batch.input_ids, params.dtype)  # [tokens, hidden]
+    cos, sin = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
         if layer_fns.rope_and_write is None:
             q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg, layer_fns.linear)
@@ -159,7 +168,7 @@ def forward(
         x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear)
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
-    logits = F.linear(x, params.lm_head)
+    logits = layer_fns.linear(x, params.lm_head)
     return logits if logits_dtype is None else logits.to(logits_dtype)
 
 

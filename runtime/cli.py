@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 
 from nanoinfer.errors import NanoInferError, RequestError
-from nanoinfer.loaders import LOAD_FORMATS
+from nanoinfer.loaders import LOAD_FORMATS, QUANTIZATIONS
 from nanoinfer.loaders.hub import DEFAULT_MODEL
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
 from runtime.engine_core import EngineConfig
@@ -28,6 +28,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="dummy: the checkpoint's config and tokenizer with random weights (benchmarks)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="how matrices are held: auto (a quantized GGUF stays packed on the CPU, as llama.cpp "
+                             "runs it), none (dequantized to --dtype: the exact path), gguf, int8 (per-row, any "
+                             "checkpoint)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="JSON or YAML file of flag names to values; flags on the command line win")
 
@@ -117,7 +121,12 @@ def _sampling(args):
 def _llm(args):
     from runtime.llm import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, **_engine_kwargs(args))
+    return LLM(args.model, **_load_kwargs(args), **_engine_kwargs(args))
+
+
+def _load_kwargs(args) -> dict:
+    """The flags `load_model` takes."""
+    return dict(device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization)
 
 
 def _generate(args) -> int:
@@ -139,8 +148,7 @@ def _serve(args) -> int:
 
     config = ServerConfig(**from_namespace(ServerConfig, args))
     check_port_free(config.host, config.port)
-    engine = AsyncEngine.from_model(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                                    **_engine_kwargs(args))
+    engine = AsyncEngine.from_model(args.model, **_load_kwargs(args), **_engine_kwargs(args))
     serve(engine, config)
     return 0
 

@@ -33,10 +33,10 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
-                 progress: bool = True, load_format: str = "auto", **engine_args):
+                 progress: bool = True, load_format: str = "auto", quantization: str = "auto", **engine_args):
         config = engine_config(**engine_args)  # (checked before minutes of loading)
-        self._init_with(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format),
-                        config)
+        self._init_with(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
+                                   quantization=quantization), config)
 
     @classmethod
     def from_loaded(cls, model, **engine_args) -> "LLM":

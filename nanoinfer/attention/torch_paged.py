@@ -2,8 +2,11 @@
 of tensor ops, prefill chunks through the reference. Tested against the reference.
 
 The reference loops over sequences, which at a batch of decodes costs a dozen small ops per
-sequence per layer. Decode rows need no causal mask, only a length mask, so they batch well:
-gather every decoding sequence's pages at once, padded to the longest context.
+sequence per layer. Decode rows need no causal mask, only a length mask, so they batch well.
+`prepare` turns every decoding sequence's visible context into a row of flat KV slots once
+per step (padded with the sequence's first visible slot, which the mask then excludes), so a
+layer gathers keys and values in one index and attends in a handful of ops: on the CPU each
+op costs microseconds whatever its size, and a 135M model's decode step is mostly such ops.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from nanoinfer.config import ModelConfig
 
 
 class DecodeGroup(NamedTuple):
-    rows: torch.Tensor  # [decodes] the query row of each decoding sequence
-    block_tables: torch.Tensor  # [decodes, blocks] int64, pages covering the longest context
-    key_mask: torch.Tensor  # [decodes, blocks * block_size_or_more] bool: key position is visible
+    rows: torch.Tensor | None  # [decodes] the query row of each decoding sequence; None: every row, in order
+    slots: torch.Tensor  # [decodes, keys] int64 flat KV slots of each one's visible context, padded
+    bias: torch.Tensor | None  # [decodes, 1, 1, keys] fp32, 0 or -inf (padding); None when none is padded
+    first_slot: int | None  # one sequence whose context fills consecutive slots from here: a view, no gather
 
 
 class TorchPagedMetadata(NamedTuple):
@@ -41,35 +45,56 @@ class TorchPagedAttention:
         if decodes:
             device = batch.input_ids.device
             lens = torch.tensor([s.context_len for s in decodes], device=device)
-            blocks = -(-max(s.context_len for s in decodes) // self.block_size)
+            # The query sits at position len - 1 and sees [lo, len): all of it, or the window.
+            lo = lens * 0 if window is None else (lens - window).clamp(min=0)
+            count = lens - lo
+            keys = int(count.max())
+            offset = torch.arange(keys, device=device)
+            visible = offset[None, :] < count[:, None]
+            positions = lo[:, None] + torch.where(visible, offset[None, :], 0)
+            blocks = -(-int(lens.max()) // self.block_size)
             tables = torch.stack([s.block_ids[:blocks] for s in decodes]).long()
-            positions = torch.arange(blocks * self.block_size, device=device)
-            visible = positions[None, :] < lens[:, None]
-            if window is not None:  # the query sits at position len - 1
-                visible &= positions[None, :] > (lens[:, None] - 1 - window)
-            rows = torch.tensor([s.query_start for s in decodes], device=device)
-            group = DecodeGroup(rows, tables, visible)
+            slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+            bias = None
+            if not bool(visible.all()):
+                bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None]
+            starts = [s.query_start for s in decodes]
+            every_row = not others and starts == list(range(batch.num_tokens))
+            # (one sequence alone mostly owns consecutive blocks: the block manager hands out
+            # its free list in order)
+            first = int(slots[0, 0])
+            consecutive = len(decodes) == 1 and bool((slots[0] == first + offset).all())
+            group = DecodeGroup(None if every_row else torch.tensor(starts, device=device), slots, bias,
+                                first if consecutive else None)
         return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale, window), ref.scale)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: TorchPagedMetadata) -> torch.Tensor:
-        out = REFERENCE.attention(q, kv_layer, meta.prefills)
         group = meta.decodes
         if group is None:
-            return out
-        _, _, block_size, kv_heads, head_dim = kv_layer.shape
-        n, heads = group.rows.shape[0], q.shape[1]
-        # k, v: [decodes, kv_heads, context, head_dim]; q: [decodes, kv_heads, group, head_dim]
-        k = kv_layer[0][group.block_tables].reshape(n, -1, kv_heads, head_dim).transpose(1, 2)
-        v = kv_layer[1][group.block_tables].reshape(n, -1, kv_heads, head_dim)
-        # A masked slot may hold anything (a block's unwritten tail, a padding table entry, a
-        # freed block): its score becomes -inf and its value 0, as probability 0 * NaN is NaN.
-        v = v.masked_fill_(~group.key_mask[:, :, None, None], 0.0).transpose(1, 2)
-        qg = q[group.rows].reshape(n, kv_heads, heads // kv_heads, head_dim)
-        scores = (qg @ k.transpose(-1, -2)).float() * meta.scale  # [decodes, kv_heads, group, context]
-        scores = scores.masked_fill(~group.key_mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(v.dtype)
-        out[group.rows] = (probs @ v).reshape(n, heads, head_dim)
+            return REFERENCE.attention(q, kv_layer, meta.prefills)
+        kv_heads, head_dim = kv_layer.shape[-2:]
+        n, heads = group.slots.shape[0], q.shape[1]
+        # One gather of both (index_select: 4x faster than indexing on the CPU), then
+        # [2, decodes, keys, kv_heads, head_dim]
+        flat = kv_layer.view(2, -1, kv_heads, head_dim)
+        if group.first_slot is not None:
+            kv = flat[:, None, group.first_slot:group.first_slot + group.slots.shape[1]]
+        else:
+            kv = flat.index_select(1, group.slots.view(-1)).view(2, n, -1, kv_heads, head_dim)
+        k = kv[0].permute(0, 2, 3, 1)  # [decodes, kv_heads, head_dim, keys]
+        v = kv[1].transpose(1, 2)  # [decodes, kv_heads, keys, head_dim]
+        qg = (q if group.rows is None else q[group.rows]).view(n, kv_heads, heads // kv_heads, head_dim)
+        scores = qg @ k  # [decodes, kv_heads, group, keys]
+        scores = (scores if scores.dtype == torch.float32 else scores.float()) * meta.scale
+        if group.bias is not None:
+            scores += group.bias
+        probs = scores.softmax(dim=-1)
+        attn = ((probs if v.dtype == torch.float32 else probs.to(v.dtype)) @ v).view(n, heads, head_dim)
+        if group.rows is None:
+            return attn
+        out = REFERENCE.attention(q, kv_layer, meta.prefills)
+        out[group.rows] = attn
         return out

@@ -15,12 +15,17 @@ from nanoinfer.loaders.dummy import dummy_params
 from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 from nanoinfer.model import Params
 from nanoinfer.placement import resolve_device, resolve_dtype
+from nanoinfer.loaders.quantize import quantize_params
 
 if TYPE_CHECKING:
     from nanoinfer.tokenizer import Tokenizer
 
 
 LOAD_FORMATS = ("auto", "dummy")
+# none: dequantize everything to `dtype` (the exact path); gguf: a quantized GGUF's matrices
+# stay packed (CPU); int8: per-row int8 matrices from any checkpoint; auto: gguf for a
+# quantized GGUF on the CPU, as llama.cpp runs it, else none.
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class LoadedModel:
     tokenizer: "Tokenizer | None"  # None when an HF directory ships no tokenizer files
     path: Path
     name: str | None = None  # how users named it, when that was a short name
+    quantization: str = "none"  # how the matrices are held: QUANTIZATIONS less "auto"
 
     @property
     def model_id(self) -> str:
@@ -46,18 +52,23 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
     load_format: str = "auto",
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Load `model` (None = the default model) onto `device` in `dtype`. `load_format`
-    "dummy" reads the config and tokenizer only and makes random weights (vLLM's option).
+    """Load `model` (None = the default model) onto `device` in `dtype`, its matrices held as
+    `quantization` says (QUANTIZATIONS). `load_format` "dummy" reads the config and tokenizer
+    only and makes random weights (vLLM's option).
 
     Raises CheckpointError naming the file for anything wrong with the checkpoint."""
-    from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
+    from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
     from nanoinfer.loaders.hf import load_hf_params, read_hf_config
     from nanoinfer.tokenizer import Tokenizer
 
     if load_format not in LOAD_FORMATS:
         raise RequestError(f"load_format={load_format!r} is invalid: expected one of {list(LOAD_FORMATS)}",
                            param="load_format")
+    if quantization not in QUANTIZATIONS:
+        raise RequestError(f"quantization={quantization!r} is invalid: expected one of {list(QUANTIZATIONS)}",
+                           param="quantization")
     dummy = load_format == "dummy"
     name = DEFAULT_MODEL if model is None else str(model)
     path = resolve_model_name(name, quiet=not progress) if name in KNOWN_MODELS else Path(name).expanduser()
@@ -65,6 +76,7 @@ def load_model(
     if path.is_dir():
         cfg = read_hf_config(path)
         torch_dtype = resolve_dtype(dtype, cfg, dev)
+        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False)
         params = dummy_params(cfg, torch_dtype, dev) if dummy else load_hf_params(path, cfg, torch_dtype, dev,
                                                                                 progress=progress)
         tokenizer = Tokenizer.from_hf_dir(path)
@@ -72,17 +84,33 @@ def load_model(
         reader = open_gguf(path)
         cfg = gguf_config(reader, path)
         torch_dtype = resolve_dtype(dtype, cfg, dev)
-        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_gguf_params(reader, cfg, torch_dtype, dev,
-                                                                                  path, progress=progress)
+        quantization = _resolve_quantization(quantization, dev, gguf=True, quantized_file=is_quantized(reader))
+        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_gguf_params(
+            reader, cfg, torch_dtype, dev, path, progress=progress, packed=quantization == "gguf")
         tokenizer = Tokenizer.from_gguf(reader, path)
     else:
         raise CheckpointError(
             path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
                   "model directory or a .gguf file"
         )
+    if quantization == "int8":
+        params = quantize_params(params, quantization)
     if tokenizer is not None:
         # Generation ends at any EOS either side declares (chat models often end turns with a
         # token the config names but the tokenizer does not, or the other way round).
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    return LoadedModel(cfg, params, tokenizer, path, name if name in KNOWN_MODELS else None)
+    return LoadedModel(cfg, params, tokenizer, path, name if name in KNOWN_MODELS else None, quantization)
+
+
+def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool) -> str:
+    if quantization == "auto":
+        return "gguf" if gguf and quantized_file and device.type == "cpu" else "none"
+    if quantization == "gguf" and not (gguf and quantized_file):
+        raise RequestError("quantization='gguf' keeps a quantized GGUF file's blocks: this model is "
+                           f"{'a GGUF file with no quantized matrix' if gguf else 'not a GGUF file'}",
+                           param="quantization")
+    if quantization == "gguf" and device.type != "cpu":
+        raise RequestError(f"quantization='gguf' runs on the CPU only, not on {device.type}: use 'none' or 'int8'",
+                           param="quantization")
+    return quantization

@@ -1,4 +1,4 @@
-"""Load a GGUF file: config from its metadata, tensors dequantized on load, its tokenizer."""
+"""Load a GGUF file: config from its metadata, tensors dequantized on load or kept packed, its tokenizer."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from gguf.quants import dequantize
 from nanoinfer.config import ModelConfig, RopeScaling
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
+from nanoinfer.loaders.gguf_groups import GROUPED_TYPES, grouped_weight
 from nanoinfer.loaders.params import build_params
 from nanoinfer.model import Params
+from nanoinfer.quantized import Int8Weight, take_rows
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TYPES = frozenset(
@@ -104,18 +106,31 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation for the llama architecture.
+DENSE_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16"))
+
+
+def is_quantized(reader: GGUFReader) -> bool:
+    """Whether any matrix of the file is stored in a quantized type (not F32/F16/BF16)."""
+    return any(len(t.shape) == 2 and t.tensor_type not in DENSE_TYPES for t in reader.tensors)
+
+
+def _unpermute(w, num_heads: int):
+    """Undo llama.cpp's Q/K row permutation for the llama architecture (on any row-wise weight).
 
     Its converter interleaves each head's two rotary halves (rows 0, D/2, 1, D/2+1, ...) so
     its kernels can rotate adjacent pairs; we rotate halves (HF's layout) and swap back.
     """
-    half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    order = torch.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
+    return take_rows(w, order)
 
 
 def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
-                     progress: bool = True) -> Params:
+                     progress: bool = True, packed: bool = False) -> Params:
+    """`packed`: quantized matrices stay quantized (nanoinfer.quantized, CPU kernels): Q4_0,
+    Q4_1, Q4_K and Q8_0 exactly, other quantized types as per-row int8; without it every
+    tensor is dequantized to `dtype`."""
     by_hf_name = {}
     for tensor in reader.tensors:
         name = tensor.name
@@ -145,11 +160,20 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
         # GGUF lists dims innermost first; the array is already [out, in], HF's layout.
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: the reader maps the file read-only
 
+    def matrix(tensor):
+        if tensor.tensor_type in GROUPED_TYPES and tensor.shape[0] % 32 == 0:
+            return grouped_weight(tensor.data, tensor.tensor_type, int(tensor.shape[1]), int(tensor.shape[0]))
+        return Int8Weight.quantize(dequant(tensor))
+
     def get(hf_name: str):
         tensor = by_hf_name.get(hf_name)
         if tensor is None:
             return None
-        w = dequant(tensor)
+        is_matrix = hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+        if packed and is_matrix and len(tensor.shape) == 2 and tensor.tensor_type not in DENSE_TYPES:
+            w = matrix(tensor)
+        else:
+            w = dequant(tensor)
         if cfg.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.num_heads)
         elif cfg.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):

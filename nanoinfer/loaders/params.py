@@ -1,13 +1,15 @@
 """Assemble a Params pytree from HF-named tensors: check shapes, cast, fuse QKV and gate/up.
 
 Both loaders hand tensors over under transformers' names and layouts, so this is the one
-place that knows how a checkpoint's tensors become our parameters.
+place that knows how a checkpoint's tensors become our parameters. A loader may hand a
+matrix over still quantized (nanoinfer.quantized): it keeps its form, fused row-wise, and a
+grouped one is packed for its kernel here (the embedding stays grouped: it is looked up).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -16,9 +18,13 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.model import LayerParams, Params
+from nanoinfer.quantized import GroupedWeight, concat_rows, pack
 
-# name -> tensor, or None when the checkpoint does not have it.
-TensorSource = Callable[[str], "torch.Tensor | None"]
+if TYPE_CHECKING:
+    from nanoinfer.quantized import Weight
+
+# name -> tensor (or a quantized matrix), or None when the checkpoint does not have it.
+TensorSource = Callable[[str], "torch.Tensor | Weight | None"]
 
 
 def build_params(
@@ -40,7 +46,10 @@ def build_params(
             raise CheckpointError(path, f"tensor {name!r} is missing")
         if tuple(tensor.shape) != shape:
             raise CheckpointError(path, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor.to(device=device, dtype=dtype)
+        return tensor.to(device=device, dtype=dtype) if isinstance(tensor, torch.Tensor) else tensor
+
+    def matrix(w):
+        return pack(w) if isinstance(w, GroupedWeight) else w
 
     def optional(name: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
         return load(name, shape) if wanted else None
@@ -58,18 +67,18 @@ def build_params(
                                   for n, size in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))])
         layers.append(LayerParams(
             attn_norm=load(p + "input_layernorm.weight", (hidden,)),
-            qkv_proj=torch.cat(qkv),
+            qkv_proj=matrix(concat_rows(qkv)),
             qkv_bias=qkv_bias,
             q_norm=optional(p + "self_attn.q_norm.weight", (head_dim,), cfg.qk_norm),
             k_norm=optional(p + "self_attn.k_norm.weight", (head_dim,), cfg.qk_norm),
-            o_proj=load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size)),
+            o_proj=matrix(load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size))),
             mlp_norm=load(p + "post_attention_layernorm.weight", (hidden,)),
-            gate_up_proj=torch.cat([load(p + "mlp.gate_proj.weight", (inter, hidden)),
-                                    load(p + "mlp.up_proj.weight", (inter, hidden))]),
-            down_proj=load(p + "mlp.down_proj.weight", (hidden, inter)),
+            gate_up_proj=matrix(concat_rows([load(p + "mlp.gate_proj.weight", (inter, hidden)),
+                                             load(p + "mlp.up_proj.weight", (inter, hidden))])),
+            down_proj=matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
         ))
     embed = load("model.embed_tokens.weight", (cfg.vocab_size, hidden))
-    lm_head = embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden))
+    lm_head = matrix(embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden)))
     if inv_freq is None:
         inv_freq = rope_inv_freq(cfg)
     return Params(

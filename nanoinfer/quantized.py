@@ -1,0 +1,214 @@
+"""Quantized weight matrices: what each form holds, its matmul, and its dequantized reference.
+
+A projection weight in `Params` is either a dense tensor or one of the frozen dataclasses
+here; `linear(x, w, bias)` is the one entry point the model calls, and `dequantize(w)` is
+the reference every packed kernel is tested against (tests/test_quantized.py).
+
+- `GroupedWeight` is the loader's exact form of a block-quantized matrix (GGUF Q4_0, Q4_1,
+  Q4_K, Q8_0): unsigned integers, a scale and a min per group of 32 inputs. Rows can be
+  concatenated and permuted (the loader fuses q/k/v and gate/up in it); `pack` then turns it
+  into a form a kernel reads. It also serves embedding lookups (`embedding`), which need
+  rows, not a matmul.
+- `Int4Weight`: torch's packed int4 CPU kernel (`_weight_int4pack_mm_for_cpu`), asymmetric
+  groups of 32. 4-bit groups map onto it exactly (the scale and zero round to bf16, the
+  kernel's type).
+- `SplitInt8Weight`: 8-bit groups (Q8_0) as two int4 halves, u = 16 h + l: the same kernel,
+  exact as above, where torch's int8 kernel only takes one scale per row.
+- `Int8Weight`: per-output-channel int8 (`_weight_int8pack_mm` on the CPU), for formats
+  with no exact packed form (K-quants of 5 and 6 bits), rounded to the nearest int8.
+
+The packed kernels take bf16 activations (fp32 ones measured 10-30x slower on the CPU), so
+`linear` rounds its input to bf16 and returns the caller's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # inputs per scale: GGUF's block size, and the smallest group torch's int4 kernel takes
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """w[r, c] = scale[r, c // group] * q[r, c] + min[r, c // group], q in [0, 2**bits)."""
+
+    q: torch.Tensor  # [out, in] uint8
+    scale: torch.Tensor  # [out, in // group] fp32
+    min: torch.Tensor  # [out, in // group] fp32
+    bits: int  # 4 or 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def rows(self, index) -> "GroupedWeight":
+        """The rows at `index` (a permutation, a slice...), still quantized."""
+        return GroupedWeight(self.q[index], self.scale[index], self.min[index], self.bits)
+
+    @staticmethod
+    def cat(parts: list["GroupedWeight"]) -> "GroupedWeight":
+        """Rows stacked, as torch.cat of the dense matrices would (parts of equal bits)."""
+        return GroupedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")), parts[0].bits)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """torch's packed int4 layout: w = (q - 8) * scale + zero, q in [0, 16), per group of inputs."""
+
+    packed: torch.Tensor  # [out rounded up to 16, in // 2] uint8, `_convert_weight_to_int4pack_for_cpu`'s layout
+    scales_and_zeros: torch.Tensor  # [in // group, out rounded up to 16, 2] bf16
+    group: int
+    rows: int  # out: the kernel packs rows 16 at a time, and the padding rows' outputs are dropped
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.packed.shape[1] * 2
+
+    @staticmethod
+    def from_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> "Int4Weight":
+        """q [out, in] in [0, 16); scale, zero [out, in // group]."""
+        rows, pad = q.shape[0], -q.shape[0] % 16
+        q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale, zero))
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return Int4Weight(packed, scales_and_zeros, q.shape[1] // scale.shape[1], rows)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [tokens, in] bf16 -> [tokens, out] bf16."""
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+        return y if y.shape[1] == self.rows else y[:, :self.rows]
+
+
+@dataclass(frozen=True)
+class SplitInt8Weight:
+    """8-bit groups as two int4 matmuls whose outputs add: u = 16 * high + low."""
+
+    high: Int4Weight
+    low: Int4Weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.high.shape
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """w[r, c] = scale[r] * q[r, c], q in [-127, 127]."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out]; bf16 on the CPU (its kernel's type)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @staticmethod
+    def quantize(w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> "Int8Weight":
+        """Round-to-nearest with the row's largest magnitude at 127."""
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return Int8Weight(q, scale.to(scale_dtype))
+
+
+Packed = Union[Int4Weight, SplitInt8Weight, Int8Weight]
+Weight = Union[torch.Tensor, GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight]
+
+
+def pack(w: GroupedWeight) -> Int4Weight | SplitInt8Weight:
+    """The CPU kernel's form of `w`, the same values up to bf16 scales."""
+    if w.bits == 4:  # (q - 8) * s + z = s * q + m  =>  z = m + 8 s
+        return Int4Weight.from_groups(w.q, w.scale, w.min + 8 * w.scale)
+    # s * (16 h + l) + m: the high half has scale 16 s and zero m + 128 s, the low half s and 8 s.
+    high, low = w.q >> 4, w.q & 15
+    return SplitInt8Weight(Int4Weight.from_groups(high, 16 * w.scale, w.min + 128 * w.scale),
+                           Int4Weight.from_groups(low, w.scale, 8 * w.scale))
+
+
+def take_rows(w: Weight, index: torch.Tensor) -> Weight:
+    """The rows at `index` of a row-wise weight (dense, grouped or per-channel int8)."""
+    if isinstance(w, torch.Tensor):
+        return w[index]
+    if isinstance(w, GroupedWeight):
+        return w.rows(index)
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.q[index], w.scale[index])
+    raise TypeError(f"cannot take rows of a packed {type(w).__name__}")
+
+
+def concat_rows(parts: list[Weight]) -> Weight:
+    """Rows stacked (the fused q/k/v and gate/up matrices). Parts of one form stay in it;
+    mixed ones (a Q4_K_M file keeps some v and down matrices in Q6_K) meet in per-row int8."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, GroupedWeight) for p in parts) and len({p.bits for p in parts}) == 1:
+        return GroupedWeight.cat(parts)
+    int8 = [p if isinstance(p, Int8Weight) else Int8Weight.quantize(dequantize(p)) for p in parts]
+    return Int8Weight(torch.cat([p.q for p in int8]), torch.cat([p.scale for p in int8]))
+
+
+def dequantize(w: Weight) -> torch.Tensor:
+    """The fp32 matrix a quantized weight stands for (the reference of its kernel)."""
+    if isinstance(w, torch.Tensor):
+        return w.float()
+    if isinstance(w, GroupedWeight):
+        return (w.q.float().unflatten(1, (-1, w.group)) * w.scale[..., None] + w.min[..., None]).flatten(1)
+    if isinstance(w, Int4Weight):
+        out, cols = w.shape
+        # Unpack by multiplying the identity with unit scales: (q - 8) comes out exactly.
+        unit = torch.stack((torch.ones_like(w.scales_and_zeros[..., 0]), torch.zeros_like(w.scales_and_zeros[..., 0])), -1)
+        q8 = dataclasses.replace(w, scales_and_zeros=unit).matmul(torch.eye(cols, dtype=torch.bfloat16)).float().t()
+        sz = w.scales_and_zeros[:, :out].float().transpose(0, 1).repeat_interleave(w.group, dim=1)  # [out, cols, 2]
+        return q8 * sz[..., 0] + sz[..., 1]
+    if isinstance(w, SplitInt8Weight):
+        return dequantize(w.high) + dequantize(w.low)
+    if isinstance(w, Int8Weight):
+        return w.q.float() * w.scale.float()[:, None]
+    raise TypeError(f"not a weight: {type(w).__name__}")
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for any weight form, in x's dtype."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    # (Each op costs microseconds on the CPU whatever its size: 2-D inputs skip the reshapes.)
+    rows = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(torch.bfloat16)
+    if isinstance(w, Int4Weight):
+        y = w.matmul(rows)
+    elif isinstance(w, SplitInt8Weight):
+        y = w.high.matmul(rows) + w.low.matmul(rows)
+    elif isinstance(w, Int8Weight) and w.q.shape[1] % 16 == 0:
+        y = torch._weight_int8pack_mm(rows, w.q, w.scale)
+    elif isinstance(w, Int8Weight):  # (the kernel reads 16 inputs at a time: other widths crash it)
+        y = F.linear(rows, w.q.to(rows.dtype)) * w.scale
+    else:
+        raise TypeError(f"no matmul for a {type(w).__name__}: pack it first")
+    y = y.to(x.dtype) if x.dim() == 2 else y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
+def embedding(table: torch.Tensor | GroupedWeight | Int8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table, dense or quantized row-wise, in `dtype`."""
+    if isinstance(table, torch.Tensor):
+        return table[ids]
+    return dequantize(take_rows(table, ids)).to(dtype)
+
+
+def map_weight(fn: Callable[[torch.Tensor], torch.Tensor], w: Weight) -> Weight:
+    """`fn` applied to each tensor a weight holds (a dense weight is its own tensor)."""
+    if isinstance(w, torch.Tensor):
+        return fn(w)
+    return dataclasses.replace(w, **{f.name: map_weight(fn, getattr(w, f.name)) for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED))})
+
+
+QUANTIZED = (GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight)

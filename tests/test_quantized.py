@@ -1,0 +1,183 @@
+"""Quantized weights: each packed CPU kernel against its dequantized reference, GGUF blocks read
+without dequantizing against gguf-py's dequantization, a packed model's logits against the
+exact path, and the CPU's few-op RoPE + KV write against the reference layer functions."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from nanoinfer import quantized
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.errors import RequestError
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.loaders import load_model
+from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
+from nanoinfer.loaders.gguf_groups import grouped_weight
+from nanoinfer.model import EAGER, LayerFunctions, forward
+from nanoinfer.quantized import GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
+from nanoinfer.rope_write_cpu import rope_and_write, rope_tables
+from tests.test_gguf_formats import K_QUANTS, hf_model, kquant_encode, make_kquant_representable, write_gguf
+from tests.tiny import random_params, tiny_config
+
+# A bf16 scale or activation is off by at most 2^-9 of itself; a dot product of k such terms
+# by about that much of the sum of their magnitudes.
+BF16 = 2.0**-8
+
+
+def random_grouped(rows: int, cols: int, bits: int, seed: int) -> GroupedWeight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, cols // 32, generator=g) * 0.1 + 0.01
+    low = -(2 ** (bits - 1)) * scale * (1 + 0.3 * torch.randn(rows, cols // 32, generator=g))
+    return GroupedWeight(q, scale, low, bits)
+
+
+def assert_matmul_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got ≈ x @ w.T within bf16 rounding of x and of the scales."""
+    exact = x.double() @ w.double().t()
+    bound = BF16 * (x.abs().double() @ w.abs().double().t()) + 1e-5
+    assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows, cols, tokens", [(64, 32, 1), (96, 256, 3), (48, 160, 17), (1024, 64, 2), (97, 64, 2)])
+def test_packed_grouped_matmul_equals_dequantized_reference(bits, rows, cols, tokens):
+    w = random_grouped(rows, cols, bits, seed=rows + cols + bits)
+    packed = pack(w)
+    assert isinstance(packed, Int4Weight if bits == 4 else SplitInt8Weight) and packed.shape == (rows, cols)
+    reference = quantized.dequantize(w)
+    # The packed values are the grouped ones up to the bf16 rounding of scales and zeros.
+    assert (quantized.dequantize(packed) - reference).abs().max() <= BF16 * reference.abs().max() * 2
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(1))
+    y = quantized.linear(x, packed)
+    assert y.dtype == torch.float32 and y.shape == (tokens, rows)
+    assert_matmul_close(y, x, reference)
+    bias = torch.randn(rows)
+    torch.testing.assert_close(quantized.linear(x, packed, bias), y + bias)
+    # any leading dims, as F.linear takes
+    torch.testing.assert_close(quantized.linear(x[None], packed)[0], y)
+
+
+@pytest.mark.parametrize("rows, cols, tokens", [(64, 32, 1), (100, 200, 5), (7, 48, 3)])
+def test_int8_matmul_equals_dequantized_reference(rows, cols, tokens):
+    dense = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    w = Int8Weight.quantize(dense)
+    reference = quantized.dequantize(w)
+    # round to nearest: within half a step of the original
+    assert ((reference - dense).abs() <= w.scale.float()[:, None] * 0.5 + 1e-6 + BF16 * dense.abs()).all()
+    x = torch.randn(tokens, cols)
+    assert_matmul_close(quantized.linear(x, w), x, reference)
+
+
+def test_rows_concat_and_embedding():
+    a, b = random_grouped(32, 64, 4, seed=1), random_grouped(16, 64, 4, seed=2)
+    both = concat_rows([a, b])
+    assert isinstance(both, GroupedWeight)
+    torch.testing.assert_close(quantized.dequantize(both), torch.cat([quantized.dequantize(a), quantized.dequantize(b)]))
+    ids = torch.tensor([3, 40, 3, 0])
+    torch.testing.assert_close(quantized.embedding(both, ids, torch.float32), quantized.dequantize(both)[ids])
+    # Mixed forms (a Q4_K_M file's Q6_K v rows beside Q4_K q/k) meet in per-row int8.
+    mixed = concat_rows([a, random_grouped(16, 64, 8, seed=3), torch.randn(8, 64)])
+    assert isinstance(mixed, Int8Weight) and mixed.shape == (56, 64)
+    torch.testing.assert_close(quantized.dequantize(mixed)[:32], quantized.dequantize(a),
+                               atol=float(quantized.dequantize(a).abs().max()) / 127, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K])
+def test_gguf_blocks_read_without_dequantizing_are_exact(qtype):
+    rows, cols = 8, 512
+    rng = np.random.default_rng(0)
+    if qtype in K_QUANTS:
+        data, _ = kquant_encode(qtype, rows, cols, 0.5, rng)
+    else:
+        data = gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    w = grouped_weight(data, qtype, rows, cols)
+    assert w.bits == (8 if qtype == QT.Q8_0 else 4)
+    expected = torch.from_numpy(np.asarray(gguf_dequantize(data, qtype), dtype=np.float32))
+    assert torch.equal(quantized.dequantize(w), expected)
+
+
+PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return hf_model("llama", tied=True, num_layers=2, seed=5)
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=[t.name for t in PACKED_TYPES])
+def test_packed_gguf_model_matches_the_dequantized_model(qtype, tiny_llama, tmp_path):
+    model = copy.deepcopy(tiny_llama)
+    encoded = make_kquant_representable(model, qtype) if qtype in K_QUANTS else None
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(model, path, "llama", weight_type=qtype, encoded=encoded)
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    exact = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False)
+    packed = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False, packed=True)
+    kind = Int8Weight if qtype == QT.Q6_K else SplitInt8Weight if qtype == QT.Q8_0 else Int4Weight
+    assert isinstance(packed.layers[0].qkv_proj, kind) and isinstance(packed.lm_head, kind)
+    # Each matrix: the file's values (q/k rows un-permuted), up to bf16 scales, or int8 rounding.
+    tolerance = 1 / 127 if qtype == QT.Q6_K else 2 * BF16
+    for lp, lp_exact in zip(packed.layers, exact.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            want = getattr(lp_exact, name)
+            got = quantized.dequantize(getattr(lp, name))
+            assert (got - want).abs().max() <= tolerance * want.abs().max(), name
+    torch.testing.assert_close(quantized.embedding(packed.embed, torch.arange(cfg.vocab_size), torch.float32),
+                               exact.embed, atol=tolerance * exact.embed.abs().max(), rtol=0)
+
+    tokens = [5, 200, 33, 9, 128, 64, 1]
+    kv = allocate_kv_pool(cfg, 4, 16, torch.float32, "cpu")
+    batch = build_batch([SeqChunk(tokens, 0, [0], True)], 16)
+    batch = batch._replace(logits_indices=torch.arange(len(tokens)))
+    want = forward(exact, kv.clone(), batch, cfg)
+    got = forward(packed, kv.clone(), batch, cfg)
+    # bf16 activations into every matmul: a few parts in a thousand of the logits' spread.
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+
+
+def test_quantization_choices_are_checked(tmp_path):
+    with pytest.raises(RequestError, match="quantization='int4' is invalid.*'auto', 'none', 'gguf', 'int8'"):
+        load_model(tmp_path, quantization="int4")
+    cfg_dir = tmp_path / "hf"
+    hf_model("llama", tied=True, num_layers=1).save_pretrained(cfg_dir)
+    with pytest.raises(RequestError, match="quantized GGUF.*not a GGUF file"):
+        load_model(cfg_dir, device="cpu", quantization="gguf", progress=False)
+    model = load_model(cfg_dir, device="cpu", quantization="int8", progress=False)
+    assert model.quantization == "int8" and isinstance(model.params.layers[0].down_proj, Int8Weight)
+    assert isinstance(model.params.lm_head, Int8Weight) and isinstance(model.params.embed, torch.Tensor)
+    assert load_model(cfg_dir, device="cpu", progress=False).quantization == "none"
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rope_and_write_equals_reference_layer_functions(qk_norm, dtype):
+    cfg = tiny_config(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=qk_norm)
+    params = random_params(cfg, dtype=dtype)
+    lp = params.layers[0]
+    chunks = [SeqChunk([3, 1, 4, 1, 5], 0, [1, 2], True), SeqChunk([9], 6, [3, 0], True)]
+    batch = build_batch(chunks, 4)
+    slots = batch.slot_mapping.clone()
+    slots[2] = -1  # a padding row writes nothing
+    x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    kv_ref = torch.full((2, 5, 4, 2, 16), float("nan"), dtype=dtype)
+    kv_got = kv_ref.clone()
+
+    cos, sin = EAGER.rope_tables(params.rope_inv_freq, batch.positions, dtype)
+    q_ref, k, v = EAGER.attention_inputs(x, lp, cos, sin, cfg)
+    valid = slots >= 0
+    kv_ref[0].view(-1, 2, 16)[slots[valid]] = k[valid]
+    kv_ref[1].view(-1, 2, 16)[slots[valid]] = v[valid]
+
+    cpu = LayerFunctions(rope_and_write=rope_and_write, rope_tables=rope_tables)
+    cos, sin = cpu.rope_tables(params.rope_inv_freq, batch.positions, dtype)
+    q = cpu.rope_and_write(cpu.qkv_projection(x, lp, cfg), lp.q_norm, lp.k_norm, cos, sin, kv_got, slots, cfg)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(kv_got, kv_ref, equal_nan=True, **tol)
