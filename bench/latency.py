@@ -2,11 +2,18 @@
 transformers (eager) in the same run.
 
     python bench/latency.py [--shapes qwen3-0.6b llama-3.2-1b llama-3.1-8b] [--new-tokens 200]
+                            [--quantization none int8 fp8 gpt-fast-int8]
 
 5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
 bandwidth = weight bytes read per token x tok/s. Also prints where a NanoInfer step's host
 time goes (schedule / batch / forward launch / sample launch / resolve, which waits for the
 device: with overlap, for the step before).
+
+`--quantization` quantizes the random weights at load (nanoinfer.loaders.quantize) and times
+the graphs path for each. `gpt-fast-int8` is gpt-fast's int8 weight-only method inside our
+engine, as the baseline for ours: the same int8 weights, but every projection computed as
+`F.linear(x, w.to(bf16)) * scale` in the compiled graph (gpt-fast's WeightOnlyInt8Linear),
+where ours runs the Triton GEMV at batch 1.
 """
 
 from __future__ import annotations
@@ -71,23 +78,41 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b"])
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--quantization", nargs="+", default=["none"],
+                        choices=["none", "int8", "fp8", "gpt-fast-int8"])
     args = parser.parse_args()
 
+    import dataclasses
+
+    import nanoinfer.gemv
     from bench.shapes import random_model, weight_bytes
+    from nanoinfer import quantized
+    from nanoinfer.loaders.quantize import quantize_params
 
     print(f"device {torch.cuda.get_device_name()}  new tokens {args.new_tokens}  prompt 5")
     print(f"{'shape':<14}{'engine':<30}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample resolve")
     for name in args.shapes:
-        model = random_model(name)
-        nbytes = weight_bytes(model)
-        for label, eager, overlap in (("nanoinfer (graphs, overlap)", False, True),
-                                      ("nanoinfer (graphs, no overlap)", False, False),
-                                      ("nanoinfer (eager)", True, True)):
-            tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap)
-            breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
-                                                                      "resolve"))
-            print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
-        del model
+        dense = random_model(name)
+        for quant in args.quantization:
+            form = "int8" if quant == "gpt-fast-int8" else quant
+            model = dense if form == "none" else dataclasses.replace(
+                dense, params=quantize_params(dense.params, form), quantization=form)
+            nbytes = weight_bytes(model)
+            variants = (("graphs, overlap", False, True), ("graphs, no overlap", False, False), ("eager", True, True))
+            linear = nanoinfer.gemv.linear
+            if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.gemv.linear when the engine starts)
+                nanoinfer.gemv.linear = quantized.linear
+            for label, eager, overlap in variants if quant == "none" else variants[:1]:
+                tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap)
+                breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
+                                                                          "resolve"))
+                label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
+                print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
+            nanoinfer.gemv.linear = linear
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+        del dense
         gc.collect()
         torch.cuda.empty_cache()
         if not args.no_baseline:

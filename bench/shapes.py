@@ -10,6 +10,7 @@ import torch
 from nanoinfer.config import ModelConfig, RopeScaling
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.dummy import dummy_params
+from nanoinfer.quantized import nbytes
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1e6, 40960, True, qk_norm=True),
@@ -39,6 +40,5 @@ def random_model(name: str, device="cuda", dtype=torch.bfloat16) -> LoadedModel:
 def weight_bytes(model: LoadedModel) -> int:
     """Bytes read per decode step at batch 1: every weight once (the embedding row aside)."""
     p = model.params
-    tensors = [t for layer in p.layers for t in vars(layer).values() if t is not None]
-    tensors += [p.final_norm, p.lm_head]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    weights = [w for layer in p.layers for w in vars(layer).values()] + [p.final_norm, p.lm_head]
+    return sum(nbytes(w) for w in weights)

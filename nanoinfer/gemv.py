@@ -6,18 +6,26 @@ profile of the Qwen3-0.6B shape: 29 µs per layer in GEMVs, 2/3 of the step). He
 program owns BLOCK_N output rows and reads their whole K extent in wide vector loads, so
 every SM has many bytes in flight and no split-K reduce is needed.
 
-`linear(x, w, b)` is what the model calls: this kernel for one row on CUDA, F.linear
-otherwise. The kernel is a torch custom op, so torch.compile keeps it inside a compiled
-graph as one opaque call (the way it keeps a cuBLAS call) and CUDA graphs capture it.
+The same kernel reads int8 and fp8 (e4m3) weights with a scale per output row
+(nanoinfer.quantized's Int8Weight, Fp8Weight): each weight is widened to fp32 in registers,
+so a batch-1 step reads one byte per weight instead of two.
+
+`linear(x, w, b)` is what the model calls on CUDA: this kernel for one row, otherwise
+F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
+per token in e4m3 and `torch._scaled_mm`). The kernel is a torch custom op, so torch.compile
+keeps it inside a compiled graph as one opaque call (the way it keeps a cuBLAS call) and
+CUDA graphs capture it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
+
+from nanoinfer import quantized
+from nanoinfer.quantized import Fp8Weight, Int8Weight
 
 
 def _quick_bench(kernel_call, quantiles):
@@ -30,11 +38,14 @@ def _quick_bench(kernel_call, quantiles):
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
              for n, k, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4), (32, 256, 8),
-                             (8, 2048, 8), (16, 1024, 8), (32, 512, 8), (64, 256, 8))],
-    key=["N", "K"], do_bench=_quick_bench, cache_results=True,
+                             (8, 2048, 8), (16, 1024, 8), (32, 512, 8), (64, 256, 8), (4, 2048, 4), (8, 4096, 8),
+                             (16, 2048, 8))],
+    key=["N", "K", "W_BYTES"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, W_BYTES, HAS_SCALE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -45,27 +56,38 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, 
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_mask)
+    out = tl.sum(acc, 1)
+    if HAS_SCALE:
+        out *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @torch.library.custom_op("nanoinfer::gemv", mutates_args=())
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ w[N, K].T -> [1, N] in x's dtype, fp32 accumulation."""
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ (w[N, K] * scale[N, None]).T -> [1, N] in x's dtype, fp32 accumulation
+    (`scale`: a quantized weight's per-row scale; None for a dense one)."""
     n, k = w.shape
     x = x.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k, w.stride(0))
+    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x, w, w if scale is None else scale, out, n, k, w.stride(0), w.element_size(), HAS_SCALE=scale is not None)
     return out
 
 
 @gemv.register_fake
-def _(x, w):
+def _(x, w, scale=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the Triton GEMV for a single row of a CUDA tensor."""
-    if x.shape[0] != 1 or not x.is_cuda or w.stride(1) != 1:
-        return F.linear(x, w, b)
-    out = gemv(x, w)
+def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantized.linear` (F.linear for a dense weight), through the Triton GEMV for a single
+    row of a CUDA tensor."""
+    if x.shape[0] != 1 or not x.is_cuda:
+        return quantized.linear(x, w, b)
+    if isinstance(w, (Int8Weight, Fp8Weight)):
+        out = gemv(x, w.q, w.scale)
+    elif isinstance(w, torch.Tensor) and w.stride(1) == 1:
+        out = gemv(x, w)
+    else:
+        return quantized.linear(x, w, b)
     return out if b is None else out + b

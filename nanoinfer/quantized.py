@@ -15,7 +15,10 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
 - `SplitInt8Weight`: 8-bit groups (Q8_0) as two int4 halves, u = 16 h + l: the same kernel,
   exact as above, where torch's int8 kernel only takes one scale per row.
 - `Int8Weight`: per-output-channel int8 (`_weight_int8pack_mm` on the CPU), for formats
-  with no exact packed form (K-quants of 5 and 6 bits), rounded to the nearest int8.
+  with no exact packed form (K-quants of 5 and 6 bits), rounded to the nearest int8, and
+  `quantization="int8"` of any checkpoint (CUDA: nanoinfer.gemv's GEMV at batch 1).
+- `Fp8Weight`: per-output-channel e4m3 (`quantization="fp8"`, FP8 checkpoints): a GEMV at
+  batch 1, otherwise activations rounded to e4m3 per token and `torch._scaled_mm`.
 
 The packed kernels take bf16 activations (fp32 ones measured 10-30x slower on the CPU), so
 `linear` rounds its input to bf16 and returns the caller's dtype.
@@ -120,8 +123,50 @@ class Int8Weight:
         return Int8Weight(q, scale.to(scale_dtype))
 
 
-Packed = Union[Int4Weight, SplitInt8Weight, Int8Weight]
-Weight = Union[torch.Tensor, GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight]
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """w[r, c] = scale[r] * q[r, c], q in float8 e4m3. A matmul of several rows also rounds
+    the activations to e4m3, with a scale per token (`fp8_matmul`); a single row (the GEMV)
+    keeps them as they are."""
+
+    q: torch.Tensor  # [out, in] float8_e4m3fn
+    scale: torch.Tensor  # [out] fp32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> "Fp8Weight":
+        """The row's largest magnitude at e4m3's largest value, round to nearest."""
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        return Fp8Weight((w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] -> (e4m3 [tokens, in], fp32 scale [tokens, 1]), each row's largest
+    magnitude at e4m3's largest value."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_matmul(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x [tokens, in] @ w.T in x's dtype: activations per token in e4m3, then on CUDA one
+    `torch._scaled_mm` with row-wise scales (Hopper's fp8 tensor cores). Elsewhere the same
+    arithmetic in fp32: the reference."""
+    xq, sx = quantize_rows_fp8(x)
+    if x.is_cuda:
+        return torch._scaled_mm(xq, w.q.t(), scale_a=sx, scale_b=w.scale[None, :], out_dtype=x.dtype)
+    return ((xq.float() @ w.q.float().t()) * sx * w.scale[None, :]).to(x.dtype)
+
+
+Packed = Union[Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
+Weight = Union[torch.Tensor, GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
 
 
 def pack(w: GroupedWeight) -> Int4Weight | SplitInt8Weight:
@@ -140,8 +185,8 @@ def take_rows(w: Weight, index: torch.Tensor) -> Weight:
         return w[index]
     if isinstance(w, GroupedWeight):
         return w.rows(index)
-    if isinstance(w, Int8Weight):
-        return Int8Weight(w.q[index], w.scale[index])
+    if isinstance(w, (Int8Weight, Fp8Weight)):
+        return type(w)(w.q[index], w.scale[index])
     raise TypeError(f"cannot take rows of a packed {type(w).__name__}")
 
 
@@ -152,6 +197,8 @@ def concat_rows(parts: list[Weight]) -> Weight:
         return torch.cat(parts)
     if all(isinstance(p, GroupedWeight) for p in parts) and len({p.bits for p in parts}) == 1:
         return GroupedWeight.cat(parts)
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        return Fp8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     int8 = [p if isinstance(p, Int8Weight) else Int8Weight.quantize(dequantize(p)) for p in parts]
     return Int8Weight(torch.cat([p.q for p in int8]), torch.cat([p.scale for p in int8]))
 
@@ -171,7 +218,7 @@ def dequantize(w: Weight) -> torch.Tensor:
         return q8 * sz[..., 0] + sz[..., 1]
     if isinstance(w, SplitInt8Weight):
         return dequantize(w.high) + dequantize(w.low)
-    if isinstance(w, Int8Weight):
+    if isinstance(w, (Int8Weight, Fp8Weight)):
         return w.q.float() * w.scale.float()[:, None]
     raise TypeError(f"not a weight: {type(w).__name__}")
 
@@ -180,6 +227,13 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     """x @ w.T (+ bias) for any weight form, in x's dtype."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if isinstance(w, Fp8Weight):
+        y = fp8_matmul(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w)
+        y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+    if x.is_cuda and isinstance(w, Int8Weight):  # gpt-fast's int8 weight-only matmul (compiled, the cast fuses)
+        y = F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)
+        return y if bias is None else y + bias
     # (Each op costs microseconds on the CPU whatever its size: 2-D inputs skip the reshapes.)
     rows = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(torch.bfloat16)
     if isinstance(w, Int4Weight):
@@ -211,4 +265,14 @@ def map_weight(fn: Callable[[torch.Tensor], torch.Tensor], w: Weight) -> Weight:
                                      if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED))})
 
 
-QUANTIZED = (GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight)
+QUANTIZED = (GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight)
+
+
+def nbytes(w: Weight | None) -> int:
+    """Bytes a weight holds (what a batch-1 step reads of it)."""
+    if w is None:
+        return 0
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(nbytes(getattr(w, f.name)) for f in dataclasses.fields(w)
+               if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED)))

@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 
 LOAD_FORMATS = ("auto", "dummy")
 # none: dequantize everything to `dtype` (the exact path); gguf: a quantized GGUF's matrices
-# stay packed (CPU); int8: per-row int8 matrices from any checkpoint; auto: gguf for a
-# quantized GGUF on the CPU, as llama.cpp runs it, else none.
-QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+# stay packed (CPU); int8, fp8: per-row int8 or e4m3 matrices from any checkpoint (fp8 wants
+# Hopper or Ada; on the CPU it runs its slow reference); auto: gguf for a quantized GGUF on
+# the CPU, as llama.cpp runs it, fp8 for an FP8 checkpoint, else none.
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def load_model(
 
     Raises CheckpointError naming the file for anything wrong with the checkpoint."""
     from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
-    from nanoinfer.loaders.hf import load_hf_params, read_hf_config
+    from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
     from nanoinfer.tokenizer import Tokenizer
 
     if load_format not in LOAD_FORMATS:
@@ -76,9 +77,10 @@ def load_model(
     if path.is_dir():
         cfg = read_hf_config(path)
         torch_dtype = resolve_dtype(dtype, cfg, dev)
-        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False)
-        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_hf_params(path, cfg, torch_dtype, dev,
-                                                                                progress=progress)
+        fp8_file = not dummy and has_fp8_weights(path)
+        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False, fp8_file=fp8_file)
+        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_hf_params(
+            path, cfg, torch_dtype, dev, progress=progress, fp8=quantization == "fp8")
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf" or path.is_file():
         reader = open_gguf(path)
@@ -93,7 +95,7 @@ def load_model(
             path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
                   "model directory or a .gguf file"
         )
-    if quantization == "int8":
+    if quantization in ("int8", "fp8"):
         params = quantize_params(params, quantization)
     if tokenizer is not None:
         # Generation ends at any EOS either side declares (chat models often end turns with a
@@ -103,9 +105,14 @@ def load_model(
     return LoadedModel(cfg, params, tokenizer, path, name if name in KNOWN_MODELS else None, quantization)
 
 
-def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool) -> str:
+def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool,
+                          fp8_file: bool = False) -> str:
     if quantization == "auto":
-        return "gguf" if gguf and quantized_file and device.type == "cpu" else "none"
+        return "gguf" if gguf and quantized_file and device.type == "cpu" else "fp8" if fp8_file else "none"
+    if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise RequestError(f"quantization='fp8' needs fp8 tensor cores (compute capability 8.9 or newer): "
+                           f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}",
+                           param="quantization")
     if quantization == "gguf" and not (gguf and quantized_file):
         raise RequestError("quantization='gguf' keeps a quantized GGUF file's blocks: this model is "
                            f"{'a GGUF file with no quantized matrix' if gguf else 'not a GGUF file'}",

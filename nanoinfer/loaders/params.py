@@ -18,7 +18,7 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.model import LayerParams, Params
-from nanoinfer.quantized import GroupedWeight, concat_rows, pack
+from nanoinfer.quantized import GroupedWeight, concat_rows, map_weight, pack
 
 if TYPE_CHECKING:
     from nanoinfer.quantized import Weight
@@ -46,7 +46,9 @@ def build_params(
             raise CheckpointError(path, f"tensor {name!r} is missing")
         if tuple(tensor.shape) != shape:
             raise CheckpointError(path, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor.to(device=device, dtype=dtype) if isinstance(tensor, torch.Tensor) else tensor
+        if isinstance(tensor, torch.Tensor):
+            return tensor.to(device=device, dtype=dtype)
+        return map_weight(lambda t: t.to(device), tensor)  # (a quantized matrix keeps its types)
 
     def matrix(w):
         return pack(w) if isinstance(w, GroupedWeight) else w
