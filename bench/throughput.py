@@ -2,6 +2,7 @@
 
     python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
                                [--model M] [--device cpu] [--baseline-batch 16] [--temperature 0]
+                               [--kv-cache-dtype auto|fp8] [--quantization none|int8|fp8]
 
 Prompts are random token ids, lengths uniform in the given ranges (fixed seed), generation
 with ignore_eos so every request produces exactly its output length. Output tok/s counts
@@ -64,18 +65,29 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; nano-vllm's bench samples at 0.6")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default="auto", help="as load_model takes it (with --shape: int8 or fp8 "
+                                                                 "quantize the random weights)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from nanoinfer import LLM
 
     if args.shape:
-        from bench.shapes import random_model
+        import dataclasses
 
-        llm = LLM.from_loaded(random_model(args.shape, device=args.device), max_model_len=4096,
-                              max_num_seqs=args.num_seqs)
+        from bench.shapes import random_model
+        from nanoinfer.loaders.quantize import quantize_params
+
+        model = random_model(args.shape, device=args.device)
+        if args.quantization in ("int8", "fp8"):
+            model = dataclasses.replace(model, params=quantize_params(model.params, args.quantization),
+                                        quantization=args.quantization)
+        llm = LLM.from_loaded(model, max_model_len=4096, max_num_seqs=args.num_seqs,
+                              kv_cache_dtype=args.kv_cache_dtype)
     else:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     prompts, outputs = workload(args.num_seqs, args.input_len, args.output_len, llm.model.config.vocab_size)
     # Warm-up over prompts of the workload's own lengths: the first prefill of each shape JIT-
     # compiles Triton kernels and Inductor code (cold start is bench/cold_start.py's business).
@@ -115,7 +127,8 @@ def main():
         with torch.inference_mode():
             theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
-    print(f"model {model_path.name}  device {args.device}  temperature {args.temperature}  seqs {args.num_seqs}  "
+    print(f"model {model_path.name}  device {args.device}  kv cache {args.kv_cache_dtype}  quantization "
+          f"{args.quantization}  temperature {args.temperature}  seqs {args.num_seqs}  "
           f"input {args.input_len}  "
           f"output {args.output_len}  output tokens {total}")
     print(f"{'engine':<36}{'seconds':>10}{'output tok/s':>14}{'vs baseline':>13}")  # (last row = baseline)

@@ -36,10 +36,12 @@ def _quick_bench(kernel_call, quantiles):
 
 # cache_results: the winners go to Triton's cache directory, so a second start skips tuning.
 @triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-             for n, k, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4), (32, 256, 8),
-                             (8, 2048, 8), (16, 1024, 8), (32, 512, 8), (64, 256, 8), (4, 2048, 4), (8, 4096, 8),
-                             (16, 2048, 8))],
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+             for n, k, w, s in ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 8, 3), (16, 256, 4, 3),
+                                (32, 256, 8, 3), (8, 2048, 8, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3),
+                                # few rows, long rows: the best for 8B shapes, 1-byte weights most of all
+                                # (an H100 sweep: .scratch-era numbers in bench/RESULTS.md)
+                                (2, 4096, 4, 3), (2, 2048, 4, 4), (4, 2048, 4, 4))],
     key=["N", "K", "W_BYTES"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit

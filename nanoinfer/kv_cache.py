@@ -10,6 +10,26 @@ from nanoinfer.host_copy import to_device
 # kv: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]. Block-major with heads
 # innermost, so one block of one layer is a contiguous [block_size, kv_heads, head_dim]
 # slab: a page gather is one index_select, and a slot is a flat row of kv[l, i].view(-1, ...).
+#
+# The pool holds the model's dtype, or float8 e4m3 (`kv_cache_dtype="fp8"`): half the bytes a
+# decode step reads and twice the tokens in the same memory. Keys and values are stored
+# unscaled, saturated at e4m3's +-448 (vLLM's default where a checkpoint ships no KV scales),
+# and every reader widens them back to the queries' dtype.
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+
+
+def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    return FP8 if kv_cache_dtype == "fp8" else model_dtype
+
+
+def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values in the pool's dtype (saturating into fp8: no NaN from a large value)."""
+    if dtype == FP8 and x.dtype != FP8:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
 
 
 def allocate_kv_pool(

@@ -25,7 +25,7 @@ from nanoinfer.config import ModelConfig
 def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
                        stride_qkv, stride_qo, stride_cos, stride_kv, eps,
                        NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+                       HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, in the projection's column order
     # Each half of the head in a tile of HALF_PAD (a power of two: tl.arange's rule) columns;
@@ -41,6 +41,9 @@ def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q
     x2 = tl.load(src + HEAD_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)
     is_q = head < NUM_HEADS
     is_v = head >= NUM_HEADS + KV_HEADS
+    if FP8 and is_v:  # saturate into an fp8 pool (e4m3 has no infinity: past 448 is NaN)
+        x1 = tl.clamp(x1, -448.0, 448.0)
+        x2 = tl.clamp(x2, -448.0, 448.0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     kv_head = tl.where(is_v, head - NUM_HEADS - KV_HEADS, head - NUM_HEADS)
     dst = kv_ptr + slot * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + tl.where(is_v, stride_kv, 0)
@@ -69,6 +72,9 @@ def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q
         tl.store(out + half, r1.to(q_out_ptr.dtype.element_ty), mask=in_half)
         tl.store(out + HEAD_DIM // 2 + half, r2.to(q_out_ptr.dtype.element_ty), mask=in_half)
     elif slot >= 0:
+        if FP8:
+            r1 = tl.clamp(r1, -448.0, 448.0)
+            r2 = tl.clamp(r2, -448.0, 448.0)
         tl.store(dst + half, r1.to(kv_ptr.dtype.element_ty), mask=in_half)
         tl.store(dst + HEAD_DIM // 2 + half, r2.to(kv_ptr.dtype.element_ty), mask=in_half)
 
@@ -89,5 +95,5 @@ def rope_and_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
         qkv, q, kv_layer, slot_mapping, cos, sin, norm, k_norm if cfg.qk_norm else norm,
         qkv.stride(0), q.stride(0), cos.stride(0), kv_layer.stride(0), cfg.rms_norm_eps,
         NUM_HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=d, HALF_PAD=triton.next_power_of_2(d // 2),
-        QK_NORM=cfg.qk_norm, num_warps=1)
+        QK_NORM=cfg.qk_norm, FP8=kv_layer.dtype == torch.float8_e4m3fn, num_warps=1)
     return q

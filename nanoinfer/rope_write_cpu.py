@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from nanoinfer.config import ModelConfig
+from nanoinfer.kv_cache import to_kv
 from nanoinfer.layers import rms_norm, rope_cos_sin
 
 
@@ -40,5 +41,5 @@ def rope_and_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
     if tokens and int(slot_mapping.min()) < 0:  # (a negative index would wrap around to the pool's end)
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    kv_layer.view(2, -1, kv_heads, d)[:, slot_mapping] = torch.stack((k, v))
+    kv_layer.view(2, -1, kv_heads, d)[:, slot_mapping] = to_kv(torch.stack((k, v)), kv_layer.dtype)
     return qk[:, :heads]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
+from nanoinfer.kv_cache import KV_CACHE_DTYPES
 from nanoinfer.settings import check_settings, setting
 from runtime.scheduler import SchedulerConfig
 
@@ -22,6 +23,8 @@ class EngineConfig:
                                         minimum=1, optional=True)
     gpu_memory_utilization: float = setting(0.9, "share of the GPU the weights, activations and KV pool may use",
                                             above=0, maximum=1)
+    kv_cache_dtype: str = setting("auto", "KV cache element type: auto (the model's dtype) or fp8 (e4m3, half the "
+                                          "bytes of bf16; values saturate at +-448, unscaled)", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "

@@ -10,7 +10,7 @@ import torch
 
 from nanoinfer.attention import AttentionBackend
 from nanoinfer.batch import Batch
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.kv_cache import allocate_kv_pool, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
@@ -64,7 +64,7 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
     for n in lens:
         starts.append(starts[-1] + n)
     logits_rows = min(tokens, len(lens) + PROMPT_LOGPROB_ROWS)  # every sampler, and the prompt-logprob rows
-    scratch = allocate_kv_pool(cfg, 1, bs, model.params.dtype, dev)
+    scratch = allocate_kv_pool(cfg, 1, bs, kv_dtype(model.params.dtype, config.kv_cache_dtype), dev)
     batch = Batch(torch.zeros(tokens, dtype=torch.int64, device=dev),
                   torch.cat([torch.arange(n, device=dev) for n in lens]),
                   torch.full((tokens,), -1, dtype=torch.int64, device=dev),

@@ -18,7 +18,7 @@ import torch
 from nanoinfer.batch import Batch
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
-from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, swap_blocks
+from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
@@ -58,7 +58,7 @@ class ForwardOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, model: LoadedModel, config, max_model_len: int):
         """`config` is an EngineConfig."""
-        cfg, dtype = model.config, model.params.dtype
+        cfg, dtype = model.config, kv_dtype(model.params.dtype, config.kv_cache_dtype)
         self.model, self.config, self.cfg = model, config, cfg
         self.device = model.params.device
         self.block_size = config.block_size

@@ -365,23 +365,82 @@ def test_batched_quantized_matmul_matches_the_cpu_reference(form, tokens):
 
 
 @pytest.mark.parametrize("form", ["int8", "fp8"])
-def test_quantized_engine_graphs_equal_eager_and_track_bf16(hf_and_ours, form):
-    """Greedy tokens of the Qwen3-shaped model quantized at load: CUDA graphs + compiled layers
-    give exactly the eager tokens, and the first tokens mostly agree with bf16."""
+def test_quantized_batch1_path_is_as_close_to_its_weights_as_bf16(hf_and_ours, form):
+    """The compiled batch-1 path over quantized weights (GEMVs, fused RoPE) against the same
+    weights dequantized in fp32, as close as the bf16 model is to fp32; CUDA graphs replay it
+    exactly. (Token agreement with bf16 is no test here: this random model's quantization error
+    alone moves its logits by 11% RMS for int8. Quality on a real model: bench/RESULTS.md.)"""
+    from nanoinfer import quantized
+    from nanoinfer.gemv import linear
+    from nanoinfer.loaders.quantize import PROJECTIONS, quantize_params
+    from nanoinfer.rope_write import rope_and_write
+
+    _, model = hf_and_ours
+    cfg, bs = model.config, 16
+    params = quantize_params(model.params, form)
+    p32 = map_params(torch.Tensor.float, model.params)
+    oracle = dataclasses.replace(p32, lm_head=quantized.dequantize(params.lm_head), layers=tuple(
+        dataclasses.replace(lp, **{n: quantized.dequantize(getattr(q, n)) for n in PROJECTIONS})
+        for lp, q in zip(p32.layers, params.layers)))
+    kv, backend = random_pool_and_backend(cfg, bs)
+    compiled = compiled_layer_functions(linear, rope_and_write)
+    decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
+    with torch.inference_mode():
+        fused = forward(params, kv.clone(), decode, cfg, backend, compiled)
+        exact = forward(oracle, kv.float(), decode, cfg)
+        bf16_err = (forward(model.params, kv.clone(), decode, cfg, backend)
+                    - forward(p32, kv.float(), decode, cfg)).abs().max().item()
+    err = (fused - exact).abs().max().item()
+    assert err <= 1.5 * bf16_err + 1e-2, (err, bf16_err)
+    graphs = StepGraphs(lambda b: (forward(params, kv, b, cfg, backend, compiled),), kv.device, max_batch=2,
+                        max_blocks=16, buckets=(1, 2))
+    graphs.capture()
+    with torch.inference_mode():
+        assert torch.equal(forward(params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
+
+
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+def test_quantized_engine_serves_mixed_batches(hf_and_ours, form):
+    """Prefill chunks (batched quantized matmuls of odd row counts), decode graphs (GEMVs at
+    batch 1, batched matmuls beyond), sampling: every request finishes, every block comes back."""
     from nanoinfer.loaders.quantize import quantize_params
 
     _, model = hf_and_ours
     quant = dataclasses.replace(model, params=quantize_params(model.params, form), quantization=form)
-    prompts = [list(range(100 + i, 130 + 7 * i)) for i in range(4)]
-    outs = {}
-    for name, m, eager in (("bf16", model, False), ("graphs", quant, False), ("eager", quant, True)):
-        engine = EngineCore(m, EngineConfig(block_size=16, num_blocks=512, max_model_len=1024, enforce_eager=eager))
-        seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        outs[name] = [s.output_token_ids for s in seqs]
-    firsts = [a[0] == b[0] for a, b in zip(outs["graphs"], outs["bf16"])]
-    assert sum(firsts) >= 3, (outs["graphs"], outs["bf16"])
-    # Eager runs quantized.linear (dequantize-and-matmul / _scaled_mm) where graphs run the GEMV:
-    # rounding may differ, so compare first tokens only.
-    assert [o[0] for o in outs["graphs"]] == [o[0] for o in outs["eager"]]
+    from runtime.engine import engine_config
+
+    engine = EngineCore(quant, engine_config(block_size=16, num_blocks=512, max_model_len=1024,
+                                             max_num_batched_tokens=96))
+    seqs = [engine.add_request(list(range(100 + i, 117 + 13 * i)),
+                               SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=3 + 4 * i,
+                                              ignore_eos=True)) for i in range(6)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(s.output_token_ids) for s in seqs] == [3 + 4 * i for i in range(6)]
+    assert engine.blocks.num_free_blocks == 512
+
+
+def test_rope_and_write_into_an_fp8_pool():
+    """The fused kernel stores k and v into an e4m3 pool: what the bf16 kernel stores, rounded
+    once more (within one e4m3 step), values past 448 saturated."""
+    from nanoinfer.kv_cache import FP8, to_kv
+    from nanoinfer.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.rope_write import rope_and_write
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=128, num_layers=1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, bs = 21, 16
+    qkv = torch.randn(tokens, cfg.q_size + 2 * cfg.kv_size, device="cuda", dtype=torch.bfloat16, generator=g) * 100
+    positions = torch.randint(0, 5000, (tokens,), device="cuda", generator=g)
+    slots = torch.randperm(4 * bs, device="cuda", generator=g)[:tokens]
+    slots[::4] = -1
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg).cuda(), positions, torch.bfloat16)
+    wide = torch.zeros(2, 4, bs, 4, 128, device="cuda", dtype=torch.bfloat16)
+    narrow = torch.zeros(2, 4, bs, 4, 128, device="cuda", dtype=FP8)
+    q_wide = rope_and_write(qkv, None, None, cos, sin, wide, slots, cfg)
+    q_narrow = rope_and_write(qkv, None, None, cos, sin, narrow, slots, cfg)
+    assert torch.equal(q_wide, q_narrow)
+    assert not narrow.float().isnan().any() and narrow.float().abs().max() == 448
+    expected = to_kv(wide, FP8).float()
+    assert ((narrow.float() - expected).abs() <= 2**-3 * expected.abs() + 2**-9).all()

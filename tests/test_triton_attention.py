@@ -175,6 +175,29 @@ def test_mixed_step_write_then_attend(group, head_dim, dtype):
         run_and_check(backend, batch, cfg, q, kv_layer, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 128), (2, 96)])
+def test_fp8_pool_write_then_attend(group, head_dim, dtype):
+    """An e4m3 pool (kv_cache_dtype="fp8"): stores round and saturate as the torch path's do
+    (bitwise), and attention over the pool matches the fp32 reference over the same values
+    (e4m3 widens exactly to bf16/fp16), split, unsplit and prefill alike."""
+    from nanoinfer.kv_cache import FP8, to_kv
+
+    cfg = make_cfg(2, group, head_dim)
+    for split_tokens, large in ((256, False), (256, True), (0, False)):
+        backend = TritonPagedAttention(cfg, device=DEVICE, max_split_tokens=split_tokens)
+        seed = seed_of(group, head_dim, dtype, large, split_tokens)
+        batch, q, k, v, kv_layer = make_step(mixed_seqs(random.Random(seed), large), cfg, 16, dtype, seed=seed)
+        kv_layer = to_kv(kv_layer * 50, FP8)  # (some values past 448: they must saturate, not turn NaN)
+        k = k * 200
+        expected_kv = kv_layer.clone()
+        REF.write_kv(expected_kv, k, v, batch.slot_mapping)
+        backend.write_kv(kv_layer, k, v, batch.slot_mapping)
+        assert kv_layer.dtype == FP8 and not kv_layer.float().isnan().any()
+        assert torch.equal(kv_layer.view(torch.uint8), expected_kv.view(torch.uint8))
+        run_and_check(backend, batch, cfg, q, kv_layer, dtype)
+
+
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (1, 128), (4, 64), (4, 128), (2, 32), (3, 96)])
 def test_block_size_one(group, head_dim):
     cfg = make_cfg(2, group, head_dim)

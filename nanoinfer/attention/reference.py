@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
+from nanoinfer.kv_cache import to_kv
 
 # 64 MiB of fp32 scores per tile: 233 query rows of the default model (9 heads) at 8000 keys.
 DEFAULT_MAX_SCORE_BYTES = 64 * 2**20
@@ -58,8 +59,8 @@ class ReferenceAttention:
         _, num_blocks, block_size, kv_heads, head_dim = kv_layer.shape
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        kv_layer[0].view(-1, kv_heads, head_dim)[slots] = k[valid]
-        kv_layer[1].view(-1, kv_heads, head_dim)[slots] = v[valid]
+        kv_layer[0].view(-1, kv_heads, head_dim)[slots] = to_kv(k[valid], kv_layer.dtype)
+        kv_layer[1].view(-1, kv_heads, head_dim)[slots] = to_kv(v[valid], kv_layer.dtype)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: ReferenceMetadata) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; padding rows past the last sequence stay zero.
@@ -73,8 +74,10 @@ class ReferenceAttention:
             num_blocks = -(-seq.context_len // block_size)
             pages = seq.block_ids[:num_blocks].long()
             # k, v: [kv_heads, context, head_dim] after the gather
+            # (an fp8 pool widens to the queries' dtype)
             k = kv_layer[0].index_select(0, pages).reshape(-1, kv_heads, head_dim)[: seq.context_len].transpose(0, 1)
             v = kv_layer[1].index_select(0, pages).reshape(-1, kv_heads, head_dim)[: seq.context_len].transpose(0, 1)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             q_seq = q[seq.query_start : seq.query_end].transpose(0, 1)  # [heads, n, head_dim]
             rows = query_tile_rows(q.shape[1], seq.context_len, self.max_score_bytes)
             for first in range(0, n, rows):

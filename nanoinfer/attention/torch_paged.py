@@ -84,6 +84,8 @@ class TorchPagedAttention:
             kv = flat[:, None, group.first_slot:group.first_slot + group.slots.shape[1]]
         else:
             kv = flat.index_select(1, group.slots.view(-1)).view(2, n, -1, kv_heads, head_dim)
+        if kv.dtype != q.dtype:  # an fp8 pool
+            kv = kv.to(q.dtype)
         k = kv[0].permute(0, 2, 3, 1)  # [decodes, kv_heads, head_dim, keys]
         v = kv[1].transpose(1, 2)  # [decodes, kv_heads, keys, head_dim]
         qg = (q if group.rows is None else q[group.rows]).view(n, kv_heads, heads // kv_heads, head_dim)

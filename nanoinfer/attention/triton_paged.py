@@ -36,7 +36,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     # The pool is [2, num_blocks * block_size (one row per slot), kv_heads, head_dim] contiguous,
     # so a slot is KV_HEADS * HEAD_DIM contiguous elements: one masked vector store per row.
     row = tl.program_id(0)
@@ -47,8 +47,11 @@ def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kh, strid
     k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(v_ptr + row * stride_vt + head * stride_vh + dim, mask=mask)
     dst = kv_ptr + slot * (KV_HEADS * HEAD_DIM) + offs
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_kv, v, mask=mask)
+    if FP8:  # saturate: e4m3 has no infinity, and a value past 448 would otherwise become NaN
+        k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
+    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -148,8 +151,9 @@ def _paged_attention_kernel(
         # int64: block * stride_blk overflows int32 in pools of more than 2^31 elements per layer.
         k_off = block.to(tl.int64) * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot
         kv_ptrs = kv_base + k_off[:, None] + offs_d[None, :]
-        k = tl.load(kv_ptrs, mask=k_valid[:, None] & d_valid, other=0.0)
-        v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None] & d_valid, other=0.0)
+        # (an fp8 pool widens to the queries' dtype here: a no-op for a bf16/fp16 one)
+        k = tl.load(kv_ptrs, mask=k_valid[:, None] & d_valid, other=0.0).to(q.dtype)
+        v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None] & d_valid, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # fp32 [BLOCK_M, BLOCK_N]
         mask = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -264,7 +268,8 @@ class TritonPagedAttention:
             return
         _write_kv_kernel[(k.shape[0],)](
             k, v, kv_layer, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_layer.stride(0),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(kv_heads * head_dim))
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(kv_heads * head_dim),
+            FP8=kv_layer.dtype == torch.float8_e4m3fn)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, metadata: TritonMetadata,
                   out: torch.Tensor | None = None) -> torch.Tensor:
