@@ -431,7 +431,7 @@ def test_rope_and_write_into_an_fp8_pool():
     cfg = tiny_config(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=128, num_layers=1)
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, bs = 21, 16
-    qkv = torch.randn(tokens, cfg.q_size + 2 * cfg.kv_size, device="cuda", dtype=torch.bfloat16, generator=g) * 100
+    qkv = torch.randn(tokens, cfg.q_size + 2 * cfg.kv_size, device="cuda", dtype=torch.bfloat16, generator=g) * 300
     positions = torch.randint(0, 5000, (tokens,), device="cuda", generator=g)
     slots = torch.randperm(4 * bs, device="cuda", generator=g)[:tokens]
     slots[::4] = -1

@@ -90,7 +90,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,6 +125,11 @@ def _paged_attention_kernel(
     # Padded columns load as 0: they add nothing to q.k, and p @ v gives 0 there.
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_valid, other=0.0)
+    if FP8_KV:
+        # An fp8 pool's tiles widen to fp16, the one conversion Hopper does in a single
+        # instruction (e4m3 -> bf16 takes a detour that made the kernel compute-bound); the
+        # queries follow, clamped into fp16's range.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     # Query i of the chunk sits at position context_len - num_queries + i (causal over the cache).
     q_pos = context_len - num_queries + q_idx
     last_q = tl.minimum(q_off + BLOCK_Q, num_queries) - 1
@@ -151,7 +156,7 @@ def _paged_attention_kernel(
         # int64: block * stride_blk overflows int32 in pools of more than 2^31 elements per layer.
         k_off = block.to(tl.int64) * stride_blk + (k_pos % BLOCK_SIZE) * stride_slot
         kv_ptrs = kv_base + k_off[:, None] + offs_d[None, :]
-        # (an fp8 pool widens to the queries' dtype here: a no-op for a bf16/fp16 one)
+        # (an fp8 pool widens to fp16 here, see above: a no-op for a bf16/fp16 one)
         k = tl.load(kv_ptrs, mask=k_valid[:, None] & d_valid, other=0.0).to(q.dtype)
         v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None] & d_valid, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # fp32 [BLOCK_M, BLOCK_N]
@@ -312,7 +317,8 @@ class TritonPagedAttention:
             kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0),
             NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-            SLIDING=metadata.sliding_window > 0, SPLIT=split, num_warps=self.num_warps, num_stages=stages)
+            SLIDING=metadata.sliding_window > 0, SPLIT=split, FP8_KV=kv_layer.dtype == torch.float8_e4m3fn,
+            num_warps=self.num_warps, num_stages=stages)
         if split:
             _reduce_partitions_kernel[(tokens, heads)](
                 out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, num_seqs, num_parts,
