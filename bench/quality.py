@@ -1,0 +1,99 @@
+"""What quantization costs in quality: perplexity and greedy agreement against the exact path.
+
+    python bench/quality.py [--model M] [--tokens 256] [--threads 2]
+
+The default model's GGUF, on the CPU, in each mode:
+- none: the file dequantized to fp32 (the exact path, the reference);
+- gguf: the file's blocks kept packed (int4 groups, Q8_0 as two int4 halves; bf16 activations);
+- int8 / fp8: the dequantized weights quantized again per row (fp8 also rounds activations
+  per token to e4m3; the CPU runs the same arithmetic as the GPU's `_scaled_mm`, in fp32);
+- fp8 KV: the exact weights with an e4m3 KV cache.
+Perplexity: `bench/data/quality.txt` as one prefill, every position scored. Greedy agreement:
+the exact path generates `--tokens` greedy tokens for a fixed chat prompt; each mode then
+predicts every one of them from the exact path's own prefix (teacher-forced top-1 agreement,
+which one early near-tie cannot shift out of line), and generates its own tokens greedily
+(the position of its first divergence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TEXT = Path(__file__).parent / "data" / "quality.txt"
+PROMPT = [{"role": "user", "content": "Explain in a few paragraphs why lighthouses were built and how they worked."}]
+
+
+def all_logits(model, ids: list[int], kv_cache_dtype: str) -> torch.Tensor:
+    """Logits at every position of `ids` (one prefill; the next token's prediction at each)."""
+    from nanoinfer.batch import SeqChunk, build_batch
+    from nanoinfer.kernels import kernels_for
+    from nanoinfer.kv_cache import allocate_kv_pool, kv_dtype
+    from nanoinfer.model import forward
+
+    cfg, bs = model.config, 16
+    blocks = -(-len(ids) // bs)
+    kv = allocate_kv_pool(cfg, blocks, bs, kv_dtype(model.params.dtype, kv_cache_dtype), "cpu")
+    batch = build_batch([SeqChunk(ids, 0, list(range(blocks)), True)], bs)
+    batch = batch._replace(logits_indices=torch.arange(len(ids) - 1))
+    kernels = kernels_for(cfg, torch.device("cpu"), bs)
+    with torch.inference_mode():
+        return forward(model.params, kv, batch, cfg, kernels.attention, kernels.layer_fns).float()
+
+
+def perplexity(model, ids: list[int], kv_cache_dtype: str) -> float:
+    return math.exp(F.cross_entropy(all_logits(model, ids, kv_cache_dtype), torch.tensor(ids[1:])).item())
+
+
+def greedy(model, prompt_ids: list[int], tokens: int, kv_cache_dtype: str) -> list[int]:
+    from nanoinfer.sampling_params import SamplingParams
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
+
+    engine = EngineCore(model, engine_config(num_blocks=64, kv_cache_dtype=kv_cache_dtype))
+    seq = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    return seq.output_token_ids
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from nanoinfer.loaders import load_model
+
+    modes = [("none", "auto"), ("gguf", "auto"), ("int8", "auto"), ("fp8", "auto"), ("none", "fp8")]
+    rows, reference = [], None
+    for quantization, kv_cache_dtype in modes:
+        model = load_model(args.model, device="cpu", dtype="float32", progress=False, quantization=quantization)
+        ids = model.tokenizer.encode(TEXT.read_text())
+        prompt_ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)
+        ppl = perplexity(model, ids, kv_cache_dtype)
+        out = greedy(model, prompt_ids, args.tokens, kv_cache_dtype)
+        if reference is None:
+            reference = (ppl, out)
+        target = reference[1]
+        predicted = all_logits(model, prompt_ids + target, kv_cache_dtype)[len(prompt_ids) - 1:].argmax(-1)
+        agree = (predicted == torch.tensor(target)).float().mean().item()
+        same = [a == b for a, b in zip(out, target)]
+        first = same.index(False) if False in same else len(same)
+        name = f"{quantization} weights" + (", fp8 KV" if kv_cache_dtype == "fp8" else "")
+        rows.append((name, ppl, 100 * (ppl / reference[0] - 1), 100 * agree, first))
+        print(f"(done: {name})", flush=True)
+    print(f"model {model.path.name}  text {TEXT.name} ({len(ids)} tokens)  greedy tokens {args.tokens}")
+    print(f"{'mode':<24}{'perplexity':>11}{'delta %':>9}{'top-1 agreement %':>19}{'own greedy: first divergence':>31}")
+    for name, ppl, delta, agree, first in rows:
+        print(f"{name:<24}{ppl:>11.3f}{delta:>+9.2f}{agree:>19.1f}{first:>31}")
+
+
+if __name__ == "__main__":
+    main()
