@@ -30,8 +30,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: the checkpoint's config and tokenizer with random weights (benchmarks)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                         help="how matrices are held: auto (a quantized GGUF stays packed on the CPU, as llama.cpp "
-                             "runs it), none (dequantized to --dtype: the exact path), gguf, int8 (per-row, any "
-                             "checkpoint)")
+                             "runs it, unless --dtype names a float type; an FP8 checkpoint stays fp8), none "
+                             "(dequantized to --dtype: the exact path), gguf, int8 or fp8 (per row, any checkpoint)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="JSON or YAML file of flag names to values; flags on the command line win")
 

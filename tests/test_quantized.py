@@ -102,7 +102,7 @@ def test_gguf_blocks_read_without_dequantizing_are_exact(qtype):
     assert torch.equal(quantized.dequantize(w), expected)
 
 
-PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
+PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +120,10 @@ def test_packed_gguf_model_matches_the_dequantized_model(qtype, tiny_llama, tmp_
     cfg = gguf_config(reader, path)
     exact = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False)
     packed = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False, packed=True)
-    kind = Int8Weight if qtype == QT.Q6_K else SplitInt8Weight if qtype == QT.Q8_0 else Int4Weight
+    kind = Int8Weight if qtype in (QT.Q5_K, QT.Q6_K) else SplitInt8Weight if qtype == QT.Q8_0 else Int4Weight
     assert isinstance(packed.layers[0].qkv_proj, kind) and isinstance(packed.lm_head, kind)
     # Each matrix: the file's values (q/k rows un-permuted), up to bf16 scales, or int8 rounding.
-    tolerance = 1 / 127 if qtype == QT.Q6_K else 2 * BF16
+    tolerance = 1 / 127 if kind is Int8Weight else 2 * BF16
     for lp, lp_exact in zip(packed.layers, exact.layers):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             want = getattr(lp_exact, name)
@@ -154,6 +154,16 @@ def test_quantization_choices_are_checked(tmp_path):
     assert model.quantization == "int8" and isinstance(model.params.layers[0].down_proj, Int8Weight)
     assert isinstance(model.params.lm_head, Int8Weight) and isinstance(model.params.embed, torch.Tensor)
     assert load_model(cfg_dir, device="cpu", progress=False).quantization == "none"
+
+
+def test_a_quantized_gguf_runs_packed_on_the_cpu_unless_a_dtype_is_asked_for(smollm2_gguf):
+    assert load_model(smollm2_gguf, device="cpu", progress=False).quantization == "gguf"
+    exact = load_model(smollm2_gguf, device="cpu", dtype="float32", progress=False)
+    assert exact.quantization == "none" and isinstance(exact.params.layers[0].qkv_proj, torch.Tensor)
+    with pytest.raises(RequestError, match="quantization='gguf' runs on the CPU only"):
+        from nanoinfer.loaders import _resolve_quantization
+
+        _resolve_quantization("gguf", torch.device("cuda"), gguf=True, quantized_file=True)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -25,7 +25,8 @@ LOAD_FORMATS = ("auto", "dummy")
 # none: dequantize everything to `dtype` (the exact path); gguf: a quantized GGUF's matrices
 # stay packed (CPU); int8, fp8: per-row int8 or e4m3 matrices from any checkpoint (fp8 wants
 # Hopper or Ada; on the CPU it runs its slow reference); auto: gguf for a quantized GGUF on
-# the CPU, as llama.cpp runs it, fp8 for an FP8 checkpoint, else none.
+# the CPU, as llama.cpp runs it (unless a float dtype is asked for: then its exact weights in
+# that dtype), fp8 for an FP8 checkpoint, else none.
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 
 
@@ -86,7 +87,8 @@ def load_model(
         reader = open_gguf(path)
         cfg = gguf_config(reader, path)
         torch_dtype = resolve_dtype(dtype, cfg, dev)
-        quantization = _resolve_quantization(quantization, dev, gguf=True, quantized_file=is_quantized(reader))
+        quantization = _resolve_quantization(quantization, dev, gguf=True, quantized_file=is_quantized(reader),
+                                             dtype_asked=dtype != "auto")
         params = dummy_params(cfg, torch_dtype, dev) if dummy else load_gguf_params(
             reader, cfg, torch_dtype, dev, path, progress=progress, packed=quantization == "gguf")
         tokenizer = Tokenizer.from_gguf(reader, path)
@@ -106,9 +108,10 @@ def load_model(
 
 
 def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool,
-                          fp8_file: bool = False) -> str:
+                          fp8_file: bool = False, dtype_asked: bool = False) -> str:
     if quantization == "auto":
-        return "gguf" if gguf and quantized_file and device.type == "cpu" else "fp8" if fp8_file else "none"
+        packed = gguf and quantized_file and device.type == "cpu" and not dtype_asked
+        return "gguf" if packed else "fp8" if fp8_file else "none"
     if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise RequestError(f"quantization='fp8' needs fp8 tensor cores (compute capability 8.9 or newer): "
                            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}",
