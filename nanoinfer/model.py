@@ -12,12 +12,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from nanoinfer import quantized
 from nanoinfer.attention import AttentionBackend
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
-from nanoinfer import quantized
 from nanoinfer.quantized import Weight, embedding, map_weight
 
 

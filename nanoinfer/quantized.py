@@ -165,7 +165,6 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return ((xq.float() @ w.q.float().t()) * sx * w.scale[None, :]).to(x.dtype)
 
 
-Packed = Union[Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
 Weight = Union[torch.Tensor, GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
 
 
