@@ -6,6 +6,7 @@ import torch
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.host_copy import to_device
+from nanoinfer.quantized import FP8, to_fp8
 
 # kv: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]. Block-major with heads
 # innermost, so one block of one layer is a contiguous [block_size, kv_heads, head_dim]
@@ -17,8 +18,6 @@ from nanoinfer.host_copy import to_device
 # and every reader widens them back to the queries' dtype.
 
 KV_CACHE_DTYPES = ("auto", "fp8")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
 
 
 def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
@@ -27,9 +26,7 @@ def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
 
 def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Keys or values in the pool's dtype (saturating into fp8: no NaN from a large value)."""
-    if dtype == FP8 and x.dtype != FP8:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return x.to(dtype)
+    return to_fp8(x) if dtype == FP8 and x.dtype != FP8 else x.to(dtype)
 
 
 def allocate_kv_pool(

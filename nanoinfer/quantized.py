@@ -33,9 +33,6 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
-GROUP = 32  # inputs per scale: GGUF's block size, and the smallest group torch's int4 kernel takes
-
-
 @dataclass(frozen=True)
 class GroupedWeight:
     """w[r, c] = scale[r, c // group] * q[r, c] + min[r, c // group], q in [0, 2**bits)."""
@@ -124,7 +121,13 @@ class Int8Weight:
 
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """e4m3, round to nearest, saturating at +-448 (e4m3 has no infinity: a value past it
+    would otherwise come out NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 @dataclass(frozen=True)
@@ -145,14 +148,14 @@ class Fp8Weight:
         """The row's largest magnitude at e4m3's largest value, round to nearest."""
         w = w.float()
         scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        return Fp8Weight((w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+        return Fp8Weight(to_fp8(w / scale[:, None]), scale)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, in] -> (e4m3 [tokens, in], fp32 scale [tokens, 1]), each row's largest
     magnitude at e4m3's largest value."""
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return to_fp8(x.float() / scale), scale
 
 
 def fp8_matmul(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
