@@ -3,9 +3,11 @@
 The one place that decides, per device. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections, the fused q/k-norm + RoPE + KV-write kernel, and
 torch.compile'd dense layer parts and the sampler's random draw (unless `eager`); CUDA
-graphs may then capture steps. On the CPU: batched torch attention, eager layers and RoPE
-with the KV write in a few ops (nanoinfer.rope_write_cpu; where each op costs microseconds,
-fewer ops is the CPU's fusion: torch.compile's per-call guards measured slower). Each
+graphs may then capture steps. On the CPU: a packed (quantized) model's layers run
+nanoinfer.cpu_layers (packed matmuls, the rest in a few C calls, unless `eager`); any other
+model batched torch attention, eager layers and RoPE with the KV write in a few ops
+(nanoinfer.rope_write_cpu). Where each op costs microseconds, fewer ops is the CPU's
+fusion: torch.compile's per-call guards measured slower. Each
 fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
 the eager functions for the compiled ones), which stays the oracle.
 """
@@ -40,11 +42,20 @@ def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -
     return TorchPagedAttention(block_size)
 
 
-def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False) -> Kernels:
+def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False,
+                params: Params | None = None, kv_dtype: torch.dtype | None = None) -> Kernels:
+    """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model."""
     attention = attention_backend(cfg, device, block_size)
     if device.type != "cuda":
-        from nanoinfer import rope_write_cpu
+        from nanoinfer import cpu_layers, cpu_native, rope_write_cpu
 
+        lib = None
+        if not eager and params is not None and cpu_layers.takes(params, kv_dtype or params.dtype):
+            lib = cpu_native.load()
+        if lib is not None:
+            native = cpu_native.CpuNative(lib)
+            return Kernels(cpu_layers.NativeDecodeAttention(block_size, native), cpu_layers.layer_functions(native),
+                           False)
         return Kernels(attention, LayerFunctions(rope_and_write=rope_write_cpu.rope_and_write,
                                                  rope_tables=rope_write_cpu.rope_tables), False)
     if eager:

@@ -237,19 +237,23 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         y = F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)
         return y if bias is None else y + bias
     # (Each op costs microseconds on the CPU whatever its size: 2-D inputs skip the reshapes.)
-    rows = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(torch.bfloat16)
-    if isinstance(w, Int4Weight):
-        y = w.matmul(rows)
-    elif isinstance(w, SplitInt8Weight):
-        y = w.high.matmul(rows) + w.low.matmul(rows)
-    elif isinstance(w, Int8Weight) and w.q.shape[1] % 16 == 0:
-        y = torch._weight_int8pack_mm(rows, w.q, w.scale)
-    elif isinstance(w, Int8Weight):  # (the kernel reads 16 inputs at a time: other widths crash it)
-        y = F.linear(rows, w.q.to(rows.dtype)) * w.scale
-    else:
-        raise TypeError(f"no matmul for a {type(w).__name__}: pack it first")
+    y = packed_matmul((x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(torch.bfloat16), w)
     y = y.to(x.dtype) if x.dim() == 2 else y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
+
+
+def packed_matmul(rows: torch.Tensor, w: Weight) -> torch.Tensor:
+    """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, for the weights torch's packed CPU
+    kernels take (int4 groups, split int8, per-row int8)."""
+    if isinstance(w, Int4Weight):
+        return w.matmul(rows)
+    if isinstance(w, SplitInt8Weight):
+        return w.high.matmul(rows) + w.low.matmul(rows)
+    if isinstance(w, Int8Weight) and w.q.shape[1] % 16 == 0:
+        return torch._weight_int8pack_mm(rows, w.q, w.scale)
+    if isinstance(w, Int8Weight):  # (the kernel reads 16 inputs at a time: other widths crash it)
+        return F.linear(rows, w.q.to(rows.dtype)) * w.scale
+    raise TypeError(f"no matmul for a {type(w).__name__}: pack it first")
 
 
 def embedding(table: torch.Tensor | GroupedWeight | Int8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -134,8 +134,9 @@ def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """Per row of logits [rows, vocab] (any float dtype): the most likely token (int64; the
     first on ties, as on the fp32 copy: widening is exact) and whether every logit is
     finite. Two reading passes, no float copy: what a greedy step needs from its logits."""
-    low, high = torch.aminmax(logits, dim=-1)  # (NaN propagates into both)
-    return logits.argmax(dim=-1), low.isfinite() & high.isfinite()
+    # (NaN propagates into both. amin and amax apart: torch's CPU aminmax over a row is
+    # unvectorized, 113 µs against 2 x 9 at the default model's vocabulary.)
+    return logits.argmax(dim=-1), logits.amin(dim=-1).isfinite() & logits.amax(dim=-1).isfinite()
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_draw,

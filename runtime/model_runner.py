@@ -62,7 +62,8 @@ class ModelRunner:
         self.model, self.config, self.cfg = model, config, cfg
         self.device = model.params.device
         self.block_size = config.block_size
-        kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager)
+        kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager, params=model.params,
+                              kv_dtype=dtype)
         self.kernels, self.attention = kernels, kernels.attention
         prepare(kernels, model.params, cfg.vocab_size)
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)

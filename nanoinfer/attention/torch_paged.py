@@ -23,6 +23,7 @@ from nanoinfer.config import ModelConfig
 class DecodeGroup(NamedTuple):
     rows: torch.Tensor | None  # [decodes] the query row of each decoding sequence; None: every row, in order
     slots: torch.Tensor  # [decodes, keys] int64 flat KV slots of each one's visible context, padded
+    counts: torch.Tensor  # [decodes] int64 how many of those slots are visible (the rest is padding)
     bias: torch.Tensor | None  # [decodes, 1, 1, keys] fp32, 0 or -inf (padding); None when none is padded
     first_slot: int | None  # one sequence whose context fills consecutive slots from here: a view, no gather
 
@@ -64,7 +65,7 @@ class TorchPagedAttention:
             # its free list in order)
             first = int(slots[0, 0])
             consecutive = len(decodes) == 1 and bool((slots[0] == first + offset).all())
-            group = DecodeGroup(None if every_row else torch.tensor(starts, device=device), slots, bias,
+            group = DecodeGroup(None if every_row else torch.tensor(starts, device=device), slots, count, bias,
                                 first if consecutive else None)
         return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale, window), ref.scale)
 

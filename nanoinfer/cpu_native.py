@@ -1,0 +1,150 @@
+"""The CPU's fused layer pieces (cpu_native.c): built once with the system's C compiler, bound with ctypes.
+
+`load()` returns the bound library, or None where no compiler works (the CPU path then stays
+in torch ops). The build is cached by the source's and the CPU's fingerprint under
+nanoinfer's cache directory, so only the first start on a machine compiles (about a second).
+Each wrapper here takes and returns tensors; `reference_*` are the torch ops it replaces,
+which tests hold it to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nanoinfer.layers import rms_norm, swiglu
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+# -fopenmp-simd: the `omp simd` reductions vectorize without -ffast-math and without an
+# OpenMP runtime (torch brings its own; two in one process is asking for trouble).
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "rms_norm_bf16": (_P, _P, _P, _I, _I, _F),
+    "add_rms_norm_bf16": (_P, _P, _P, _P, _P, _I, _I, _F),
+    "silu_mul_bf16": (_P, _P, _I, _I),
+    "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
+    "decode_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
+}
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: starts may race
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
+                       text=True)
+        os.replace(out, target)
+
+
+def load(cache: Path | None = None) -> ctypes.CDLL | None:
+    """The bound library (built on first use), or None if it cannot be built here."""
+    from nanoinfer.loaders.hub import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_fingerprint().encode()).hexdigest()
+    target = (cache or cache_dir() / "native") / f"cpu_native-{key[:16]}.so"
+    try:
+        if not target.is_file():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        log.warning("CPU layers stay in torch ops (slower): cannot build %s: %s", SOURCE.name, detail)
+        return None
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _kv_ptrs(kv_layer: torch.Tensor) -> tuple[int, int]:
+    """The K and V halves of a layer's pool [2, ...] (pointer arithmetic: indexing costs a view)."""
+    base = kv_layer.data_ptr()
+    return base, base + kv_layer.stride(0) * kv_layer.element_size()
+
+
+class CpuNative:
+    """Tensor-level calls into the library. Inputs must be contiguous; rows are dim 0."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def rms_norm_bf16(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        self.lib.rms_norm_bf16(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0], x.shape[-1], eps)
+        return out
+
+    def add_rms_norm_bf16(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x_out, h = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16)
+        self.lib.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), w.data_ptr(), x_out.data_ptr(), h.data_ptr(),
+                                   x.shape[0], x.shape[-1], eps)
+        return x_out, h
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.bfloat16)
+        self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+        return out
+
+    def rope_write(self, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, kv_layer: torch.Tensor, heads: int, kv_heads: int, d: int) -> torch.Tensor:
+        tokens = qkv.shape[0]
+        q = torch.empty(tokens, heads, d)
+        self.lib.rope_write(qkv.data_ptr(), qkv.dtype == torch.bfloat16, _ptr(q_norm), _ptr(k_norm), eps,
+                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tokens, heads, kv_heads, d,
+                            *_kv_ptrs(kv_layer), q.data_ptr())
+        return q
+
+    def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                         rows: torch.Tensor | None, scale: float, scores: torch.Tensor, out: torch.Tensor) -> None:
+        """Into `out`'s rows `rows` (None: all); `scores`: fp32 scratch of heads // kv_heads * keys."""
+        heads, d = q.shape[1:]
+        n, keys = slots.shape
+        assert scores.numel() >= heads // kv_layer.shape[-2] * keys
+        self.lib.decode_attention(q.data_ptr(), *_kv_ptrs(kv_layer), slots.data_ptr(),
+                                  counts.data_ptr(), _ptr(rows), n, keys, heads, kv_layer.shape[-2], d, scale,
+                                  scores.data_ptr(), out.data_ptr())
+
+
+# -- the torch ops each call replaces (the tests' oracle) ----------------------------------
+
+def reference_rms_norm_bf16(x, w, eps):
+    return rms_norm(x, w, eps).to(torch.bfloat16)
+
+
+def reference_add_rms_norm_bf16(x, y, w, eps):
+    x_out = x + y.float()
+    return x_out, rms_norm(x_out, w, eps).to(torch.bfloat16)
+
+
+def reference_silu_mul_bf16(gate_up):
+    return swiglu(gate_up.float()).to(torch.bfloat16)

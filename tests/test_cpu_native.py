@@ -1,0 +1,160 @@
+"""The CPU's fused layer pieces (nanoinfer/cpu_native.c, nanoinfer/cpu_layers.py) against the
+torch ops they replace: each call on random shapes, then whole packed models and the engine."""
+
+import shutil
+
+import pytest
+import torch
+
+from nanoinfer import cpu_layers, cpu_native, rope_write_cpu
+from nanoinfer.attention.torch_paged import TorchPagedAttention
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kernels import kernels_for
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.loaders.quantize import quantize_params
+from nanoinfer.model import forward
+from nanoinfer.sampling_params import SamplingParams
+from tests.tiny import random_params, tiny_config
+
+BF16_ULP = 2.0**-7  # one bf16 rounding step, relative: sums taken in another order may flip one
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler here: the CPU path stays in torch ops (test_without_a_compiler_...)")
+    lib = cpu_native.load(tmp_path_factory.mktemp("native"))
+    assert lib is not None, "a C compiler is on PATH but cpu_native.c did not build"
+    return cpu_native.CpuNative(lib)
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (3, 32), (2, 100)])
+def test_norms_and_swiglu_equal_their_torch_ops(native, rows, dim):
+    x, w, eps = randn(rows, dim, seed=1) * 3, 1 + 0.1 * randn(dim, seed=2), 1e-5
+    y = randn(rows, dim, seed=3, dtype=torch.bfloat16)
+    tol = dict(atol=1e-6, rtol=BF16_ULP)
+    torch.testing.assert_close(native.rms_norm_bf16(x, w, eps).float(),
+                               cpu_native.reference_rms_norm_bf16(x, w, eps).float(), **tol)
+    x_out, h = native.add_rms_norm_bf16(x, y, w, eps)
+    want_x, want_h = cpu_native.reference_add_rms_norm_bf16(x, y, w, eps)
+    assert torch.equal(x_out, want_x)
+    torch.testing.assert_close(h.float(), want_h.float(), **tol)
+    gate_up = randn(rows, 2 * dim, seed=4, dtype=torch.bfloat16) * 4  # (silu's tails: up to e^±20)
+    torch.testing.assert_close(native.silu_mul_bf16(gate_up).float(),
+                               cpu_native.reference_silu_mul_bf16(gate_up).float(), **tol)
+
+
+@pytest.mark.parametrize("qk_norm, qkv_dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32)])
+def test_rope_write_equals_the_torch_path(native, qk_norm, qkv_dtype):
+    cfg = tiny_config(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=qk_norm)
+    lp = random_params(cfg).layers[0]
+    batch = build_batch([SeqChunk([3, 1, 4, 1, 5], 0, [1, 2], True), SeqChunk([9], 6, [3, 0], True)], 4)
+    slots = batch.slot_mapping.clone()
+    slots[2] = -1  # a padding row writes nothing
+    qkv = randn(batch.num_tokens, cfg.q_size + 2 * cfg.kv_size, seed=5, dtype=qkv_dtype)
+    kv_want = torch.full((2, 5, 4, 2, 16), float("nan"))
+    kv_got = kv_want.clone()
+    cos, sin = rope_write_cpu.rope_tables(params_inv_freq := random_params(cfg).rope_inv_freq, batch.positions,
+                                          torch.float32)
+    q_want = rope_write_cpu.rope_and_write(qkv.float(), lp.q_norm, lp.k_norm, cos, sin, kv_want, slots, cfg)
+    fns = cpu_layers.layer_functions(native)
+    cos, sin = fns.rope_tables(params_inv_freq, batch.positions, torch.float32)
+    q = fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv_got, slots, cfg)
+    torch.testing.assert_close(q, q_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_got, kv_want, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 8)])
+def test_decode_attention_equals_torch_paged(native, window, heads, kv_heads, head_dim):
+    cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    block = 4
+    pool = randn(2, 12, block, kv_heads, head_dim, seed=6)
+    # A prefill chunk among decodes (the reference takes it), contexts of 1 to 23 keys, and
+    # blocks out of order.
+    chunks = [SeqChunk([1], 22, [7, 2, 9, 0, 11, 4], True), SeqChunk([5, 6, 7], 2, [3, 10], True),
+              SeqChunk([2], 0, [5], True), SeqChunk([8], 9, [1, 6, 8], True)]
+    batch = build_batch(chunks, block)
+    q = randn(batch.num_tokens, heads, head_dim, seed=7)
+    torch_paged, ours = TorchPagedAttention(block), cpu_layers.NativeDecodeAttention(block, native)
+    want = torch_paged.attention(q, pool, torch_paged.prepare(batch, cfg, window))
+    got = ours.attention(q, pool, ours.prepare(batch, cfg, window))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    decodes = build_batch([chunks[0], chunks[2], chunks[3]], block)  # every row a decode: no reference rows
+    q = q[[0, 4, 5]]
+    torch.testing.assert_close(ours.attention(q, pool, ours.prepare(decodes, cfg, window)),
+                               torch_paged.attention(q, pool, torch_paged.prepare(decodes, cfg, window)),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(architecture="qwen2", qkv_bias=True), dict(architecture="qwen3", qk_norm=True),
+                                  dict(sliding_window=3)], ids=["llama", "qwen2", "qwen3", "window"])
+def test_packed_model_layers_equal_the_torch_path(native, arch):
+    cfg = tiny_config(**arch)
+    params = quantize_params(random_params(cfg, seed=3), "int8")
+    chunks = [SeqChunk([5, 20, 33, 9, 60, 64, 1], 0, [0, 1], True), SeqChunk([7], 9, [2, 3, 4], True)]
+    batch = build_batch(chunks, 4)._replace(logits_indices=torch.arange(8))
+    kv = allocate_kv_pool(cfg, 5, 4, torch.float32, "cpu")
+    kv_want, kv_got = kv.clone(), kv.clone()
+    torch_path = kernels_for(cfg, torch.device("cpu"), 4, eager=True, params=params)
+    ours = kernels_for(cfg, torch.device("cpu"), 4, params=params)
+    assert isinstance(ours.attention, cpu_layers.NativeDecodeAttention)
+    assert not isinstance(torch_path.attention, cpu_layers.NativeDecodeAttention)
+    want = forward(params, kv_want, batch, cfg, torch_path.attention, torch_path.layer_fns)
+    got = forward(params, kv_got, batch, cfg, ours.attention, ours.layer_fns)
+    # The same bf16 matmuls; norms summed in another order may flip a bf16 rounding between them.
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(kv_got, kv_want, atol=1e-2, rtol=1e-2)
+
+
+def test_the_fused_layers_take_only_packed_fp32_models(native):
+    cfg = tiny_config()
+    dense = random_params(cfg)
+    packed = quantize_params(dense, "int8")
+    cpu = torch.device("cpu")
+
+    def fused(**kw):
+        return isinstance(kernels_for(cfg, cpu, 4, **kw).attention, cpu_layers.NativeDecodeAttention)
+
+    assert fused(params=packed) and fused(params=packed, kv_dtype=torch.float32)
+    assert not fused(params=dense)  # the exact path stays exact
+    assert not fused(params=packed, kv_dtype=torch.float8_e4m3fn)  # an fp8 pool: torch's RoPE/write
+    assert not fused(params=packed, eager=True)
+    assert not fused()
+
+
+def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu_native.load(tmp_path / "cache") is None
+    assert "cannot build cpu_native.c" in caplog.text
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "cache"))
+    params = quantize_params(random_params(tiny_config()), "int8")
+    kernels = kernels_for(tiny_config(), torch.device("cpu"), 4, params=params)
+    assert isinstance(kernels.attention, TorchPagedAttention)
+    assert not isinstance(kernels.attention, cpu_layers.NativeDecodeAttention)
+    assert kernels.layer_fns.rope_and_write is rope_write_cpu.rope_and_write
+
+
+@pytest.mark.slow
+def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf):
+    from nanoinfer.loaders import load_model
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
+
+    model = load_model(smollm2_gguf, device="cpu", progress=False)
+    outputs = []
+    for eager in (True, False):
+        engine = EngineCore(model, engine_config(num_blocks=32, enforce_eager=eager))
+        assert isinstance(engine.runner.attention, cpu_layers.NativeDecodeAttention) is not eager
+        seqs = [engine.add_request(model.tokenizer.encode(p), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                for p in ("The capital of France is", "Write a haiku about the sea")]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append([s.output_token_ids for s in seqs])
+    assert outputs[0] == outputs[1]
+
