@@ -11,11 +11,14 @@ does not take: dense weights, another KV dtype, prefill chunks' attention, no C 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nanoinfer import quantized
 from nanoinfer.attention.reference import REFERENCE
-from nanoinfer.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
+from nanoinfer.attention.torch_paged import TorchPagedAttention
+from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.cpu_native import CpuNative
 from nanoinfer.layers import rope_cos_sin
@@ -50,22 +53,48 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
                           rope_and_write=rope_and_write, rope_tables=rope_cos_sin)
 
 
+class NativeDecodes(NamedTuple):
+    """A step whose every row is a decode: the C kernel reads the batch's own tables."""
+
+    block_tables: torch.Tensor  # [seqs, width] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    window: int | None
+    scale: float
+
+
 class NativeDecodeAttention(TorchPagedAttention):
-    """TorchPagedAttention's metadata; its decode rows attend in one C call (prefill chunks
-    still go through the reference)."""
+    """Decode rows attend in one C call per layer. A step of decodes only needs no metadata
+    but the batch's block tables; a step with prefill chunks takes TorchPagedAttention's
+    (its decode rows' slots; the chunks go through the reference)."""
 
     def __init__(self, block_size: int, native: CpuNative):
         super().__init__(block_size)
         self.native = native
-        self.scores = torch.empty(0)  # scratch for one KV head's scores, grown to the longest context seen
+        # scratch for the longest context seen: its slots, and one KV head's scores
+        self.slots, self.scores = torch.empty(0, dtype=torch.int64), torch.empty(0)
 
-    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: TorchPagedMetadata) -> torch.Tensor:
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None):
+        if batch.num_tokens != batch.num_seqs:  # (every sequence has a token: then one each)
+            return super().prepare(batch, cfg, window)
+        keys = batch.block_tables.shape[1] * self.block_size
+        if self.slots.numel() < keys:
+            self.slots = torch.empty(2 * keys, dtype=torch.int64)
+        self._scores_for(cfg.num_heads // cfg.num_kv_heads * keys)
+        return NativeDecodes(batch.block_tables, batch.seq_lens, window, cfg.head_dim**-0.5)
+
+    def _scores_for(self, need: int) -> torch.Tensor:
+        if self.scores.numel() < need:
+            self.scores = torch.empty(2 * need)
+        return self.scores
+
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta) -> torch.Tensor:
+        if isinstance(meta, NativeDecodes):
+            return self.native.decode_attention_paged(q, kv_layer, meta.block_tables, meta.seq_lens, meta.window,
+                                                      meta.scale, self.slots, self.scores)
         group = meta.decodes
         if group is None:
             return REFERENCE.attention(q, kv_layer, meta.prefills)
         out = torch.empty_like(q) if group.rows is None else REFERENCE.attention(q, kv_layer, meta.prefills)
-        need = q.shape[1] // kv_layer.shape[-2] * group.slots.shape[1]
-        if self.scores.numel() < need:
-            self.scores = torch.empty(2 * need)
-        self.native.decode_attention(q, kv_layer, group.slots, group.counts, group.rows, meta.scale, self.scores, out)
+        scores = self._scores_for(q.shape[1] // kv_layer.shape[-2] * group.slots.shape[1])
+        self.native.decode_attention(q, kv_layer, group.slots, group.counts, group.rows, meta.scale, scores, out)
         return out

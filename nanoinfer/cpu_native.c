@@ -140,41 +140,63 @@ static inline float dot(const float *a, const float *b, int n) {
     return dot_n(a, b, n);
 }
 
-/* Decode attention: query row rows[i] of q [*, heads, d] attends to the counts[i] keys at
- * slots[i, 0..counts[i]) of the pool (k_pool, v_pool [slots, kv_heads, d]); out like q.
- * The heads sharing a KV head go together, so each key and value row is read once.
- * scores is scratch of (heads / kv_heads) * keys_stride floats. */
+/* One query row q [heads, d] attends to the `keys` pool slots s (k_pool, v_pool
+ * [slots, kv_heads, d]); out [heads, d]. The heads sharing a KV head go together, so each
+ * key and value row is read once. scores: scratch of (heads / kv_heads) * keys floats. */
+static void attend(const float *q, const float *k_pool, const float *v_pool, const int64_t *s, int64_t keys,
+                   int heads, int kv_heads, int d, float scale, float *scores, float *out) {
+    int group = heads / kv_heads;
+    float inv[group];
+    for (int kvh = 0; kvh < kv_heads; kvh++) {
+        const float *qg = q + (int64_t)kvh * group * d;
+        float *og = out + (int64_t)kvh * group * d;
+        for (int64_t j = 0; j < keys; j++) {
+            const float *k = k_pool + (s[j] * kv_heads + kvh) * d;
+            for (int g = 0; g < group; g++) scores[g * keys + j] = dot(qg + g * d, k, d) * scale;
+        }
+        for (int g = 0; g < group; g++) {
+            float *sc = scores + g * keys, m = -INFINITY, total = 0.0f;
+            for (int64_t j = 0; j < keys; j++) m = sc[j] > m ? sc[j] : m;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = 0; j < keys; j++) total += sc[j] = exp_approx(sc[j] - m);
+            inv[g] = 1.0f / total;
+        }
+        memset(og, 0, sizeof(float) * group * d);
+        for (int64_t j = 0; j < keys; j++) {
+            const float *v = v_pool + (s[j] * kv_heads + kvh) * d;
+            for (int g = 0; g < group; g++) {
+                float p = scores[g * keys + j] * inv[g], *o = og + g * d;
+#pragma omp simd
+                for (int c = 0; c < d; c++) o[c] += p * v[c];
+            }
+        }
+    }
+}
+
+/* Decode rows among other rows: query row rows[i] (rows NULL: row i) of q [*, heads, d]
+ * attends to the counts[i] slots at slots[i, 0..counts[i]); out like q. */
 void decode_attention(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
                       const int64_t *counts, const int64_t *rows, int n, int keys_stride, int heads, int kv_heads,
                       int d, float scale, float *scores, float *out) {
-    int group = heads / kv_heads;
-    float inv[group];
     for (int i = 0; i < n; i++) {
-        const int64_t *s = slots + (int64_t)i * keys_stride;
-        int64_t row = rows ? rows[i] : i, keys = counts[i];
-        for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const float *qg = q + (row * heads + (int64_t)kvh * group) * d;
-            float *og = out + (row * heads + (int64_t)kvh * group) * d;
-            for (int64_t j = 0; j < keys; j++) {
-                const float *k = k_pool + (s[j] * kv_heads + kvh) * d;
-                for (int g = 0; g < group; g++) scores[g * keys + j] = dot(qg + g * d, k, d) * scale;
-            }
-            for (int g = 0; g < group; g++) {
-                float *sc = scores + g * keys, m = -INFINITY, total = 0.0f;
-                for (int64_t j = 0; j < keys; j++) m = sc[j] > m ? sc[j] : m;
-#pragma omp simd reduction(+ : total)
-                for (int64_t j = 0; j < keys; j++) total += sc[j] = exp_approx(sc[j] - m);
-                inv[g] = 1.0f / total;
-            }
-            memset(og, 0, sizeof(float) * group * d);
-            for (int64_t j = 0; j < keys; j++) {
-                const float *v = v_pool + (s[j] * kv_heads + kvh) * d;
-                for (int g = 0; g < group; g++) {
-                    float p = scores[g * keys + j] * inv[g], *o = og + g * d;
-#pragma omp simd
-                    for (int c = 0; c < d; c++) o[c] += p * v[c];
-                }
-            }
-        }
+        int64_t row = rows ? rows[i] : i;
+        attend(q + row * heads * d, k_pool, v_pool, slots + (int64_t)i * keys_stride, counts[i], heads, kv_heads, d,
+               scale, scores, out + row * heads * d);
+    }
+}
+
+/* A step of decodes only: row i is sequence i's last token, at position lens[i] - 1; it
+ * attends to positions [max(0, lens[i] - window), lens[i]) (window 0: all), found through its
+ * block table (row i of tables, int32, rows table_stride apart). slot_scratch: as many int64 as the longest context. */
+void decode_attention_paged(const float *q, const float *k_pool, const float *v_pool, const int32_t *tables,
+                            int64_t table_stride, const int32_t *lens, int n, int block_size, int window, int heads,
+                            int kv_heads, int d, float scale, int64_t *slot_scratch, float *scores, float *out) {
+    for (int i = 0; i < n; i++) {
+        int64_t len = lens[i], lo = window > 0 && len > window ? len - window : 0;
+        const int32_t *table = tables + i * table_stride;
+        for (int64_t p = lo; p < len; p++)
+            slot_scratch[p - lo] = (int64_t)table[p / block_size] * block_size + p % block_size;
+        attend(q + (int64_t)i * heads * d, k_pool, v_pool, slot_scratch, len - lo, heads, kv_heads, d, scale, scores,
+               out + (int64_t)i * heads * d);
     }
 }

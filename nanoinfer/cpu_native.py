@@ -37,6 +37,7 @@ SIGNATURES = {
     "silu_mul_bf16": (_P, _P, _I, _I),
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
     "decode_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
+    "decode_attention_paged": (_P, _P, _P, _P, ctypes.c_int64, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P),
 }
 
 
@@ -133,6 +134,24 @@ class CpuNative:
         self.lib.decode_attention(q.data_ptr(), *_kv_ptrs(kv_layer), slots.data_ptr(),
                                   counts.data_ptr(), _ptr(rows), n, keys, heads, kv_layer.shape[-2], d, scale,
                                   scores.data_ptr(), out.data_ptr())
+
+    def decode_attention_paged(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, window: int | None, scale: float, slot_scratch: torch.Tensor,
+                               scores: torch.Tensor) -> torch.Tensor:
+        """Every row of q a decode: row i is sequence i's newest token (block_tables [n, width]
+        and seq_lens [n] int32, as in a Batch). Scratch: int64 and fp32 for the longest context
+        (fp32 times heads // kv_heads)."""
+        heads, d = q.shape[1:]
+        n, width = block_tables.shape
+        block_size = kv_layer.shape[2]
+        assert slot_scratch.numel() >= width * block_size and scores.numel() >= heads // kv_layer.shape[-2] * width * block_size
+        out = torch.empty_like(q)
+        assert block_tables.stride(1) == 1 and seq_lens.stride(0) == 1  # (rows of a wider table are fine)
+        self.lib.decode_attention_paged(q.data_ptr(), *_kv_ptrs(kv_layer), block_tables.data_ptr(),
+                                        block_tables.stride(0), seq_lens.data_ptr(), n, block_size, window or 0, heads,
+                                        kv_layer.shape[-2], d, scale, slot_scratch.data_ptr(), scores.data_ptr(),
+                                        out.data_ptr())
+        return out
 
 
 # -- the torch ops each call replaces (the tests' oracle) ----------------------------------

@@ -84,9 +84,15 @@ def test_decode_attention_equals_torch_paged(native, window, heads, kv_heads, he
     want = torch_paged.attention(q, pool, torch_paged.prepare(batch, cfg, window))
     got = ours.attention(q, pool, ours.prepare(batch, cfg, window))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    decodes = build_batch([chunks[0], chunks[2], chunks[3]], block)  # every row a decode: no reference rows
+    # Every row a decode: the kernel reads the batch's block tables (here rows of a wider
+    # table, as the runner's are).
+    decodes = build_batch([chunks[0], chunks[2], chunks[3]], block)
+    wide = torch.cat((decodes.block_tables, torch.full((3, 5), 99, dtype=torch.int32)), dim=1)
+    decodes = decodes._replace(block_tables=wide[:, :decodes.block_tables.shape[1]])
+    meta = ours.prepare(decodes, cfg, window)
+    assert isinstance(meta, cpu_layers.NativeDecodes)
     q = q[[0, 4, 5]]
-    torch.testing.assert_close(ours.attention(q, pool, ours.prepare(decodes, cfg, window)),
+    torch.testing.assert_close(ours.attention(q, pool, meta),
                                torch_paged.attention(q, pool, torch_paged.prepare(decodes, cfg, window)),
                                atol=1e-5, rtol=1e-5)
 
