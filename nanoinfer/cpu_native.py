@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 # -fopenmp-simd: the `omp simd` reductions vectorize without -ffast-math and without an
 # OpenMP runtime (torch brings its own; two in one process is asking for trouble).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
+PORTABLE = tuple(f for f in FLAGS if f != "-march=native")  # for compilers that refuse it (some arm64 clangs)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -57,8 +58,11 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: starts may race
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
-                       text=True)
+        for flags in (FLAGS, PORTABLE):
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        done.check_returncode()
         os.replace(out, target)
 
 

@@ -146,6 +146,19 @@ def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, c
     assert kernels.layer_fns.rope_and_write is rope_write_cpu.rope_and_write
 
 
+def test_a_compiler_that_refuses_march_native_still_builds_it(native, monkeypatch, tmp_path):
+    picky = tmp_path / "picky-cc"
+    picky.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
+                     f'exec {shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")} "$@"\n')
+    picky.chmod(0o755)
+    monkeypatch.setenv("CC", str(picky))
+    lib = cpu_native.load(tmp_path / "cache")
+    assert lib is not None
+    x, w = randn(2, 64), torch.ones(64)
+    torch.testing.assert_close(cpu_native.CpuNative(lib).rms_norm_bf16(x, w, 1e-6).float(),
+                               cpu_native.reference_rms_norm_bf16(x, w, 1e-6).float(), atol=1e-6, rtol=BF16_ULP)
+
+
 @pytest.mark.slow
 def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf):
     from nanoinfer.loaders import load_model
