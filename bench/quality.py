@@ -4,7 +4,10 @@
 
 The default model's GGUF, on the CPU, in each mode:
 - none: the file dequantized to fp32 (the exact path, the reference);
-- gguf: the file's blocks kept packed (int4 groups, Q8_0 as two int4 halves; bf16 activations);
+- gguf: the file's blocks kept packed, as the CPU runs them by default: cpu_native's block
+  matmul (activations rounded to int8 per group of 32, as llama.cpp does), or where that does
+  not build, torch's int4 kernel (Q8_0 as two int4 halves; bf16 activations);
+- gguf, torch int4: the same blocks repacked for torch's int4 kernel (bf16 activations);
 - int8 / fp8: the dequantized weights quantized again per row (fp8 also rounds activations
   per token to e4m3; the CPU runs the same arithmetic as the GPU's `_scaled_mm`, in fp32);
 - fp8 KV: the exact weights with an e4m3 KV cache.
@@ -18,11 +21,14 @@ which one early near-tie cannot shift out of line), and generates its own tokens
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from nanoinfer import quantized
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"
 PROMPT = [{"role": "user", "content": "Explain in a few paragraphs why lighthouses were built and how they worked."}]
@@ -61,6 +67,16 @@ def greedy(model, prompt_ids: list[int], tokens: int, kv_cache_dtype: str) -> li
     return seq.output_token_ids
 
 
+def torch_int4(params):
+    """Block weights repacked for torch's int4 kernel (the same values, bf16 scales)."""
+    def repack(w):
+        return quantized.pack(w.groups()) if isinstance(w, quantized.BlockWeight) else w
+
+    fields = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    layers = tuple(dataclasses.replace(lp, **{f: repack(getattr(lp, f)) for f in fields}) for lp in params.layers)
+    return dataclasses.replace(params, layers=layers, lm_head=repack(params.lm_head))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -71,10 +87,14 @@ def main():
 
     from nanoinfer.loaders import load_model
 
-    modes = [("none", "auto"), ("gguf", "auto"), ("int8", "auto"), ("fp8", "auto"), ("none", "fp8")]
+    modes = [("none", "auto"), ("gguf", "auto"), ("gguf, torch int4", "auto"), ("int8", "auto"), ("fp8", "auto"),
+             ("none", "fp8")]
     rows, reference = [], None
     for quantization, kv_cache_dtype in modes:
-        model = load_model(args.model, device="cpu", dtype="float32", progress=False, quantization=quantization)
+        model = load_model(args.model, device="cpu", dtype="float32", progress=False,
+                           quantization=quantization.split(",")[0])
+        if quantization == "gguf, torch int4":
+            model = dataclasses.replace(model, params=torch_int4(model.params))
         ids = model.tokenizer.encode(TEXT.read_text())
         prompt_ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)
         ppl = perplexity(model, ids, kv_cache_dtype)

@@ -27,7 +27,7 @@ from nanoinfer.model import LayerFunctions, LayerParams, Params
 
 def takes(params: Params, kv_dtype: torch.dtype) -> bool:
     """Whether these layers can run the model: fp32 activations and KV, every projection packed."""
-    packed = quantized.Int4Weight, quantized.SplitInt8Weight, quantized.Int8Weight
+    packed = quantized.BlockWeight, quantized.Int4Weight, quantized.SplitInt8Weight, quantized.Int8Weight
     return (params.dtype == torch.float32 and kv_dtype == torch.float32
             and all(isinstance(getattr(lp, f), packed) for lp in params.layers
                     for f in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")))

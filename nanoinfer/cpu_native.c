@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -199,4 +200,164 @@ void decode_attention_paged(const float *q, const float *k_pool, const float *v_
         attend(q + (int64_t)i * heads * d, k_pool, v_pool, slot_scratch, len - lo, heads, kv_heads, d, scale, scores,
                out + (int64_t)i * heads * d);
     }
+}
+
+/* ---- Block matmuls with int8 activations: llama.cpp's method for 4- and 8-bit groups ----
+ *
+ * torch's packed int4 kernel multiplies in fp32 and is bound by the cores' FMA rate, not by
+ * memory. Here each group of 32 activations is rounded to int8 with its own scale (ggml's
+ * Q8_0), and products of the weights' unsigned integers with them are integer instructions
+ * (vpdpbusd: u8 x s8 summed in fours into int32; on plain AVX2 vpmaddubsw + vpmaddwd):
+ *   sum_i (d q_i + m) (dx qx_i) = d dx sum_i q_i qx_i + m (dx sum_i qx_i).
+ *
+ * Layout (cpu_native.py's `block_layout` writes it): a weight row [k] is tiles of 8 groups
+ * (256 values) then the groups left over. In a tile, value 4 s + i of group j (step s of 8,
+ * i of 4) sits at byte 32 s + 4 j + i (8 bits), or in byte 32 (s % 4) + 4 j + i's low nibble
+ * for s < 4 and high one for s >= 4 (4 bits): each 32-byte load is four values of each of the
+ * 8 groups, so one int32 lane sums one group, and a tile ends as one vector of 8 group dot
+ * products, scaled by the 8 groups' scales in one multiply-add. A left-over group is 32
+ * bytes, or 16 with its first 16 values in the low nibbles. The activations are quantized in
+ * the tile order of 8 bits. Scale d and min m are fp16 [n, k / 32]. */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define BLOCK_DOT 1
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_ISA 3
+static inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+#elif defined(__AVXVNNI__)
+#define DOT_ISA 2
+static inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
+#define DOT_ISA 1
+/* (u8 x s8 pairs summed to int16 saturate past 32767: exact for weights below 2^7) */
+static inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+#endif
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 8-bit weights as dot_acc takes them: whole bytes, or on plain AVX2 16 high + low nibbles */
+static inline __m256i dot_acc8(__m256i acc, __m256i w, __m256i x) {
+#if DOT_ISA == 1
+    __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i hi = dot_acc(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(w, 4), low), x);
+    return dot_acc(_mm256_add_epi32(acc, _mm256_slli_epi32(hi, 4)), _mm256_and_si256(w, low), x);
+#else
+    return dot_acc(acc, w, x);
+#endif
+}
+
+/* A tile's 8 group sums (int32 lanes); two chains so the dependent adds overlap. */
+static inline __m256i tile_dot(const uint8_t *q, const int8_t *x, int bits) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256(), low = _mm256_set1_epi8(0x0f);
+    if (bits == 4)
+        for (int s = 0; s < 4; s++) {
+            __m256i w = load32(q + 32 * s);
+            a = dot_acc(a, _mm256_and_si256(w, low), load32(x + 32 * s));
+            b = dot_acc(b, _mm256_and_si256(_mm256_srli_epi16(w, 4), low), load32(x + 32 * (s + 4)));
+        }
+    else
+        for (int s = 0; s < 8; s += 2) {
+            a = dot_acc8(a, load32(q + 32 * s), load32(x + 32 * s));
+            b = dot_acc8(b, load32(q + 32 * s + 32), load32(x + 32 * s + 32));
+        }
+    return _mm256_add_epi32(a, b);
+}
+
+/* A left-over group's sum, spread over 8 int32 lanes. */
+static inline __m256i group_dot(const uint8_t *q, const int8_t *x, int bits) {
+    if (bits == 8) return dot_acc8(_mm256_setzero_si256(), load32(q), load32(x));
+    __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
+    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    return dot_acc(_mm256_setzero_si256(), w, load32(x));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 load_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* One weight row against one quantized activation row. */
+static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, const int8_t *xq, const float *xd,
+                     const float *xs, int groups, int bits) {
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= groups; g += 8, q += 32 * bits, xq += 256) {
+        __m256 scale = _mm256_mul_ps(load_f16x8(d + g), _mm256_loadu_ps(xd + g));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_dot(q, xq, bits)), scale, acc);
+        mins = _mm256_fmadd_ps(load_f16x8(m + g), _mm256_loadu_ps(xs + g), mins);
+    }
+    float rest = 0.0f;
+    for (; g < groups; g++, q += 4 * bits, xq += 32) {
+        __m256 p = _mm256_cvtepi32_ps(group_dot(q, xq, bits));
+        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(_cvtsh_ss(d[g]) * xd[g]), acc);
+        rest += _cvtsh_ss(m[g]) * xs[g];
+    }
+    return hsum8(_mm256_add_ps(acc, mins)) + rest;
+}
+#else
+#define BLOCK_DOT 0
+#define DOT_ISA 0
+#endif
+
+/* Which group dot product this build has: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 none
+ * (block_matmul is then not to be called). */
+int block_dot_isa(void) { return DOT_ISA; }
+
+/* x [rows, k] bf16 to ggml's Q8_0 per group of 32, in the tile order above: xq = round(x / dx)
+ * with dx = max|x| / 127; xd = dx and xs = dx * sum(xq) (what the weights' mins multiply)
+ * [rows, k / 32]. */
+void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs) {
+    int groups = k / 32, tiled = groups / 8 * 8;
+    for (int64_t r = 0; r < rows; r++)
+        for (int g = 0; g < groups; g++) {
+            const uint16_t *xg = x + r * k + g * 32;
+            float v[32], amax = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = bf16_to_f32(xg[i]);
+                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            }
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            int8_t *out = xq + r * k + g * 32; /* a left-over group: in order */
+            int tile = g / 8 * 256, lane = g % 8 * 4;
+            for (int i = 0; i < 32; i++) {
+                int qi = (int)nearbyintf(v[i] * inv);
+                if (g < tiled)
+                    xq[r * k + tile + i / 4 * 32 + lane + i % 4] = (int8_t)qi;
+                else
+                    out[i] = (int8_t)qi;
+                sum += qi;
+            }
+            xd[r * groups + g] = amax / 127.0f;
+            xs[r * groups + g] = amax / 127.0f * (float)sum;
+        }
+}
+
+/* y [rows, n] bf16 = x [rows, k] bf16 @ w.T, w [n, k] as above. Returns 0, or -1 when
+ * there was no memory for the quantized x (rows * k * 5 / 4 bytes). */
+int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
+                 int n, uint16_t *y, int threads) {
+#if BLOCK_DOT
+    int groups = k / 32;
+    int64_t row_bytes = (int64_t)k * bits / 8;
+    int8_t *xq = malloc((size_t)rows * k * 5 / 4);
+    if (!xq) return -1;
+    float *xd = (float *)(xq + (int64_t)rows * k), *xs = xd + (int64_t)rows * groups;
+    quantize_groups_q8(x, rows, k, xq, xd, xs);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < n; r++)
+        for (int t = 0; t < rows; t++)
+            y[(int64_t)t * n + r] = f32_to_bf16(row_dot(q + r * row_bytes, d + (int64_t)r * groups,
+                                                        m + (int64_t)r * groups, xq + (int64_t)t * k,
+                                                        xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups,
+                                                        bits));
+    free(xq);
+#endif
+    return 0;
 }

@@ -1,7 +1,7 @@
 """The CPU's fused layer pieces (cpu_native.c): built once with the system's C compiler, bound with ctypes.
 
 `load()` returns the bound library, or None where no compiler works (the CPU path then stays
-in torch ops). The build is cached by the source's and the CPU's fingerprint under
+in torch ops); `library()` is the process's one copy of it. The build is cached by the source's and the CPU's fingerprint under
 nanoinfer's cache directory, so only the first start on a machine compiles (about a second).
 Each wrapper here takes and returns tensors; `reference_*` are the torch ops it replaces,
 which tests hold it to.
@@ -10,6 +10,7 @@ which tests hold it to.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -22,14 +23,15 @@ from pathlib import Path
 import torch
 
 from nanoinfer.layers import rms_norm, swiglu
+from nanoinfer.quantized import BlockWeight, dequantize
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-# -fopenmp-simd: the `omp simd` reductions vectorize without -ffast-math and without an
-# OpenMP runtime (torch brings its own; two in one process is asking for trouble).
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
-PORTABLE = tuple(f for f in FLAGS if f != "-march=native")  # for compilers that refuse it (some arm64 clangs)
+# -fopenmp: block_matmul's rows go to threads, and the `omp simd` reductions vectorize
+# without -ffast-math. The runtime it links, libgomp.so.1, is the one torch has loaded (the
+# loader shares a library by its soname), so both use one thread pool.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -39,6 +41,7 @@ SIGNATURES = {
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
     "decode_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
     "decode_attention_paged": (_P, _P, _P, _P, ctypes.c_int64, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P),
+    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I),
 }
 
 
@@ -51,30 +54,34 @@ def _cpu_fingerprint() -> str:
         return platform.processor() + platform.machine()
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, flags: tuple[str, ...]) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: starts may race
         out = Path(tmp) / target.name
-        for flags in (FLAGS, PORTABLE):
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        portable = tuple(f for f in flags if f != "-march=native")  # for compilers that refuse it (some arm64 clangs)
+        serial = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in portable)  # and those without OpenMP
+        for tried in (flags, portable, serial):
+            done = subprocess.run([compiler, *tried, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
             if done.returncode == 0:
                 break
         done.check_returncode()
         os.replace(out, target)
 
 
-def load(cache: Path | None = None) -> ctypes.CDLL | None:
-    """The bound library (built on first use), or None if it cannot be built here."""
+def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The bound library (built on first use), or None if it cannot be built here.
+    `extra_flags` go to the compiler (the tests build the AVX2 path with `-mno-avx512vnni`)."""
     from nanoinfer.loaders.hub import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_fingerprint().encode()).hexdigest()
+    flags = FLAGS + extra_flags
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_fingerprint().encode()).hexdigest()
     target = (cache or cache_dir() / "native") / f"cpu_native-{key[:16]}.so"
     try:
         if not target.is_file():
-            _build(target)
+            _build(target, flags)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or e
@@ -83,7 +90,37 @@ def load(cache: Path | None = None) -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.block_dot_isa.restype = lib.block_matmul.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """This process's copy of the library (`load()` once)."""
+    return load()
+
+
+def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` was built with a SIMD group dot product (x86 with AVX2; elsewhere the
+    CPU keeps torch's int4 kernel)."""
+    return lib is not None and lib.block_dot_isa() > 0
+
+
+def block_matmul(rows: torch.Tensor, w: BlockWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, the rows rounded to int8 per group
+    of 32 (`reference_block_matmul` is the same in torch ops)."""
+    lib = lib or library()
+    if not has_block_matmul(lib):
+        raise RuntimeError("a BlockWeight needs cpu_native's block_matmul, which this machine did not build")
+    if rows.dtype != torch.bfloat16 or rows.shape[-1] != w.shape[1]:
+        raise TypeError(f"block_matmul takes bf16 rows of {w.shape[1]}, not {rows.dtype} {tuple(rows.shape)}")
+    rows = rows.contiguous()
+    (tokens, cols), out_features = rows.shape, w.q.shape[0]
+    out = torch.empty(tokens, out_features, dtype=torch.bfloat16)
+    if lib.block_matmul(rows.data_ptr(), tokens, cols, w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits,
+                        out_features, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"block_matmul: no memory to quantize {tokens} x {cols} activations")
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -171,3 +208,12 @@ def reference_add_rms_norm_bf16(x, y, w, eps):
 
 def reference_silu_mul_bf16(gate_up):
     return swiglu(gate_up.float()).to(torch.bfloat16)
+
+
+def reference_block_matmul(rows, w):
+    """fp32: the rows rounded as block_matmul rounds them (ggml's Q8_0: per group of 32,
+    127 at the largest magnitude, round half to even), times the dequantized weights."""
+    x = rows.float().unflatten(1, (-1, 32))
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0)
+    return ((torch.round(x * inv) * (amax / 127)).flatten(1)) @ dequantize(w).t()

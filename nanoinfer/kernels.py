@@ -51,7 +51,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
 
         lib = None
         if not eager and params is not None and cpu_layers.takes(params, kv_dtype or params.dtype):
-            lib = cpu_native.load()
+            lib = cpu_native.library()
         if lib is not None:
             native = cpu_native.CpuNative(lib)
             return Kernels(cpu_layers.NativeDecodeAttention(block_size, native), cpu_layers.layer_functions(native),

@@ -14,6 +14,10 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
   kernel's type).
 - `SplitInt8Weight`: 8-bit groups (Q8_0) as two int4 halves, u = 16 h + l: the same kernel,
   exact as above, where torch's int8 kernel only takes one scale per row.
+- `BlockWeight`: 4- and 8-bit groups of 32 in the order of cpu_native.c's `block_matmul`,
+  which rounds the activations to int8 per group as llama.cpp does and multiplies in
+  integers (torch's int4 kernel multiplies in fp32 and is bound by the cores' FMA rate). The
+  CPU's form wherever that library builds with a SIMD dot product; fp16 scales and mins.
 - `Int8Weight`: per-output-channel int8 (`_weight_int8pack_mm` on the CPU), for formats
   with no exact packed form (K-quants of 5 and 6 bits), rounded to the nearest int8, and
   `quantization="int8"` of any checkpoint (CUDA: nanoinfer.gemv's GEMV at batch 1).
@@ -101,6 +105,51 @@ class SplitInt8Weight:
 
 
 @dataclass(frozen=True)
+class BlockWeight:
+    """Groups of 32 in cpu_native.c's tile order: w[r, c] = scale[r, g] * q[r, c] + min[r, g].
+
+    A row is tiles of 8 groups, then the groups left over. In a tile, value 4 s + i of group j
+    (step s of 8, i of 4) is byte 32 s + 4 j + i (8 bits), or for 4 bits the low nibble of byte
+    32 s + 4 j + i for s < 4 and the high nibble of byte 32 (s - 4) + 4 j + i: each 32-byte
+    load is four values of each of 8 groups. A left-over group is its 32 bytes, or 16 bytes
+    whose low nibbles are its first 16 values."""
+
+    q: torch.Tensor  # [out, in * bits / 8] uint8
+    scale: torch.Tensor  # [out, in // 32] fp16
+    min: torch.Tensor  # [out, in // 32] fp16
+    bits: int  # 4 or 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * 8 // self.bits
+
+    @staticmethod
+    def from_groups(w: GroupedWeight) -> "BlockWeight":
+        if w.group != 32:
+            raise ValueError(f"block_matmul takes groups of 32, not {w.group}")
+        out, cols = w.shape
+        tiled = cols // 256 * 256
+        tiles = w.q[:, :tiled].reshape(out, -1, 8, 8, 4).transpose(2, 3)  # [out, tile, step, group, 4]
+        rest = w.q[:, tiled:].reshape(out, -1, 32)
+        if w.bits == 4:
+            tiles, rest = tiles[:, :, :4] | tiles[:, :, 4:] << 4, rest[:, :, :16] | rest[:, :, 16:] << 4
+        q = torch.cat((tiles.reshape(out, -1), rest.reshape(out, -1)), dim=1)
+        return BlockWeight(q.contiguous(), w.scale.to(torch.float16), w.min.to(torch.float16), w.bits)
+
+    def groups(self) -> GroupedWeight:
+        """The inverse of `from_groups` (scales and mins in fp32)."""
+        out, cols = self.shape
+        tiled = cols // 256 * 256 * self.bits // 8
+        tiles = self.q[:, :tiled].reshape(out, -1, 32 * self.bits)  # [out, tile, bytes]
+        rest = self.q[:, tiled:].reshape(out, -1, 4 * self.bits)  # [out, group, bytes]
+        if self.bits == 4:  # low nibbles first: steps 0-3 of a tile, values 0-15 of a group
+            tiles, rest = (torch.cat((t & 15, t >> 4), dim=2) for t in (tiles, rest))
+        tiles = tiles.reshape(out, -1, 8, 8, 4).transpose(2, 3)  # [out, tile, group, step, 4]
+        q = torch.cat((tiles.reshape(out, -1), rest.reshape(out, -1)), dim=1)
+        return GroupedWeight(q.contiguous(), self.scale.float(), self.min.float(), self.bits)
+
+
+@dataclass(frozen=True)
 class Int8Weight:
     """w[r, c] = scale[r] * q[r, c], q in [-127, 127]."""
 
@@ -168,11 +217,14 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return ((xq.float() @ w.q.float().t()) * sx * w.scale[None, :]).to(x.dtype)
 
 
-Weight = Union[torch.Tensor, GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
+Weight = Union[torch.Tensor, GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
 
 
-def pack(w: GroupedWeight) -> Int4Weight | SplitInt8Weight:
-    """The CPU kernel's form of `w`, the same values up to bf16 scales."""
+def pack(w: GroupedWeight, blocks: bool = False) -> BlockWeight | Int4Weight | SplitInt8Weight:
+    """A CPU kernel's form of `w`: cpu_native's BlockWeight (`blocks`; the same values up to
+    fp16 scales) or torch's int4 kernel's (up to bf16 scales)."""
+    if blocks:
+        return BlockWeight.from_groups(w)
     if w.bits == 4:  # (q - 8) * s + z = s * q + m  =>  z = m + 8 s
         return Int4Weight.from_groups(w.q, w.scale, w.min + 8 * w.scale)
     # s * (16 h + l) + m: the high half has scale 16 s and zero m + 128 s, the low half s and 8 s.
@@ -220,6 +272,8 @@ def dequantize(w: Weight) -> torch.Tensor:
         return q8 * sz[..., 0] + sz[..., 1]
     if isinstance(w, SplitInt8Weight):
         return dequantize(w.high) + dequantize(w.low)
+    if isinstance(w, BlockWeight):
+        return dequantize(w.groups())
     if isinstance(w, (Int8Weight, Fp8Weight)):
         return w.q.float() * w.scale.float()[:, None]
     raise TypeError(f"not a weight: {type(w).__name__}")
@@ -244,7 +298,11 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 def packed_matmul(rows: torch.Tensor, w: Weight) -> torch.Tensor:
     """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, for the weights torch's packed CPU
-    kernels take (int4 groups, split int8, per-row int8)."""
+    kernels take (int4 groups, split int8, per-row int8), or cpu_native's (BlockWeight)."""
+    if isinstance(w, BlockWeight):
+        from nanoinfer import cpu_native
+
+        return cpu_native.block_matmul(rows, w)
     if isinstance(w, Int4Weight):
         return w.matmul(rows)
     if isinstance(w, SplitInt8Weight):
@@ -271,7 +329,7 @@ def map_weight(fn: Callable[[torch.Tensor], torch.Tensor], w: Weight) -> Weight:
                                      if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED))})
 
 
-QUANTIZED = (GroupedWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight)
+QUANTIZED = (GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight)
 
 
 def nbytes(w: Weight | None) -> int:

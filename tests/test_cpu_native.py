@@ -1,6 +1,7 @@
 """The CPU's fused layer pieces (nanoinfer/cpu_native.c, nanoinfer/cpu_layers.py) against the
 torch ops they replace: each call on random shapes, then whole packed models and the engine."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -13,6 +14,7 @@ from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.quantize import quantize_params
 from nanoinfer.model import forward
+from nanoinfer.quantized import BlockWeight, GroupedWeight, Int4Weight
 from nanoinfer.sampling_params import SamplingParams
 from tests.tiny import random_params, tiny_config
 
@@ -30,6 +32,46 @@ def native(tmp_path_factory):
 
 def randn(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def grouped(w: torch.Tensor, bits: int) -> GroupedWeight:
+    """w rounded to asymmetric groups of 32 (each group's min and max on the grid)."""
+    g = w.float().unflatten(1, (-1, 32))
+    low, high = g.amin(-1), g.amax(-1)
+    scale = (high - low).clamp(min=1e-6) / (2**bits - 1)
+    q = torch.round((g - low[..., None]) / scale[..., None]).to(torch.uint8).flatten(1)
+    return GroupedWeight(q, scale, low, bits)
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def block_lib(request, native, tmp_path_factory):
+    """The library as built here, and with the VNNI dot products off (the AVX2 path)."""
+    extra = () if request.param == "native" else ("-mno-avx512vnni", "-mno-avxvnni")
+    lib = cpu_native.load(tmp_path_factory.mktemp(request.param), extra)
+    if not cpu_native.has_block_matmul(lib):
+        pytest.skip("no SIMD group dot product on this CPU (block_matmul needs x86 AVX2)")
+    assert request.param == "native" or lib.block_dot_isa() == 1
+    return lib
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out, cols, tokens", [(37, 32, 1), (64, 256, 3), (16, 288, 2), (40, 576, 1), (9, 1536, 5)])
+def test_block_matmul_equals_its_reference(block_lib, bits, out, cols, tokens):
+    g = torch.Generator().manual_seed(out + cols + bits)
+    q = torch.randint(0, 2**bits, (out, cols), generator=g, dtype=torch.uint8)  # every value, 255 included
+    scale = torch.rand(out, cols // 32, generator=g) * 0.1 + 0.01
+    w = GroupedWeight(q, scale, -(2 ** (bits - 1)) * scale * (1 + 0.3 * torch.randn(out, cols // 32, generator=g)), bits)
+    blocks = BlockWeight.from_groups(w)
+    assert blocks.shape == (out, cols) and torch.equal(blocks.groups().q, q)  # the tile order undone
+    x = randn(tokens, cols, seed=cols, dtype=torch.bfloat16) * 3
+    x[0, :32] = 0  # a group of zeros (no scale to divide by)
+    x[-1, -32:] *= 100  # and one far larger than the rest
+    got = cpu_native.block_matmul(x, blocks, block_lib)
+    want = cpu_native.reference_block_matmul(x, blocks)
+    # The same integer dot products; fp32 sums in another order, then one bf16 rounding.
+    torch.testing.assert_close(got.float(), want, rtol=BF16_ULP, atol=1e-5 * float(want.abs().max()))
+    with pytest.raises(TypeError, match="bf16 rows of"):
+        cpu_native.block_matmul(x.float(), blocks, block_lib)
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 32), (2, 100)])
@@ -97,11 +139,25 @@ def test_decode_attention_equals_torch_paged(native, window, heads, kv_heads, he
                                atol=1e-5, rtol=1e-5)
 
 
+def block_params(params):
+    """Every projection and the LM head as 4-bit BlockWeights (the CPU's form of a GGUF file)."""
+    def blocks(w):
+        return BlockWeight.from_groups(grouped(w, 4))
+
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    layers = tuple(dataclasses.replace(lp, **{n: blocks(getattr(lp, n)) for n in names}) for lp in params.layers)
+    return dataclasses.replace(params, layers=layers, lm_head=blocks(params.lm_head))
+
+
+@pytest.mark.parametrize("form", ["int8", "blocks"])
 @pytest.mark.parametrize("arch", [dict(), dict(architecture="qwen2", qkv_bias=True), dict(architecture="qwen3", qk_norm=True),
                                   dict(sliding_window=3)], ids=["llama", "qwen2", "qwen3", "window"])
-def test_packed_model_layers_equal_the_torch_path(native, arch):
-    cfg = tiny_config(**arch)
-    params = quantize_params(random_params(cfg, seed=3), "int8")
+def test_packed_model_layers_equal_the_torch_path(native, arch, form):
+    cfg = tiny_config(intermediate_size=64, **arch)
+    if form == "blocks" and not cpu_native.has_block_matmul(native.lib):
+        pytest.skip("no block_matmul on this CPU")
+    dense = random_params(cfg, seed=3)
+    params = quantize_params(dense, "int8") if form == "int8" else block_params(dense)
     chunks = [SeqChunk([5, 20, 33, 9, 60, 64, 1], 0, [0, 1], True), SeqChunk([7], 9, [2, 3, 4], True)]
     batch = build_batch(chunks, 4)._replace(logits_indices=torch.arange(8))
     kv = allocate_kv_pool(cfg, 5, 4, torch.float32, "cpu")
@@ -138,7 +194,8 @@ def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, c
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert cpu_native.load(tmp_path / "cache") is None
     assert "cannot build cpu_native.c" in caplog.text
-    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_native, "library", lambda: cpu_native.load(tmp_path / "cache"))  # (not this process's)
+    assert not cpu_native.has_block_matmul(cpu_native.library())  # a GGUF file packs for torch's int4 kernel
     params = quantize_params(random_params(tiny_config()), "int8")
     kernels = kernels_for(tiny_config(), torch.device("cpu"), 4, params=params)
     assert isinstance(kernels.attention, TorchPagedAttention)
@@ -160,12 +217,16 @@ def test_a_compiler_that_refuses_march_native_still_builds_it(native, monkeypatc
 
 
 @pytest.mark.slow
-def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf):
+def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf, monkeypatch):
+    """With torch's int4 kernel for the matmuls (the same bf16 products either way), the fused
+    layers' greedy text is the torch path's, token for token."""
     from nanoinfer.loaders import load_model
     from runtime.engine import engine_config
     from runtime.engine_core import EngineCore
 
+    monkeypatch.setattr(cpu_native, "has_block_matmul", lambda lib: False)
     model = load_model(smollm2_gguf, device="cpu", progress=False)
+    assert isinstance(model.params.layers[0].qkv_proj, Int4Weight)
     outputs = []
     for eager in (True, False):
         engine = EngineCore(model, engine_config(num_blocks=32, enforce_eager=eager))
@@ -177,3 +238,27 @@ def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf):
         outputs.append([s.output_token_ids for s in seqs])
     assert outputs[0] == outputs[1]
 
+
+@pytest.mark.slow
+def test_default_model_with_block_matmuls_keeps_the_torch_paths_logits(native, smollm2_gguf):
+    """With int8 activations (BlockWeight, the default here) a bf16 rounding that differs
+    between the two paths can move a group's int8 step, so greedy text may part where the
+    model hesitates; teacher-forced, the logits stay close and their argmaxes agree."""
+    if not cpu_native.has_block_matmul(native.lib):
+        pytest.skip("no block_matmul on this CPU")
+    from nanoinfer.loaders import load_model
+
+    model = load_model(smollm2_gguf, device="cpu", progress=False)
+    assert isinstance(model.params.layers[0].qkv_proj, BlockWeight)
+    tokens = model.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. Write a haiku "
+                                    "about the sea, and then count from one to ten: one, two, three")
+    cfg, cpu = model.config, torch.device("cpu")
+    batch = build_batch([SeqChunk(tokens, 0, [0, 1, 2], True)], 16)._replace(logits_indices=torch.arange(len(tokens)))
+    logits = []
+    for eager in (True, False):
+        kernels = kernels_for(cfg, cpu, 16, eager=eager, params=model.params)
+        kv = allocate_kv_pool(cfg, 3, 16, torch.float32, "cpu")
+        logits.append(forward(model.params, kv, batch, cfg, kernels.attention, kernels.layer_fns))
+    want, got = logits
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

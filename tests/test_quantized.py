@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from nanoinfer import quantized
+from nanoinfer import cpu_native, quantized
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool
@@ -19,7 +19,7 @@ from nanoinfer.loaders import load_model
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
 from nanoinfer.loaders.gguf_groups import grouped_weight
 from nanoinfer.model import EAGER, LayerFunctions, forward
-from nanoinfer.quantized import Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
+from nanoinfer.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
 from nanoinfer.rope_write_cpu import rope_and_write, rope_tables
 from tests.test_gguf_formats import K_QUANTS, hf_model, kquant_encode, make_kquant_representable, write_gguf
 from tests.tiny import random_params, tiny_config
@@ -110,8 +110,12 @@ def tiny_llama():
     return hf_model("llama", tied=True, num_layers=2, seed=5)
 
 
+@pytest.mark.parametrize("blocks", [True, False], ids=["block-matmul", "torch-int4"])
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=[t.name for t in PACKED_TYPES])
-def test_packed_gguf_model_matches_the_dequantized_model(qtype, tiny_llama, tmp_path):
+def test_packed_gguf_model_matches_the_dequantized_model(qtype, blocks, tiny_llama, tmp_path, monkeypatch):
+    if blocks and not cpu_native.has_block_matmul(cpu_native.library()):
+        pytest.skip("cpu_native's block_matmul does not build here (no compiler, or not x86 with AVX2)")
+    monkeypatch.setattr(cpu_native, "has_block_matmul", lambda lib: blocks)
     model = copy.deepcopy(tiny_llama)
     encoded = make_kquant_representable(model, qtype) if qtype in K_QUANTS else None
     path = tmp_path / f"tiny-{qtype.name}.gguf"
@@ -120,9 +124,10 @@ def test_packed_gguf_model_matches_the_dequantized_model(qtype, tiny_llama, tmp_
     cfg = gguf_config(reader, path)
     exact = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False)
     packed = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False, packed=True)
-    kind = Int8Weight if qtype in (QT.Q5_K, QT.Q6_K) else SplitInt8Weight if qtype == QT.Q8_0 else Int4Weight
+    kind = (Int8Weight if qtype in (QT.Q5_K, QT.Q6_K) else BlockWeight if blocks
+            else SplitInt8Weight if qtype == QT.Q8_0 else Int4Weight)
     assert isinstance(packed.layers[0].qkv_proj, kind) and isinstance(packed.lm_head, kind)
-    # Each matrix: the file's values (q/k rows un-permuted), up to bf16 scales, or int8 rounding.
+    # Each matrix: the file's values (q/k rows un-permuted), up to bf16 (fp16) scales, or int8 rounding.
     tolerance = 1 / 127 if kind is Int8Weight else 2 * BF16
     for lp, lp_exact in zip(packed.layers, exact.layers):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -138,7 +143,7 @@ def test_packed_gguf_model_matches_the_dequantized_model(qtype, tiny_llama, tmp_
     batch = batch._replace(logits_indices=torch.arange(len(tokens)))
     want = forward(exact, kv.clone(), batch, cfg)
     got = forward(packed, kv.clone(), batch, cfg)
-    # bf16 activations into every matmul: a few parts in a thousand of the logits' spread.
+    # bf16 (or per group int8) activations into every matmul: a few parts in a thousand of the logits' spread.
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
 

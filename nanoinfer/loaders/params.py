@@ -51,7 +51,11 @@ def build_params(
         return map_weight(lambda t: t.to(device), tensor)  # (a quantized matrix keeps its types)
 
     def matrix(w):
-        return pack(w) if isinstance(w, GroupedWeight) else w
+        if not isinstance(w, GroupedWeight):
+            return w
+        from nanoinfer import cpu_native  # (builds the library on a machine's first packed load)
+
+        return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
 
     def optional(name: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
         return load(name, shape) if wanted else None
