@@ -210,14 +210,15 @@ void decode_attention_paged(const float *q, const float *k_pool, const float *v_
  * (vpdpbusd: u8 x s8 summed in fours into int32; on plain AVX2 vpmaddubsw + vpmaddwd):
  *   sum_i (d q_i + m) (dx qx_i) = d dx sum_i q_i qx_i + m (dx sum_i qx_i).
  *
- * Layout (cpu_native.py's `block_layout` writes it): a weight row [k] is tiles of 8 groups
- * (256 values) then the groups left over. In a tile, value 4 s + i of group j (step s of 8,
- * i of 4) sits at byte 32 s + 4 j + i (8 bits), or in byte 32 (s % 4) + 4 j + i's low nibble
- * for s < 4 and high one for s >= 4 (4 bits): each 32-byte load is four values of each of the
- * 8 groups, so one int32 lane sums one group, and a tile ends as one vector of 8 group dot
- * products, scaled by the 8 groups' scales in one multiply-add. A left-over group is 32
- * bytes, or 16 with its first 16 values in the low nibbles. The activations are quantized in
- * the tile order of 8 bits. Scale d and min m are fp16 [n, k / 32]. */
+ * Layout (quantized.BlockWeight writes it): a weight row [k] is chunks of G groups of 32,
+ * G = 8 while 8 are left, then 4, 2, 1 as the rest needs. In a chunk, value 4 s + i of group
+ * j (step s of 8, i of 4) sits at byte 4 (G s + j) + i (8 bits); for 4 bits, the chunk's
+ * 16 G bytes hold the first half of that order in their low nibbles and the second half in
+ * their high ones. So each 32-byte load (or nibble half of one) is four values of each of
+ * the chunk's groups: int32 lane l sums group l % G, and a chunk ends as one vector scaled by
+ * its groups' scales (repeated 8 / G times) in one multiply-add, no horizontal sums. The
+ * activations are quantized into the same order (that of 8 bits). Scale d and min m are
+ * fp16 [n, k / 32]. */
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define BLOCK_DOT 1
@@ -249,29 +250,34 @@ static inline __m256i dot_acc8(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-/* A tile's 8 group sums (int32 lanes); two chains so the dependent adds overlap. */
-static inline __m256i tile_dot(const uint8_t *q, const int8_t *x, int bits) {
+/* A chunk's lane sums (G a constant where it is inlined); two chains so the adds overlap. */
+static inline __m256i chunk_dot(const uint8_t *q, const int8_t *x, int bits, int G) {
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256(), low = _mm256_set1_epi8(0x0f);
-    if (bits == 4)
-        for (int s = 0; s < 4; s++) {
-            __m256i w = load32(q + 32 * s);
-            a = dot_acc(a, _mm256_and_si256(w, low), load32(x + 32 * s));
-            b = dot_acc(b, _mm256_and_si256(_mm256_srli_epi16(w, 4), low), load32(x + 32 * (s + 4)));
+    if (bits == 8)
+        for (int l = 0; l < G; l += 2) {
+            a = dot_acc8(a, load32(q + 32 * l), load32(x + 32 * l));
+            if (l + 1 < G) b = dot_acc8(b, load32(q + 32 * l + 32), load32(x + 32 * l + 32));
         }
-    else
-        for (int s = 0; s < 8; s += 2) {
-            a = dot_acc8(a, load32(q + 32 * s), load32(x + 32 * s));
-            b = dot_acc8(b, load32(q + 32 * s + 32), load32(x + 32 * s + 32));
+    else if (G == 1) { /* 16 bytes: both nibble halves in one vector */
+        __m128i v = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(0x0f);
+        a = dot_acc(a, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4)), load32(x));
+    } else
+        for (int l = 0; l < G / 2; l++) {
+            __m256i w = load32(q + 32 * l);
+            a = dot_acc(a, _mm256_and_si256(w, low), load32(x + 32 * l));
+            b = dot_acc(b, _mm256_and_si256(_mm256_srli_epi16(w, 4), low), load32(x + 16 * G + 32 * l));
         }
     return _mm256_add_epi32(a, b);
 }
 
-/* A left-over group's sum, spread over 8 int32 lanes. */
-static inline __m256i group_dot(const uint8_t *q, const int8_t *x, int bits) {
-    if (bits == 8) return dot_acc8(_mm256_setzero_si256(), load32(q), load32(x));
-    __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
-    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-    return dot_acc(_mm256_setzero_si256(), w, load32(x));
+/* d[j] * xd[j] for the chunk's G groups, lane l holding group l % G's. */
+static inline __m256 chunk_scales(const uint16_t *d, const float *xd, int G) {
+    if (G == 8) return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(xd));
+    if (G == 1) return _mm256_set1_ps(_cvtsh_ss(d[0]) * xd[0]);
+    float s[4];
+    for (int j = 0; j < G; j++) s[j] = _cvtsh_ss(d[j]) * xd[j];
+    if (G == 4) return _mm256_set_m128(_mm_loadu_ps(s), _mm_loadu_ps(s));
+    return _mm256_setr_ps(s[0], s[1], s[0], s[1], s[0], s[1], s[0], s[1]);
 }
 
 static inline float hsum8(__m256 v) {
@@ -280,24 +286,23 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline __m256 load_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-
 /* One weight row against one quantized activation row. */
 static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, const int8_t *xq, const float *xd,
                      const float *xs, int groups, int bits) {
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     int g = 0;
     for (; g + 8 <= groups; g += 8, q += 32 * bits, xq += 256) {
-        __m256 scale = _mm256_mul_ps(load_f16x8(d + g), _mm256_loadu_ps(xd + g));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tile_dot(q, xq, bits)), scale, acc);
-        mins = _mm256_fmadd_ps(load_f16x8(m + g), _mm256_loadu_ps(xs + g), mins);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot(q, xq, bits, 8)), chunk_scales(d + g, xd + g, 8), acc);
+        mins = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))), _mm256_loadu_ps(xs + g),
+                               mins);
     }
     float rest = 0.0f;
-    for (; g < groups; g++, q += 4 * bits, xq += 32) {
-        __m256 p = _mm256_cvtepi32_ps(group_dot(q, xq, bits));
-        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(_cvtsh_ss(d[g]) * xd[g]), acc);
-        rest += _cvtsh_ss(m[g]) * xs[g];
-    }
+    for (int G = 4; G >= 1; G /= 2) /* unrolled by the compiler: each G a constant */
+        if ((groups - g) & G) {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot(q, xq, bits, G)), chunk_scales(d + g, xd + g, G), acc);
+            for (int j = g; j < g + G; j++) rest += _cvtsh_ss(m[j]) * xs[j];
+            g += G, q += 4 * bits * G, xq += 32 * G;
+        }
     return hsum8(_mm256_add_ps(acc, mins)) + rest;
 }
 #else
@@ -309,33 +314,33 @@ static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, con
  * (block_matmul is then not to be called). */
 int block_dot_isa(void) { return DOT_ISA; }
 
-/* x [rows, k] bf16 to ggml's Q8_0 per group of 32, in the tile order above: xq = round(x / dx)
+/* x [rows, k] bf16 to ggml's Q8_0 per group of 32, in the chunk order above: xq = round(x / dx)
  * with dx = max|x| / 127; xd = dx and xs = dx * sum(xq) (what the weights' mins multiply)
  * [rows, k / 32]. */
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs) {
-    int groups = k / 32, tiled = groups / 8 * 8;
+    int groups = k / 32;
     for (int64_t r = 0; r < rows; r++)
-        for (int g = 0; g < groups; g++) {
-            const uint16_t *xg = x + r * k + g * 32;
-            float v[32], amax = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                v[i] = bf16_to_f32(xg[i]);
-                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        for (int start = 0, G = 8; start < groups; start += G) {
+            while (start + G > groups) G /= 2;
+            for (int j = 0; j < G; j++) {
+                int g = start + j;
+                const uint16_t *xg = x + r * k + g * 32;
+                float v[32], amax = 0.0f;
+                for (int i = 0; i < 32; i++) {
+                    v[i] = bf16_to_f32(xg[i]);
+                    amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+                }
+                float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int sum = 0;
+                int8_t *chunk = xq + r * k + start * 32;
+                for (int i = 0; i < 32; i++) {
+                    int qi = (int)nearbyintf(v[i] * inv);
+                    chunk[4 * (G * (i / 4) + j) + i % 4] = (int8_t)qi;
+                    sum += qi;
+                }
+                xd[r * groups + g] = amax / 127.0f;
+                xs[r * groups + g] = amax / 127.0f * (float)sum;
             }
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            int8_t *out = xq + r * k + g * 32; /* a left-over group: in order */
-            int tile = g / 8 * 256, lane = g % 8 * 4;
-            for (int i = 0; i < 32; i++) {
-                int qi = (int)nearbyintf(v[i] * inv);
-                if (g < tiled)
-                    xq[r * k + tile + i / 4 * 32 + lane + i % 4] = (int8_t)qi;
-                else
-                    out[i] = (int8_t)qi;
-                sum += qi;
-            }
-            xd[r * groups + g] = amax / 127.0f;
-            xs[r * groups + g] = amax / 127.0f * (float)sum;
         }
 }
 

@@ -104,15 +104,21 @@ class SplitInt8Weight:
         return self.high.shape
 
 
+def block_chunks(groups: int) -> list[int]:
+    """How BlockWeight splits a row of `groups` groups: 8 at a time, then 4, 2, 1 as needed."""
+    sizes = [8] * (groups // 8)
+    return sizes + [g for g in (4, 2, 1) if groups % 8 & g]
+
+
 @dataclass(frozen=True)
 class BlockWeight:
-    """Groups of 32 in cpu_native.c's tile order: w[r, c] = scale[r, g] * q[r, c] + min[r, g].
+    """Groups of 32 in cpu_native.c's chunk order: w[r, c] = scale[r, g] * q[r, c] + min[r, g].
 
-    A row is tiles of 8 groups, then the groups left over. In a tile, value 4 s + i of group j
-    (step s of 8, i of 4) is byte 32 s + 4 j + i (8 bits), or for 4 bits the low nibble of byte
-    32 s + 4 j + i for s < 4 and the high nibble of byte 32 (s - 4) + 4 j + i: each 32-byte
-    load is four values of each of 8 groups. A left-over group is its 32 bytes, or 16 bytes
-    whose low nibbles are its first 16 values."""
+    A row is chunks of G groups (`block_chunks`). In a chunk, value 4 s + i of group j (step
+    s of 8, i of 4) is byte 4 (G s + j) + i; for 4 bits the chunk's 16 G bytes hold the first
+    half of that order in their low nibbles and the second half in their high ones. Each
+    32-byte load is then four values of each of the chunk's groups, and the kernel sums a
+    group in one integer lane (cpu_native.c says more)."""
 
     q: torch.Tensor  # [out, in * bits / 8] uint8
     scale: torch.Tensor  # [out, in // 32] fp16
@@ -127,26 +133,27 @@ class BlockWeight:
     def from_groups(w: GroupedWeight) -> "BlockWeight":
         if w.group != 32:
             raise ValueError(f"block_matmul takes groups of 32, not {w.group}")
-        out, cols = w.shape
-        tiled = cols // 256 * 256
-        tiles = w.q[:, :tiled].reshape(out, -1, 8, 8, 4).transpose(2, 3)  # [out, tile, step, group, 4]
-        rest = w.q[:, tiled:].reshape(out, -1, 32)
-        if w.bits == 4:
-            tiles, rest = tiles[:, :, :4] | tiles[:, :, 4:] << 4, rest[:, :, :16] | rest[:, :, 16:] << 4
-        q = torch.cat((tiles.reshape(out, -1), rest.reshape(out, -1)), dim=1)
-        return BlockWeight(q.contiguous(), w.scale.to(torch.float16), w.min.to(torch.float16), w.bits)
+        out, parts, start = w.shape[0], [], 0
+        for size in block_chunks(w.shape[1] // 32):
+            chunk = w.q[:, 32 * start:32 * (start + size)].reshape(out, size, 8, 4).transpose(1, 2).reshape(out, -1)
+            if w.bits == 4:
+                chunk = chunk[:, :16 * size] | chunk[:, 16 * size:] << 4
+            parts.append(chunk)
+            start += size
+        return BlockWeight(torch.cat(parts, dim=1).contiguous(), w.scale.to(torch.float16), w.min.to(torch.float16),
+                           w.bits)
 
     def groups(self) -> GroupedWeight:
         """The inverse of `from_groups` (scales and mins in fp32)."""
         out, cols = self.shape
-        tiled = cols // 256 * 256 * self.bits // 8
-        tiles = self.q[:, :tiled].reshape(out, -1, 32 * self.bits)  # [out, tile, bytes]
-        rest = self.q[:, tiled:].reshape(out, -1, 4 * self.bits)  # [out, group, bytes]
-        if self.bits == 4:  # low nibbles first: steps 0-3 of a tile, values 0-15 of a group
-            tiles, rest = (torch.cat((t & 15, t >> 4), dim=2) for t in (tiles, rest))
-        tiles = tiles.reshape(out, -1, 8, 8, 4).transpose(2, 3)  # [out, tile, group, step, 4]
-        q = torch.cat((tiles.reshape(out, -1), rest.reshape(out, -1)), dim=1)
-        return GroupedWeight(q.contiguous(), self.scale.float(), self.min.float(), self.bits)
+        parts, offset = [], 0
+        for size in block_chunks(cols // 32):
+            chunk = self.q[:, offset:offset + 4 * self.bits * size]
+            offset += chunk.shape[1]
+            if self.bits == 4:
+                chunk = torch.cat((chunk & 15, chunk >> 4), dim=1)
+            parts.append(chunk.reshape(out, 8, size, 4).transpose(1, 2).reshape(out, -1))
+        return GroupedWeight(torch.cat(parts, dim=1).contiguous(), self.scale.float(), self.min.float(), self.bits)
 
 
 @dataclass(frozen=True)
