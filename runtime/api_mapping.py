@@ -13,7 +13,7 @@ from nanoinfer.sampling import SamplingParams
 from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                              CompletionResponse, TopLogprob, Usage, SamplingFields)
+                              CompletionResponse, PromptTokensDetails, TopLogprob, Usage, SamplingFields)
 
 
 # -- requests -> the engine's inputs --------------------------------------------------------
@@ -108,7 +108,8 @@ class _Renderer:
     def usage(self, completion_tokens: int) -> Usage:
         """Each prompt counts once, however many (n) choices it has."""
         prompt_tokens = sum(len(h.prompt_ids) for h in self.handles)
-        return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        cached = PromptTokensDetails(sum(h.cached_tokens for h in self.handles))
+        return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, cached)
 
     def start(self) -> list[bytes]:
         return []

@@ -1,15 +1,26 @@
-"""BlockManager: the host-side allocator of the paged KV pools (free lists, ref counts, tables).
+"""BlockManager: the host-side allocator of the paged KV pools (free lists, ref counts, tables, prefix cache).
 
 Two pools: the device pool the model reads, and an optional host pool that preempted
 sequences swap into. A block may be shared by several tables (a forked sequence shares its
-parent's prompt); it is copied on write before a sequence writes into it, so no block is
-ever writable by two sequences.
+parent's prompt; requests share a cached prefix); it is copied on write before a sequence
+writes into it, so no block is ever writable by two sequences.
+
+The prefix cache (vLLM's automatic prefix caching, nano-vllm's block hashes): a full block
+whose keys and values are computed is registered under a key that chains its parent block's
+key with its token ids (BLAKE2b, 128 bits), and a hit is checked against the block's tokens.
+A new sequence takes the cached blocks of its longest cached prefix instead of computing it
+again. A registered block no table holds is *evictable*: it still counts as free and is
+taken only when the plain free list is empty, least recently freed first, and until then a
+sequence with that prefix can take it back.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from runtime.sequence import Sequence
 
@@ -21,36 +32,92 @@ class PoolExhausted(RuntimeError):
     out-of-memory the step could recover from by shrinking)."""
 
 
+def block_key(parent: bytes, tokens) -> bytes:
+    """The prefix cache's key of a full block: its parent's key (b"" for the first) and its tokens."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class PrefixHit(NamedTuple):
+    """A sequence's longest cached prefix: the blocks holding it and how many of them are
+    evictable (taking those back uses up free blocks; the others are in use already)."""
+
+    blocks: tuple[int, ...]
+    evictable: int
+
+
+NO_HIT = PrefixHit((), 0)
+
+
 class _Pool:
-    """A free list with reference counts over block ids 0..size-1."""
+    """A free list with reference counts over block ids 0..size-1, and the prefix cache's
+    registered blocks: key -> block, and the evictable ones in the order they were freed."""
 
     def __init__(self, size: int):
         self.size = size
         self.ref_counts = [0] * size
         self.free: deque[int] = deque(range(size))
+        self.by_key: dict[bytes, int] = {}
+        self.key_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (key, its tokens)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, no holder: oldest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.evictable)
 
     def take(self) -> int:
-        block = self.free.popleft()
+        if self.free:
+            block = self.free.popleft()
+        else:  # the least recently freed cached block leaves the cache
+            block, _ = self.evictable.popitem(last=False)
+            del self.by_key[self.key_of.pop(block)[0]]
         self.ref_counts[block] = 1
         return block
+
+    def hold(self, block: int) -> None:
+        """One more table holds `block` (a fork, or a prefix hit: an evictable block comes back)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self.free.append(block)
+            if block in self.key_of:
+                self.evictable[block] = None
+            else:
+                self.free.append(block)
         elif self.ref_counts[block] < 0:
             raise AssertionError(f"block {block} released more often than taken")
+
+    def register(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        """`block` (held, full, computed) is found by `key` from now on, unless another block
+        holds that key already (two sequences computed the same prefix) or `block` has one."""
+        if key not in self.by_key and block not in self.key_of:
+            self.by_key[key] = block
+            self.key_of[block] = (key, tokens)
+
+    def unregister(self, block: int) -> None:
+        key, _ = self.key_of.pop(block)
+        del self.by_key[key]
+        if block in self.evictable:
+            del self.evictable[block]
+            self.free.append(block)
+
+    def lookup(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
+        block = self.by_key.get(key)
+        return block if block is not None and self.key_of[block][1] == tokens else None
 
 
 class BlockManager:
     """Invariants: a block is on its pool's free list iff its ref count is 0, and otherwise its
     ref count is the number of tables holding it; free + used = total in each pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0, "
                              f"got {num_blocks}, {block_size}, {num_cpu_blocks}")
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.device = _Pool(num_blocks)
         self.host = _Pool(num_cpu_blocks)
 
@@ -64,11 +131,16 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.device.free)
+        """Blocks a sequence may take: never used, or cached and evictable."""
+        return self.device.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.device.size - len(self.device.free)
+        return self.device.size - self.device.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.device.key_of)
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -135,17 +207,77 @@ class BlockManager:
         if child.block_table:
             raise ValueError("fork into a sequence that already holds blocks")
         for block in parent.block_table:
-            self.device.ref_counts[block] += 1
+            self.device.hold(block)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = parent.num_registered_blocks
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references in both pools; unshared blocks go back to the free lists."""
-        for block in seq.block_table:
+        """Drop `seq`'s references in both pools; unshared blocks go back to the free lists
+        (cached ones to the evictable, its last blocks first: a prefix outlives its tails)."""
+        for block in reversed(seq.block_table):
             self.device.release(block)
         for block in seq.cpu_block_table:
             self.host.release(block)
         seq.block_table, seq.cpu_block_table = [], []
+        seq.num_registered_blocks = 0
+
+    # -- the prefix cache -------------------------------------------------------------------
+
+    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """The keys of `seq`'s first `count` full blocks (kept on the sequence: its tokens only grow)."""
+        keys, bs = seq.block_keys, self.block_size
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+        return keys
+
+    def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The cached blocks a sequence with no blocks can start from. At least its last token
+        is left to compute (its logits are wanted), so a prompt that ends on a block boundary
+        computes its last block again rather than write into a cached one."""
+        if not self.prefix_caching or seq.block_table:
+            return NO_HIT
+        count = min(seq.num_tokens - 1, len(seq.token_ids)) // self.block_size
+        blocks = []
+        for i, key in enumerate(self._keys(seq, count)[:count]):
+            block = self.device.lookup(key, self._tokens(seq, i))
+            if block is None:
+                break
+            blocks.append(block)
+        refs = self.device.ref_counts
+        return PrefixHit(tuple(blocks), sum(1 for b in blocks if refs[b] == 0))
+
+    def attach(self, seq: Sequence, blocks: tuple[int, ...]) -> None:
+        """`seq` (holding no blocks) starts from the cached `blocks` (a `prefix_hit`'s)."""
+        if seq.block_table:
+            raise ValueError("attach a cached prefix to a sequence that already holds blocks")
+        for block in blocks:
+            self.device.hold(block)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = seq.num_registered_blocks = len(blocks)
+        seq.num_computed_tokens *= self.block_size
+
+    def register(self, seq: Sequence) -> None:
+        """Put `seq`'s full blocks whose keys and values are computed (and whose tokens are
+        known here: an async step's sampled token is not yet) into the cache."""
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if not self.prefix_caching or full <= seq.num_registered_blocks:
+            return
+        keys = self._keys(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.device.register(seq.block_table[i], keys[i], self._tokens(seq, i))
+        seq.num_registered_blocks = full
+
+    def uncache(self, seq: Sequence) -> None:
+        """Take `seq`'s registered blocks that no other table holds out of the cache (its
+        step failed: what it wrote may be garbage)."""
+        for block in seq.block_table:
+            if block in self.device.key_of and self.device.ref_counts[block] == 1:
+                self.device.unregister(block)
 
     # -- swapping --------------------------------------------------------------------------
 
@@ -172,8 +304,12 @@ class BlockManager:
         if not self.can_swap_in(seq):
             raise PoolExhausted(f"KV pool exhausted: need {len(seq.cpu_block_table)} blocks to swap in, "
                               f"{self.num_free_blocks} free")
-        mapping = [(block, self.device.take()) for block in seq.cpu_block_table]
+        hit = self.prefix_hit(seq).blocks[:len(seq.cpu_block_table)]  # (still cached: no copy back)
+        for block in hit:
+            self.device.hold(block)
+        mapping = [(block, self.device.take()) for block in seq.cpu_block_table[len(hit):]]
         for block in seq.cpu_block_table:
             self.host.release(block)
-        seq.block_table, seq.cpu_block_table = [d for _, d in mapping], []
+        seq.block_table, seq.cpu_block_table = [*hit, *(d for _, d in mapping)], []
+        seq.num_registered_blocks = len(hit)
         return mapping

@@ -61,6 +61,7 @@ class RequestHandle:
         # time.monotonic() of the request's milestones, for logs and metrics.
         self.arrival = time.monotonic()
         self.scheduled_at: float | None = None
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache (OpenAI's usage reports it)
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.token_gaps: list[float] = []  # seconds between a completion's tokens (inter-token latency)
@@ -258,6 +259,8 @@ class AsyncEngine:
             request: RequestHandle = event.request
             if request.scheduled_at is None and event.scheduled_at is not None:
                 request.scheduled_at = event.scheduled_at
+            if event.index == 0:
+                request.cached_tokens = event.cached_tokens
             if event.error is not None:
                 self._end(request, "error", event.error, tell_worker=False)
                 continue
@@ -323,7 +326,7 @@ class AsyncEngine:
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), tuple(outputs),
-                             request.finished, prompt_logprobs)
+                             request.finished, prompt_logprobs, request.cached_tokens)
 
     @staticmethod
     def _done(request: RequestHandle) -> bool:
@@ -400,4 +403,4 @@ class AsyncEngine:
         completions = tuple(CompletionOutput(i, "".join(texts[i]), tuple(ids[i]), reasons[i],
                                              tuple(logprobs[i]) if wants_logprobs else None) for i in range(n))
         return RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), completions, True,
-                             prompt_logprobs)
+                             prompt_logprobs, request.cached_tokens)

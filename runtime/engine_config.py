@@ -25,6 +25,8 @@ class EngineConfig:
                                             above=0, maximum=1)
     kv_cache_dtype: str = setting("auto", "KV cache element type: auto (the model's dtype) or fp8 (e4m3, half the "
                                           "bytes of bf16; values saturate at +-448, unscaled)", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = setting(True, "keep computed prompt blocks and reuse them for requests that share "
+                                                "a prefix (a system prompt, a conversation's history)")
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "

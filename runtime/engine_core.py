@@ -58,7 +58,8 @@ class EngineCore:
         self.device = model.params.device
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.runner = ModelRunner(model, config, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks,
+                                   prefix_caching=config.enable_prefix_caching)
         self.waiting = WaitingQueue(config.scheduler)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -69,6 +70,7 @@ class EngineCore:
         self._nvtx_open = False  # an NVTX range is open (config.nvtx on CUDA)
         self.num_preemptions = 0
         self.generated_tokens = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._next_id = 0
         self._seed_source = random.Random()
         # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
@@ -179,6 +181,10 @@ class EngineCore:
             "total_blocks": self.blocks.num_blocks,
             "num_preemptions": self.num_preemptions,
             "generated_tokens": self.generated_tokens,
+            # prefix cache: prompt tokens new sequences looked up, and those found computed
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "cached_blocks": self.blocks.num_cached_blocks,
             "steps": self.step_count,
         }
 
@@ -222,6 +228,14 @@ class EngineCore:
                     seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
                     seq.status = SequenceStatus.WAITING
                     self.waiting.add(seq)
+            # Cached prefixes first: once held, no allocation below can evict them.
+            for seq, _, cached in p.chunks:
+                if seq.status is SequenceStatus.WAITING and self.blocks.prefix_caching:
+                    self.blocks.attach(seq, cached)
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += seq.num_computed_tokens
+                    if seq.num_preemptions == 0:
+                        seq.num_cached_tokens = seq.num_computed_tokens
             for seq in p.swap_in:
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -229,7 +243,7 @@ class EngineCore:
                 self.runner.swap_in(self.blocks.swap_in(seq))
                 self.runner.add(seq)
             blocks, runner, rows = self.blocks, self.runner, self.runner.batch.row_of  # (every sequence, every step)
-            for seq, n in p.chunks:
+            for seq, n, _ in p.chunks:
                 if seq.status is SequenceStatus.WAITING:
                     self.waiting.remove(seq)
                     seq.status = SequenceStatus.RUNNING
@@ -286,7 +300,7 @@ class EngineCore:
             previous.transfer.wait()  # (its tokens are still read below: it ran before the failure)
         if kind is Fault.OUT_OF_MEMORY and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the allocator's cached, fragmented blocks go first
-        seqs = [seq for seq, _ in p.chunks]
+        seqs = [c.seq for c in p.chunks]
         culprit = self.isolation.failed(seqs, p.num_tokens, exc, kind)
         log.warning("a step of %d tokens over %d sequences failed (%r): %s", p.num_tokens, len(seqs), exc,
                     "failing the request it belongs to" if culprit else
@@ -300,7 +314,7 @@ class EngineCore:
         planned."""
         chunks, logits_rows, samplers, prompt_rows = [], [], [], []
         row = 0
-        for seq, n in p.chunks:  # (every sequence, every step: kept lean)
+        for seq, n, _ in p.chunks:  # (every sequence, every step: kept lean)
             start = seq.num_computed_tokens
             end = start + n
             chunks.append(Chunk(seq, start, n))
@@ -337,11 +351,13 @@ class EngineCore:
 
     def _commit(self, p: Plan, prompt_rows: list, samplers: list) -> None:
         """The launched step's effect on its sequences (nothing here can fail)."""
-        for seq, n in p.chunks:
+        register = self.blocks.register
+        for seq, n, _ in p.chunks:
             seq.num_computed_tokens += n
+            register(seq)
         for seq, _, _, _, final in prompt_rows:
             seq.prompt_logprobs_done = final  # (a recompute won't redo them)
-        for seq, _ in p.chunks:
+        for seq, _, _ in p.chunks:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
             for fork in seq.forks:
@@ -453,6 +469,7 @@ class EngineCore:
         outputs = []
         for other in list(self.requests.get(seq.request, (seq,))):
             if not other.is_finished:
+                self.blocks.uncache(other)  # (what its steps wrote is not to be shared)
                 other.error = error
                 self._finish(other, "error")
                 outputs.append(TokenOutput(other, None, True))

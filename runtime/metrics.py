@@ -32,6 +32,10 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("nanoinfer_preemptions", "Sequences preempted", value=s["num_preemptions"])
         yield CounterMetricFamily("nanoinfer_generated_tokens", "Tokens generated", value=s["generated_tokens"])
+        yield CounterMetricFamily("nanoinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=s["prefix_cache_queries"])
+        yield CounterMetricFamily("nanoinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=s["prefix_cache_hits"])
 
 
 class ServerMetrics:

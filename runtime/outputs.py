@@ -37,6 +37,7 @@ class RequestOutput:
     # One per prompt token (None for the first, which has no context), when asked for;
     # in a stream it comes with the first item.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again
 
     # The first completion's fields, for the common n == 1 case.
     @property

@@ -124,10 +124,15 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 # -- responses ---------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # served from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
 from nanoinfer.settings import check_settings, setting
-from runtime.block_manager import BlockManager
+from runtime.block_manager import NO_HIT, BlockManager
 from runtime.sequence import Sequence
 
 POLICIES = ("fcfs", "priority")
@@ -47,7 +47,8 @@ class SchedulerConfig:
 
 class ScheduledChunk(NamedTuple):
     seq: Sequence
-    num_tokens: int  # computed this step, from seq.num_computed_tokens on
+    num_tokens: int  # computed this step, from seq.num_computed_tokens on (after `cached`)
+    cached: tuple[int, ...] = ()  # a new sequence's cached prefix blocks, attached before the step
 
 
 class Plan(NamedTuple):
@@ -229,11 +230,15 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
             num_running += num_slots(seq)
         if len(swap_in) == len(swapped):  # swapped sequences go before new ones
             for seq in waiting:
-                take = tokens_for(seq)
-                need = blocks.blocks_for(seq.num_computed_tokens + take)
+                # A cached prefix is not computed again (prompt logprobs need its logits: no hit).
+                hit = NO_HIT if wants_prompt_logprobs(seq) else blocks.prefix_hit(seq)
+                start = len(hit.blocks) * blocks.block_size
+                take = min(seq.num_tokens - start, budget)
+                take = min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
+                need = blocks.blocks_for(start + take) - len(hit.blocks) + hit.evictable
                 if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
                     break
-                chunks.append(ScheduledChunk(seq, take))
+                chunks.append(ScheduledChunk(seq, take, hit.blocks))
                 free -= need
                 budget -= take
                 logprob_rows -= take if wants_prompt_logprobs(seq) else 0

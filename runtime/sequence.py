@@ -52,6 +52,12 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)
     prompt_logprobs: list | None = None  # collected over the prefill chunks, when asked for
     prompt_logprobs_done: bool = False  # the last prompt chunk asked for them has been launched
+    # The prefix cache (runtime/block_manager.py): keys of the leading full blocks (a function
+    # of the tokens), how many of the table's blocks are registered, and the prompt tokens the
+    # first admission found cached (the usage's cached_tokens).
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self):
         if not self.token_ids:

@@ -48,6 +48,7 @@ class TokenEvent(NamedTuple):
     prompt_logprobs: tuple | None = None
     error: Exception | None = None  # why the engine failed this request
     scheduled_at: float | None = None  # time.monotonic() when the request first got a step
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the request started
 
 
 class StepReport(NamedTuple):
@@ -61,7 +62,7 @@ class StepReport(NamedTuple):
 def _event(out: TokenOutput) -> TokenEvent:
     seq = out.seq
     return TokenEvent(seq.request, seq.index, out.token_id, seq.finish_reason if out.finished else None, out.logprob,
-                      out.prompt_logprobs, seq.error, seq.scheduled_at)
+                      out.prompt_logprobs, seq.error, seq.scheduled_at, seq.num_cached_tokens)
 
 
 class Worker:

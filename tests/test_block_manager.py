@@ -248,3 +248,148 @@ def test_fork_into_a_sequence_with_blocks_is_refused():
     blocks.append_slots(child, 1)
     with pytest.raises(ValueError):
         blocks.fork(parent, child)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """The prefix cache under random admissions (with hits), growth, forks, finishes and swaps.
+
+    Tokens come from {0, 1}, so prefixes are shared often. The model of the KV data: the value
+    at position p of a sequence is its whole prefix, tokens[:p + 1] (what attention computes
+    there depends on nothing else), so a block found in the cache must hold exactly the values
+    the sequence would have computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, prefix_caching=True)
+        self.live: list[Sequence] = []
+        self.swapped: set[int] = set()
+        self.device_data: dict[int, list] = {}
+        self.host_data: dict[int, list] = {}
+        self.prefix_of: dict[bytes, tuple] = {}  # every key ever registered -> the prefix it stands for
+        self.next_id = 0
+
+    def _running(self):
+        return [s for s in self.live if s.seq_id not in self.swapped]
+
+    def _pick(self, data, candidates):
+        return candidates[data.draw(st.integers(0, len(candidates) - 1))]
+
+    def _holders(self, block):
+        return sum(s.block_table.count(block) for s in self.live)
+
+    def _compute(self, seq: Sequence) -> bool:
+        """Allocate and write positions num_computed_tokens..len(tokens), then register; False
+        (and nothing changed) when the pool cannot hold it."""
+        end = len(seq.token_ids)
+        if self.blocks.blocks_needed(seq, end) > self.blocks.num_free_blocks:
+            return False
+        for src, dst in self.blocks.append_slots(seq, end):
+            self.device_data[dst] = list(self.device_data[src])
+        for pos in range(seq.num_computed_tokens, end):
+            block = seq.block_table[pos // BLOCK_SIZE]
+            assert self._holders(block) == 1 and block not in self.blocks.device.key_of, \
+                f"block {block} written while shared or cached"
+            self.device_data.setdefault(block, [GARBAGE] * BLOCK_SIZE)[pos % BLOCK_SIZE] = tuple(seq.token_ids[:pos + 1])
+        seq.num_computed_tokens = end
+        self.blocks.register(seq)
+        keys = self.blocks._keys(seq, end // BLOCK_SIZE)
+        for i, key in enumerate(keys[:end // BLOCK_SIZE]):
+            assert self.prefix_of.setdefault(key, tuple(seq.token_ids[:(i + 1) * BLOCK_SIZE])) == \
+                tuple(seq.token_ids[:(i + 1) * BLOCK_SIZE]), "two prefixes under one key"
+        return True
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=14))
+    def admit(self, tokens):
+        seq = Sequence(self.next_id, tokens, SamplingParams(), 1 << 20)
+        self.next_id += 1
+        hit = self.blocks.prefix_hit(seq)
+        assert len(hit.blocks) * BLOCK_SIZE <= len(tokens) - 1  # the last token is always computed
+        assert hit.evictable == sum(1 for b in hit.blocks if self.blocks.ref_counts[b] == 0)
+        need = self.blocks.blocks_for(len(tokens)) - len(hit.blocks) + hit.evictable
+        if need > self.blocks.num_free_blocks:
+            return
+        free_before = self.blocks.num_free_blocks
+        self.blocks.attach(seq, hit.blocks)
+        assert self.blocks.num_free_blocks == free_before - hit.evictable
+        self.live.append(seq)
+        assert self._compute(seq)
+        assert self.blocks.num_free_blocks == free_before - need
+
+    @precondition(lambda self: any(s.seq_id not in self.swapped for s in self.live))
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 1), min_size=1, max_size=6))
+    def grow(self, data, extra):
+        seq = self._pick(data, self._running())
+        seq.token_ids += extra
+        if not self._compute(seq):
+            del seq.token_ids[-len(extra):]
+
+    @precondition(lambda self: any(s.seq_id not in self.swapped for s in self.live))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self._pick(data, self._running())
+        child = Sequence(self.next_id, list(parent.token_ids), SamplingParams(), 1 << 20)
+        self.next_id += 1
+        self.blocks.fork(parent, child)
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data):  # (a recompute preemption frees the same way)
+        seq = self._pick(data, self.live)
+        self.blocks.free(seq)
+        self.live.remove(seq)
+        self.swapped.discard(seq.seq_id)
+
+    @precondition(lambda self: any(s.seq_id not in self.swapped for s in self.live))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = self._pick(data, self._running())
+        if not self.blocks.can_swap_out(seq):
+            return
+        for device_block, host_block in self.blocks.swap_out(seq):
+            self.host_data[host_block] = list(self.device_data[device_block])
+        self.swapped.add(seq.seq_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = self._pick(data, [s for s in self.live if s.seq_id in self.swapped])
+        if not self.blocks.can_swap_in(seq):
+            return
+        for host_block, device_block in self.blocks.swap_in(seq):
+            self.device_data[device_block] = list(self.host_data[host_block])
+        self.swapped.discard(seq.seq_id)
+
+    @invariant()
+    def cache_matches_contents(self):
+        pool = self.blocks.device
+        assert len(pool.by_key) == len(pool.key_of)
+        for block, (key, tokens) in pool.key_of.items():
+            assert pool.by_key[key] == block
+            prefix = self.prefix_of[key]
+            assert tokens == prefix[-BLOCK_SIZE:]
+            start = len(prefix) - BLOCK_SIZE
+            assert self.device_data[block] == [prefix[:start + j + 1] for j in range(BLOCK_SIZE)]
+
+    @invariant()
+    def ownership_and_counts(self):
+        pool = self.blocks.device
+        held = {b for s in self.live for b in s.block_table}
+        for block in range(NUM_BLOCKS):
+            assert pool.ref_counts[block] == self._holders(block)
+        assert set(pool.evictable) == {b for b in pool.key_of if pool.ref_counts[b] == 0}
+        assert not set(pool.free) & set(pool.key_of) and not set(pool.free) & held
+        assert len(pool.free) + len(pool.evictable) + len(held) == NUM_BLOCKS == \
+            self.blocks.num_free_blocks + self.blocks.num_used_blocks
+
+    @invariant()
+    def sequences_read_their_prefixes(self):
+        for seq in self.live:
+            swapped = seq.seq_id in self.swapped
+            table, data = (seq.cpu_block_table, self.host_data) if swapped else (seq.block_table, self.device_data)
+            for pos in range(seq.num_computed_tokens):
+                assert data[table[pos // BLOCK_SIZE]][pos % BLOCK_SIZE] == tuple(seq.token_ids[:pos + 1])
+
+
+TestPrefixCache = PrefixCacheMachine.TestCase
+TestPrefixCache.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

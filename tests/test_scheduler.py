@@ -158,7 +158,7 @@ class Sim:
             self.running.append(seq)
             self.num_swap_ins += 1
         self._forget_free_blocks()
-        for seq, n in p.chunks:
+        for seq, n, _ in p.chunks:
             if seq.status is WAITING:
                 self.waiting.remove(seq)
                 seq.status = RUNNING
@@ -172,13 +172,13 @@ class Sim:
 
     def forward(self, p) -> None:
         """Check each scheduled sequence's context, write its chunk, sample, finish at max length."""
-        for seq, n in p.chunks:
+        for seq, n, _ in p.chunks:
             start = seq.num_computed_tokens
             assert self.read(seq, start) == seq.token_ids[:start], f"seq {seq.seq_id} lost its KV"
             self._write(seq, start, n)
-        for seq, n in p.chunks:
+        for seq, n, _ in p.chunks:
             seq.num_computed_tokens += n
-        samplers = [seq for seq, _ in p.chunks if seq.num_computed_tokens == seq.num_tokens]
+        samplers = [seq for seq, _, _ in p.chunks if seq.num_computed_tokens == seq.num_tokens]
         for seq in list(samplers):  # a finished prefill: the other completions share its blocks
             for child in seq.forks:
                 self.blocks.fork(seq, child)
@@ -242,7 +242,7 @@ def check_plan(before: Snapshot, p) -> None:
 
     # Token budget and chunk sizes.
     assert p.num_tokens <= config.max_num_batched_tokens
-    for seq, n in p.chunks:
+    for seq, n, _ in p.chunks:
         assert 1 <= n <= before.pending[seq], (seq.seq_id, n, before.pending[seq])
 
     # Membership.
@@ -311,17 +311,17 @@ def check_applied(before: Snapshot, p, sim: Sim) -> None:
     bs = sim.block_size
     # Forks of an n > 1 request join the running ones outside the plan; the plan itself starts
     # nothing (swap in, admit) that takes the running sequences past max_num_seqs.
-    if p.swap_in or any(any(s is w for w in before.waiting) for s, _ in p.chunks):
+    if p.swap_in or any(any(s is w for w in before.waiting) for s, _, _ in p.chunks):
         assert len(sim.running) <= sim.config.max_num_seqs
     assert len(sim.running) <= max(sim.config.max_num_seqs, len(before.running))
-    for seq, n in p.chunks:
+    for seq, n, _ in p.chunks:
         assert seq.status is RUNNING and seq.cpu_block_table == []
         end = seq.num_computed_tokens + n
         assert len(seq.block_table) == -(-end // bs), "the chunk has no slots (or too many)"
         for i in range(seq.num_computed_tokens // bs, len(seq.block_table)):
             block = seq.block_table[i]
             assert sim.holders(block) == 1, f"block {block} is writable by two sequences"
-    check_state(sim, {id(seq): n for seq, n in p.chunks})
+    check_state(sim, {id(seq): n for seq, n, _ in p.chunks})
 
 
 def check_state(sim: Sim, scheduled: dict | None = None) -> None:

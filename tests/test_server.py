@@ -341,3 +341,17 @@ def test_a_failed_prompt_aborts_its_siblings(poisoned_server):
                    json={"prompt": [[POISON, 1, 2], [3, 4, 5]], "max_tokens": 1500, "ignore_eos": True}, timeout=30)
     assert r.status_code == 500
     assert wait_drained(poisoned_server.url, timeout=2.0), "the healthy sibling is still generating"
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client, live_server):
+    messages = [{"role": "system", "content": "You answer in one word. " * 10}, {"role": "user", "content": "Hi"}]
+    hits_before = metric(live_server.url, "nanoinfer_prefix_cache_hits_total")
+    first = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2, temperature=0)
+    again = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 40
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    # all but the last token's block (at least one token is computed for the logits)
+    assert again.usage.prompt_tokens - 16 <= cached < again.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    assert metric(live_server.url, "nanoinfer_prefix_cache_hits_total") >= hits_before + cached
+    assert metric(live_server.url, "nanoinfer_prefix_cache_queries_total") >= 2 * again.usage.prompt_tokens
