@@ -198,6 +198,31 @@ def test_fp8_pool_write_then_attend(group, head_dim, dtype):
         run_and_check(backend, batch, cfg, q, kv_layer, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (2, 96), (1, 32)])
+@pytest.mark.parametrize("num_seqs", [3, 40], ids=["split", "unsplit"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_fp8_decode_on_cuda_cores(group, head_dim, num_seqs, window, dtype, monkeypatch):
+    """A decode step over an fp8 pool with a GQA group of 1 or 2 runs triton_decode_cc's
+    kernel: against the fp32 reference over the same e4m3 values, split into partitions
+    (few sequences) and not, with and without a window."""
+    from nanoinfer.attention import triton_decode_cc
+    from nanoinfer.kv_cache import FP8, to_kv
+
+    calls = []
+    kernel = triton_decode_cc.decode_attention
+    monkeypatch.setattr(triton_decode_cc, "decode_attention", lambda *a: calls.append(a[9]) or kernel(*a))
+    cfg = make_cfg(8, group, head_dim, sliding_window=window)
+    backend = TritonPagedAttention(cfg, device=DEVICE)
+    seed = seed_of(group, head_dim, num_seqs, window, dtype)
+    rng = random.Random(seed)
+    seqs = [(1, 1), (16, 1), (17, 1), (1000, 1)] + [(rng.randint(1, 3000), 1) for _ in range(num_seqs - 4)]
+    rng.shuffle(seqs)
+    batch, q, _, _, kv_layer = make_step(seqs[:num_seqs], cfg, 16, dtype, num_pad=0, seed=seed)
+    run_and_check(backend, batch, cfg, q, to_kv(kv_layer * 4, FP8), dtype)
+    assert len(calls) == 1 and (calls[0] > 1) == (num_seqs == 3)  # the kernel ran, split as asked
+
+
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (1, 128), (4, 64), (4, 128), (2, 32), (3, 96)])
 def test_block_size_one(group, head_dim):
     cfg = make_cfg(2, group, head_dim)

@@ -13,6 +13,9 @@ Three kernels, all reading the pool in place (no page gather into a dense copy):
   partial (max, sum, acc) to a workspace,
 - `_reduce_partitions_kernel`: combines the partitions of each (token, head) into the output.
 
+A decode step over an fp8 pool with a GQA group of 1 or 2 goes to triton_decode_cc.py's
+CUDA-core kernel instead (16-row tensor-core tiles would be mostly padding there).
+
 No host sync anywhere: which program serves which sequence is found on the device (a binary
 search over query_start_loc), and every launch size comes from tensor shapes, never values,
 so a step can be captured in a CUDA graph. `prepare` does no host work beyond packing
@@ -28,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.attention import triton_decode_cc
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 
@@ -292,6 +296,22 @@ class TritonPagedAttention:
         # Contexts are bounded by the block tables' width: a shape, so no sync to learn it.
         max_context = metadata.block_tables.shape[1] * block_size
         num_parts = min(self.max_partitions, triton.cdiv(max_context, self.partition_size))
+        if (kv_layer.dtype == torch.float8_e4m3fn and tokens <= num_seqs
+                and triton_decode_cc.takes(self.group, self.head_dim_pad)):
+            # A decode step over an fp8 pool with a GQA group of 1 or 2: the CUDA-core kernel,
+            # split only while (sequence, KV head) programs are too few to fill the GPU.
+            if tokens > self.max_split_tokens or num_seqs * kv_heads >= 256:
+                num_parts = 1
+            tile = triton_decode_cc.keys_per_tile(self.head_dim_pad)
+            part_size = triton.cdiv(triton.cdiv(max_context, num_parts), tile) * tile
+            num_parts = triton.cdiv(max_context, part_size)
+            triton_decode_cc.decode_attention(
+                q, kv_layer, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                metadata.scale, metadata.sliding_window, self.head_dim_pad, num_parts, part_size,
+                (self.ws_max, self.ws_sum, self.ws_acc), self.max_partitions)
+            if num_parts > 1:
+                self._reduce(out, metadata, num_parts)
+            return out
         split = tokens <= self.max_split_tokens and num_parts > 1
         # Decode-sized steps (split, or one query per sequence): 16 rows (the smallest
         # tensor-core tile) so one decode query of a GQA group wastes few rows; prefill: 64
@@ -320,9 +340,14 @@ class TritonPagedAttention:
             SLIDING=metadata.sliding_window > 0, SPLIT=split, FP8_KV=kv_layer.dtype == torch.float8_e4m3fn,
             num_warps=self.num_warps, num_stages=stages)
         if split:
-            _reduce_partitions_kernel[(tokens, heads)](
-                out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, num_seqs, num_parts,
-                self.max_partitions, out.stride(0), out.stride(1),
-                NUM_HEADS=heads, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, PARTS=triton.next_power_of_2(num_parts),
-                num_warps=4)
+            self._reduce(out, metadata, num_parts)
         return out
+
+    def _reduce(self, out: torch.Tensor, metadata: TritonMetadata, num_parts: int) -> None:
+        """The split kernels' partitions combined into `out` (padding rows zeroed)."""
+        tokens, heads, d = out.shape
+        _reduce_partitions_kernel[(tokens, heads)](
+            out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, metadata.seq_lens.shape[0],
+            num_parts, self.max_partitions, out.stride(0), out.stride(1),
+            NUM_HEADS=heads, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, PARTS=triton.next_power_of_2(num_parts),
+            num_warps=4)
