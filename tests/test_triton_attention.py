@@ -83,7 +83,7 @@ def make_step(seqs, cfg, block_size, dtype, device=DEVICE, num_pad=3, seed=0):
     return batch, randn(total, cfg.num_heads, cfg.head_dim), k, v, kv_layer
 
 
-def run_and_check(backend, batch, cfg, q, kv_layer, dtype):
+def run_and_check(backend, batch, cfg, q, kv_layer, dtype, tolerance=None):
     """Backend output (into a NaN-poisoned buffer) against the fp32 reference."""
     out = torch.full_like(q, float("nan"))
     returned = backend.attention(q, kv_layer, backend.prepare(batch, cfg, cfg.sliding_window), out=out)
@@ -95,7 +95,7 @@ def run_and_check(backend, batch, cfg, q, kv_layer, dtype):
     ref = expected[:num_valid]
     err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)  # [rows, heads]
     worst = int(err.amax(-1).argmax())
-    assert err.max() < TOLERANCE[dtype], f"rel err {err.max():.3g} at row {worst}"
+    assert err.max() < (tolerance or TOLERANCE[dtype]), f"rel err {err.max():.3g} at row {worst}"
     # Padding rows past the last sequence come out zero, as in the reference.
     assert torch.equal(out[num_valid:], torch.zeros_like(out[num_valid:]))
 
@@ -216,10 +216,11 @@ def test_fp8_decode_on_cuda_cores(group, head_dim, num_seqs, window, dtype, monk
     backend = TritonPagedAttention(cfg, device=DEVICE)
     seed = seed_of(group, head_dim, num_seqs, window, dtype)
     rng = random.Random(seed)
-    seqs = [(1, 1), (16, 1), (17, 1), (1000, 1)] + [(rng.randint(1, 3000), 1) for _ in range(num_seqs - 4)]
-    rng.shuffle(seqs)
-    batch, q, _, _, kv_layer = make_step(seqs[:num_seqs], cfg, 16, dtype, num_pad=0, seed=seed)
-    run_and_check(backend, batch, cfg, q, to_kv(kv_layer * 4, FP8), dtype)
+    seqs = [(1, 1), (17, 1), (1000, 1)] + [(rng.randint(1, 3000), 1) for _ in range(num_seqs - 3)]
+    rng.shuffle(seqs)  # (a context of 1000: the split case has partitions to make)
+    batch, q, _, _, kv_layer = make_step(seqs, cfg, 16, dtype, num_pad=0, seed=seed)
+    # (q.k's and P.V's in-thread sums are fp16 multiply-adds: bf16's tolerance for both types)
+    run_and_check(backend, batch, cfg, q, to_kv(kv_layer * 4, FP8), dtype, tolerance=TOLERANCE[torch.bfloat16])
     assert len(calls) == 1 and (calls[0] > 1) == (num_seqs == 3)  # the kernel ran, split as asked
 
 
