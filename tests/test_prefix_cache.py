@@ -151,3 +151,25 @@ def test_prompt_logprobs_are_all_computed_even_when_cached():
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= 1e-5
     assert_same_outputs(cached, plain)
+
+
+@pytest.mark.parametrize("steps_before_abort", [1, 3])
+def test_an_aborted_request_leaves_only_computed_blocks_in_the_cache(steps_before_abort):
+    """Aborted mid-prefill (chunked) or mid-decode: what it registered is what it computed, so
+    the requests after it read the same as without the cache."""
+    outputs = []
+    for caching in (False, True):
+        core = EngineCore(MODEL, engine_config(block_size=BS, num_blocks=256, max_num_batched_tokens=6,
+                                               enable_prefix_caching=caching))
+        doomed = core.add_request(PROMPTS[0] + tokens(7, seed=11), greedy(20))
+        for _ in range(steps_before_abort):
+            core.step()
+        core.abort_request(doomed.request)
+        seqs = [core.add_request(p, greedy(8)) for p in PROMPTS]
+        while core.has_unfinished():
+            core.step()
+        assert core.blocks.num_free_blocks == core.blocks.num_blocks
+        outputs.append([s.output_token_ids for s in seqs])
+        if caching:
+            assert core.stats()["prefix_cache_hits"] > 0
+    assert outputs[0] == outputs[1]
