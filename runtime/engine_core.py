@@ -228,14 +228,16 @@ class EngineCore:
                     seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
                     seq.status = SequenceStatus.WAITING
                     self.waiting.add(seq)
-            # Cached prefixes first: once held, no allocation below can evict them.
-            for seq, _, cached in p.chunks:
-                if seq.status is SequenceStatus.WAITING and self.blocks.prefix_caching:
-                    self.blocks.attach(seq, cached)
-                    self.prefix_cache_queries += seq.num_tokens
-                    self.prefix_cache_hits += seq.num_computed_tokens
-                    if seq.num_preemptions == 0:
-                        seq.num_cached_tokens = seq.num_computed_tokens
+            # Cached prefixes first: once held, no allocation below can evict them. (Admitted
+            # sequences come last in a plan: the loop reads only them, not every running one.)
+            for seq, _, cached in reversed(p.chunks) if self.blocks.prefix_caching else ():
+                if seq.status is not SequenceStatus.WAITING:
+                    break
+                self.blocks.attach(seq, cached)
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed_tokens
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             for seq in p.swap_in:
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -351,10 +353,12 @@ class EngineCore:
 
     def _commit(self, p: Plan, prompt_rows: list, samplers: list) -> None:
         """The launched step's effect on its sequences (nothing here can fail)."""
-        register = self.blocks.register
+        # A block just filled goes into the prefix cache (a decode fills one every block_size steps).
+        register, bs = self.blocks.register, (self.blocks.block_size if self.blocks.prefix_caching else 1 << 62)
         for seq, n, _ in p.chunks:
             seq.num_computed_tokens += n
-            register(seq)
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                register(seq)
         for seq, _, _, _, final in prompt_rows:
             seq.prompt_logprobs_done = final  # (a recompute won't redo them)
         for seq, _, _ in p.chunks:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nanoinfer.attention.triton_softmax import online_softmax
+
 _LOG2E = 1.4426950408889634
 KEYS_PER_THREAD, NUM_WARPS, STAGES = 8, 2, 3  # the best of 4-8 keys, 2-8 warps, 1-3 stages measured
 
@@ -45,11 +47,7 @@ def _scores(k, q, R: tl.constexpr, W: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, 
 @triton.jit
 def _online_step(s, k_valid, m, l, acc, v):
     """Each key lane's online softmax over its R keys of the tile (base 2)."""
-    s = tl.where(k_valid, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    m_new, alpha, p = online_softmax(tl.where(k_valid, s, float("-inf")), m)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.sum(p.to(tl.float16)[:, :, None] * v, 1).to(tl.float32)
     return m_new, l, acc

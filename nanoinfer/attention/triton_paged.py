@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.attention import triton_decode_cc
+from nanoinfer.attention.triton_softmax import online_softmax
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 
@@ -168,12 +169,7 @@ def _paged_attention_kernel(
         if SLIDING:
             mask &= k_pos[None, :] > q_pos[:, None] - window
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with every key masked so far keeps m = -inf; subtracting 0 instead avoids
-        # -inf - -inf = NaN and leaves its p and alpha at exactly 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        m_new, alpha, p = online_softmax(s, m_i)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
