@@ -18,7 +18,8 @@ from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
-           "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw", "greedy_and_finite"]
+           "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw", "greedy_and_finite",
+           "processed_probs"]
 
 
 class SamplingTensors(NamedTuple):
@@ -156,6 +157,14 @@ def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_dr
         greedy = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy
+    sampled = draw(processed_probs(logits, st), st.seeds, st.steps)  # (`random_draw`, or a compiled version)
+    return torch.where(st.temperature == 0, greedy, sampled)
+
+
+def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution a sampled row draws from [rows, vocab] (fp32 logits, penalties already
+    applied): temperature, top-k, top-p, then min-p relative to the most likely token. Masked
+    tokens have probability 0; the rows are not renormalized after min-p (a draw needs no sum)."""
     scaled = logits / st.temperature.clamp_min(1e-6)[:, None]
     if st.needs_sort:
         scaled = apply_top_k_top_p(scaled, st.top_k, st.top_p)
@@ -163,8 +172,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_dr
     if st.needs_min_p:
         threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-    sampled = draw(probs, st.seeds, st.steps)  # (`random_draw`, or a compiled version of it)
-    return torch.where(st.temperature == 0, greedy, sampled)
+    return probs
 
 
 class Logprobs(NamedTuple):

@@ -70,6 +70,7 @@ class Spec:
     float32: bool = False
     repeated: bool = False  # a tuple of strings; the flag may be given several times
     flag: bool = True  # on the command line
+    parse: Any = None  # (name, value) -> the value as held, or RequestError: a structured setting (a JSON flag)
 
     def expected(self, kind: type) -> str:
         if self.choices is not None:
@@ -119,6 +120,8 @@ def check_value(name: str, value: Any, spec: Spec, kind: type) -> Any:
     def fail():
         raise RequestError(f"{name}={value!r} is invalid: expected {spec.expected(kind)}", param=name)
 
+    if spec.parse is not None:
+        return spec.parse(name, value)
     if value is None:
         return None if spec.optional else fail()
     if spec.repeated:
@@ -183,6 +186,9 @@ def add_flags(parser, cls, *, only: Iterable[str] | None = None, defaults: dict 
         elif spec.size:
             kw["type"] = str
             kw["metavar"] = "BYTES"
+        elif spec.parse is not None:
+            kw["type"] = str
+            kw["metavar"] = "JSON"
         else:
             kw["type"] = kind
             if spec.choices is not None:

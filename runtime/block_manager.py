@@ -202,6 +202,14 @@ class BlockManager:
             seq.block_table.append(self.device.take())
         return copies
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s blocks past the first `num_tokens` slots (the slots of draft tokens
+        a verification rejected). Those blocks are its own and never registered: a block is
+        registered only once full of verified tokens."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self.device.release(seq.block_table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (n > 1 samples of one prompt)."""
         if child.block_table:

@@ -8,6 +8,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import KV_CACHE_DTYPES
 from nanoinfer.settings import check_settings, setting
 from runtime.scheduler import SchedulerConfig
+from runtime.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class EngineConfig:
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
                                                   "CUDA)", optional=True)
+    speculative_config: SpeculativeConfig | None = setting(
+        None, 'speculative decoding, as vLLM configures it: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4} or {"model": PATH, "num_speculative_tokens": 4}', parse=SpeculativeConfig.parse)
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):

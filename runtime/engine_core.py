@@ -22,6 +22,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
 from runtime.block_manager import BlockManager
+from runtime.draft_runner import check_draft
 from runtime.engine_config import EngineConfig
 from runtime.faults import Fault, Isolation, RequestFailed, classify
 from runtime.inflight import InFlightStep, PromptLogprobRows
@@ -29,6 +30,7 @@ from runtime.model_runner import Chunk, ModelRunner, StepInput
 from runtime.outputs import TokenLogprob
 from runtime.scheduler import Plan, WaitingQueue, decode_plan, plan
 from runtime.sequence import Sequence, SequenceStatus
+from runtime.speculative import Speculator
 
 __all__ = ["EngineConfig", "EngineCore", "EngineDead", "TokenOutput"]
 
@@ -51,13 +53,25 @@ class EngineDead(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), draft_model: LoadedModel | None = None):
+        """`draft_model`: speculative decoding's draft, made in memory (default: loaded from
+        `config.speculative_config.model` when its method is draft_model)."""
         self.model = model
         self.config = config
         cfg = model.config
         self.device = model.params.device
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.runner = ModelRunner(model, config, self.max_model_len)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            if draft_model is None:
+                from nanoinfer.loaders import load_model
+
+                draft_model = load_model(spec.model, device=self.device, dtype=model.params.dtype, progress=False)
+            check_draft(model, draft_model)
+        elif draft_model is not None:
+            raise RequestError("a draft model was given but speculative_config does not ask for one: expected "
+                               "method 'draft_model'", param="speculative_config")
+        self.runner = ModelRunner(model, config, self.max_model_len, draft_model)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks,
                                    prefix_caching=config.enable_prefix_caching)
         self.waiting = WaitingQueue(config.scheduler)
@@ -73,9 +87,15 @@ class EngineCore:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._next_id = 0
         self._seed_source = random.Random()
-        # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
+        # Speculative decoding (runtime/speculative.py): the drafts of the step being planned.
+        self.speculator = Speculator(config.speculative_config) if config.speculative_config else None
+        self._drafts: dict[Sequence, list[int]] = {}
+        # Overlap host and device where the device runs asynchronously (see runtime/inflight.py);
+        # speculation plans each step from the tokens of the one before, so it runs synchronously.
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
-                                 else config.async_scheduling)
+                                 else config.async_scheduling) and self.speculator is None
+        if config.async_scheduling and self.speculator is not None:
+            log.info("speculative decoding resolves each step before planning the next: async scheduling is off")
         self._in_flight: InFlightStep | None = None  # launched, results not yet applied
 
     # -- requests -------------------------------------------------------------------------
@@ -185,6 +205,9 @@ class EngineCore:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "cached_blocks": self.blocks.num_cached_blocks,
+            # speculative decoding: draft tokens verified, and accepted
+            "spec_draft_tokens": self.speculator.num_proposed if self.speculator else 0,
+            "spec_accepted_tokens": self.speculator.num_accepted if self.speculator else 0,
             "steps": self.step_count,
         }
 
@@ -225,7 +248,7 @@ class EngineCore:
                     self.runner.swap_out(self.blocks.swap_out(seq))
                 else:
                     self.blocks.free(seq)
-                    seq.num_computed_tokens = 0  # its prompt and output so far are prefilled again
+                    seq.num_computed_tokens = seq.num_draft_computed = 0  # prefilled again, output and all
                     seq.status = SequenceStatus.WAITING
                     self.waiting.add(seq)
             # Cached prefixes first: once held, no allocation below can evict them. (Admitted
@@ -234,6 +257,7 @@ class EngineCore:
                 if seq.status is not SequenceStatus.WAITING:
                     break
                 self.blocks.attach(seq, cached)
+                seq.num_draft_computed = seq.num_computed_tokens  # (a draft model's pool was written with it)
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += seq.num_computed_tokens
                 if seq.num_preemptions == 0:
@@ -274,16 +298,23 @@ class EngineCore:
         clock = time.perf_counter()
         self._nvtx_next("schedule")
         previous, self._in_flight = self._in_flight, None
-        p, outputs = self._apply(self.plan())
-        self.step_count += 1
-        clock = self._phase("schedule", clock)
-        if p.chunks:
-            try:
-                self._in_flight = self._launch(p, clock)
-                self.isolation.succeeded()
-            except Exception as exc:  # noqa: BLE001 - contained, see runtime/faults.py
-                outputs += self._launch_failed(p, exc, previous)
-            clock = time.perf_counter()
+        if self.speculator is not None:
+            self._drafts = self.speculator.lookahead(self.running)
+        try:
+            p, outputs = self._apply(self.plan())
+            self.step_count += 1
+            clock = self._phase("schedule", clock)
+            if p.chunks:
+                try:
+                    self._in_flight = self._launch(p, clock)
+                    self.isolation.succeeded()
+                except Exception as exc:  # noqa: BLE001 - contained, see runtime/faults.py
+                    outputs += self._launch_failed(p, exc, previous)
+                clock = time.perf_counter()
+        finally:
+            for seq in self._drafts:  # (a lookahead holds for the step it was planned for only)
+                seq.num_lookahead = 0
+            self._drafts = {}
         if previous is not None:
             outputs += self._resolve(previous)
         if self._in_flight is not None and not self.async_scheduling:
@@ -314,11 +345,23 @@ class EngineCore:
         which), have the runner launch it, and commit its effect on the sequences. Sequences
         change only in `_commit`, once nothing can fail: a launch that raises leaves them as
         planned."""
-        chunks, logits_rows, samplers, prompt_rows = [], [], [], []
+        chunks, logits_rows, samplers, prompt_rows, verifiers = [], [], [], [], []
+        draft_probs = None
+        if self.runner.draft is not None:  # a draft model proposes now that the plan gave its slots
+            proposal = self.runner.draft.propose([(c.seq, c.seq.num_computed_tokens, c.num_tokens) for c in p.chunks])
+            self._drafts.update(proposal.drafts)
+            draft_probs = proposal.probs
         row = 0
         for seq, n, _ in p.chunks:  # (every sequence, every step: kept lean)
             start = seq.num_computed_tokens
             end = start + n
+            if n > seq.num_pending_tokens:  # its pending token, then drafts to verify
+                drafts = tuple(self._drafts[seq][:n - seq.num_pending_tokens])
+                chunks.append(Chunk(seq, start, n, drafts))
+                verifiers.append((seq, len(logits_rows), drafts))
+                logits_rows.extend(range(row, row + n))
+                row += n
+                continue
             chunks.append(Chunk(seq, start, n))
             if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
                 # Row j (position start + j) predicts token start + j + 1 of the prompt; the list
@@ -345,8 +388,8 @@ class EngineCore:
         def forward_done() -> None:  # (the runner's own phases: forward launched, then sampling)
             clocks[0] = self._phase("forward", clocks[0])
 
-        step = self.runner.launch(StepInput(tuple(chunks), tuple(logits_rows), tuple(samplers), tuple(prompt_rows)),
-                                  forward_done)
+        step = self.runner.launch(StepInput(tuple(chunks), tuple(logits_rows), tuple(samplers), tuple(prompt_rows),
+                                            tuple(verifiers), draft_probs), forward_done)
         self._phase("sample", clocks[0])
         self._commit(p, prompt_rows, samplers)
         return step
@@ -368,6 +411,7 @@ class EngineCore:
                 if fork.is_finished:
                     continue
                 self.blocks.fork(seq, fork)
+                fork.num_draft_computed = seq.num_draft_computed
                 self.runner.table_changed(fork)
                 fork.status = SequenceStatus.RUNNING
                 fork.prompt_logprobs_done = True  # the request's prompt logprobs come with the first completion
@@ -416,9 +460,7 @@ class EngineCore:
                 continue
             seq.num_unresolved -= 1
             if not ok:
-                outputs += self._fail(seq, RequestFailed(
-                    "the model produced non-finite logits (NaN or inf) for this request: its output would be "
-                    "garbage, so it was stopped"))
+                outputs += self._fail(seq, self._non_finite())
                 continue
             ids = seq.token_ids
             ids.append(token)
@@ -434,6 +476,63 @@ class EngineCore:
             self._finish(seq, reason)
             outputs.append(TokenOutput(seq, token, True, logprobs[i], prompt_done.get(seq.seq_id)))
         self.generated_tokens += accepted
+        if step.verified:
+            outputs += self._apply_verified(step.verified, host[rest + 3 * len(step.prompt_logprobs):])
+        return outputs
+
+    @staticmethod
+    def _non_finite() -> RequestFailed:
+        return RequestFailed("the model produced non-finite logits (NaN or inf) for this request: its output would "
+                             "be garbage, so it was stopped")
+
+    def _apply_verified(self, verified, host: list) -> list[TokenOutput]:
+        """Apply a step's verifications: each sequence takes its accepted drafts and the token
+        after them, one by one as a sampled token is taken (a stop or the length limit ends it
+        there); the KV slots of its rejected drafts are given back."""
+        accepted, tokens, finite = (t.tolist() for t in host[:3])
+        logprobs = [None] * len(tokens)
+        if any(v.logprobs is not None for v in verified):
+            chosen, top_ids, top_values = (t.tolist() for t in host[3:6])
+            logprobs = [TokenLogprob(tokens[i], chosen[i], tuple(zip(top_ids[i], top_values[i])))
+                        for i in range(len(tokens))]
+        outputs, first, eos = [], 0, self.model.config.eos_token_ids
+        for seq, drafts, k in verified:
+            j, row = len(drafts), first
+            first += j + 1
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            if not all(finite[row:row + j + 1]):
+                outputs += self._fail(seq, self._non_finite())
+                continue
+            a = 0
+            while a < j and accepted[row + a]:
+                a += 1
+            self.speculator.num_proposed += j
+            self.speculator.num_accepted += a
+            seq.num_computed_tokens -= j - a  # the rejected drafts' keys and values are garbage
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            emitted = [*drafts[:a], tokens[row + a]]
+            self.runner.emitted(seq, emitted)
+            params, ids = seq.params, seq.token_ids
+            for i, token in enumerate(emitted):
+                ids.append(token)
+                self.generated_tokens += 1
+                lp = logprobs[row + i]
+                lp = None if k is None else lp._replace(top=lp.top[:k])
+                if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
+                    reason = "stop"
+                elif len(ids) >= seq.max_total_tokens:
+                    reason = "length"
+                else:
+                    outputs.append(TokenOutput(seq, token, False, lp))
+                    continue
+                self._finish(seq, reason)
+                outputs.append(TokenOutput(seq, token, True, lp))
+                break
+            if not seq.is_finished:
+                self.blocks.trim(seq, seq.num_computed_tokens)
+                if seq.num_computed_tokens // self.blocks.block_size > seq.num_registered_blocks:
+                    self.blocks.register(seq)
         return outputs
 
     # Phases in order; each `_phase(name)` call ends `name` and starts the next.

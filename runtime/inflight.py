@@ -59,10 +59,20 @@ class PromptLogprobRows(NamedTuple):
     final: bool  # the chunk reaches the end of the prompt: the list is complete after it
 
 
+class VerifiedRows(NamedTuple):
+    """A sequence's draft tokens and the len(drafts) + 1 verification rows that follow its own."""
+
+    seq: Sequence
+    drafts: tuple[int, ...]
+    logprobs: int | None  # top-k logprobs it asked for
+
+
 class InFlightStep(NamedTuple):
     rows: tuple[SampledRow, ...]
     prompt_logprobs: tuple[PromptLogprobRows, ...]
     # Host copies, in this order: tokens; whether each row's logits were finite; then
     # chosen/top ids/top values when any row asked for logprobs; then chosen/top ids/top
-    # values of each PromptLogprobRows.
+    # values of each PromptLogprobRows; then, when the step verifies drafts, per verification
+    # row: accepted, token, finite, and chosen/top ids/top values when any asked for logprobs.
     transfer: DeviceToHost
+    verified: tuple[VerifiedRows, ...] = ()

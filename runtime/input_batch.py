@@ -61,6 +61,7 @@ class InputBatch:
         self.penalties: _PenaltyState | None = None
         self._table_updates: list[tuple[int, int, int]] = []  # (row, column, block)
         self._joined: list[tuple[int, Sequence]] = []  # rows whose parameters still go to the device
+        self._emitted: list[tuple[int, int]] = []  # (row, token) verified on the host, not yet counted
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq.seq_id in self.row_of
@@ -111,6 +112,10 @@ class InputBatch:
         parameters (and penalty rows) of rows that joined."""
         joined, self._joined = self._joined, []
         updates, self._table_updates = self._table_updates, []
+        emitted, self._emitted = self._emitted, []
+        if emitted and self.penalties is not None:
+            rows, tokens = to_device_packed(list(zip(*emitted)), torch.int64, self.device)
+            self.sampled_at(rows, tokens)
         if self.device.type != "cpu" and updates:
             rows, cols, blocks = to_device_packed(list(zip(*updates)), torch.int64, self.device)
             self.table_device[rows, cols] = blocks.to(torch.int32)
@@ -179,6 +184,18 @@ class InputBatch:
         """Record a step's samples on the device: each row's last token, and its counts."""
         self.last_token[rows_device] = tokens
         if self.penalties is not None:
-            self.penalties.output_counts.index_put_((rows_device, tokens), torch.ones_like(tokens, dtype=torch.float32),
-                                                    accumulate=True)
-            self.penalties.seen[rows_device, tokens] = True
+            self.sampled_at(rows_device, tokens)
+
+    def sampled_at(self, rows_device: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count generated tokens in their rows' penalty tables (a row may repeat)."""
+        self.penalties.output_counts.index_put_((rows_device, tokens), torch.ones_like(tokens, dtype=torch.float32),
+                                                accumulate=True)
+        self.penalties.seen[rows_device, tokens] = True
+
+    def emitted(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Tokens verification emitted for `seq` (known on the host): counted at the next flush.
+        Verification leaves each row's `last_token` alone: its step is resolved before the
+        next one is planned, so the next step reads the tokens from the host."""
+        row = self.row_of.get(seq.seq_id)
+        if row is not None and self.penalties is not None:
+            self._emitted += ((row, t) for t in token_ids)

@@ -22,18 +22,22 @@ from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
-from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow
+from nanoinfer.speculative import draft_history, verify
+from runtime.draft_runner import DraftRunner, draft_bytes_per_block
+from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow, VerifiedRows
 from runtime.input_batch import InputBatch
 from runtime.kv_budget import kv_blocks_for_memory
 from runtime.sequence import Sequence
 
 
 class Chunk(NamedTuple):
-    """`num_tokens` tokens of `seq` from position `start`, computed by one step."""
+    """`num_tokens` tokens of `seq` from position `start`, computed by one step: its pending
+    tokens, then `drafts` (speculative decoding: tokens to verify, known on the host)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    drafts: tuple[int, ...] = ()
 
 
 class StepInput(NamedTuple):
@@ -44,6 +48,9 @@ class StepInput(NamedTuple):
     samplers: tuple[tuple[Sequence, int], ...]  # (sequence, its index into those logits rows)
     prompt_rows: tuple[tuple[Sequence, int, int, list[int], bool], ...]  # (seq, first logits index, start,
     # the prompt tokens those rows predict, whether the prompt's logprobs are complete after them)
+    verifiers: tuple[tuple[Sequence, int, tuple[int, ...]], ...] = ()  # (seq, first logits index, its
+    # drafts): len(drafts) + 1 logits rows verified (nanoinfer/speculative.py) rather than sampled
+    draft_probs: torch.Tensor | None = None  # [drafts, vocab]: what each draft was drawn from (a draft model's)
 
 
 class ForwardOutput(NamedTuple):
@@ -56,8 +63,9 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config, max_model_len: int):
-        """`config` is an EngineConfig."""
+    def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
+        """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
+        (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
         cfg, dtype = model.config, kv_dtype(model.params.dtype, config.kv_cache_dtype)
         self.model, self.config, self.cfg = model, config, cfg
         self.device = model.params.device
@@ -67,6 +75,8 @@ class ModelRunner:
         self.kernels, self.attention = kernels, kernels.attention
         prepare(kernels, model.params, cfg.vocab_size)
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
+        if draft is not None:
+            per_block += draft_bytes_per_block(draft, config)
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
                                                                     lambda: self.attention)
         self.num_cpu_blocks = config.swap_space // per_block
@@ -79,6 +89,8 @@ class ModelRunner:
         # (n - 1 forks may take rows in the step their parent's prefill ends, before it is planned)
         self.batch = InputBatch(config.scheduler.max_num_seqs + 8, max_blocks, cfg.vocab_size, cfg.eos_token_ids,
                                 self.device)
+        self.draft = None if draft is None else DraftRunner(draft, config, self.num_blocks, self.num_cpu_blocks,
+                                                            self.batch)
         self.graphs = None
         if kernels.graphs:
             from nanoinfer.graphs import StepGraphs
@@ -95,12 +107,18 @@ class ModelRunner:
 
     def copy_blocks(self, copies) -> None:
         copy_blocks(self.kv, copies)
+        if self.draft is not None:
+            self.draft.copy_blocks(copies)
 
     def swap_out(self, copies) -> None:
         swap_blocks(self.kv, self.cpu_kv, copies)
+        if self.draft is not None:
+            self.draft.swap_out(copies)
 
     def swap_in(self, copies) -> None:
         swap_blocks(self.cpu_kv, self.kv, copies)
+        if self.draft is not None:
+            self.draft.swap_in(copies)
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -126,14 +144,17 @@ class ModelRunner:
         # One pass over the chunks (it runs for every sequence, every step), then numpy.
         meta: list[int] = []  # row, start, tokens, tokens known on the host: per chunk
         host_tokens: list[int] = []
-        for seq, start, n in inp.chunks:
+        for seq, start, n, drafts in inp.chunks:
             ids = seq.token_ids
             known = min(start + n, len(ids)) - start
-            meta += (rows_of[seq.seq_id], start, n, known)
             if known == 1:
                 host_tokens.append(ids[start])
             elif known > 1:
                 host_tokens += ids[start:start + known]
+            if drafts:
+                host_tokens += drafts
+                known += len(drafts)
+            meta += (rows_of[seq.seq_id], start, n, known)
         rows, starts, lens, known = np.array(meta, dtype=np.int64).reshape(-1, 4).T
         num = len(rows)
         ends = starts + lens
@@ -183,7 +204,7 @@ class ModelRunner:
         batch, sampler_rows, (sampler_rows_t, steps_t) = self._build(inp)
         out = self._forward(batch)
         forward_done()
-        all_logits = out.logits
+        full, all_logits = out, out.logits
         sample_at = [i for _, i in inp.samplers]
         if sample_at != list(range(out.logits.shape[0])):  # (a pure decode step needs no gather)
             (index,) = to_device_packed([sample_at], torch.int64, self.device)
@@ -208,5 +229,53 @@ class ModelRunner:
             results.extend(compute_logprobs(all_logits[first:first + len(targets)], target_t,
                                             seq.params.prompt_logprobs))
         rows = tuple(SampledRow(seq, k) for (seq, _), k in zip(inp.samplers, wanted))
-        return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results))
+        verified = ()
+        if inp.verifiers:
+            verified, tensors = self._verify(inp.verifiers, full, inp.draft_probs)
+            results.extend(tensors)
+        return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results), verified)
+
+    def _verify(self, verifiers, out: ForwardOutput,
+                draft_probs: torch.Tensor | None) -> tuple[tuple[VerifiedRows, ...], list[torch.Tensor]]:
+        """Verify each sequence's drafts against its rows of target logits (see
+        nanoinfer/speculative.py); the tensors to bring to the host, per row: accepted, token,
+        finite (and logprobs when asked for)."""
+        rows_of = self.batch.row_of
+        index, rows, steps, drafts_flat, num_drafts, all_drafts, q_rows = [], [], [], [], [], [], []
+        for seq, first, drafts in verifiers:
+            j = len(drafts)
+            done = len(drafts_flat) - len(num_drafts)  # drafts so far (each verifier added j + 1 rows)
+            q_rows += (*range(done, done + j), 0)
+            produced = len(seq.token_ids) - seq.num_prompt_tokens + seq.num_unresolved
+            index += range(first, first + j + 1)
+            rows += [rows_of[seq.seq_id]] * (j + 1)
+            steps += range(produced, produced + j + 1)
+            drafts_flat += (*drafts, -1)
+            num_drafts.append(j)
+            all_drafts.append(drafts)
+        history_rows, history_tokens = draft_history(num_drafts, all_drafts)
+        index_t, rows_t, steps_t, drafts_t, history_rows_t, history_tokens_t = to_device_packed(
+            [index, rows, steps, drafts_flat, history_rows, history_tokens], torch.int64, self.device)
+        logits = out.logits.index_select(0, index_t).float()
+        st = self.batch.sampling(np.asarray(rows, dtype=np.int64), rows_t, steps_t)
+        if st.penalties is not None and len(history_rows):
+            # Row i follows drafts 1..i: they count as generated (the gathered rows are copies).
+            pen = st.penalties
+            pen.output_counts.index_put_((history_rows_t, history_tokens_t),
+                                         torch.ones_like(history_tokens_t, dtype=torch.float32), accumulate=True)
+            pen.seen[history_rows_t, history_tokens_t] = True
+        if draft_probs is not None:  # (a sequence's last row has no draft: its q row is never read)
+            (q_rows_t,) = to_device_packed([q_rows], torch.int64, self.device)
+            draft_probs = draft_probs.index_select(0, q_rows_t)
+        v = verify(logits, st, drafts_t, draft_probs, draw=self.kernels.draw)
+        tensors = [v.accepted, v.tokens, out.finite.index_select(0, index_t)]
+        wanted = [seq.params.logprobs for seq, _, _ in verifiers]
+        if any(k is not None for k in wanted):
+            tensors.extend(compute_logprobs(logits, v.tokens, max(k or 0 for k in wanted)))
+        return tuple(VerifiedRows(seq, drafts, k) for (seq, _, drafts), k in zip(verifiers, wanted)), tensors
+
+    def emitted(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Tokens a verification emitted for `seq`: its penalty counts learn them (a sampled
+        step's tokens are counted on the device as they are drawn)."""
+        self.batch.emitted(seq, token_ids)
 

@@ -133,7 +133,7 @@ def decode_plan(running: Seq[Sequence], blocks: BlockManager, config: SchedulerC
     bs, refs, need = blocks.block_size, blocks.ref_counts, 0
     for seq in running:
         computed, table = seq.num_computed_tokens, seq.block_table
-        if seq.num_tokens - computed != 1 or seq.forks or (seq.params.prompt_logprobs is not None
+        if seq.num_tokens - computed != 1 or seq.num_lookahead or seq.forks or (seq.params.prompt_logprobs is not None
                                                             and not seq.prompt_logprobs_done):
             return None
         i = computed // bs
@@ -155,7 +155,7 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
 
     def tokens_for(seq: Sequence) -> int:
         """What `seq` may compute this step: its pending tokens, within the budgets."""
-        take = min(seq.num_pending_tokens, budget)
+        take = min(seq.num_wanted_tokens, budget)
         return min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
     free = blocks.num_free_blocks
     free_cpu = blocks.num_free_cpu_blocks

@@ -58,6 +58,11 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding (runtime/speculative.py): draft tokens the next step may verify
+    # after the pending one (set before each plan, for decoding sequences only), and how many
+    # leading tokens the draft model's own KV pool holds.
+    num_lookahead: int = 0
+    num_draft_computed: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -73,8 +78,13 @@ class Sequence:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens the next step should compute for this sequence."""
+        """Tokens the next step should compute for this sequence (draft tokens aside)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_wanted_tokens(self) -> int:
+        """Tokens the next step would compute: the pending ones and the drafts to verify."""
+        return self.num_tokens - self.num_computed_tokens + self.num_lookahead
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,112 @@
+"""Speculative decoding in the engine: its configuration, and how many drafts each sequence gets.
+
+Each step, before the plan, every decoding sequence is given up to `num_speculative_tokens`
+draft tokens to verify after its pending one (fewer near its length limit). N-gram lookup
+proposes them on the host right away; a draft model proposes them on the device once the plan
+has given the sequence its slots (runtime/draft_runner.py). The target then computes the
+pending token and the drafts in one forward, and verification (nanoinfer/speculative.py)
+keeps the leading drafts it accepts plus one token of its own.
+
+A step that verifies drafts needs every sequence's tokens on the host (the proposals and
+their count depend on them), so with speculation each step is resolved before the next is
+planned: async scheduling's overlap gives way to it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanoinfer.errors import RequestError
+from nanoinfer.ngram import propose_ngram
+from nanoinfer.settings import check_settings, setting, setting_names
+from runtime.sequence import Sequence
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4} or {"model": PATH, "num_speculative_tokens": 4}."""
+
+    num_speculative_tokens: int = setting(None, "draft tokens verified per step", minimum=1, maximum=64)
+    method: str | None = setting(None, "ngram, or draft_model (the default when `model` is given)", choices=METHODS,
+                                 optional=True)
+    model: str | None = setting(None, "the draft model (a path or short name, loaded like the target; it must "
+                                      "share the target's tokenizer)", optional=True)
+    prompt_lookup_max: int | None = setting(None, "ngram: the longest n-gram matched (default: "
+                                                  "prompt_lookup_min, or 4)", minimum=1, optional=True)
+    prompt_lookup_min: int | None = setting(None, "ngram: the shortest n-gram matched (default: 1)", minimum=1,
+                                            optional=True)
+
+    def __post_init__(self):
+        check_settings(self)
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        object.__setattr__(self, "method", method)
+        if method == "draft_model" and self.model is None:
+            raise RequestError("speculative_config: method 'draft_model' needs a 'model' (the draft's path)",
+                               param="speculative_config")
+        if method == "ngram":
+            high = self.prompt_lookup_max or self.prompt_lookup_min or 4
+            low = self.prompt_lookup_min or 1
+            if low > high:
+                raise RequestError(f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}",
+                                   param="speculative_config")
+            object.__setattr__(self, "prompt_lookup_max", high)
+            object.__setattr__(self, "prompt_lookup_min", low)
+
+    @classmethod
+    def parse(cls, name: str, value) -> "SpeculativeConfig | None":
+        """From a mapping, a JSON object (the CLI flag) or a SpeculativeConfig; RequestError
+        naming what is wrong."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise RequestError(f"{name}={value!r} is not valid JSON: {exc}", param=name) from exc
+        if not isinstance(value, dict):
+            raise RequestError(f"{name}={value!r} is invalid: expected a JSON object such as "
+                               f'{{"method": "ngram", "num_speculative_tokens": 4}}', param=name)
+        unknown = sorted(set(value) - set(setting_names(cls)))
+        if unknown:
+            raise RequestError(f"{name}: unknown key {unknown[0]!r}: expected some of {setting_names(cls)}",
+                               param=name)
+        try:
+            return cls(**value)
+        except RequestError as exc:
+            message = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
+            raise RequestError(message, param=name) from exc
+
+
+class Speculator:
+    """Decides each step's lookahead and, for n-gram lookup, the drafts themselves."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.num_proposed = self.num_accepted = 0  # draft tokens verified, and accepted (stats)
+
+    def lookahead(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Set `num_lookahead` on the running sequences that decode next step; returns those
+        sequences with their n-gram drafts (empty lists for a draft model: it proposes later)."""
+        c, drafts = self.config, {}
+        for seq in running:
+            if seq.num_pending_tokens != 1 or seq.forks:
+                continue
+            # Drafts and the token after them must fit the sequence's length limit.
+            k = min(c.num_speculative_tokens, seq.max_total_tokens - seq.num_tokens - 1)
+            if k <= 0:
+                continue
+            if c.method == "ngram":
+                ids = propose_ngram(np.fromiter(seq.token_ids, np.int64, len(seq.token_ids)), k,
+                                    c.prompt_lookup_max, c.prompt_lookup_min)
+            else:
+                ids = []
+            seq.num_lookahead = len(ids) if c.method == "ngram" else k
+            if seq.num_lookahead:
+                drafts[seq] = ids
+        return drafts
