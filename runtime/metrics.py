@@ -36,6 +36,11 @@ class _EngineCollector:
                                   value=s["prefix_cache_queries"])
         yield CounterMetricFamily("nanoinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   value=s["prefix_cache_hits"])
+        yield CounterMetricFamily("nanoinfer_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
+                                  value=s["spec_draft_tokens"])
+        yield CounterMetricFamily("nanoinfer_spec_decode_accepted_tokens",
+                                  "Draft tokens accepted by verification (speculative decoding)",
+                                  value=s["spec_accepted_tokens"])
 
 
 class ServerMetrics:

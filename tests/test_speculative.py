@@ -326,3 +326,57 @@ def test_greedy_rows_accept_exactly_the_argmax():
     v = verify(logits, tensors(6, temperature=0), drafts)
     assert v.accepted.tolist() == [True, False, True, False, True, False]
     assert torch.equal(v.tokens, best)
+
+
+# -- the default model, the offline facade and the server ------------------------------------
+
+COPY_PROMPTS = [
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\n# the same function again:\ndef add(a, b):\n",
+    "Names: Alice, Bob, Carol, Dave, Erin. The names again: Alice, Bob,",
+]
+
+
+def test_default_model_greedy_equals_no_speculation(smollm2_gguf):
+    """In fp32 (the exact path: the packed path's int8 activations could turn the verify
+    batch's other summation order into another token at a near-tie), n-gram lookup and the
+    model drafting for itself, through the offline facade; stop strings cut multi-token steps."""
+    from nanoinfer import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for name, spec in (("none", None), ("ngram", NGRAM),
+                       ("self", {"model": str(smollm2_gguf), "num_speculative_tokens": 3})):
+        with LLM(smollm2_gguf, device="cpu", progress=False, dtype="float32", num_blocks=128, block_size=8,
+                 speculative_config=spec) as llm:
+            outs = llm.generate(COPY_PROMPTS, params, use_tqdm=False)
+            stop = outs[0].text[6:10]
+            stopped = llm.generate(COPY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=stop),
+                                   use_tqdm=False)[0]
+            runs[name] = ([o.token_ids for o in outs], stopped.text, llm.stats())
+    assert runs["ngram"][:2] == runs["none"][:2] == runs["self"][:2]
+    stats = runs["ngram"][2]
+    assert stats["spec_accepted_tokens"] > 5  # the copies were drafted and accepted
+    assert runs["self"][2]["spec_accepted_tokens"] >= 0.9 * runs["self"][2]["spec_draft_tokens"] > 0
+
+
+def test_server_streams_speculated_tokens(tiny_chat_model):
+    """Streamed chat through the server, with and without n-gram speculation: the same text
+    (greedy), the counters in /metrics."""
+    from openai import OpenAI
+
+    from tests.live_server import LiveServer
+    from tests.test_server import metric
+
+    messages = [{"role": "user", "content": "one two three one two three one two three one two"}]
+    texts = []
+    for spec in (None, NGRAM):
+        with LiveServer(tiny_chat_model, engine_kw={"speculative_config": spec}) as server:
+            client = OpenAI(base_url=server.url + "/v1", api_key="none")
+            stream = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=200,
+                                                    temperature=0, stream=True)
+            texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+            drafted = metric(server.url, "nanoinfer_spec_decode_draft_tokens_total")
+            accepted = metric(server.url, "nanoinfer_spec_decode_accepted_tokens_total")
+    assert texts[0] == texts[1] and texts[0]
+    assert drafted > 0 and 0 <= accepted <= drafted

@@ -1,0 +1,156 @@
+"""Speculative decoding: acceptance rate and speedup over decoding without it, same run.
+
+    python bench/spec.py [--model M] [--k 2 4 8] [--max-tokens 128]           # CPU: n-gram lookup
+    python bench/spec.py --shape llama-3.1-8b --draft-shape llama-3.2-1b --device cuda [--k 2 4 6 8]
+
+CPU (default model): chat prompts whose answers copy the prompt (rewrite, extract, edit
+code), greedy, one request at a time (batch 1) and all at once; n-gram lookup with each k.
+
+GPU (random bf16 weights in real shapes, bench/shapes.py): a draft model in `--draft-shape`,
+batch 1, greedy, at the two ends of the acceptance range:
+- 0% acceptance: the draft's own random weights, whose proposals the target (almost) never
+  accepts: what speculation costs;
+- full acceptance: the same draft forwards, but each proposal replaced by the target's own
+  greedy token (read from the run without speculation): the mechanism's ceiling.
+Output tok/s counts generated tokens over the wall time of the decode (prefill excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+CPU_TASKS = [
+    ("rewrite", "Rewrite this paragraph with the spelling fixed, changing nothing else:\n\n"
+                "The quick brown fox jumpd over the lazy dog. It was a sunny day and the fox was verry happy. "
+                "Later the dog woke up and chased the fox acros the field until they were both tired."),
+    ("extract", "Copy every line of this list that mentions a city, exactly as written:\n\n"
+                "- Paris is the capital of France.\n- Apples are red or green.\n- Tokyo is a very large city.\n"
+                "- The sky is blue.\n- Berlin has many museums.\n- Water boils at 100 degrees."),
+    ("edit-code", "Rename the variable `x` to `total` in this function and return the whole function:\n\n"
+                  "def sum_list(values):\n    x = 0\n    for v in values:\n        x = x + v\n    return x\n"),
+]
+
+
+def cpu(args):
+    from nanoinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=False)
+    print(f"model {args.model or 'default'}  CPU, {torch.get_num_threads()} threads, greedy, "
+          f"max_tokens {args.max_tokens}")
+    print(f"{'speculation':<16}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'accepted':>10}{'tokens/step':>13}"
+          f"{'same text':>11}")
+    reference = {}
+    for k in [0, *args.k]:
+        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                    "prompt_lookup_min": 2}
+        with LLM(args.model, device="cpu", progress=False, speculative_config=spec) as llm:
+            llm.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=4),
+                         use_tqdm=False)  # warm-up
+            for batch in (1, len(CPU_TASKS)):
+                chats = [[{"role": "user", "content": text}] for _, text in CPU_TASKS]
+                before = llm.stats()
+                start = time.perf_counter()
+                if batch == 1:
+                    outs = [llm.generate([chat], params, use_tqdm=False)[0] for chat in chats]
+                else:
+                    outs = llm.generate(chats, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                after = llm.stats()
+                tokens = sum(len(o.token_ids) for o in outs)
+                texts = [o.text for o in outs]
+                steps = after["steps"] - before["steps"]
+                drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+                accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+                reference.setdefault(batch, (tokens / elapsed, texts))
+                base, base_texts = reference[batch]
+                name = "none" if k == 0 else f"ngram k={k}"
+                rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+                print(f"{name:<16}{batch:>6}{tokens / elapsed:>9.1f}{tokens / elapsed / base:>8.2f}x{rate:>10}"
+                      f"{tokens / max(steps, 1):>13.2f}{str(texts == base_texts):>11}")
+
+
+def gpu(args):
+    from bench.shapes import random_model
+    from nanoinfer.sampling import SamplingParams
+    from runtime import draft_runner
+    from runtime.engine_core import EngineCore
+    from runtime.engine import engine_config
+
+    target = random_model(args.shape, device=args.device)
+    draft = random_model(args.draft_shape, device=args.device)
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88]
+    n = args.max_tokens
+    print(f"target {args.shape}  draft {args.draft_shape}  {torch.cuda.get_device_name()}  batch 1, greedy, "
+          f"{n} tokens")
+
+    def decode(spec, oracle=None):
+        core = EngineCore(target, engine_config(num_blocks=512, max_model_len=4096, speculative_config=spec),
+                          draft_model=draft if spec else None)
+        for tokens in (8, n):
+            core.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+            core.step()  # the prefill (and the first token)
+            torch.cuda.synchronize()
+            start, steps = time.perf_counter(), core.step_count
+            while core.has_unfinished():
+                for out in core.step():
+                    if oracle is not None and oracle.record:
+                        oracle.tokens.append(out.token_id)
+            elapsed = time.perf_counter() - start
+        stats = core.stats()
+        return (n - 1) / elapsed, stats, core.step_count - steps
+
+    class Oracle:
+        """Proposals replaced by the target's greedy tokens (after the draft computed its own)."""
+
+        def __init__(self):
+            self.tokens, self.record = [], False
+
+    oracle = Oracle()
+    oracle.record = True
+    base, _, _ = decode(None, oracle)
+    oracle.record = False
+    truth = [t for t in oracle.tokens][-(n - 1):]
+    print(f"{'speculation':<28}{'tok/s':>9}{'speedup':>9}{'accepted':>10}{'tokens/step':>13}")
+    print(f"{'none':<28}{base:>9.1f}{1:>8.2f}x")
+    original = draft_runner.DraftRunner._sample
+    for k in args.k:
+        spec = {"model": args.draft_shape, "num_speculative_tokens": k}
+        for mode in ("0% (random draft)", "100% (oracle draft)"):
+            if mode.startswith("100"):
+                def sample(self, seqs, offsets, logits, _orig=original):
+                    drawn, q = _orig(self, seqs, offsets, logits)
+                    index = [len(s.output_token_ids) - 1 + o for s, o in zip(seqs, offsets)]
+                    return torch.tensor([truth[i] if 0 <= i < len(truth) else 0 for i in index],
+                                        device=drawn.device), q
+                draft_runner.DraftRunner._sample = sample
+            tok_s, stats, steps = decode(spec)
+            draft_runner.DraftRunner._sample = original
+            drafted, accepted = stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+            rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+            print(f"{f'k={k} {mode}':<28}{tok_s:>9.1f}{tok_s / base:>8.2f}x{rate:>10}{(n - 1) / max(steps, 1):>13.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--shape", default=None, help="GPU: the target's shape (bench/shapes.py)")
+    parser.add_argument("--draft-shape", default="llama-3.2-1b")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--k", type=int, nargs="+", default=None)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.shape:
+        args.k = args.k or [2, 4, 6, 8]
+        gpu(args)
+    else:
+        torch.set_num_threads(args.threads)
+        args.k = args.k or [2, 4, 8]
+        cpu(args)
+
+
+if __name__ == "__main__":
+    main()
