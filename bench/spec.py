@@ -9,9 +9,11 @@ code), greedy, one request at a time (batch 1) and all at once; n-gram lookup wi
 GPU (random bf16 weights in real shapes, bench/shapes.py): a draft model in `--draft-shape`,
 batch 1, greedy, at the two ends of the acceptance range:
 - 0% acceptance: the draft's own random weights, whose proposals the target (almost) never
-  accepts: what speculation costs;
-- full acceptance: the same draft forwards, but each proposal replaced by the target's own
-  greedy token (read from the run without speculation): the mechanism's ceiling.
+  accepts: what speculation costs, on every step ("adaptive": false) and with the policy
+  that switches it off while it is slower (the default);
+- full acceptance: the same draft and verification, then every draft taken as if accepted
+  (a random target's own tokens cannot be proposed: its argmax flips with the summation
+  order of the verify step): the mechanism's ceiling.
 Output tok/s counts generated tokens over the wall time of the decode (prefill excluded).
 """
 
@@ -75,9 +77,10 @@ def cpu(args):
 def gpu(args):
     from bench.shapes import random_model
     from nanoinfer.sampling import SamplingParams
-    from runtime import draft_runner
-    from runtime.engine_core import EngineCore
+    from nanoinfer.speculative import Verified
+    from runtime import model_runner
     from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
 
     target = random_model(args.shape, device=args.device)
     draft = random_model(args.draft_shape, device=args.device)
@@ -86,51 +89,44 @@ def gpu(args):
     print(f"target {args.shape}  draft {args.draft_shape}  {torch.cuda.get_device_name()}  batch 1, greedy, "
           f"{n} tokens")
 
-    def decode(spec, oracle=None):
+    def decode(spec):
         core = EngineCore(target, engine_config(num_blocks=512, max_model_len=4096, speculative_config=spec),
                           draft_model=draft if spec else None)
-        for tokens in (8, n):
+        for tokens in (16, n):  # (a warm-up request, then the measured one)
             core.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
             core.step()  # the prefill (and the first token)
             torch.cuda.synchronize()
             start, steps = time.perf_counter(), core.step_count
             while core.has_unfinished():
-                for out in core.step():
-                    if oracle is not None and oracle.record:
-                        oracle.tokens.append(out.token_id)
+                core.step()
             elapsed = time.perf_counter() - start
-        stats = core.stats()
-        return (n - 1) / elapsed, stats, core.step_count - steps
+        if spec and args.verbose:
+            policy = core.speculator.policy
+            print(f"    policy rates (tok/s, speculating / not): {policy.rate(True)} / {policy.rate(False)}, "
+                  f"drafted {core.stats()['spec_draft_tokens']}")
+        return (n - 1) / elapsed, core.stats(), core.step_count - steps
 
-    class Oracle:
-        """Proposals replaced by the target's greedy tokens (after the draft computed its own)."""
+    verify = model_runner.verify
 
-        def __init__(self):
-            self.tokens, self.record = [], False
+    def accept_all(logits, st, drafts, q=None, draw=None):
+        """Verification as it runs, then every draft taken: the mechanism's ceiling."""
+        v = verify(logits, st, drafts, q, draw=draw)
+        has = drafts >= 0
+        return Verified(has, torch.where(has, drafts.clamp_min(0), v.tokens))
 
-    oracle = Oracle()
-    oracle.record = True
-    base, _, _ = decode(None, oracle)
-    oracle.record = False
-    truth = [t for t in oracle.tokens][-(n - 1):]
-    print(f"{'speculation':<28}{'tok/s':>9}{'speedup':>9}{'accepted':>10}{'tokens/step':>13}")
-    print(f"{'none':<28}{base:>9.1f}{1:>8.2f}x")
-    original = draft_runner.DraftRunner._sample
+    base, _, _ = decode(None)
+    print(f"{'speculation':<34}{'tok/s':>9}{'speedup':>9}{'accepted':>10}{'tokens/step':>13}")
+    print(f"{'none':<34}{base:>9.1f}{1:>8.2f}x")
     for k in args.k:
-        spec = {"model": args.draft_shape, "num_speculative_tokens": k}
-        for mode in ("0% (random draft)", "100% (oracle draft)"):
-            if mode.startswith("100"):
-                def sample(self, seqs, offsets, logits, _orig=original):
-                    drawn, q = _orig(self, seqs, offsets, logits)
-                    index = [len(s.output_token_ids) - 1 + o for s, o in zip(seqs, offsets)]
-                    return torch.tensor([truth[i] if 0 <= i < len(truth) else 0 for i in index],
-                                        device=drawn.device), q
-                draft_runner.DraftRunner._sample = sample
+        for mode, adaptive, forced in (("0% (random draft)", False, False), ("0%, adaptive", True, False),
+                                       ("100% (every draft taken)", False, True)):
+            spec = {"model": args.draft_shape, "num_speculative_tokens": k, "adaptive": adaptive}
+            model_runner.verify = accept_all if forced else verify
             tok_s, stats, steps = decode(spec)
-            draft_runner.DraftRunner._sample = original
+            model_runner.verify = verify
             drafted, accepted = stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
             rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
-            print(f"{f'k={k} {mode}':<28}{tok_s:>9.1f}{tok_s / base:>8.2f}x{rate:>10}{(n - 1) / max(steps, 1):>13.2f}")
+            print(f"{f'k={k} {mode}':<34}{tok_s:>9.1f}{tok_s / base:>8.2f}x{rate:>10}{(n - 1) / max(steps, 1):>13.2f}")
 
 
 def main():
@@ -142,6 +138,7 @@ def main():
     parser.add_argument("--k", type=int, nargs="+", default=None)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--verbose", action="store_true", help="GPU: the speculation policy's measurements")
     args = parser.parse_args()
     if args.shape:
         args.k = args.k or [2, 4, 6, 8]

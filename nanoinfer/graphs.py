@@ -9,9 +9,11 @@ of tensors with one row per logits row (the runner's: the logits, and each row's
 token and finite flag, so a greedy step samples inside the graph).
 
 - Decode graphs, per batch-size bucket and block-table width: one query row per sequence.
-- Mixed graphs, per token-count bucket: any step of up to `max_batch` sequences and sampling
-  rows; its block tables take the full width and its sequence count is `max_batch` (padding
-  sequences own no query rows).
+- Mixed graphs, per token-count bucket: any step of up to `max_batch` sequences and up to
+  `max_batch * rows_per_seq` logits rows (a bucket of fewer tokens: as many as its tokens);
+  its block tables take the full width and its sequence count is `max_batch` (padding
+  sequences own no query rows). Speculative decoding's verification steps (a few query rows
+  per sequence, each with logits) replay the buckets below `max_batch` tokens, captured for it.
 
 Padding rows carry slot -1 (the KV write skips them) and belong to a sequence with a context
 of 0 keys (attention writes zeros); their outputs are sliced off.
@@ -32,8 +34,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 # to do does not: a wave of chat turns whose histories are cached computes ~2,100 tokens at
 # once, and padding that to 3,072 (the old coarser buckets) made the step, and so their time
 # to first token, 1.45x longer.
-DEFAULT_TOKEN_BUCKETS = (tuple(range(256, 4096, 256)) + tuple(range(4096, 8192, 512))
-                         + tuple(range(8192, 16385, 1024)))
+DEFAULT_TOKEN_BUCKETS = ((8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224) + tuple(range(256, 4096, 256))
+                         + tuple(range(4096, 8192, 512)) + tuple(range(8192, 16385, 1024)))
 
 
 class StepGraphs:
@@ -49,15 +51,20 @@ class StepGraphs:
 
     def __init__(self, step: Callable[[Batch], Sequence[torch.Tensor]], device: torch.device, max_batch: int,
                  max_blocks: int, buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
-                 token_buckets=DEFAULT_TOKEN_BUCKETS):
+                 token_buckets=DEFAULT_TOKEN_BUCKETS, rows_per_seq: int = 1):
         """`step(batch)`: the forward to capture (it writes the batch's KV); it returns a tuple
-        of tensors whose rows are the batch's logits rows."""
+        of tensors whose rows are the batch's logits rows. `rows_per_seq` > 1 (speculative
+        decoding verifies rows_per_seq - 1 drafts per sequence) also captures mixed graphs
+        of fewer tokens than `max_batch`."""
         self.step = step
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.widths = tuple(sorted({w for w in widths if 0 < w < max_blocks})) + (max_blocks,)
-        # Mixed steps have more tokens than sequences: buckets past the decode sizes only.
-        self.token_buckets = () if max_tokens <= max_batch else (
-            tuple(t for t in token_buckets if max_batch < t < max_tokens) + (max_tokens,))
+        # Mixed steps have more tokens than sequences: buckets past the decode sizes only, but
+        # for verification steps.
+        smallest = 1 if rows_per_seq > 1 else max_batch
+        self.token_buckets = () if max_tokens <= smallest else (
+            tuple(t for t in token_buckets if smallest < t < max_tokens) + (max_tokens,))
+        self.max_rows = max_batch * rows_per_seq
         self.max_batch, self.max_blocks = max_batch, max_blocks
         n, t = max_batch, max(max_batch, max_tokens)
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
@@ -68,7 +75,7 @@ class StepGraphs:
         self.decode_starts = torch.arange(n + 1, dtype=torch.int32, device=device)  # one row per sequence
         self.decode_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.mixed_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self.mixed_rows = torch.zeros(n, dtype=torch.int64, device=device)
+        self.mixed_rows = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
         Captured = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]  # the graph, its outputs
         self.graphs: dict[tuple[int, int], Captured] = {}  # decode, by (size, width)
         self.mixed: dict[int, Captured] = {}  # by token bucket
@@ -81,7 +88,11 @@ class StepGraphs:
 
     def _mixed_batch(self, tokens: int) -> Batch:
         return Batch(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens], self.block_tables,
-                     self.seq_lens, self.mixed_starts, self.mixed_rows)
+                     self.seq_lens, self.mixed_starts, self.mixed_rows[:self._mixed_rows(tokens)])
+
+    def _mixed_rows(self, tokens: int) -> int:
+        """Logits rows a mixed bucket computes (`max_rows`, or one per token if fewer)."""
+        return min(tokens, self.max_rows)
 
     def _capture(self, batch: Batch) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         stream = torch.cuda.Stream()
@@ -126,7 +137,9 @@ class StepGraphs:
             return False
         if t == n:
             return batch.logits_indices.shape[0] == n
-        return bool(self.token_buckets) and t <= self.token_buckets[-1] and batch.logits_indices.shape[0] <= n
+        if not self.token_buckets or t > self.token_buckets[-1]:
+            return False
+        return batch.logits_indices.shape[0] <= self._mixed_rows(next(b for b in self.token_buckets if b >= t))
 
     def run(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The step's outputs (rows: len(batch.logits_indices)) for a batch that `can_run`, by
@@ -154,7 +167,7 @@ class StepGraphs:
         self.mixed_starts[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
         self.mixed_starts[n + 1:].fill_(tokens)
         self.mixed_rows[:rows].copy_(batch.logits_indices, non_blocking=True)
-        self.mixed_rows[rows:].fill_(0)
+        self.mixed_rows[rows:self._mixed_rows(tokens)].fill_(0)
         graph, outputs = self.mixed[tokens]
         graph.replay()
         return tuple(out[:rows] for out in outputs)

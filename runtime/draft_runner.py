@@ -2,10 +2,10 @@
 
 The draft's KV pool has as many blocks as the target's and is indexed by the same block
 tables, so the block manager's allocations, copy-on-write copies and swaps serve both; only
-the bytes per block differ. Its pool trails the target's: each step, before the target runs,
-the draft computes what it lacks of every scheduled sequence (a prefill chunk's tokens, a
-decoding sequence's tokens since its last proposal) and then proposes, one forward per draft
-token, for the sequences that verify drafts. `Sequence.num_draft_computed` says how far a
+the bytes per block differ. Its pool trails the target's: in each step, before the target
+runs, the draft computes the step's prefill chunks, and for the sequences that verify drafts
+their tokens since their last proposal (decode steps without drafts cost the draft nothing:
+speculation may be switched off for a while), then proposes, one forward per draft token. `Sequence.num_draft_computed` says how far a
 sequence's draft cache holds. The draft never decides what is emitted (verification does):
 its cache going stale could lower the acceptance rate, never change an output.
 """
@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence as Seq
 import numpy as np
 import torch
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.batch import Batch, SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
@@ -64,6 +64,15 @@ class DraftRunner:
         self.cpu_kv = allocate_kv_pool(cfg, num_cpu_blocks, config.block_size, dtype, "cpu")
         if self.device.type == "cuda" and num_cpu_blocks:
             self.cpu_kv = self.cpu_kv.pin_memory()
+        self.graphs = None
+        if self.kernels.graphs:  # (its passes are decode steps, and a catch-up step of 1-2 tokens each)
+            from nanoinfer.graphs import StepGraphs
+
+            self.graphs = StepGraphs(self._eager_forward, self.device, max_batch=min(config.scheduler.max_num_seqs, 512),
+                                     max_blocks=batch.max_blocks, max_tokens=config.scheduler.max_num_batched_tokens,
+                                     widths=(self.kernels.attention.partition_size // config.block_size,),
+                                     rows_per_seq=2)
+            self.graphs.capture()
 
     # -- the pool follows the target's -----------------------------------------------------
 
@@ -78,10 +87,19 @@ class DraftRunner:
 
     # -- proposing ---------------------------------------------------------------------------
 
-    def _logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def _eager_forward(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         k = self.kernels
+        return (forward(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None),)
+
+    def _logits(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the chunks' rows that ask for them; `input_ids` on the device replace the
+        chunks' own tokens (a pass's input is the pass before's draw: no trip to the host)."""
         batch = build_batch(chunks, self.block_size, self.device)
-        return forward(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
+        if input_ids is not None:
+            batch = batch._replace(input_ids=input_ids)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)[0]
+        return self._eager_forward(batch)[0]
 
     def _sample(self, seqs: Seq[Sequence], offsets: Seq[int], logits: torch.Tensor):
         """Each sequence's draft token at its output index + offset, and q (None: all greedy)."""
@@ -96,6 +114,8 @@ class DraftRunner:
         catch_up, verifying = [], []
         for seq, start, n in step:
             j = n - seq.num_pending_tokens
+            if j <= 0 and n == 1:
+                continue  # a decode without drafts: caught up with when the sequence next drafts
             end = start + (1 if j > 0 else n)
             first = min(seq.num_draft_computed, start)
             catch_up.append(SeqChunk(seq.token_ids[first:end], first, seq.block_table, j > 0))
@@ -104,29 +124,37 @@ class DraftRunner:
                 verifying.append((seq, j))
         if not verifying:
             if catch_up:
-                self._logits(catch_up)  # (the draft's cache keeps up with prefills)
+                self._logits(catch_up)  # (prefill chunks: the draft's prefill, bounded as the target's)
             return Proposal({}, None)
-        drafts: dict[Sequence, list[int]] = {s: [] for s, _ in verifying}
-        row_of: dict[tuple[int, int], int] = {}  # (seq id, draft index) -> its row in the passes' q
-        probs, active = [], verifying
+        row_of: dict[tuple[int, int], int] = {}  # (seq id, draft index) -> its row in the passes' draws
+        drawn, probs, active = [], [], verifying
         logits = self._logits(catch_up)  # (its logits rows: the verifying sequences', in order)
         for i in range(max(j for _, j in verifying)):
-            if i:  # one more draft for each sequence still drafting, from the one before
-                active = [(s, j) for s, j in active if j > i]
-                logits = self._logits([SeqChunk([drafts[s][-1]], s.num_draft_computed, s.block_table, True)
-                                       for s, _ in active])
+            if i:  # one more draft for each sequence still drafting, from the one before (on the device)
+                still = [r for r, (_, j) in enumerate(active) if j > i]
+                active = [active[r] for r in still]
+                previous = drawn[-1] if len(still) == len(drawn[-1]) else drawn[-1].index_select(
+                    0, torch.tensor(still, device=self.device))
+                logits = self._logits([SeqChunk([0], s.num_draft_computed, s.block_table, True) for s, _ in active],
+                                      previous)
                 for s, _ in active:
                     s.num_draft_computed += 1
             seqs = [s for s, _ in active]
-            drawn, q = self._sample(seqs, [i] * len(seqs), logits)
-            for r, (s, t) in enumerate(zip(seqs, drawn.tolist())):
-                drafts[s].append(t)
-                row_of[s.seq_id, i] = sum(len(p) for p in probs) + r
+            tokens, q = self._sample(seqs, [i] * len(seqs), logits)
+            for r, s in enumerate(seqs):
+                row_of[s.seq_id, i] = sum(len(t) for t in drawn) + r
+            drawn.append(tokens)
             probs.append(q if q is not None else logits.new_zeros(len(seqs), 0))
+        index = [row_of[s.seq_id, i] for s, j in verifying for i in range(j)]
+        flat = torch.cat(drawn).tolist()  # (the one wait for the device: the target's input needs them)
+        drafts: dict[Sequence, list[int]] = {}
+        at = 0
+        for s, j in verifying:
+            drafts[s] = [flat[r] for r in index[at:at + j]]
+            at += j
         if all(p.shape[1] == 0 for p in probs):
             return Proposal(drafts, None)
         # (a pass of greedy rows only has no q: zeros, which verification never reads for them)
         vocab = max(p.shape[1] for p in probs)
         probs = [p if p.shape[1] else p.new_zeros(p.shape[0], vocab) for p in probs]
-        index = [row_of[s.seq_id, i] for s, j in verifying for i in range(j)]
         return Proposal(drafts, torch.cat(probs).index_select(0, torch.tensor(index, device=self.device)))

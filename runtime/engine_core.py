@@ -90,12 +90,11 @@ class EngineCore:
         # Speculative decoding (runtime/speculative.py): the drafts of the step being planned.
         self.speculator = Speculator(config.speculative_config) if config.speculative_config else None
         self._drafts: dict[Sequence, list[int]] = {}
-        # Overlap host and device where the device runs asynchronously (see runtime/inflight.py);
-        # speculation plans each step from the tokens of the one before, so it runs synchronously.
+        # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
+        # A step that verifies drafts is resolved at once (the next one's drafts depend on it).
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
-                                 else config.async_scheduling) and self.speculator is None
-        if config.async_scheduling and self.speculator is not None:
-            log.info("speculative decoding resolves each step before planning the next: async scheduling is off")
+                                 else config.async_scheduling)
+        self._timed: tuple | None = None  # (speculated, tokens, start) of the step before, for the policy
         self._in_flight: InFlightStep | None = None  # launched, results not yet applied
 
     # -- requests -------------------------------------------------------------------------
@@ -295,13 +294,22 @@ class EngineCore:
         by the step before it (async scheduling) or by this one (synchronous), and the
         sequences failed meanwhile. A failed launch is contained (runtime/faults.py); only a
         fatal device error raises (EngineDead)."""
-        clock = time.perf_counter()
+        clock = start = time.perf_counter()
         self._nvtx_next("schedule")
         previous, self._in_flight = self._in_flight, None
+        outputs_before = []
         if self.speculator is not None:
-            self._drafts = self.speculator.lookahead(self.running)
+            speculate = self.speculator.policy.choose()
+            if speculate and previous is not None:  # drafts come from the tokens so far: all on the host
+                outputs_before, previous = self._resolve(previous), None
+                start = time.perf_counter()  # (the step before ends here, not when this one began)
+            self._note_step_time(start)
+            if speculate:
+                self._drafts = self.speculator.lookahead(self.running)
+        timed = False
         try:
             p, outputs = self._apply(self.plan())
+            timed = self.speculator is not None and self._decode_only(p)
             self.step_count += 1
             clock = self._phase("schedule", clock)
             if p.chunks:
@@ -317,11 +325,34 @@ class EngineCore:
             self._drafts = {}
         if previous is not None:
             outputs += self._resolve(previous)
-        if self._in_flight is not None and not self.async_scheduling:
-            outputs += self._resolve(self._in_flight)
+        step = self._in_flight
+        if step is not None and (not self.async_scheduling or step.verified):
+            before = self.generated_tokens
+            outputs += self._resolve(step)
             self._in_flight = None
+            tokens = self.generated_tokens - before
+        else:
+            tokens = len(step.rows) if step is not None else 0
+        if timed and step is not None:
+            self._timed = (bool(step.verified), tokens, start, time.perf_counter())
         self._phase("resolve", clock)
-        return outputs
+        return outputs_before + outputs
+
+    def _note_step_time(self, now: float) -> None:
+        """Tell the speculation policy how fast the step before emitted tokens: from its start
+        to this one's (async, a step's call waits for the step before it). Not when something
+        else came between its call and this one (an idle engine, a slow consumer)."""
+        if self._timed is not None:
+            speculated, tokens, began, ended = self._timed
+            if now - ended <= ended - began:
+                self.speculator.policy.record(speculated, tokens, now - began)
+            self._timed = None
+
+    @staticmethod
+    def _decode_only(p: Plan) -> bool:
+        """Whether a plan only decodes (and verifies drafts): the steps whose speed the
+        speculation policy compares. A prefill chunk's time says nothing about decoding."""
+        return bool(p.chunks) and all(n == 1 or seq.num_pending_tokens == 1 for seq, n, _ in p.chunks)
 
     def _launch_failed(self, p: Plan, exc: Exception, previous: InFlightStep | None) -> list[TokenOutput]:
         """Contain a failed launch: nothing of it was committed, so its sequences simply run

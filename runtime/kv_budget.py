@@ -63,7 +63,10 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    logits_rows = min(tokens, len(lens) + PROMPT_LOGPROB_ROWS)  # every sampler, and the prompt-logprob rows
+    # Every sampler (speculative decoding: every verification row), and the prompt-logprob rows.
+    spec = config.speculative_config
+    per_sampler = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    logits_rows = min(tokens, len(lens) * per_sampler + PROMPT_LOGPROB_ROWS)
     scratch = allocate_kv_pool(cfg, 1, bs, kv_dtype(model.params.dtype, config.kv_cache_dtype), dev)
     batch = Batch(torch.zeros(tokens, dtype=torch.int64, device=dev),
                   torch.cat([torch.arange(n, device=dev) for n in lens]),
@@ -74,7 +77,7 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
                   torch.arange(tokens - logits_rows, tokens, dtype=torch.int64, device=dev))
     costly = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                             presence_penalty=0.5, logit_bias={0: 1.0}, min_tokens=1, logprobs=MAX_LOGPROBS)
-    rows = len(lens)
+    rows = min(tokens, len(lens) * per_sampler)
     with torch.inference_mode():
         logits = forward(model.params, scratch, batch, cfg, backend)
         st = SamplingTensors.build([costly] * rows, [0] * rows, cfg.vocab_size, dev, prompts=[[0]] * rows,

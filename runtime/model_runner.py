@@ -62,6 +62,12 @@ class ForwardOutput(NamedTuple):
     finite: torch.Tensor  # [rows] bool: every logit finite
 
 
+def lookahead(config) -> int:
+    """Draft tokens a step may verify per sequence (0 without speculative decoding)."""
+    spec = config.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
         """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
@@ -100,7 +106,8 @@ class ModelRunner:
                                      max_tokens=config.scheduler.max_num_batched_tokens,
                                      # Steps whose contexts fit one split-K partition get graphs
                                      # whose attention runs in one pass (no reduce kernel).
-                                     widths=(self.attention.partition_size // config.block_size,))
+                                     widths=(self.attention.partition_size // config.block_size,),
+                                     rows_per_seq=1 + lookahead(config))
             self.graphs.capture()
 
     # -- the KV pools ----------------------------------------------------------------------

@@ -8,13 +8,17 @@ pending token and the drafts in one forward, and verification (nanoinfer/specula
 keeps the leading drafts it accepts plus one token of its own.
 
 A step that verifies drafts needs every sequence's tokens on the host (the proposals and
-their count depend on them), so with speculation each step is resolved before the next is
-planned: async scheduling's overlap gives way to it.
+their count depend on them): the step before it is resolved first, and it is resolved at
+once. Steps without drafts keep async scheduling's overlap. Speculation runs only while it
+pays (`SpeculationPolicy`): a draft the target keeps rejecting switches it off.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +45,8 @@ class SpeculativeConfig:
                                                   "prompt_lookup_min, or 4)", minimum=1, optional=True)
     prompt_lookup_min: int | None = setting(None, "ngram: the shortest n-gram matched (default: 1)", minimum=1,
                                             optional=True)
+    adaptive: bool = setting(True, "speculate only while it emits tokens faster than decoding without it "
+                                   "(measured; a draft the target keeps rejecting switches it off)")
 
     def __post_init__(self):
         check_settings(self)
@@ -83,11 +89,51 @@ class SpeculativeConfig:
             raise RequestError(message, param=name) from exc
 
 
+class SpeculationPolicy:
+    """Whether the next step speculates: only while it pays. It compares the tokens per second
+    that decode steps emitted with speculation and without (the median of each kind's last
+    `window` measured steps: one step slowed by something else does not flip it), takes the
+    faster, and every `explore_every`-th step tries the other, so that a change (a draft that
+    starts or stops agreeing with the target, a batch that grows) is seen. A draft the target
+    keeps rejecting thus costs one step in `explore_every`, not every step."""
+
+    def __init__(self, adaptive: bool = True, explore_every: int = 16, window: int = 8):
+        self.adaptive, self.explore_every = adaptive, explore_every
+        self.samples: dict[bool, deque] = {True: deque(maxlen=window), False: deque(maxlen=window)}
+        self.steps = self.explored = 0  # steps chosen for; the last one that tried the slower kind
+
+    def rate(self, speculated: bool) -> float | None:
+        """Tokens per second of the recent steps of a kind (None before the first)."""
+        samples = self.samples[speculated]
+        return statistics.median(samples) if samples else None
+
+    def choose(self) -> bool:
+        self.steps += 1
+        if not self.adaptive:
+            return True
+        fast, slow = self.rate(True), self.rate(False)
+        if fast is None or slow is None:  # measure both first
+            return fast is None
+        best = fast >= slow
+        # The further behind the other kind is, the more rarely it is tried: what a try costs
+        # stays near one step's worth in `explore_every`.
+        behind = max(fast, slow) / max(min(fast, slow), 1e-9)
+        if self.steps - self.explored >= self.explore_every * math.ceil(behind):
+            self.explored = self.steps
+            return not best
+        return best
+
+    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.samples[speculated].append(tokens / seconds)
+
+
 class Speculator:
     """Decides each step's lookahead and, for n-gram lookup, the drafts themselves."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.policy = SpeculationPolicy(config.adaptive)
         self.num_proposed = self.num_accepted = 0  # draft tokens verified, and accepted (stats)
 
     def lookahead(self, running: list[Sequence]) -> dict[Sequence, list[int]]:

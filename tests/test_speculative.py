@@ -23,7 +23,8 @@ from tests.tiny import random_params, tiny_config
 CFG = tiny_config(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16)
 MODEL = LoadedModel(CFG, random_params(CFG, seed=3), None, Path("tiny-random"))
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# (`adaptive` off: speculation on every step, whatever this machine's timings say)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 
 _rng = random.Random(0)
 # Prompts that repeat themselves (and a tiny random model's loops): n-gram lookup finds matches.
@@ -49,7 +50,7 @@ OTHER = LoadedModel(CFG, random_params(CFG, seed=11), None, Path("tiny-other")) 
 
 
 def draft_config(k=4):
-    return {"model": "in-memory", "num_speculative_tokens": k}
+    return {"model": "in-memory", "num_speculative_tokens": k, "adaptive": False}
 
 
 def run(spec, params, prompts=PROMPTS, draft=None, **engine_args):
@@ -183,6 +184,36 @@ def test_draft_model_must_share_the_vocabulary():
                    draft_model=LoadedModel(small, random_params(small), None, Path("small")))
     with pytest.raises(RequestError, match="does not ask for one"):
         EngineCore(MODEL, engine_config(speculative_config=NGRAM), draft_model=NEAR)
+
+
+def test_policy_switches_speculation_off_while_it_is_slower():
+    from runtime.speculative import SpeculationPolicy
+
+    policy = SpeculationPolicy(explore_every=4, window=4)
+    choices = []
+    for _ in range(40):
+        speculate = policy.choose()
+        choices.append(speculate)
+        # Speculative steps: 1.2 tokens in 10 ms (drafts rejected); plain: 1 token in 5 ms.
+        policy.record(speculate, 1.2 if speculate else 1, 0.010 if speculate else 0.005)
+    assert choices[:2] == [True, False]  # both measured first
+    # then only tries, every 4 x ceil(200 / 120) = 8 steps
+    assert [i + 1 for i, c in enumerate(choices) if c][1:] == list(range(8, 41, 8))
+    for _ in range(40):  # the draft starts agreeing: 4 tokens per 10 ms
+        speculate = policy.choose()
+        policy.record(speculate, 4 if speculate else 1, 0.010 if speculate else 0.005)
+    assert [policy.choose() for _ in range(8)].count(True) == 7  # plain tried once in 4 x ceil(400 / 200)
+    assert SpeculationPolicy(adaptive=False).choose() and SpeculationPolicy(adaptive=False).choose()
+
+
+def test_adaptive_speculation_changes_no_token():
+    """Whichever steps the policy speculates in (this machine's timings decide), with async
+    scheduling between them, greedy tokens are those of decoding without speculation."""
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3}, {"model": "x", "num_speculative_tokens": 3}):
+        for async_scheduling in (False, True):
+            ref, _ = run(None, GREEDY)
+            out, _ = run(spec, GREEDY, draft=NEAR if "model" in spec else None, async_scheduling=async_scheduling)
+            assert_same(ref, out)
 
 
 def test_max_tokens_mid_draft():
@@ -346,7 +377,7 @@ def test_default_model_greedy_equals_no_speculation(smollm2_gguf):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = {}
     for name, spec in (("none", None), ("ngram", NGRAM),
-                       ("self", {"model": str(smollm2_gguf), "num_speculative_tokens": 3})):
+                       ("self", {"model": str(smollm2_gguf), "num_speculative_tokens": 3, "adaptive": False})):
         with LLM(smollm2_gguf, device="cpu", progress=False, dtype="float32", num_blocks=128, block_size=8,
                  speculative_config=spec) as llm:
             outs = llm.generate(COPY_PROMPTS, params, use_tqdm=False)
