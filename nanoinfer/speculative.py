@@ -87,25 +87,15 @@ def draft_sample(logits: torch.Tensor, st: SamplingTensors,
     return torch.where(st.temperature > 0, draw(q, st.seeds ^ DRAFT_SALT, st.steps), greedy), q
 
 
-def accepted_counts(accepted: Sequence[bool], num_drafts: Sequence[int]) -> list[int]:
-    """Per sequence (rows laid out as `num_drafts[s] + 1` per sequence): how many leading drafts passed."""
-    counts, row = [], 0
+def draft_history(num_drafts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(verification row, draft index) pairs: the drafts whose counts a row's penalties must
+    add (row i of a sequence follows its drafts 1..i, tokens generated before it). Rows are
+    laid out `num_drafts[s] + 1` per sequence, drafts `num_drafts[s]` per sequence."""
+    rows, drafts, row, first = [], [], 0, 0
     for j in num_drafts:
-        a = 0
-        while a < j and accepted[row + a]:
-            a += 1
-        counts.append(a)
-        row += j + 1
-    return counts
-
-
-def draft_history(num_drafts: Sequence[int], drafts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(row, token) pairs whose counts a verification row's penalties must add: row i of a
-    sequence follows its drafts 1..i, as tokens generated before it."""
-    rows, tokens, row = [], [], 0
-    for j, ds in zip(num_drafts, drafts):
         for i in range(1, j + 1):
             rows += [row + i] * i
-            tokens += ds[:i]
+            drafts += range(first, first + i)
         row += j + 1
-    return np.array(rows, dtype=np.int64), np.array(tokens, dtype=np.int64)
+        first += j
+    return np.array(rows, dtype=np.int64), np.array(drafts, dtype=np.int64)

@@ -30,8 +30,10 @@ from runtime.sequence import Sequence
 
 
 class Proposal(NamedTuple):
-    drafts: dict[Sequence, list[int]]  # per verifying sequence, its draft tokens
-    probs: torch.Tensor | None  # [sum of drafts, vocab]: q of each draft, in the drafts' order (None: all greedy)
+    """A step's drafts, on the device, in the order of its verifying sequences (each its own)."""
+
+    tokens: torch.Tensor | None  # [drafts] int64 (None: nothing to verify)
+    probs: torch.Tensor | None  # [drafts, vocab]: q of each draft (None: every row greedy)
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -125,16 +127,16 @@ class DraftRunner:
         if not verifying:
             if catch_up:
                 self._logits(catch_up)  # (prefill chunks: the draft's prefill, bounded as the target's)
-            return Proposal({}, None)
+            return Proposal(None, None)
         row_of: dict[tuple[int, int], int] = {}  # (seq id, draft index) -> its row in the passes' draws
-        drawn, probs, active = [], [], verifying
+        drawn, probs, active = [], [], verifying  # (`drawn`: each pass's tokens, on the device)
         logits = self._logits(catch_up)  # (its logits rows: the verifying sequences', in order)
         for i in range(max(j for _, j in verifying)):
             if i:  # one more draft for each sequence still drafting, from the one before (on the device)
                 still = [r for r, (_, j) in enumerate(active) if j > i]
                 active = [active[r] for r in still]
                 previous = drawn[-1] if len(still) == len(drawn[-1]) else drawn[-1].index_select(
-                    0, torch.tensor(still, device=self.device))
+                    0, to_device_packed([still], torch.int64, self.device)[0])
                 logits = self._logits([SeqChunk([0], s.num_draft_computed, s.block_table, True) for s, _ in active],
                                       previous)
                 for s, _ in active:
@@ -145,16 +147,12 @@ class DraftRunner:
                 row_of[s.seq_id, i] = sum(len(t) for t in drawn) + r
             drawn.append(tokens)
             probs.append(q if q is not None else logits.new_zeros(len(seqs), 0))
-        index = [row_of[s.seq_id, i] for s, j in verifying for i in range(j)]
-        flat = torch.cat(drawn).tolist()  # (the one wait for the device: the target's input needs them)
-        drafts: dict[Sequence, list[int]] = {}
-        at = 0
-        for s, j in verifying:
-            drafts[s] = [flat[r] for r in index[at:at + j]]
-            at += j
+        (index,) = to_device_packed([[row_of[s.seq_id, i] for s, j in verifying for i in range(j)]], torch.int64,
+                                    self.device)
+        tokens = torch.cat(drawn).index_select(0, index)  # (no wait: the target's input takes them as they are)
         if all(p.shape[1] == 0 for p in probs):
-            return Proposal(drafts, None)
+            return Proposal(tokens, None)
         # (a pass of greedy rows only has no q: zeros, which verification never reads for them)
         vocab = max(p.shape[1] for p in probs)
         probs = [p if p.shape[1] else p.new_zeros(p.shape[0], vocab) for p in probs]
-        return Proposal(drafts, torch.cat(probs).index_select(0, torch.tensor(index, device=self.device)))
+        return Proposal(tokens, torch.cat(probs).index_select(0, index))

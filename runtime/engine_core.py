@@ -19,6 +19,7 @@ from typing import Hashable, NamedTuple, Sequence as Seq
 import torch
 
 from nanoinfer.errors import RequestError
+from nanoinfer.host_copy import to_device_packed
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
 from runtime.block_manager import BlockManager
@@ -376,20 +377,21 @@ class EngineCore:
         which), have the runner launch it, and commit its effect on the sequences. Sequences
         change only in `_commit`, once nothing can fail: a launch that raises leaves them as
         planned."""
-        chunks, logits_rows, samplers, prompt_rows, verifiers = [], [], [], [], []
-        draft_probs = None
+        chunks, logits_rows, samplers, prompt_rows, verifiers, host_drafts = [], [], [], [], [], []
+        draft_tokens = draft_probs = None
         if self.runner.draft is not None:  # a draft model proposes now that the plan gave its slots
-            proposal = self.runner.draft.propose([(c.seq, c.seq.num_computed_tokens, c.num_tokens) for c in p.chunks])
-            self._drafts.update(proposal.drafts)
-            draft_probs = proposal.probs
+            draft_tokens, draft_probs = self.runner.draft.propose(
+                [(c.seq, c.seq.num_computed_tokens, c.num_tokens) for c in p.chunks])
         row = 0
         for seq, n, _ in p.chunks:  # (every sequence, every step: kept lean)
             start = seq.num_computed_tokens
             end = start + n
             if n > seq.num_pending_tokens:  # its pending token, then drafts to verify
-                drafts = tuple(self._drafts[seq][:n - seq.num_pending_tokens])
-                chunks.append(Chunk(seq, start, n, drafts))
-                verifiers.append((seq, len(logits_rows), drafts))
+                j = n - seq.num_pending_tokens
+                if self.runner.draft is None:  # (n-gram drafts, from the host)
+                    host_drafts += self._drafts[seq][:j]
+                chunks.append(Chunk(seq, start, n, j))
+                verifiers.append((seq, len(logits_rows), j))
                 logits_rows.extend(range(row, row + n))
                 row += n
                 continue
@@ -419,8 +421,10 @@ class EngineCore:
         def forward_done() -> None:  # (the runner's own phases: forward launched, then sampling)
             clocks[0] = self._phase("forward", clocks[0])
 
+        if host_drafts:
+            (draft_tokens,) = to_device_packed([host_drafts], torch.int64, self.device)
         step = self.runner.launch(StepInput(tuple(chunks), tuple(logits_rows), tuple(samplers), tuple(prompt_rows),
-                                            tuple(verifiers), draft_probs), forward_done)
+                                            tuple(verifiers), draft_tokens, draft_probs), forward_done)
         self._phase("sample", clocks[0])
         self._commit(p, prompt_rows, samplers)
         return step
@@ -527,8 +531,8 @@ class EngineCore:
             logprobs = [TokenLogprob(tokens[i], chosen[i], tuple(zip(top_ids[i], top_values[i])))
                         for i in range(len(tokens))]
         outputs, first, eos = [], 0, self.model.config.eos_token_ids
-        for seq, drafts, k in verified:
-            j, row = len(drafts), first
+        for seq, j, k in verified:
+            row = first
             first += j + 1
             if seq.status is SequenceStatus.FINISHED:
                 continue
@@ -542,7 +546,7 @@ class EngineCore:
             self.speculator.num_accepted += a
             seq.num_computed_tokens -= j - a  # the rejected drafts' keys and values are garbage
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-            emitted = [*drafts[:a], tokens[row + a]]
+            emitted = tokens[row:row + a + 1]  # (an accepted row's token is its draft)
             self.runner.emitted(seq, emitted)
             params, ids = seq.params, seq.token_ids
             for i, token in enumerate(emitted):

@@ -60,10 +60,11 @@ class PromptLogprobRows(NamedTuple):
 
 
 class VerifiedRows(NamedTuple):
-    """A sequence's draft tokens and the len(drafts) + 1 verification rows that follow its own."""
+    """A sequence whose `num_drafts` drafts a step verified in num_drafts + 1 rows (a row's
+    token is its draft where accepted: the host needs no other copy of the drafts)."""
 
     seq: Sequence
-    drafts: tuple[int, ...]
+    num_drafts: int
     logprobs: int | None  # top-k logprobs it asked for
 
 

@@ -32,12 +32,13 @@ from runtime.sequence import Sequence
 
 class Chunk(NamedTuple):
     """`num_tokens` tokens of `seq` from position `start`, computed by one step: its pending
-    tokens, then `drafts` (speculative decoding: tokens to verify, known on the host)."""
+    tokens, then `num_drafts` draft tokens to verify (speculative decoding; the step's
+    `draft_tokens`, on the device)."""
 
     seq: Sequence
     start: int
     num_tokens: int
-    drafts: tuple[int, ...] = ()
+    num_drafts: int = 0
 
 
 class StepInput(NamedTuple):
@@ -48,8 +49,9 @@ class StepInput(NamedTuple):
     samplers: tuple[tuple[Sequence, int], ...]  # (sequence, its index into those logits rows)
     prompt_rows: tuple[tuple[Sequence, int, int, list[int], bool], ...]  # (seq, first logits index, start,
     # the prompt tokens those rows predict, whether the prompt's logprobs are complete after them)
-    verifiers: tuple[tuple[Sequence, int, tuple[int, ...]], ...] = ()  # (seq, first logits index, its
-    # drafts): len(drafts) + 1 logits rows verified (nanoinfer/speculative.py) rather than sampled
+    verifiers: tuple[tuple[Sequence, int, int], ...] = ()  # (seq, first logits index, its number of
+    # drafts j): j + 1 logits rows verified (nanoinfer/speculative.py) rather than sampled
+    draft_tokens: torch.Tensor | None = None  # [drafts] int64 on the device: the verifiers' drafts, in order
     draft_probs: torch.Tensor | None = None  # [drafts, vocab]: what each draft was drawn from (a draft model's)
 
 
@@ -151,17 +153,21 @@ class ModelRunner:
         # One pass over the chunks (it runs for every sequence, every step), then numpy.
         meta: list[int] = []  # row, start, tokens, tokens known on the host: per chunk
         host_tokens: list[int] = []
+        draft_at: list[int] = []  # batch rows of draft tokens (taken from the device)
+        offset = 0
         for seq, start, n, drafts in inp.chunks:
             ids = seq.token_ids
-            known = min(start + n, len(ids)) - start
+            known = min(start + n - drafts, len(ids)) - start
             if known == 1:
                 host_tokens.append(ids[start])
             elif known > 1:
                 host_tokens += ids[start:start + known]
             if drafts:
-                host_tokens += drafts
-                known += len(drafts)
+                host_tokens += [0] * drafts  # (placeholders: overwritten from the device below)
+                draft_at += range(offset + known, offset + known + drafts)
+                known += drafts
             meta += (rows_of[seq.seq_id], start, n, known)
+            offset += n
         rows, starts, lens, known = np.array(meta, dtype=np.int64).reshape(-1, 4).T
         num = len(rows)
         ends = starts + lens
@@ -183,11 +189,13 @@ class ModelRunner:
                         for v in (rows_of[seq.seq_id], len(seq.token_ids) - seq.num_prompt_tokens + seq.num_unresolved)]
         sampler_rows, steps = np.array(sampler_meta, dtype=np.int64).reshape(-1, 2).T
         (input_ids_t, positions_t, slots_t, logits_t, rows_t, fill_at_t, fill_rows_t, sampler_rows_t,
-         steps_t) = to_device_packed([input_ids, positions, slots, inp.logits_rows, rows, fill_at, fill_rows,
-                                      sampler_rows, steps], torch.int64, self.device)
+         steps_t, draft_at_t) = to_device_packed([input_ids, positions, slots, inp.logits_rows, rows, fill_at, fill_rows,
+                                                  sampler_rows, steps, draft_at], torch.int64, self.device)
         seq_lens, qsl_t = to_device_packed([ends, qsl], torch.int32, self.device)
         if len(fill_at):
             input_ids_t.index_copy_(0, fill_at_t, self.batch.last_token.index_select(0, fill_rows_t))
+        if draft_at:
+            input_ids_t.index_copy_(0, draft_at_t, inp.draft_tokens)
         width = int(-(-ends.max() // bs)) if num else 0
         block_tables = self.batch.table_device.index_select(0, rows_t)[:, :width]
         batch = Batch(input_ids_t, positions_t, slots_t, block_tables, seq_lens, qsl_t, logits_t)
@@ -238,48 +246,48 @@ class ModelRunner:
         rows = tuple(SampledRow(seq, k) for (seq, _), k in zip(inp.samplers, wanted))
         verified = ()
         if inp.verifiers:
-            verified, tensors = self._verify(inp.verifiers, full, inp.draft_probs)
+            verified, tensors = self._verify(inp.verifiers, full, inp.draft_tokens, inp.draft_probs)
             results.extend(tensors)
         return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results), verified)
 
-    def _verify(self, verifiers, out: ForwardOutput,
+    def _verify(self, verifiers, out: ForwardOutput, draft_tokens: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[tuple[VerifiedRows, ...], list[torch.Tensor]]:
         """Verify each sequence's drafts against its rows of target logits (see
         nanoinfer/speculative.py); the tensors to bring to the host, per row: accepted, token,
         finite (and logprobs when asked for)."""
         rows_of = self.batch.row_of
-        index, rows, steps, drafts_flat, num_drafts, all_drafts, q_rows = [], [], [], [], [], [], []
-        for seq, first, drafts in verifiers:
-            j = len(drafts)
-            done = len(drafts_flat) - len(num_drafts)  # drafts so far (each verifier added j + 1 rows)
+        index, rows, steps, draft_rows, q_rows, num_drafts = [], [], [], [], [], []
+        for seq, first, j in verifiers:
+            done, row0 = len(q_rows) - len(num_drafts), len(index)  # drafts and rows so far
             q_rows += (*range(done, done + j), 0)
+            draft_rows += range(row0, row0 + j)
             produced = len(seq.token_ids) - seq.num_prompt_tokens + seq.num_unresolved
             index += range(first, first + j + 1)
             rows += [rows_of[seq.seq_id]] * (j + 1)
             steps += range(produced, produced + j + 1)
-            drafts_flat += (*drafts, -1)
             num_drafts.append(j)
-            all_drafts.append(drafts)
-        history_rows, history_tokens = draft_history(num_drafts, all_drafts)
-        index_t, rows_t, steps_t, drafts_t, history_rows_t, history_tokens_t = to_device_packed(
-            [index, rows, steps, drafts_flat, history_rows, history_tokens], torch.int64, self.device)
+        history_rows, history_drafts = draft_history(num_drafts)
+        index_t, rows_t, steps_t, draft_rows_t, q_rows_t, history_rows_t, history_drafts_t = to_device_packed(
+            [index, rows, steps, draft_rows, q_rows, history_rows, history_drafts], torch.int64, self.device)
+        # Per row, its draft; -1 on each sequence's last row (no draft there).
+        drafts_t = torch.full((len(index),), -1, dtype=torch.int64, device=self.device)
+        drafts_t.index_copy_(0, draft_rows_t, draft_tokens)
         logits = out.logits.index_select(0, index_t).float()
         st = self.batch.sampling(np.asarray(rows, dtype=np.int64), rows_t, steps_t)
         if st.penalties is not None and len(history_rows):
             # Row i follows drafts 1..i: they count as generated (the gathered rows are copies).
-            pen = st.penalties
+            pen, history_tokens_t = st.penalties, draft_tokens.index_select(0, history_drafts_t)
             pen.output_counts.index_put_((history_rows_t, history_tokens_t),
                                          torch.ones_like(history_tokens_t, dtype=torch.float32), accumulate=True)
             pen.seen[history_rows_t, history_tokens_t] = True
         if draft_probs is not None:  # (a sequence's last row has no draft: its q row is never read)
-            (q_rows_t,) = to_device_packed([q_rows], torch.int64, self.device)
             draft_probs = draft_probs.index_select(0, q_rows_t)
         v = verify(logits, st, drafts_t, draft_probs, draw=self.kernels.draw)
         tensors = [v.accepted, v.tokens, out.finite.index_select(0, index_t)]
         wanted = [seq.params.logprobs for seq, _, _ in verifiers]
         if any(k is not None for k in wanted):
             tensors.extend(compute_logprobs(logits, v.tokens, max(k or 0 for k in wanted)))
-        return tuple(VerifiedRows(seq, drafts, k) for (seq, _, drafts), k in zip(verifiers, wanted)), tensors
+        return tuple(VerifiedRows(seq, j, k) for (seq, _, j), k in zip(verifiers, wanted)), tensors
 
     def emitted(self, seq: Sequence, token_ids: list[int]) -> None:
         """Tokens a verification emitted for `seq`: its penalty counts learn them (a sampled
