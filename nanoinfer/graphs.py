@@ -87,8 +87,15 @@ class StepGraphs:
                      self.decode_rows[:size])
 
     def _mixed_batch(self, tokens: int) -> Batch:
-        return Batch(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens], self.block_tables,
-                     self.seq_lens, self.mixed_starts, self.mixed_rows[:self._mixed_rows(tokens)])
+        seqs = self._mixed_seqs(tokens)
+        return Batch(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens],
+                     self.block_tables[:seqs], self.seq_lens[:seqs], self.mixed_starts[:seqs + 1],
+                     self.mixed_rows[:self._mixed_rows(tokens)])
+
+    def _mixed_seqs(self, tokens: int) -> int:
+        """Sequences a mixed bucket holds: no more than its tokens (a verification step of a
+        few sequences then runs attention over those, not over `max_batch` empty ones)."""
+        return min(tokens, self.max_batch)
 
     def _mixed_rows(self, tokens: int) -> int:
         """Logits rows a mixed bucket computes (`max_rows`, or one per token if fewer)."""
@@ -161,11 +168,12 @@ class StepGraphs:
             return tuple(out[:n] for out in outputs)
         tokens = next(b for b in self.token_buckets if b >= t)
         rows = batch.logits_indices.shape[0]
+        seqs = self._mixed_seqs(tokens)
         self.slot_mapping[t:tokens].fill_(-1)
-        self.seq_lens[n:].fill_(0)
+        self.seq_lens[n:seqs].fill_(0)
         # Padding tokens form sequence n (no keys: attention writes zeros); later ones own none.
         self.mixed_starts[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
-        self.mixed_starts[n + 1:].fill_(tokens)
+        self.mixed_starts[n + 1:seqs + 1].fill_(tokens)
         self.mixed_rows[:rows].copy_(batch.logits_indices, non_blocking=True)
         self.mixed_rows[rows:self._mixed_rows(tokens)].fill_(0)
         graph, outputs = self.mixed[tokens]
