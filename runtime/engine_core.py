@@ -487,8 +487,7 @@ class EngineCore:
                 continue
             if done is not None:
                 prompt_done[entry.seq.seq_id] = done
-        finished, accepted = SequenceStatus.FINISHED, 0
-        eos = self.model.config.eos_token_ids
+        finished, take = SequenceStatus.FINISHED, self._take
         for i, (row, token, ok) in enumerate(zip(step.rows, tokens, finite)):  # (every sequence, every step)
             seq = row.seq
             if seq.status is finished:
@@ -497,23 +496,25 @@ class EngineCore:
             if not ok:
                 outputs += self._fail(seq, self._non_finite())
                 continue
-            ids = seq.token_ids
-            ids.append(token)
-            accepted += 1
-            params = seq.params
-            if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
-                reason = "stop"
-            elif len(ids) >= seq.max_total_tokens:
-                reason = "length"
-            else:
-                outputs.append(TokenOutput(seq, token, False, logprobs[i], prompt_done.get(seq.seq_id)))
-                continue
-            self._finish(seq, reason)
-            outputs.append(TokenOutput(seq, token, True, logprobs[i], prompt_done.get(seq.seq_id)))
-        self.generated_tokens += accepted
+            outputs.append(take(seq, token, logprobs[i], prompt_done.get(seq.seq_id)))
         if step.verified:
             outputs += self._apply_verified(step.verified, host[rest + 3 * len(step.prompt_logprobs):])
         return outputs
+
+    def _take(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None,
+              prompt_logprobs: tuple | None = None) -> TokenOutput:
+        """A resolved token joins its sequence; a stop token or the length limit finishes it."""
+        ids, params = seq.token_ids, seq.params
+        ids.append(token)
+        self.generated_tokens += 1
+        if token in params.stop_token_ids or (token in self.model.config.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif len(ids) >= seq.max_total_tokens:
+            reason = "length"
+        else:
+            return TokenOutput(seq, token, False, logprob, prompt_logprobs)
+        self._finish(seq, reason)
+        return TokenOutput(seq, token, True, logprob, prompt_logprobs)
 
     @staticmethod
     def _non_finite() -> RequestFailed:
@@ -530,7 +531,7 @@ class EngineCore:
             chosen, top_ids, top_values = (t.tolist() for t in host[3:6])
             logprobs = [TokenLogprob(tokens[i], chosen[i], tuple(zip(top_ids[i], top_values[i])))
                         for i in range(len(tokens))]
-        outputs, first, eos = [], 0, self.model.config.eos_token_ids
+        outputs, first = [], 0
         for seq, j, k in verified:
             row = first
             first += j + 1
@@ -548,22 +549,11 @@ class EngineCore:
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
             emitted = tokens[row:row + a + 1]  # (an accepted row's token is its draft)
             self.runner.emitted(seq, emitted)
-            params, ids = seq.params, seq.token_ids
             for i, token in enumerate(emitted):
-                ids.append(token)
-                self.generated_tokens += 1
                 lp = logprobs[row + i]
-                lp = None if k is None else lp._replace(top=lp.top[:k])
-                if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
-                    reason = "stop"
-                elif len(ids) >= seq.max_total_tokens:
-                    reason = "length"
-                else:
-                    outputs.append(TokenOutput(seq, token, False, lp))
-                    continue
-                self._finish(seq, reason)
-                outputs.append(TokenOutput(seq, token, True, lp))
-                break
+                outputs.append(self._take(seq, token, None if k is None else lp._replace(top=lp.top[:k])))
+                if seq.is_finished:  # (a stop token or the length limit among the drafts)
+                    break
             if not seq.is_finished:
                 self.blocks.trim(seq, seq.num_computed_tokens)
                 if seq.num_computed_tokens // self.blocks.block_size > seq.num_registered_blocks:
