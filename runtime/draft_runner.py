@@ -5,9 +5,10 @@ tables, so the block manager's allocations, copy-on-write copies and swaps serve
 the bytes per block differ. Its pool trails the target's: in each step, before the target
 runs, the draft computes the step's prefill chunks, and for the sequences that verify drafts
 their tokens since their last proposal (decode steps without drafts cost the draft nothing:
-speculation may be switched off for a while), then proposes, one forward per draft token. `Sequence.num_draft_computed` says how far a
-sequence's draft cache holds. The draft never decides what is emitted (verification does):
-its cache going stale could lower the acceptance rate, never change an output.
+speculation may be switched off for a while); then it proposes, one forward per draft
+token, each pass's input the pass before's draw, on the device. `Sequence.num_draft_computed`
+says how far a sequence's draft cache holds. The draft never decides what is emitted
+(verification does): a stale cache could lower the acceptance rate, never change an output.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def draft_bytes_per_block(draft: LoadedModel, config) -> int:
+    """Bytes of one block of the draft's KV pool (`config`: the EngineConfig)."""
     return kv_bytes_per_block(draft.config, config.block_size, kv_dtype(draft.params.dtype, config.kv_cache_dtype))
 
 
