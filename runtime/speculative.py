@@ -135,11 +135,25 @@ class Speculator:
         self.config = config
         self.policy = SpeculationPolicy(config.adaptive)
         self.num_proposed = self.num_accepted = 0  # draft tokens verified, and accepted (stats)
+        # n-gram lookup: each running sequence's tokens as an array, grown as they are (a
+        # conversion of the whole list every step would cost batch x context).
+        self._arrays: dict[Sequence, np.ndarray] = {}
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        ids, array = seq.token_ids, self._arrays.get(seq)
+        if array is None or len(array) > len(ids):  # (new, or its tokens were replaced)
+            array = np.fromiter(ids, np.int64, len(ids))
+        elif len(array) < len(ids):
+            array = np.concatenate([array, np.array(ids[len(array):], dtype=np.int64)])
+        self._arrays[seq] = array
+        return array
 
     def lookahead(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
         """Set `num_lookahead` on the running sequences that decode next step; returns those
         sequences with their n-gram drafts (empty lists for a draft model: it proposes later)."""
         c, drafts = self.config, {}
+        if c.method == "ngram" and len(self._arrays) > len(running):  # forget the sequences that left
+            self._arrays = {seq: self._arrays[seq] for seq in running if seq in self._arrays}
         for seq in running:
             if seq.num_pending_tokens != 1 or seq.forks:
                 continue
@@ -148,8 +162,7 @@ class Speculator:
             if k <= 0:
                 continue
             if c.method == "ngram":
-                ids = propose_ngram(np.fromiter(seq.token_ids, np.int64, len(seq.token_ids)), k,
-                                    c.prompt_lookup_max, c.prompt_lookup_min)
+                ids = propose_ngram(self._tokens(seq), k, c.prompt_lookup_max, c.prompt_lookup_min)
             else:
                 ids = []
             seq.num_lookahead = len(ids) if c.method == "ngram" else k
