@@ -43,11 +43,11 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
                                  kv_layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
-                                 linear=None) -> torch.Tensor:
-        o = quantized.packed_matmul(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj)
+                                 linear=None, reduce=lambda t: t) -> torch.Tensor:
+        o = reduce(quantized.packed_matmul(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj))
         x, h = native.add_rms_norm_bf16(x, o.contiguous(), lp.mlp_norm, cfg.rms_norm_eps)
         gate_up = quantized.packed_matmul(h, lp.gate_up_proj).contiguous()
-        return x.add_(quantized.packed_matmul(native.silu_mul_bf16(gate_up), lp.down_proj))
+        return x.add_(reduce(quantized.packed_matmul(native.silu_mul_bf16(gate_up), lp.down_proj)))
 
     return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_projection=qkv_projection,
                           rope_and_write=rope_and_write, rope_tables=rope_cos_sin)

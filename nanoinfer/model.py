@@ -95,12 +95,17 @@ def attention_inputs(x: torch.Tensor, lp: LayerParams, cos: torch.Tensor, sin: t
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
-                             linear: Callable = quantized.linear) -> torch.Tensor:
-    """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual."""
-    x = x + linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)
+                             linear: Callable = quantized.linear, reduce: Callable = _same) -> torch.Tensor:
+    """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual.
+    `reduce` sums the row-parallel projections' partial outputs over tensor-parallel ranks."""
+    x = x + reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + linear(swiglu(linear(h, lp.gate_up_proj)), lp.down_proj)
+    return x + reduce(linear(swiglu(linear(h, lp.gate_up_proj)), lp.down_proj))
 
 
 class LayerFunctions(NamedTuple):
@@ -119,6 +124,11 @@ class LayerFunctions(NamedTuple):
     qkv_projection: Callable = qkv_projection
     rope_and_write: Callable | None = None
     rope_tables: Callable = rope_cos_sin
+    # Tensor parallelism (nanoinfer/tensor_parallel.py): the sum over ranks after a
+    # row-parallel projection, the vocab-parallel embedding, and the logits' gather.
+    all_reduce: Callable = _same
+    embed: Callable = embedding
+    gather_logits: Callable = _same
 
 
 EAGER = LayerFunctions()
@@ -155,7 +165,7 @@ def forward(
     windows = cfg.layer_windows
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
-    x = embedding(params.embed, batch.input_ids, params.dtype)  # [tokens, hidden]
+    x = layer_fns.embed(params.embed, batch.input_ids, params.dtype)  # [tokens, hidden]
     cos, sin = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
         if layer_fns.rope_and_write is None:
@@ -165,10 +175,10 @@ def forward(
             qkv = layer_fns.qkv_projection(x, lp, cfg, layer_fns.linear)
             q = layer_fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv[layer_idx], batch.slot_mapping, cfg)
         attn = backend.attention(q, kv[layer_idx], meta[windows[layer_idx]])  # [tokens, heads, head_dim]
-        x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear)
+        x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear, layer_fns.all_reduce)
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
-    logits = layer_fns.linear(x, params.lm_head)
+    logits = layer_fns.gather_logits(layer_fns.linear(x, params.lm_head))
     return logits if logits_dtype is None else logits.to(logits_dtype)
 
 

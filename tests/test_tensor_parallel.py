@@ -1,0 +1,101 @@
+"""Tensor parallelism's sharded forward: two gloo ranks, each with its shard of the weights and
+its own KV pool, give the logits of the whole model (fp32), through prefill and decode, for
+Llama, Qwen2 (QKV bias) and Qwen3 (q/k norm) tiny configs, with fewer KV heads than ranks,
+tied embeddings and a vocabulary the ranks do not divide."""
+
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.errors import RequestError
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model import EAGER, forward
+from nanoinfer.tensor_parallel import Shard, layer_functions, shard_config, shard_params
+from tests.tiny import random_params, tiny_config
+
+CASES = {
+    "llama": dict(),
+    "llama-one-kv-head": dict(num_kv_heads=1),  # each rank holds the one KV head
+    "qwen2-bias": dict(architecture="qwen2", qkv_bias=True),
+    "qwen3-qk-norm-tied": dict(architecture="qwen3", qk_norm=True, tie_word_embeddings=True),
+}
+BS = 4
+
+
+def steps(cfg, params, kv, layer_fns=EAGER):
+    """A prefill of two prompts (5 and 7 tokens), then two decode steps: every logits row."""
+    tables = [[0, 1, 2], [3, 4, 5]]
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
+    out = []
+    batch = build_batch([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables)], BS)
+    logits = forward(params, kv, batch, cfg, layer_fns=layer_fns)
+    out.append(logits)
+    lens = [len(p) for p in prompts]
+    for _ in range(2):
+        nxt = logits.argmax(dim=-1).tolist()
+        batch = build_batch([SeqChunk([t], n, table, True) for t, n, table in zip(nxt, lens, tables)], BS)
+        logits = forward(params, kv, batch, cfg, layer_fns=layer_fns)
+        out.append(logits)
+        lens = [n + 1 for n in lens]
+    return torch.cat(out)
+
+
+def model(name):
+    cfg = tiny_config(**CASES[name])
+    return cfg, random_params(cfg, seed=5)
+
+
+def _rank(rank: int, size: int, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    try:
+        for name in CASES:
+            cfg, params = model(name)
+            local = shard_config(cfg, size)
+            kv = allocate_kv_pool(local, 8, BS, torch.float32, "cpu")
+            logits = steps(local, shard_params(params, cfg, rank, size), kv,
+                           layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
+            if rank == 0:
+                results.put((name, logits))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_compute_the_whole_models_logits(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in CASES)
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0
+    for name in CASES:
+        cfg, params = model(name)
+        ref = steps(cfg, params, allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
+        assert got[name].shape == ref.shape
+        assert torch.allclose(got[name], ref, atol=1e-5, rtol=1e-5), name
+        assert torch.equal(got[name].argmax(-1), ref.argmax(-1))
+
+
+def test_what_cannot_be_split_is_named():
+    with pytest.raises(RequestError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):
+        shard_config(tiny_config(), 3)
+    with pytest.raises(RequestError, match="num_kv_heads=3 and tensor_parallel_size=2"):
+        shard_config(tiny_config(num_heads=6, num_kv_heads=3), 2)
+
+
+def test_shards_put_back_together_are_the_weights():
+    cfg, params = model("qwen2-bias")
+    parts = [shard_params(params, cfg, r, 2) for r in range(2)]
+    lp, (a, b) = params.layers[0], (p.layers[0] for p in parts)
+    assert torch.equal(torch.cat([a.o_proj, b.o_proj], dim=1), lp.o_proj)
+    assert torch.equal(torch.cat([a.down_proj, b.down_proj], dim=1), lp.down_proj)
+    assert torch.equal(torch.cat([parts[0].embed, parts[1].embed])[:cfg.vocab_size], params.embed)
+    # The query heads, then each rank's KV heads, in the rank order.
+    q = cfg.q_size // 2
+    assert torch.equal(torch.cat([a.qkv_proj[:q], b.qkv_proj[:q]]), lp.qkv_proj[:cfg.q_size])
