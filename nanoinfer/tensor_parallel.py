@@ -1,9 +1,9 @@
 """Tensor parallelism: a model's weights split over N ranks, and the collectives its forward needs.
 
 Rank r of N holds (Megatron's split, as nano-vllm, gpt-fast and vLLM shard):
-- attention by heads: query heads r·H/N .. (r+1)·H/N, and the key/value heads those query
-  heads read (heads are divided when N divides the KV heads; with more ranks than KV heads
-  each KV head is held by N / KV ranks: a rank holds one);
+- attention by heads: whole GQA groups (a KV head and the query heads that read it), r·KV/N
+  .. (r+1)·KV/N, uneven where N does not divide them; with more ranks than KV heads, the
+  N/KV ranks sharing a KV head each hold it and split its query heads (`rank_heads`);
 - `gate_up` column-parallel (its slice of the intermediate units, gate and up alike), so
   SwiGLU runs on local values;
 - `o_proj` and `down_proj` row-parallel (the input columns of its heads and units): each
@@ -39,23 +39,39 @@ class Shard(NamedTuple):
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     """RequestError naming what keeps `cfg` from splitting over `size` ranks."""
-    kv = cfg.num_kv_heads
-    problems = [f"{name}={value} is not divisible by tensor_parallel_size={size}"
-                for name, value in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size))
-                if value % size]
-    if kv % size and size % kv:
-        problems.append(f"num_kv_heads={kv} and tensor_parallel_size={size}: expected one to divide the other")
+    kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    problems = []
+    if cfg.intermediate_size % size:
+        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by tensor_parallel_size={size}")
+    if kv < size and (size % kv or group % (size // kv)):
+        problems.append(f"num_kv_heads={kv} (each read by {group} query heads) cannot be shared evenly by {size} "
+                        f"ranks: expected tensor_parallel_size to be a multiple of num_kv_heads that splits "
+                        f"each group of query heads")
     if problems:
         raise RequestError(f"{cfg.architecture} cannot be split over {size} ranks: " + "; ".join(problems),
                            param="tensor_parallel_size")
 
 
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The rank's view of the model: its heads and intermediate units (the vocabulary stays
-    whole: the logits are gathered)."""
+def rank_heads(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of rank `rank`. With at least
+    as many KV heads as ranks each rank takes whole GQA groups (r·KV/N .. (r+1)·KV/N: uneven
+    when N does not divide them, as 3 KV heads over 2 ranks); with fewer, the N/KV ranks
+    sharing a KV head split its group of query heads."""
     check_shardable(cfg, size)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
-                               intermediate_size=cfg.intermediate_size // size)
+    kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    if kv >= size:
+        first, last = rank * kv // size, (rank + 1) * kv // size
+        return first * group, (last - first) * group, first, last - first
+    share = size // kv
+    per = group // share
+    return (rank // share) * group + (rank % share) * per, per, rank // share, 1
+
+
+def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
+    """Rank `rank`'s view of the model: its heads and intermediate units (the vocabulary stays
+    whole: the logits are gathered)."""
+    _, heads, _, kv = rank_heads(cfg, rank, size)
+    return dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=cfg.intermediate_size // size)
 
 
 def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
@@ -72,14 +88,12 @@ def _vocab_rows(table: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Params:
     """Rank `rank`'s part of dense weights (`cfg`: the whole model's config)."""
-    check_shardable(cfg, size)
-    d, heads, kv = cfg.head_dim, cfg.num_heads // size, max(1, cfg.num_kv_heads // size)
-    kv_first = rank * cfg.num_kv_heads // size  # (with more ranks than KV heads: the head its queries read)
-    inter = cfg.intermediate_size // size
+    d, inter = cfg.head_dim, cfg.intermediate_size // size
+    q_first, heads, kv_first, kv = rank_heads(cfg, rank, size)
 
     def qkv_rows(t: torch.Tensor) -> torch.Tensor:
         q, k, v = t.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
-        return torch.cat([_rows(q, rank * heads * d, heads * d), _rows(k, kv_first * d, kv * d),
+        return torch.cat([_rows(q, q_first * d, heads * d), _rows(k, kv_first * d, kv * d),
                           _rows(v, kv_first * d, kv * d)])
 
     def layer(lp: LayerParams) -> LayerParams:
@@ -90,7 +104,7 @@ def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Para
         gate, up = lp.gate_up_proj.split(cfg.intermediate_size)
         return dataclasses.replace(
             lp, qkv_proj=qkv_rows(lp.qkv_proj), qkv_bias=None if lp.qkv_bias is None else qkv_rows(lp.qkv_bias),
-            o_proj=lp.o_proj[:, rank * heads * d:(rank + 1) * heads * d].contiguous(),
+            o_proj=lp.o_proj[:, q_first * d:(q_first + heads) * d].contiguous(),
             gate_up_proj=torch.cat([_rows(gate, rank * inter, inter), _rows(up, rank * inter, inter)]),
             down_proj=lp.down_proj[:, rank * inter:(rank + 1) * inter].contiguous())
 

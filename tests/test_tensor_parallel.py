@@ -1,7 +1,8 @@
 """Tensor parallelism's sharded forward: two gloo ranks, each with its shard of the weights and
 its own KV pool, give the logits of the whole model (fp32), through prefill and decode, for
 Llama, Qwen2 (QKV bias) and Qwen3 (q/k norm) tiny configs, with fewer KV heads than ranks,
-tied embeddings and a vocabulary the ranks do not divide."""
+KV heads the ranks do not divide, tied embeddings and a vocabulary the ranks do not divide;
+and for the default model (exact weights)."""
 
 import multiprocessing
 
@@ -19,6 +20,7 @@ from tests.tiny import random_params, tiny_config
 CASES = {
     "llama": dict(),
     "llama-one-kv-head": dict(num_kv_heads=1),  # each rank holds the one KV head
+    "llama-three-kv-heads": dict(num_heads=9, num_kv_heads=3),  # (the default model's heads) split 1 + 2
     "qwen2-bias": dict(architecture="qwen2", qkv_bias=True),
     "qwen3-qk-norm-tied": dict(architecture="qwen3", qk_norm=True, tie_word_embeddings=True),
 }
@@ -54,7 +56,7 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
     try:
         for name in CASES:
             cfg, params = model(name)
-            local = shard_config(cfg, size)
+            local = shard_config(cfg, rank, size)
             kv = allocate_kv_pool(local, 8, BS, torch.float32, "cpu")
             logits = steps(local, shard_params(params, cfg, rank, size), kv,
                            layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
@@ -83,10 +85,23 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
 
 
 def test_what_cannot_be_split_is_named():
-    with pytest.raises(RequestError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):
-        shard_config(tiny_config(), 3)
-    with pytest.raises(RequestError, match="num_kv_heads=3 and tensor_parallel_size=2"):
-        shard_config(tiny_config(num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(RequestError, match="intermediate_size=48 is not divisible by tensor_parallel_size=5"):
+        shard_config(tiny_config(), 0, 5)
+    with pytest.raises(RequestError, match="num_kv_heads=2 .* cannot be shared evenly by 8 ranks"):
+        shard_config(tiny_config(), 0, 8)  # 4 ranks per KV head, 2 query heads each
+
+
+@pytest.mark.parametrize("heads, kv, size, expected", [
+    (9, 3, 2, [(0, 3, 0, 1), (3, 6, 1, 2)]),
+    (4, 2, 2, [(0, 2, 0, 1), (2, 2, 1, 1)]),
+    (4, 1, 2, [(0, 2, 0, 1), (2, 2, 0, 1)]),
+    (8, 2, 4, [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]),
+])
+def test_rank_heads(heads, kv, size, expected):
+    from nanoinfer.tensor_parallel import rank_heads
+
+    cfg = tiny_config(num_heads=heads, num_kv_heads=kv)
+    assert [rank_heads(cfg, r, size) for r in range(size)] == expected
 
 
 def test_shards_put_back_together_are_the_weights():
@@ -99,3 +114,41 @@ def test_shards_put_back_together_are_the_weights():
     # The query heads, then each rank's KV heads, in the rank order.
     q = cfg.q_size // 2
     assert torch.equal(torch.cat([a.qkv_proj[:q], b.qkv_proj[:q]]), lp.qkv_proj[:cfg.q_size])
+
+
+def _default_model_rank(rank: int, size: int, init_file: str, path: str, results) -> None:
+    from nanoinfer.loaders import load_model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    try:
+        loaded = load_model(path, device="cpu", dtype="float32", quantization="none", progress=False)
+        cfg = loaded.config
+        local = shard_config(cfg, rank, size)
+        logits = steps(local, shard_params(loaded.params, cfg, rank, size),
+                       allocate_kv_pool(local, 8, BS, torch.float32, "cpu"),
+                       layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
+        if rank == 0:
+            results.put(logits)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_model_over_two_ranks(smollm2_gguf, tmp_path):
+    """SmolLM2-135M: 9 query heads over 3 KV heads, split 3 + 6 (exact weights, fp32)."""
+    from nanoinfer.loaders import load_model
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_default_model_rank, args=(r, 2, str(tmp_path / "rendezvous"), str(smollm2_gguf),
+                                                            results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = results.get(timeout=300)
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0
+    loaded = load_model(smollm2_gguf, device="cpu", dtype="float32", quantization="none", progress=False)
+    ref = steps(loaded.config, loaded.params, allocate_kv_pool(loaded.config, 8, BS, torch.float32, "cpu"))
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
