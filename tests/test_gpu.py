@@ -141,16 +141,22 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
         kv.copy_(eager_kv)  # (both paths go on from the same cache)
 
 
+def greedy_with_logprobs(engine, prompts, max_tokens):
+    """Run greedy requests to the end; their sequences and each one's top-5 logprobs per token."""
+    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5))
+            for p in prompts]
+    logprobs = {s: [] for s in seqs}
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs[out.seq].append(out.logprob)
+    return seqs, logprobs
+
+
 def test_bf16_greedy_agrees_with_transformers_up_to_near_ties(hf_and_ours):
     hf, model = hf_and_ours
     prompts = [[151, 2000, 37, 9, 444], list(range(1000, 1040))]
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=1024))
-    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5))
-            for p in prompts]
-    logprobs = {s.seq_id: [] for s in seqs}
-    while engine.has_unfinished():
-        for out in engine.step():
-            logprobs[out.seq.seq_id].append(out.logprob)
+    seqs, logprobs = greedy_with_logprobs(engine, prompts, 32)
     for prompt, seq in zip(prompts, seqs):
         ours = seq.output_token_ids
         with torch.inference_mode():
@@ -160,7 +166,7 @@ def test_bf16_greedy_agrees_with_transformers_up_to_near_ties(hf_and_ours):
             continue
         i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         # At the first divergence each side's token must be among the other's top 5.
-        our_top = [t for t, _ in logprobs[seq.seq_id][i].top]
+        our_top = [t for t, _ in logprobs[seq][i].top]
         with torch.inference_mode():
             ctx = torch.tensor([prompt + ours[:i]], device="cuda")
             their_top = hf(ctx).logits[0, -1].float().topk(5).indices.tolist()
@@ -461,14 +467,9 @@ def test_speculative_decoding_on_cuda_agrees_up_to_near_ties(hf_and_ours, method
         engine = EngineCore(model, engine_config(block_size=16, num_blocks=512, max_model_len=1024, max_num_seqs=16,
                                                 speculative_config=config),
                             draft_model=model if config and "model" in config else None)
-        seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5))
-                for p in prompts]
-        logprobs = {s.seq_id: [] for s in seqs}
-        while engine.has_unfinished():
-            for out in engine.step():
-                logprobs[out.seq.seq_id].append(out.logprob)
+        seqs, logprobs = greedy_with_logprobs(engine, prompts, 40)
         assert engine.blocks.num_free_blocks == 512
-        runs.append(([s.output_token_ids for s in seqs], [logprobs[s.seq_id] for s in seqs], engine.stats()))
+        runs.append(([s.output_token_ids for s in seqs], [logprobs[s] for s in seqs], engine.stats()))
     if config is not None and "model" in config:
         assert engine.runner.draft.graphs is not None
     assert engine.runner.graphs.token_buckets[0] < 16  # verification steps have graphs
