@@ -91,7 +91,7 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     m_ptr, l_ptr, acc_ptr,  # split-K workspaces (unused without SPLIT)
-    num_seqs, num_tokens, qk_scale, window, partition_size, max_partitions,
+    num_seqs, num_tokens, qk_scale, window, num_partitions, max_partitions,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -144,9 +144,13 @@ def _paged_attention_kernel(
         kv_lo = tl.maximum(context_len - num_queries + q_off - window + 1, 0)
     kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
     if SPLIT:
-        # partition_size is a multiple of BLOCK_N, so K/V tiles never straddle two partitions.
-        kv_lo = tl.maximum(kv_lo, part * partition_size)
-        kv_hi = tl.minimum(kv_hi, (part + 1) * partition_size)
+        # The tile's own key span is cut into num_partitions pieces of whole K/V tiles (not the
+        # block table's width): a short context in a wide table still spreads over every
+        # partition (a speculative verify step of ~450 keys in a 4,096-key table ran 8 tiles
+        # in one program).
+        part_size = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_partitions), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + part * part_size
+        kv_hi = tl.minimum(kv_hi, kv_lo + part_size)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
@@ -229,8 +233,9 @@ class TritonPagedAttention:
     """Paged attention on CUDA through Triton; see the module docstring for the kernels.
 
     The split-K workspaces are allocated once here, for steps of up to `max_split_tokens`
-    query rows and contexts of up to `max_partitions * partition_size` tokens (the partition
-    size grows past `partition_size` for longer contexts, so any length is served). Steps with
+    query rows cut into up to `max_partitions` partitions: one per `partition_size` keys of
+    the block table's width, each sequence's own context divided evenly among them (so any
+    length is served, and a short context in a wide table is split as finely). Steps with
     more rows, where the query tiles alone fill the GPU, run unsplit: by default past 512
     (row, kv head) programs, about four per SM, beyond which splitting only adds the partial
     writes and the reduce kernel (0.36 ms of a 7.6 ms decode step at batch 256 on an H200).
@@ -320,15 +325,11 @@ class TritonPagedAttention:
         block_n, stages = self.block_n, 2
         if not split and tokens <= num_seqs and self.head_dim_pad <= 128:
             block_n, stages = 2 * self.block_n, 3
-        part_size = 0
-        if split:
-            part_size = triton.cdiv(triton.cdiv(max_context, num_parts), self.block_n) * self.block_n
-            num_parts = triton.cdiv(max_context, part_size)
         grid = (triton.cdiv(tokens, block_q) + num_seqs, kv_heads, num_parts if split else 1)
         _paged_attention_kernel[grid](
             q, kv_layer, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
             self.ws_max, self.ws_sum, self.ws_acc,
-            num_seqs, tokens, metadata.scale * _LOG2E, metadata.sliding_window, part_size, self.max_partitions,
+            num_seqs, tokens, metadata.scale * _LOG2E, metadata.sliding_window, num_parts, self.max_partitions,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_layer.stride(0), kv_layer.stride(1),
             kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0),
             NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
