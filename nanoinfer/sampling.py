@@ -19,7 +19,7 @@ from nanoinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
            "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw", "greedy_and_finite",
-           "processed_probs"]
+           "greedy_tokens", "processed_probs"]
 
 
 class SamplingTensors(NamedTuple):
@@ -135,10 +135,18 @@ def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """Per row of logits [rows, vocab] (any float dtype): the most likely token (int64; the
     first on ties, as on the fp32 copy: widening is exact) and whether every logit is
     finite. Two reading passes, no float copy: what a greedy step needs from its logits."""
-    # (NaN propagates into both. On the CPU amin and amax apart: torch's aminmax over a row
-    # is unvectorized there, 113 µs against 2 x 9 at the default model's vocabulary.)
-    low, high = torch.aminmax(logits, dim=-1) if logits.is_cuda else (logits.amin(dim=-1), logits.amax(dim=-1))
-    return logits.argmax(dim=-1), low.isfinite() & high.isfinite()
+    if logits.is_cuda:  # (one pass, split over the vocabulary: nanoinfer/argmax.py)
+        from nanoinfer import argmax
+
+        return argmax.greedy_and_finite(logits)
+    # (NaN propagates into both. amin and amax apart: torch's aminmax over a row is
+    # unvectorized on the CPU, 113 µs against 2 x 9 at the default model's vocabulary.)
+    return logits.argmax(dim=-1), logits.amin(dim=-1).isfinite() & logits.amax(dim=-1).isfinite()
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row of logits [rows, vocab] (the first on ties)."""
+    return greedy_and_finite(logits)[0] if logits.is_cuda else logits.argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_draw,
@@ -154,7 +162,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_dr
         logits = apply_penalties(logits, st.penalties)
         greedy = None
     if greedy is None:
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_tokens(logits)
     if st.all_greedy:
         return greedy
     sampled = draw(processed_probs(logits, st), st.seeds, st.steps)  # (`random_draw`, or a compiled version)

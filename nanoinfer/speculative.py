@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from nanoinfer.penalties import apply_penalties
-from nanoinfer.sampling import SamplingTensors, processed_probs, random_draw, uniform_noise
+from nanoinfer.sampling import SamplingTensors, greedy_tokens, processed_probs, random_draw, uniform_noise
 
 ACCEPT_SALT = 0x5BD1_E995  # xor'd into a row's seed: the acceptance tests' stream
 DRAFT_SALT = 0x27D4_EB2F  # the draft model's draws
@@ -52,7 +52,7 @@ def verify(logits: torch.Tensor, st: SamplingTensors, draft_tokens: torch.Tensor
     leading drafts and then the token of its first row not accepted."""
     if st.penalties is not None:
         logits = apply_penalties(logits, st.penalties)
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     has_draft = draft_tokens >= 0
     d = draft_tokens.clamp_min(0)
     accepted = has_draft & (d == greedy)
@@ -80,7 +80,7 @@ def draft_sample(logits: torch.Tensor, st: SamplingTensors,
     every row is greedy: the argmax, which verification compares with the target's). The
     draft uses the request's temperature, top-k, top-p and min-p but no penalties: any q
     keeps the output exact, as long as the draft really is drawn from it."""
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if st.all_greedy:
         return greedy, None
     q = target_distribution(logits, st)
