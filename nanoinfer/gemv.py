@@ -1,4 +1,4 @@
-"""Batch-1 linear layers on CUDA: a Triton GEMV that streams the weight at full bandwidth.
+"""Linear layers of 1-16 rows on CUDA: Triton kernels that stream the weight at full bandwidth.
 
 At batch 1 a decode step is a chain of matrix-vector products over weights of 4–12 MB per
 layer, and cuBLAS picks GEMM tilings for them that reach about 1 TB/s on an H200 (a
@@ -10,11 +10,15 @@ The same kernel reads int8 and fp8 (e4m3) weights with a scale per output row
 (nanoinfer.quantized's Int8Weight, Fp8Weight): each weight is widened to fp32 in registers,
 so a batch-1 step reads one byte per weight instead of two.
 
-`linear(x, w, b)` is what the model calls on CUDA: this kernel for one row, otherwise
+Two to 16 rows (a speculative verify step, a small decode batch) go to a second kernel that
+multiplies each weight tile with all the rows at once on tensor cores (rows padded to 16),
+so the weight is still read once.
+
+`linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
-per token in e4m3 and `torch._scaled_mm`). The kernel is a torch custom op, so torch.compile
-keeps it inside a compiled graph as one opaque call (the way it keeps a cuBLAS call) and
-CUDA graphs capture it.
+per token in e4m3 and `torch._scaled_mm`). The kernels are one torch custom op, so
+torch.compile keeps them inside a compiled graph as one opaque call (the way it keeps a
+cuBLAS call) and CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -71,16 +75,65 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, W_BYTES, HAS
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+# Up to 16 rows (tl.dot's smallest tile): a speculative verify step (1 + k rows per sequence)
+# or a small decode batch reads each weight once, as the one-row kernel does.
+ROWS_MAX = 16
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+             for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (16, 1024, 4, 3), (16, 512, 4, 4), (32, 256, 4, 3),
+                                (32, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 5))],
+    key=["N", "K", "W_BYTES"], do_bench=_quick_bench, cache_results=True,
+)
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, W_BYTES,
+                 HAS_SCALE: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Rows of x padded to 16, one tensor-core product per weight tile: the weight is read once
+    # for all rows (cuBLAS picks split-K tilings here that ran 10-40% slower than one row).
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, 16)
+    m_mask = offs_m < M
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if INT8:  # (exact: an int8 is a bf16 or fp16; the widening trick of _gemv_kernel)
+            w = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
 @torch.library.custom_op("nanoinfer::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ (w[N, K] * scale[N, None]).T -> [1, N] in x's dtype, fp32 accumulation
-    (`scale`: a quantized weight's per-row scale; None for a dense one)."""
+    """x [M, K] @ (w[N, K] * scale[N, None]).T -> [M, N] in x's dtype, fp32 accumulation
+    (`scale`: a quantized weight's per-row scale; None for a dense one). The row count picks
+    the kernel here, at run time, so torch.compile's graphs need no guard on it."""
     n, k = w.shape
+    m = x.shape[0]
     x = x.contiguous()
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, w, w if scale is None else scale, out, n, k, w.stride(0), w.element_size(), HAS_SCALE=scale is not None,
-        INT8=w.dtype == torch.int8)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 1:
+        _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            x, w, w if scale is None else scale, out, n, k, w.stride(0), w.element_size(),
+            HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8)
+    elif m <= ROWS_MAX and x.dtype in (torch.bfloat16, torch.float16) and w.dtype in (x.dtype, torch.int8):
+        _rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+            w.element_size(), HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8)
+    else:
+        # cuBLAS: many rows share each weight read anyway; fp32 rows would round to tf32 in tl.dot.
+        torch.matmul(x, w.to(x.dtype).T, out=out)
+        if scale is not None:
+            out *= scale.to(x.dtype)
     return out
 
 
@@ -90,11 +143,12 @@ def _(x, w, scale=None):
 
 
 def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """`quantized.linear` (F.linear for a dense weight), through the Triton GEMV for a single
-    row of a CUDA tensor."""
-    if x.shape[0] != 1 or not x.is_cuda:
+    """`quantized.linear` on a CUDA tensor: `gemv` for a dense or int8 weight (its kernels up to
+    ROWS_MAX rows, cuBLAS past them), and for an fp8 weight at one row (several keep its
+    per-token activation scaling, quantized.fp8_matmul)."""
+    if not x.is_cuda or x.dim() != 2:
         return quantized.linear(x, w, b)
-    if isinstance(w, (Int8Weight, Fp8Weight)):
+    if isinstance(w, Int8Weight) or isinstance(w, Fp8Weight) and x.shape[0] == 1:
         out = gemv(x, w.q, w.scale)
     elif isinstance(w, torch.Tensor) and w.stride(1) == 1:
         out = gemv(x, w)

@@ -202,25 +202,53 @@ def test_compiled_random_draw_equals_eager():
         assert (probs.gather(1, fused[:, None]) > 0).all()
 
 
+@pytest.mark.parametrize("vocab", [7, 4096, 4097, 49152, 128256, 151936])
+def test_split_argmax_matches_torch(vocab):
+    """nanoinfer/argmax.py against torch's argmax (first index on ties) and isfinite, per row."""
+    from nanoinfer.sampling import greedy_and_finite
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows in (1, 5, 64):
+            x = torch.randn(rows, vocab, device="cuda", generator=g).to(dtype)
+            top = x.amax(dim=-1)
+            x[0, vocab // 3] = x[0, vocab - 1] = top[0] + 1  # a tie across chunks: the first wins
+            x[-1, : vocab // 2] = top[-1] + 2  # a run of ties
+            if rows > 1:
+                x[1, vocab // 2] = float("nan")
+                x[2, 0] = float("-inf")
+            tokens, finite = greedy_and_finite(x)
+            expected = x.float().isfinite().all(dim=-1)
+            assert tokens.dtype == torch.int64 and torch.equal(finite, expected)
+            assert torch.equal(tokens[expected], x.argmax(dim=-1)[expected]), (dtype, rows)
+            assert torch.equal(greedy_and_finite(x[:, : vocab - 1])[0][expected], x[:, : vocab - 1].argmax(-1)[expected])
+
+
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1000, 1000), (7, 33),
                                  (151936, 1024), (3, 4096)])
-def test_gemv_matches_an_fp32_matmul(n, k):
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_gemv_matches_an_fp32_matmul(n, k, rows):
+    """Both kernels (one row; 2-16 rows on tensor cores) against fp32, bias through `linear`."""
     from nanoinfer.gemv import gemv, linear
 
-    g = torch.Generator(device="cuda").manual_seed(n * k)
+    g = torch.Generator(device="cuda").manual_seed(n * k + rows)
     for dtype in (torch.bfloat16, torch.float16):
         w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) * k**-0.5
-        x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
+        x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
         out = gemv(x, w)
         ref = x.float() @ w.float().T
-        assert out.dtype == dtype and out.shape == (1, n) and not out.isnan().any()
+        assert out.dtype == dtype and out.shape == (rows, n) and not out.isnan().any()
         # One rounding of the fp32 sum to bf16/fp16, nothing more.
         tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
         assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
         bias = torch.randn(n, device="cuda", dtype=dtype, generator=g)
         assert torch.allclose(linear(x, w, bias).float(), (ref + bias.float()).to(dtype).float(), rtol=2 * tol,
                               atol=2 * tol * ref.abs().max().item())
-        assert torch.equal(linear(x.repeat(2, 1), w), torch.nn.functional.linear(x.repeat(2, 1), w))
+    # Past 16 rows, and fp32 rows (tl.dot would round them to tf32): cuBLAS.
+    for x in (torch.randn(17, k, device="cuda", dtype=dtype, generator=g), x.float()):
+        ref = x.float() @ w.float().T
+        tol = 2 ** -10 if x.dtype == dtype else 2 ** -16
+        assert torch.allclose(linear(x, w.to(x.dtype)).float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("qk_norm,head_dim,kv_heads,dtype", [(True, 128, 8, torch.bfloat16), (False, 64, 8, torch.bfloat16),
@@ -338,19 +366,21 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
 
 # --- quantized weights (issue 12) ---------------------------------------------------------------
 
-@pytest.mark.parametrize("form", ["int8", "fp8"])
+@pytest.mark.parametrize("form,rows", [("int8", 1), ("int8", 3), ("int8", 16), ("fp8", 1)])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (7, 64), (151936, 1024), (14336, 4096)])
-def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, n, k):
+def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, rows, n, k):
+    """int8 at 1-16 rows, fp8 at one (several rows of fp8 scale their activations too:
+    test_batched_quantized_matmul_matches_the_cpu_reference)."""
     from nanoinfer import quantized
     from nanoinfer.gemv import linear
 
-    g = torch.Generator(device="cuda").manual_seed(n + k)
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
     dense = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
     w = quantized.Int8Weight.quantize(dense, torch.float32) if form == "int8" else quantized.Fp8Weight.quantize(dense)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
     ref = x.float() @ quantized.dequantize(w).T
     out = linear(x, w)
-    assert out.dtype == torch.bfloat16 and out.shape == (1, n)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # The weight widened exactly in registers, fp32 sums: one bf16 rounding of the result.
     assert torch.allclose(out.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
 
