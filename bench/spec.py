@@ -1,7 +1,7 @@
 """Speculative decoding: acceptance rate and speedup over decoding without it, same run.
 
     python bench/spec.py [--model M] [--k 2 4 8] [--max-tokens 128]           # CPU: n-gram lookup
-    python bench/spec.py --shape llama-3.1-8b --draft-shape llama-3.2-1b --device cuda [--k 2 4 6 8]
+    python bench/spec.py --shape llama-3.1-8b --draft-shape llama-3.2-1b --device cuda [--k 2 4 6 8] [--int8-draft]
 
 CPU (default model): chat prompts whose answers copy the prompt (rewrite, extract, edit
 code), greedy, one request at a time (batch 1) and all at once; n-gram lookup with each k.
@@ -13,7 +13,8 @@ batch 1, greedy, at the two ends of the acceptance range:
   that switches it off while it is slower (the default);
 - full acceptance: the same draft and verification, then every draft taken as if accepted
   (a random target's own tokens cannot be proposed: its argmax flips with the summation
-  order of the verify step): the mechanism's ceiling.
+  order of the verify step): the mechanism's ceiling; also with the draft's weights in int8
+  (`"quantization": "int8"` in speculative_config), a cheaper draft pass.
 Output tok/s counts generated tokens over the wall time of the decode (prefill excluded).
 """
 
@@ -89,9 +90,16 @@ def gpu(args):
     print(f"target {args.shape}  draft {args.draft_shape}  {torch.cuda.get_device_name()}  batch 1, greedy, "
           f"{n} tokens")
 
-    def decode(spec):
+    drafts = {"bf16": draft}
+    if args.int8_draft:
+        from nanoinfer.loaders import LoadedModel
+        from nanoinfer.loaders.quantize import quantize_params
+
+        drafts["int8"] = LoadedModel(draft.config, quantize_params(draft.params, "int8"), None, draft.path)
+
+    def decode(spec, form="bf16"):
         core = EngineCore(target, engine_config(num_blocks=512, max_model_len=4096, speculative_config=spec),
-                          draft_model=draft if spec else None)
+                          draft_model=drafts[form] if spec else None)
         for tokens in (16, n):  # (a warm-up request, then the measured one)
             core.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
             core.step()  # the prefill (and the first token)
@@ -118,11 +126,15 @@ def gpu(args):
     print(f"{'speculation':<34}{'tok/s':>9}{'speedup':>9}{'accepted':>10}{'tokens/step':>13}")
     print(f"{'none':<34}{base:>9.1f}{1:>8.2f}x")
     for k in args.k:
-        for mode, adaptive, forced in (("0% (random draft)", False, False), ("0%, adaptive", True, False),
-                                       ("100% (every draft taken)", False, True)):
+        for mode, adaptive, forced, form in (("0% (random draft)", False, False, "bf16"),
+                                             ("0%, adaptive", True, False, "bf16"),
+                                             ("100% (every draft taken)", False, True, "bf16"),
+                                             ("100%, int8 draft", False, True, "int8")):
+            if form not in drafts:
+                continue
             spec = {"model": args.draft_shape, "num_speculative_tokens": k, "adaptive": adaptive}
             model_runner.verify = accept_all if forced else verify
-            tok_s, stats, steps = decode(spec)
+            tok_s, stats, steps = decode(spec, form)
             model_runner.verify = verify
             drafted, accepted = stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
             rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
@@ -139,6 +151,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--verbose", action="store_true", help="GPU: the speculation policy's measurements")
+    parser.add_argument("--int8-draft", action="store_true", help="GPU: full acceptance with the draft in int8 too")
     args = parser.parse_args()
     if args.shape:
         args.k = args.k or [2, 4, 6, 8]

@@ -67,7 +67,8 @@ class EngineCore:
             if draft_model is None:
                 from nanoinfer.loaders import load_model
 
-                draft_model = load_model(spec.model, device=self.device, dtype=model.params.dtype, progress=False)
+                draft_model = load_model(spec.model, device=self.device, dtype=model.params.dtype, progress=False,
+                                         quantization=spec.quantization)
             check_draft(model, draft_model)
         elif draft_model is not None:
             raise RequestError("a draft model was given but speculative_config does not ask for one: expected "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanoinfer.errors import RequestError
+from nanoinfer.loaders import QUANTIZATIONS
 from nanoinfer.ngram import propose_ngram
 from nanoinfer.settings import check_settings, setting, setting_names
 from runtime.sequence import Sequence
@@ -45,6 +46,8 @@ class SpeculativeConfig:
                                                   "prompt_lookup_min, or 4)", minimum=1, optional=True)
     prompt_lookup_min: int | None = setting(None, "ngram: the shortest n-gram matched (default: 1)", minimum=1,
                                             optional=True)
+    quantization: str = setting("auto", "the draft model's weights, as the engine's `quantization` (int8: a "
+                                        "cheaper draft, its proposals still verified exactly)", choices=QUANTIZATIONS)
     adaptive: bool = setting(True, "speculate only while it emits tokens faster than decoding without it "
                                    "(measured; a draft the target keeps rejecting switches it off)")
 
@@ -55,6 +58,9 @@ class SpeculativeConfig:
         if method == "draft_model" and self.model is None:
             raise RequestError("speculative_config: method 'draft_model' needs a 'model' (the draft's path)",
                                param="speculative_config")
+        if method == "ngram" and self.quantization != "auto":
+            raise RequestError(f"speculative_config: quantization={self.quantization!r} applies to a draft model, "
+                               f"not to n-gram lookup", param="speculative_config")
         if method == "ngram":
             high = self.prompt_lookup_max or self.prompt_lookup_min or 4
             low = self.prompt_lookup_min or 1

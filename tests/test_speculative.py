@@ -279,6 +279,15 @@ def test_bad_speculative_config(value, message):
     assert message in str(info.value)
 
 
+def test_draft_quantization_is_checked():
+    spec = {"model": "d", "num_speculative_tokens": 2}
+    assert engine_config(speculative_config={**spec, "quantization": "int8"}).speculative_config.quantization == "int8"
+    with pytest.raises(RequestError, match="quantization='int4' is invalid"):
+        engine_config(speculative_config={**spec, "quantization": "int4"})
+    with pytest.raises(RequestError, match="applies to a draft model, not to n-gram"):
+        engine_config(speculative_config={"num_speculative_tokens": 2, "quantization": "int8"})
+
+
 def test_speculative_config_defaults():
     config = engine_config(speculative_config='{"num_speculative_tokens": 3, "prompt_lookup_max": 5}').speculative_config
     assert (config.method, config.prompt_lookup_max, config.prompt_lookup_min) == ("ngram", 5, 1)
@@ -376,8 +385,9 @@ def test_default_model_greedy_equals_no_speculation(smollm2_gguf):
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = {}
-    for name, spec in (("none", None), ("ngram", NGRAM),
-                       ("self", {"model": str(smollm2_gguf), "num_speculative_tokens": 3, "adaptive": False})):
+    self_draft = {"model": str(smollm2_gguf), "num_speculative_tokens": 3, "adaptive": False}
+    for name, spec in (("none", None), ("ngram", NGRAM), ("self", self_draft),
+                       ("self-int8", {**self_draft, "quantization": "int8"})):
         with LLM(smollm2_gguf, device="cpu", progress=False, dtype="float32", num_blocks=128, block_size=8,
                  speculative_config=spec) as llm:
             outs = llm.generate(COPY_PROMPTS, params, use_tqdm=False)
@@ -385,10 +395,12 @@ def test_default_model_greedy_equals_no_speculation(smollm2_gguf):
             stopped = llm.generate(COPY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=stop),
                                    use_tqdm=False)[0]
             runs[name] = ([o.token_ids for o in outs], stopped.text, llm.stats())
-    assert runs["ngram"][:2] == runs["none"][:2] == runs["self"][:2]
+    assert runs["ngram"][:2] == runs["none"][:2] == runs["self"][:2] == runs["self-int8"][:2]
     stats = runs["ngram"][2]
     assert stats["spec_accepted_tokens"] > 5  # the copies were drafted and accepted
     assert runs["self"][2]["spec_accepted_tokens"] >= 0.9 * runs["self"][2]["spec_draft_tokens"] > 0
+    # Its own weights in int8 (the packed CPU path) draft for the fp32 model: mostly agreeing.
+    assert runs["self-int8"][2]["spec_accepted_tokens"] >= 0.5 * runs["self-int8"][2]["spec_draft_tokens"] > 0
 
 
 def test_server_streams_speculated_tokens(tiny_chat_model):
