@@ -12,6 +12,11 @@ Rank r of N holds (Megatron's split, as nano-vllm, gpt-fast and vLLM shard):
   zero-padded); the embedding of an id outside a rank's rows is zero there, an all-reduce
   adds the ranks' lookups, and the logits' shards are all-gathered.
 
+Quantized weights split in their own forms: per-row int8/fp8 by rows, or by columns with the
+row scales kept whole; GGUF groups by rows, or by whole groups of columns (a rank's heads and
+units must span whole groups: a cut is a named error); the CPU's packed blocks through their
+exact groups, re-packed per rank. torch's int4 packing cannot be split.
+
 Each rank then runs the ordinary forward over its shard with `layer_functions` (the sharded
 config's head counts and sizes are the rank's), and its own KV pool holds only its heads.
 Collectives go through torch.distributed (gloo on the CPU, NCCL on CUDA): nothing home-made.
@@ -20,7 +25,7 @@ Collectives go through torch.distributed (gloo on the CPU, NCCL on CUDA): nothin
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +33,8 @@ import torch.distributed as dist
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import RequestError
 from nanoinfer.model import LayerFunctions, LayerParams, Params
-from nanoinfer.quantized import embedding
+from nanoinfer.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, Weight,
+                                 concat_rows, embedding, map_weight, take_rows)
 
 
 class Shard(NamedTuple):
@@ -74,42 +80,76 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=cfg.intermediate_size // size)
 
 
-def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return t[start:start + count].contiguous()
+def _packed(w: Weight, pick: Callable[[Weight], Weight]) -> Weight:
+    """`pick` (a part of a matrix) applied to `w`: dense, per-row int8/fp8 or GGUF groups as
+    they are, the CPU's packed blocks through their exact groups (re-packed after)."""
+    if isinstance(w, BlockWeight):
+        return BlockWeight.from_groups(pick(w.groups()))
+    if isinstance(w, (Int4Weight, SplitInt8Weight)):
+        raise RequestError(f"tensor parallelism cannot split a matrix packed for torch's int4 kernel "
+                           f"({type(w).__name__}): expected dense, int8, fp8 or GGUF-grouped weights",
+                           param="tensor_parallel_size")
+    return pick(w)
 
 
-def _vocab_rows(table: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    per = -(-table.shape[0] // size)
-    part = table[rank * per:(rank + 1) * per]
-    if part.shape[0] < per:  # (the last rank's rows, padded: their logits are cut after the gather)
-        part = torch.cat([part, part.new_zeros(per - part.shape[0], *part.shape[1:])])
-    return part.contiguous()
+def _rows(w: Weight, start: int, count: int) -> Weight:
+    """Output rows start.. of `w`, in their own memory."""
+    return map_weight(torch.Tensor.contiguous, take_rows(w, slice(start, start + count)))
+
+
+def _cols(w: Weight, start: int, count: int) -> Weight:
+    """Input columns start.. of `w` (a row-parallel projection's part: per-row scales stay
+    whole, a group's scale and min go with its columns)."""
+    end = start + count
+    if isinstance(w, torch.Tensor):
+        return w[:, start:end].contiguous()
+    if isinstance(w, (Int8Weight, Fp8Weight)):
+        return type(w)(w.q[:, start:end].contiguous(), w.scale)
+    g = w.group
+    if start % g or count % g:
+        raise RequestError(f"tensor parallelism would cut a group of {g} quantized inputs: columns {start}..{end} "
+                           f"of a {w.shape[0]}x{w.shape[1]} matrix (expected each rank's heads and units to "
+                           f"span whole groups)", param="tensor_parallel_size")
+    return GroupedWeight(w.q[:, start:end].contiguous(), w.scale[:, start // g:end // g].contiguous(),
+                         w.min[:, start // g:end // g].contiguous(), w.bits)
+
+
+def _vocab_rows(table: Weight, rank: int, size: int) -> Weight:
+    vocab = table.shape[0]
+    per = -(-vocab // size)
+    count = max(0, min(per, vocab - rank * per))
+    # (the last rank's rows padded with zeros: their logits are cut after the gather)
+    return map_weight(lambda t: torch.cat([t, t.new_zeros(per - count, *t.shape[1:])]),
+                      _rows(table, rank * per, count))
 
 
 def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Params:
-    """Rank `rank`'s part of dense weights (`cfg`: the whole model's config)."""
+    """Rank `rank`'s part of the weights (`cfg`: the whole model's config), in their own
+    forms: dense, int8 or fp8 per row, GGUF groups, the CPU's packed blocks."""
     d, inter = cfg.head_dim, cfg.intermediate_size // size
     q_first, heads, kv_first, kv = rank_heads(cfg, rank, size)
+    k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
 
-    def qkv_rows(t: torch.Tensor) -> torch.Tensor:
-        q, k, v = t.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
-        return torch.cat([_rows(q, q_first * d, heads * d), _rows(k, kv_first * d, kv * d),
-                          _rows(v, kv_first * d, kv * d)])
+    def qkv_rows(w: Weight) -> Weight:
+        return concat_rows([_rows(w, q_first * d, heads * d), _rows(w, k0 + kv_first * d, kv * d),
+                            _rows(w, v0 + kv_first * d, kv * d)])
+
+    def gate_up_rows(w: Weight) -> Weight:
+        return concat_rows([_rows(w, rank * inter, inter), _rows(w, cfg.intermediate_size + rank * inter, inter)])
 
     def layer(lp: LayerParams) -> LayerParams:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            if not isinstance(getattr(lp, name), torch.Tensor):
-                raise RequestError(f"tensor parallelism needs dense weights here: {name} is "
-                                   f"{type(getattr(lp, name)).__name__}", param="tensor_parallel_size")
-        gate, up = lp.gate_up_proj.split(cfg.intermediate_size)
         return dataclasses.replace(
-            lp, qkv_proj=qkv_rows(lp.qkv_proj), qkv_bias=None if lp.qkv_bias is None else qkv_rows(lp.qkv_bias),
-            o_proj=lp.o_proj[:, q_first * d:(q_first + heads) * d].contiguous(),
-            gate_up_proj=torch.cat([_rows(gate, rank * inter, inter), _rows(up, rank * inter, inter)]),
-            down_proj=lp.down_proj[:, rank * inter:(rank + 1) * inter].contiguous())
+            lp, qkv_proj=_packed(lp.qkv_proj, qkv_rows),
+            qkv_bias=None if lp.qkv_bias is None else qkv_rows(lp.qkv_bias),
+            o_proj=_packed(lp.o_proj, lambda w: _cols(w, q_first * d, heads * d)),
+            gate_up_proj=_packed(lp.gate_up_proj, gate_up_rows),
+            down_proj=_packed(lp.down_proj, lambda w: _cols(w, rank * inter, inter)))
 
-    embed = _vocab_rows(params.embed, rank, size)
-    lm_head = embed if params.lm_head is params.embed else _vocab_rows(params.lm_head, rank, size)
+    def vocab(table: Weight) -> Weight:
+        return _packed(table, lambda w: _vocab_rows(w, rank, size))
+
+    embed = vocab(params.embed)
+    lm_head = embed if params.lm_head is params.embed else vocab(params.lm_head)
     return dataclasses.replace(params, embed=embed, lm_head=lm_head,
                                layers=tuple(layer(lp) for lp in params.layers))
 

@@ -16,7 +16,7 @@ from nanoinfer.loaders.quantize import quantize_params
 from nanoinfer.model import forward
 from nanoinfer.quantized import BlockWeight, GroupedWeight, Int4Weight
 from nanoinfer.sampling_params import SamplingParams
-from tests.tiny import random_params, tiny_config
+from tests.tiny import grouped, random_params, tiny_config
 
 BF16_ULP = 2.0**-7  # one bf16 rounding step, relative: sums taken in another order may flip one
 
@@ -34,13 +34,6 @@ def randn(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def grouped(w: torch.Tensor, bits: int) -> GroupedWeight:
-    """w rounded to asymmetric groups of 32 (each group's min and max on the grid)."""
-    g = w.float().unflatten(1, (-1, 32))
-    low, high = g.amin(-1), g.amax(-1)
-    scale = (high - low).clamp(min=1e-6) / (2**bits - 1)
-    q = torch.round((g - low[..., None]) / scale[..., None]).to(torch.uint8).flatten(1)
-    return GroupedWeight(q, scale, low, bits)
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])

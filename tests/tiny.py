@@ -7,6 +7,7 @@ import torch
 from nanoinfer.config import ModelConfig
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.model import LayerParams, Params
+from nanoinfer.quantized import GroupedWeight
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -15,6 +16,16 @@ def tiny_config(**overrides) -> ModelConfig:
                 max_position_embeddings=512, tie_word_embeddings=False)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def grouped(w: torch.Tensor, bits: int) -> GroupedWeight:
+    """w rounded to asymmetric groups of 32 (each group's min and max on the grid), as GGUF's
+    block formats hold a matrix."""
+    g = w.float().unflatten(1, (-1, 32))
+    low, high = g.amin(-1), g.amax(-1)
+    scale = (high - low).clamp(min=1e-6) / (2**bits - 1)
+    q = torch.round((g - low[..., None]) / scale[..., None]).to(torch.uint8).flatten(1)
+    return GroupedWeight(q, scale, low, bits)
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Params:
