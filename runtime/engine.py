@@ -132,12 +132,13 @@ class AsyncEngine:
         self._worker.start()
 
     async def shutdown(self) -> None:
-        """Abort what is in flight and stop the worker thread."""
-        if self._worker is None:
-            return
-        self.abort_all()
-        worker, self._worker = self._worker, None
-        await asyncio.to_thread(worker.stop)
+        """Abort what is in flight, stop the worker thread, and release the engine's other
+        processes (tensor-parallel ranks)."""
+        if self._worker is not None:
+            self.abort_all()
+            worker, self._worker = self._worker, None
+            await asyncio.to_thread(worker.stop)
+        self.core.close()
 
     @property
     def num_in_flight(self) -> int:

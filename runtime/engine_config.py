@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "keep computed prompt blocks and reuse them for requests that share "
                                                 "a prefix (a system prompt, a conversation's history)")
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
+    tensor_parallel_size: int = setting(1, "ranks the model's heads and units are split over, one process each "
+                                           "(gloo on the CPU, NCCL over GPUs; steps run eagerly)", minimum=1)
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
                                                   "CUDA)", optional=True)

@@ -193,6 +193,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._in_flight)
 
+    def close(self) -> None:
+        """Release what outlives a step loop: the other tensor-parallel ranks (idempotent)."""
+        self.runner.close()
+
     def stats(self) -> dict:
         return {
             "running": len(self.running),

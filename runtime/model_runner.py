@@ -10,12 +10,15 @@ the host without waiting: `InFlightStep.transfer.wait()` is the only place a ste
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from nanoinfer.batch import Batch
+from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
@@ -74,12 +77,34 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
         """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
         (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
+        self.tp = None
+        if config.tensor_parallel_size > 1:  # (the other ranks start now: runtime/tensor_parallel.py)
+            from runtime.tensor_parallel import TensorParallelRanks
+
+            if draft is not None:
+                raise RequestError("speculative decoding with a draft model does not run under tensor parallelism "
+                                   "yet: expected tensor_parallel_size=1 or an n-gram speculative_config",
+                                   param="tensor_parallel_size")
+            self.tp = TensorParallelRanks(model.config, model.params, config.tensor_parallel_size)
+        try:
+            self._init(model, config, max_model_len, draft)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None) -> None:
+        if self.tp is not None:  # rank 0's heads and units, with the collectives that join the ranks
+            local_cfg, local_params = self.tp.local(model.params)
+            model = dataclasses.replace(model, config=local_cfg, params=local_params)
         cfg, dtype = model.config, kv_dtype(model.params.dtype, config.kv_cache_dtype)
         self.model, self.config, self.cfg = model, config, cfg
         self.device = model.params.device
         self.block_size = config.block_size
-        kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager, params=model.params,
-                              kv_dtype=dtype)
+        # (Tensor-parallel CUDA steps run eagerly: no graphs around the NCCL collectives yet.)
+        eager = config.enforce_eager or self.tp is not None and self.device.type == "cuda"
+        kernels = kernels_for(cfg, self.device, config.block_size, eager=eager, params=model.params, kv_dtype=dtype)
+        if self.tp is not None:
+            kernels = kernels._replace(layer_fns=self.tp.layer_functions(kernels.layer_fns))
         self.kernels, self.attention = kernels, kernels.attention
         prepare(kernels, model.params, cfg.vocab_size)
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
@@ -88,6 +113,10 @@ class ModelRunner:
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
                                                                     lambda: self.attention)
         self.num_cpu_blocks = config.swap_space // per_block
+        if self.tp is not None:
+            from runtime.tensor_parallel import RankSetup
+
+            self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, config.block_size, dtype, eager))
         self.kv = allocate_kv_pool(cfg, self.num_blocks, config.block_size, dtype, self.device)
         # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
         self.cpu_kv = allocate_kv_pool(cfg, self.num_cpu_blocks, config.block_size, dtype, "cpu")
@@ -116,18 +145,26 @@ class ModelRunner:
 
     def copy_blocks(self, copies) -> None:
         copy_blocks(self.kv, copies)
-        if self.draft is not None:
-            self.draft.copy_blocks(copies)
+        for other in (self.draft, self.tp):
+            if other is not None:
+                other.copy_blocks(copies)
 
     def swap_out(self, copies) -> None:
         swap_blocks(self.kv, self.cpu_kv, copies)
-        if self.draft is not None:
-            self.draft.swap_out(copies)
+        for other in (self.draft, self.tp):
+            if other is not None:
+                other.swap_out(copies)
 
     def swap_in(self, copies) -> None:
         swap_blocks(self.cpu_kv, self.kv, copies)
-        if self.draft is not None:
-            self.draft.swap_in(copies)
+        for other in (self.draft, self.tp):
+            if other is not None:
+                other.swap_in(copies)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -202,6 +239,8 @@ class ModelRunner:
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
     def _eager_forward(self, batch: Batch) -> ForwardOutput:
+        if self.tp is not None:
+            self.tp.forward(batch)
         k = self.kernels
         logits = forward(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
         return ForwardOutput(logits, *greedy_and_finite(logits))

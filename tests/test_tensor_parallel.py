@@ -7,6 +7,7 @@ model as one rank is; and for the default model, exact and packed."""
 
 import dataclasses
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,3 +213,109 @@ def test_default_model_over_two_ranks(smollm2_gguf, tmp_path):
     # them are as close to the exact weights' logits as one is.
     one, two = (ref_packed - ref).abs().max().item(), (got_packed.float() - ref).abs().max().item()
     assert 0 < two <= 1.5 * one
+
+
+# -- the engine over two ranks (runtime/tensor_parallel.py) ---------------------------------------
+
+def engine_outputs(model, prompts, params, **config):
+    """Every sequence's tokens, greedy, from an EngineCore with `config`; its ranks are gone
+    after close."""
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
+
+    core = EngineCore(model, engine_config(**config))
+    try:
+        for prompt in prompts:
+            core.add_request(prompt, params)
+        outs: dict[int, list[int]] = {}
+        while core.has_unfinished():
+            for out in core.step():
+                outs.setdefault(out.seq.seq_id, []).append(out.token_id)
+        stats = core.stats()
+    finally:
+        core.close()
+    procs = core.runner.tp.procs if core.runner.tp is not None else []
+    assert not any(p.is_alive() for p in procs)
+    return sorted(outs.items()), stats
+
+
+@pytest.mark.parametrize("case", ["roomy", "preempting-swap", "preempting-recompute"])
+def test_engine_over_two_ranks_emits_what_one_rank_does(case):
+    """Greedy tokens of an engine whose model is split over two processes (9 query heads over 3
+    KV heads: 3 + 6) equal one process's, with forks sharing blocks (copy-on-write copies)
+    and, in a pool too small for the batch, preemption by swap (block swaps on every rank) or
+    by recompute."""
+    from nanoinfer.loaders import LoadedModel
+    from nanoinfer.sampling import SamplingParams
+
+    cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72)
+    model = LoadedModel(cfg, random_params(cfg, seed=3), None, Path("tiny"))
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9] * 11, [10, 11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, n=2 if case == "roomy" else 1,
+                            seed=1, top_k=2 if case == "roomy" else 0)
+    config = {"roomy": dict(num_blocks=64),
+              "preempting-swap": dict(num_blocks=12, preemption_mode="swap", swap_space=1 << 20),
+              "preempting-recompute": dict(num_blocks=12)}[case]
+    one, stats_one = engine_outputs(model, prompts, params, block_size=4, **config)
+    two, stats_two = engine_outputs(model, prompts, params, block_size=4, tensor_parallel_size=2, **config)
+    assert two == one
+    assert stats_two["num_preemptions"] == stats_one["num_preemptions"]
+    assert (stats_one["num_preemptions"] > 0) == (case != "roomy")
+
+
+def test_engine_tensor_parallel_errors_are_named():
+    from nanoinfer.loaders import LoadedModel
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
+
+    cfg = tiny_config()
+    model = LoadedModel(cfg, random_params(cfg), None, Path("tiny"))
+    with pytest.raises(RequestError, match="intermediate_size=48 is not divisible by tensor_parallel_size=5"):
+        EngineCore(model, engine_config(num_blocks=16, tensor_parallel_size=5))
+    with pytest.raises(RequestError, match="tensor_parallel_size=0 is invalid"):
+        engine_config(tensor_parallel_size=0)
+    with pytest.raises(RequestError, match="draft model does not run under tensor parallelism"):
+        EngineCore(model, engine_config(num_blocks=16, tensor_parallel_size=2,
+                                        speculative_config={"model": "d", "num_speculative_tokens": 2}),
+                   draft_model=model)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["exact", "packed"])
+def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtype):
+    """The offline facade, SmolLM2-135M split 3 + 6 heads: the same greedy text as one rank, in
+    fp32 and with its Q4_1 matrices packed for the CPU's fused layers (the default)."""
+    from nanoinfer import LLM
+    from nanoinfer.sampling import SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    runs = []
+    for size in (1, 2):
+        with LLM(smollm2_gguf, device="cpu", dtype=dtype, progress=False, num_blocks=64,
+                 tensor_parallel_size=size) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16),
+                                                            use_tqdm=False)])
+    if dtype == "float32":
+        assert runs[0] == runs[1]
+        return
+    # Packed, each rank rounds its partial sums to bf16 (one rank rounds the whole sum once):
+    # a near-tie may flip late in a generation, never early.
+    for one, two in zip(*runs):
+        same = next((i for i, (a, b) in enumerate(zip(one, two)) if a != b), len(one))
+        assert same >= len(one) // 2, (one, two)
+
+
+def test_server_streams_over_two_ranks(tiny_chat_model):
+    """A streamed chat through the server with the model over two ranks: the text of one."""
+    from openai import OpenAI
+
+    from tests.live_server import LiveServer
+
+    messages = [{"role": "user", "content": "one two three"}]
+    texts = []
+    for size in (1, 2):
+        with LiveServer(tiny_chat_model, engine_kw={"tensor_parallel_size": size}) as server:
+            client = OpenAI(base_url=server.url + "/v1", api_key="none")
+            stream = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=24,
+                                                    temperature=0, stream=True)
+            texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    assert texts[0] == texts[1] and texts[0]

@@ -1,0 +1,177 @@
+"""Tensor-parallel ranks for the engine: worker processes that run each forward beside rank 0.
+
+The engine stays one process (rank 0: scheduler, sampler, its own shard of the model). For
+`tensor_parallel_size` N it spawns ranks 1..N-1, one process each; every rank holds its shard
+of the weights (nanoinfer/tensor_parallel.py) and a KV pool of its own heads, indexed by
+rank 0's block tables. Rank 0 tells the others what to do, in the order it does it:
+
+- `forward`: before each of its forwards, the step's Batch (a header with the shapes over
+  the control group, then the tensors by broadcast). Every rank runs the same forward, so
+  their collectives (an all-reduce after each row-parallel projection, the vocab-parallel
+  embedding, the gathered logits) meet; only rank 0 samples.
+- `copy`, `swap_out`, `swap_in`: the block copies of copy-on-write and preemption.
+- `stop`: at close; the ranks leave their loop and exit (they are daemons besides, so they
+  never outlive the engine's process).
+
+Ranks take the weights from rank 0 (shared memory on the CPU) and shard them themselves.
+The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
+the control messages. The default process group is the process's: one tensor-parallel engine
+per process at a time. Steps run eagerly (no CUDA graphs yet).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import tempfile
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanoinfer.batch import Batch
+from nanoinfer.config import ModelConfig
+from nanoinfer.kernels import kernels_for
+from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
+from nanoinfer.model import Params, forward, map_params
+from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
+
+log = logging.getLogger("nanoinfer.tensor_parallel")
+
+# Long enough for the slowest step (a long CPU prefill); a rank that died ends the others then.
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class RankSetup(NamedTuple):
+    """What a rank needs besides the weights, sent once rank 0 has sized its KV pool."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    kv_dtype: torch.dtype
+    eager: bool  # kernels_for's: the CPU's fused layers or not (CUDA ranks run eagerly for now)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class TensorParallelRanks:
+    """Rank 0's side: spawns the other ranks, joins them in a process group, and sends them
+    each step's work."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, size: int):
+        check_shardable(cfg, size)
+        self.cfg, self.size = cfg, size
+        device = params.device
+        self._init_file = tempfile.NamedTemporaryFile(prefix="nanoinfer-tp-", delete=False).name
+        os.unlink(self._init_file)  # (the rendezvous creates it)
+        init = f"file://{self._init_file}"
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_rank_main, args=(rank, size, init, cfg, params), daemon=True,
+                                  name=f"nanoinfer-tp-rank{rank}") for rank in range(1, size)]
+        for p in self.procs:
+            p.start()
+        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=TIMEOUT)
+        self.control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
+        self.shard = Shard(0, size)
+        self.closed = False
+
+    def local(self, params: Params) -> tuple[ModelConfig, Params]:
+        """Rank 0's view of the model and its part of the weights."""
+        return shard_config(self.cfg, 0, self.size), shard_params(params, self.cfg, 0, self.size)
+
+    def layer_functions(self, base):
+        return layer_functions(base, self.shard, self.cfg.vocab_size)
+
+    def setup(self, setup: RankSetup) -> None:
+        self._send(("setup", setup))
+
+    def forward(self, batch: Batch) -> None:
+        """Before rank 0's own forward over `batch`: the other ranks receive it and start theirs."""
+        tensors = [t.contiguous() for t in batch]
+        self._send(("forward", [(tuple(t.shape), t.dtype) for t in tensors]))
+        for t in tensors:
+            dist.broadcast(t, src=0)
+
+    def copy_blocks(self, copies) -> None:
+        self._send(("copy", copies))
+
+    def swap_out(self, copies) -> None:
+        self._send(("swap_out", copies))
+
+    def swap_in(self, copies) -> None:
+        self._send(("swap_in", copies))
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send(("stop", None))
+        finally:
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()
+            if os.path.exists(self._init_file):
+                os.unlink(self._init_file)
+
+    def _send(self, message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+
+def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params) -> None:
+    """Rank `rank`'s process: its shard, its KV pool, then rank 0's orders until `stop`."""
+    device = _rank_device(params.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
+
+    def receive():
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        return message[0]
+
+    try:
+        local = shard_config(cfg, rank, size)
+        shard = shard_params(params, cfg, rank, size)
+        del params  # (rank 0's whole weights: only the shard stays)
+        shard = map_params(lambda t: t.to(device), shard)
+        _, setup = receive()
+        kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=shard,
+                              kv_dtype=setup.kv_dtype)
+        fns = layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size)
+        kv = allocate_kv_pool(local, setup.num_blocks, setup.block_size, setup.kv_dtype, device)
+        cpu_kv = allocate_kv_pool(local, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, "cpu")
+        with torch.inference_mode():
+            while True:
+                kind, body = receive()
+                if kind == "stop":
+                    break
+                if kind == "forward":
+                    batch = Batch(*(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in body))
+                    for t in batch:
+                        dist.broadcast(t, src=0)
+                    forward(shard, kv, batch, local, kernels.attention, fns, logits_dtype=None)
+                elif kind == "copy":
+                    copy_blocks(kv, body)
+                elif kind == "swap_out":
+                    swap_blocks(kv, cpu_kv, body)
+                elif kind == "swap_in":
+                    swap_blocks(cpu_kv, kv, body)
+    except Exception:  # noqa: BLE001 - reported; rank 0's next collective then times out
+        log.exception("tensor-parallel rank %d failed", rank)
+        raise
+    finally:
+        dist.destroy_process_group()
