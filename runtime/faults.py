@@ -34,7 +34,13 @@ class Fault(enum.Enum):
     ERROR = "error"  # anything else: a bug, or bad data one request brought
 
 
+class RankLost(RuntimeError):
+    """A tensor-parallel rank's process is gone: the model is incomplete, nothing can run."""
+
+
 def classify(exc: BaseException) -> Fault:
+    if isinstance(exc, RankLost):
+        return Fault.FATAL
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return Fault.OUT_OF_MEMORY
     message = str(exc)

@@ -10,8 +10,10 @@ rank 0's block tables. Rank 0 tells the others what to do, in the order it does 
   their collectives (an all-reduce after each row-parallel projection, the vocab-parallel
   embedding, the gathered logits) meet; only rank 0 samples.
 - `copy`, `swap_out`, `swap_in`: the block copies of copy-on-write and preemption.
-- `stop`: at close; the ranks leave their loop and exit (they are daemons besides, so they
-  never outlive the engine's process).
+- `stop`: at close; the ranks leave their loop and exit. They are daemons, and each watches
+  its parent besides: none outlives the engine's process, however it ends. A rank that exits
+  on its own fails the engine (RankLost, fatal) at the next message rather than at a
+  collective's timeout.
 
 Ranks take the weights from rank 0 (shared memory on the CPU) and shard them themselves.
 The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
@@ -25,6 +27,8 @@ import datetime
 import logging
 import os
 import tempfile
+import threading
+import time
 from typing import NamedTuple
 
 import torch
@@ -37,6 +41,7 @@ from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
+from runtime.faults import RankLost
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
 
@@ -74,7 +79,7 @@ class TensorParallelRanks:
         os.unlink(self._init_file)  # (the rendezvous creates it)
         init = f"file://{self._init_file}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_rank_main, args=(rank, size, init, cfg, params), daemon=True,
+        self.procs = [ctx.Process(target=_rank_main, args=(rank, size, init, cfg, params, os.getpid()), daemon=True,
                                   name=f"nanoinfer-tp-rank{rank}") for rank in range(1, size)]
         for p in self.procs:
             p.start()
@@ -116,6 +121,8 @@ class TensorParallelRanks:
         self.closed = True
         try:
             self._send(("stop", None))
+        except Exception:  # noqa: BLE001 - a rank already gone: the others are stopped below
+            log.warning("stopping the tensor-parallel ranks: a rank was already gone")
         finally:
             for p in self.procs:
                 p.join(timeout=30)
@@ -126,11 +133,25 @@ class TensorParallelRanks:
                 os.unlink(self._init_file)
 
     def _send(self, message) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():  # (a collective with it would wait for the timeout)
+                raise RankLost(f"tensor-parallel rank {rank} exited (code {p.exitcode}): the engine cannot "
+                               f"run the model without it")
         dist.broadcast_object_list([message], src=0, group=self.control)
 
 
-def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose engine process died (SIGKILL, SIGTERM without cleanup) exits too. Inside a
+    collective gloo notices the closed peer by itself; this covers the rest (the rendezvous
+    of a start that the engine did not live through would wait for its timeout)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params, parent: int) -> None:
     """Rank `rank`'s process: its shard, its KV pool, then rank 0's orders until `stop`."""
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     device = _rank_device(params.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

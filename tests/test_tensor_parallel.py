@@ -319,3 +319,75 @@ def test_server_streams_over_two_ranks(tiny_chat_model):
                                                     temperature=0, stream=True)
             texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
     assert texts[0] == texts[1] and texts[0]
+
+
+def tiny_split_model():
+    from nanoinfer.loaders import LoadedModel
+
+    cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72)
+    return LoadedModel(cfg, random_params(cfg, seed=3), None, Path("tiny"))
+
+
+def test_a_lost_rank_fails_the_engine_with_a_clear_error():
+    from nanoinfer.sampling import SamplingParams
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore, EngineDead
+
+    core = EngineCore(tiny_split_model(), engine_config(num_blocks=32, block_size=4, tensor_parallel_size=2))
+    try:
+        core.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        core.step()
+        rank1 = core.runner.tp.procs[0]
+        rank1.kill()
+        rank1.join()
+        with pytest.raises(EngineDead, match="tensor-parallel rank 1 exited"):
+            for _ in range(5):
+                core.step()
+    finally:
+        core.close()  # (no hang with a rank gone)
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tests.test_tensor_parallel import tiny_split_model
+from runtime.engine import engine_config
+from runtime.engine_core import EngineCore
+if __name__ == "__main__":
+    core = EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
+    print(*(p.pid for p in core.runner.tp.procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_no_rank_outlives_a_killed_engine(tmp_path):
+    """SIGKILL leaves no cleanup to the engine's process: its ranks notice and exit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "engine.py"
+    script.write_text(ORPHAN_SCRIPT.format(root=str(Path(__file__).parent.parent)))
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(pid) for pid in engine.stdout.readline().split()]
+        assert ranks and all(running(pid) for pid in ranks)
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        deadline = time.monotonic() + 15
+        while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(running(pid) for pid in ranks)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+
+
+def running(pid: int) -> bool:
+    """A live process (a zombie, exited but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
