@@ -198,10 +198,32 @@ def _chat(args) -> int:
             history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _tensor_parallel_rank(args) -> int:
+    """A rank other than 0 of a torchrun launch: the same command line, but this process only
+    computes its shard of each step that rank 0 (the engine) sends (runtime/tensor_parallel.py)."""
+    import os
+
+    import torch
+
+    from nanoinfer.loaders import load_model
+    from runtime.tensor_parallel import serve_rank
+
+    kwargs = _load_kwargs(args)
+    if kwargs["device"] in ("auto", "cuda") and torch.cuda.is_available():
+        kwargs["device"] = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    model = load_model(args.model, progress=False, **kwargs)
+    serve_rank(model.config, model.params)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     handlers = {"generate": _generate, "serve": _serve, "chat": _chat}
     try:
         args = parse_args(argv)
+        from runtime.tensor_parallel import launched_rank
+
+        if (launched_rank() or (0, 1))[0] > 0:
+            return _tensor_parallel_rank(args)
         return handlers[args.command](args)
     except NanoInferError as exc:
         print(f"nanoinfer: error: {exc}", file=sys.stderr)

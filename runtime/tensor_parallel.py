@@ -16,6 +16,8 @@ rank 0's block tables. Rank 0 tells the others what to do, in the order it does 
   collective's timeout.
 
 Ranks take the weights from rank 0 (shared memory on the CPU) and shard them themselves.
+Across hosts, torchrun starts every rank instead (each loads the model itself: `serve_rank`),
+and they meet at its rendezvous (env://).
 The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
 the control messages. The default process group is the process's: one tensor-parallel engine
 per process at a time. Steps run eagerly (no CUDA graphs yet).
@@ -41,6 +43,7 @@ from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
+from nanoinfer.errors import RequestError
 from runtime.faults import RankLost
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
@@ -75,14 +78,24 @@ class TensorParallelRanks:
         check_shardable(cfg, size)
         self.cfg, self.size = cfg, size
         device = params.device
-        self._init_file = tempfile.NamedTemporaryFile(prefix="nanoinfer-tp-", delete=False).name
-        os.unlink(self._init_file)  # (the rendezvous creates it)
-        init = f"file://{self._init_file}"
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_rank_main, args=(rank, size, init, cfg, params, os.getpid()), daemon=True,
-                                  name=f"nanoinfer-tp-rank{rank}") for rank in range(1, size)]
-        for p in self.procs:
-            p.start()
+        self._init_file, self.procs = None, []
+        launched = launched_rank()
+        if launched is not None:  # torchrun started every rank: they meet at its rendezvous
+            if launched != (0, size):
+                raise RequestError(f"tensor_parallel_size={size}, but torchrun started this process as rank "
+                                   f"{launched[0]} of {launched[1]} (RANK, WORLD_SIZE): expected rank 0 of {size}",
+                                   param="tensor_parallel_size")
+            init = "env://"
+        else:
+            self._init_file = tempfile.NamedTemporaryFile(prefix="nanoinfer-tp-", delete=False).name
+            os.unlink(self._init_file)  # (the rendezvous creates it)
+            init = f"file://{self._init_file}"
+            ctx = mp.get_context("spawn")
+            self.procs = [ctx.Process(target=_rank_main, name=f"nanoinfer-tp-rank{rank}", daemon=True,
+                                      args=(rank, size, init, cfg, params, _rank_device(device, rank), os.getpid()))
+                          for rank in range(1, size)]
+            for p in self.procs:
+                p.start()
         dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=TIMEOUT)
         self.control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
         self.shard = Shard(0, size)
@@ -129,7 +142,7 @@ class TensorParallelRanks:
                 if p.is_alive():
                     p.kill()
             dist.destroy_process_group()
-            if os.path.exists(self._init_file):
+            if self._init_file is not None and os.path.exists(self._init_file):
                 os.unlink(self._init_file)
 
     def _send(self, message) -> None:
@@ -149,10 +162,25 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params, parent: int) -> None:
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun started this process (its RANK and WORLD_SIZE)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def serve_rank(cfg: ModelConfig, params: Params) -> None:
+    """What a rank other than 0 that torchrun started does: rank 0's orders until `stop`
+    (`params`: the whole model, loaded by this process on its device)."""
+    rank, size = launched_rank()
+    _rank_main(rank, size, "env://", cfg, params, params.device, None)
+
+
+def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params, device: torch.device,
+               parent: int | None) -> None:
     """Rank `rank`'s process: its shard, its KV pool, then rank 0's orders until `stop`."""
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
-    device = _rank_device(params.device, rank)
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))

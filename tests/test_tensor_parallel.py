@@ -391,3 +391,21 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_torchrun_starts_the_ranks(smollm2_gguf):
+    """`torchrun --nproc-per-node 2 -m runtime.cli generate ... --tensor-parallel-size 2`: every
+    rank runs the command line, rank 0 the engine; the text is one process's."""
+    import subprocess
+    import sys
+
+    flags = ["generate", "The capital of France is", "--model", str(smollm2_gguf), "--device", "cpu",
+             "--dtype", "float32", "--max-tokens", "12", "--temperature", "0"]
+    root = Path(__file__).parent.parent
+    one = subprocess.run([sys.executable, "-m", "runtime.cli", *flags], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "runtime.cli", *flags, "--tensor-parallel-size", "2"], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
