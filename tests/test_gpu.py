@@ -511,3 +511,31 @@ def test_speculative_decoding_on_cuda_agrees_up_to_near_ties(hf_and_ours, method
             continue
         i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         assert theirs[i] in [t for t, _ in our_lp[i].top] and ours[i] in [t for t, _ in their_lp[i].top]
+
+
+# --- tensor parallelism (issue 15) -----------------------------------------------------------------
+
+def test_tensor_parallel_world_of_one_over_nccl():
+    """The engine's tensor-parallel path on one GPU: NCCL world of one, the gloo control group,
+    the batch broadcast, the sharded forward's collectives; its logits are the plain forward's."""
+    from nanoinfer.batch import SeqChunk, build_batch
+    from nanoinfer.kv_cache import allocate_kv_pool
+    from nanoinfer.model import EAGER, forward, map_params
+    from runtime.tensor_parallel import RankSetup, TensorParallelRanks
+    from tests.tiny import random_params, tiny_config
+
+    cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72)
+    params = map_params(lambda t: t.cuda(), random_params(cfg, seed=3))
+    ranks = TensorParallelRanks(cfg, params, 1)
+    try:
+        local_cfg, local = ranks.local(params)
+        ranks.setup(RankSetup(8, 0, 4, torch.float32, True))
+        batch = build_batch([SeqChunk([3, 14, 15, 92, 65], 0, [0, 1], True)], 4, "cuda")
+        ranks.forward(batch)
+        ranks.copy_blocks([(0, 1)])
+        ours = forward(local, allocate_kv_pool(local_cfg, 8, 4, torch.float32, "cuda"), batch, local_cfg,
+                       layer_fns=ranks.layer_functions(EAGER))
+    finally:
+        ranks.close()
+    ref = forward(params, allocate_kv_pool(cfg, 8, 4, torch.float32, "cuda"), batch, cfg)
+    assert torch.equal(ours, ref)
