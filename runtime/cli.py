@@ -1,5 +1,5 @@
 """The `nanoinfer` command line: generate (stream one completion), serve (the OpenAI-compatible
-server) and chat (an interactive terminal chat).
+server), chat (an interactive terminal chat) and eval (perplexity of a text).
 
 Engine and server flags come from their settings dataclasses (nanoinfer/settings.py): the
 flag, the keyword argument and the check are one declaration. `--config FILE` (JSON or YAML,
@@ -89,7 +89,18 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_args(chat, temperature=0.7)
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     _engine_args(chat)
-    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat}
+
+    evaluate = commands.add_parser("eval", help="numbers about a model", formatter_class=_HelpFormatter)
+    tasks = evaluate.add_subparsers(dest="task", required=True)
+    ppl = tasks.add_parser("perplexity", help="perplexity and bits per byte of a text file (sliding window)",
+                           formatter_class=_HelpFormatter)
+    ppl.add_argument("text_file", help="a UTF-8 text file")
+    ppl.add_argument("--context", type=int, default=1024, help="tokens per window")
+    ppl.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: context / 2)")
+    ppl.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
+    _model_args(ppl)
+    _engine_args(ppl)
+    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat, "eval": {"perplexity": ppl}}
     return parser
 
 
@@ -106,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "config", None):
         sub = parser.subcommands[args.command]
+        sub = sub[args.task] if isinstance(sub, dict) else sub
         valid = {a.dest for a in sub._actions if a.dest not in ("help", "config", "prompt")}
         sub.set_defaults(**parse_config_file(args.config, valid))
         args = parser.parse_args(argv)
@@ -150,6 +162,28 @@ def _serve(args) -> int:
     check_port_free(config.host, config.port)
     engine = AsyncEngine.from_model(args.model, **_load_kwargs(args), **_engine_kwargs(args))
     serve(engine, config)
+    return 0
+
+
+def _eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from runtime.eval.perplexity import perplexity
+
+    path = Path(args.text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(f"cannot read the text file {str(path)!r}: {exc}", param="text_file") from exc
+    with _llm(args) as llm:
+        ids = llm.tokenizer.encode(text, add_special_tokens=True)
+        result = perplexity(llm, ids, context=args.context, stride=args.stride or max(1, args.context // 2),
+                            num_bytes=len(text.encode("utf-8")), use_tqdm=True)
+    print(f"{'perplexity':<15}{result.perplexity:.4f}\n{'bits per byte':<15}{result.bits_per_byte:.4f}\n"
+          f"{'tokens scored':<15}{result.tokens}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result._asdict(), indent=2) + "\n")
     return 0
 
 
@@ -217,7 +251,7 @@ def _tensor_parallel_rank(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    handlers = {"generate": _generate, "serve": _serve, "chat": _chat}
+    handlers = {"generate": _generate, "serve": _serve, "chat": _chat, "eval": _eval}
     try:
         args = parse_args(argv)
         from runtime.tensor_parallel import launched_rank
