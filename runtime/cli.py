@@ -1,5 +1,6 @@
 """The `nanoinfer` command line: generate (stream one completion), serve (the OpenAI-compatible
-server), chat (an interactive terminal chat) and eval (perplexity of a text).
+server), chat (an interactive terminal chat) and eval (perplexity of a text, accuracy on a
+CORE-format task).
 
 Engine and server flags come from their settings dataclasses (nanoinfer/settings.py): the
 flag, the keyword argument and the check are one declaration. `--config FILE` (JSON or YAML,
@@ -100,7 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     ppl.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
     _model_args(ppl)
     _engine_args(ppl)
-    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat, "eval": {"perplexity": ppl}}
+    choice = tasks.add_parser("choice", help="accuracy on a CORE-format task (JSONL) by continuation likelihood",
+                              formatter_class=_HelpFormatter)
+    choice.add_argument("task_file", help="JSONL, one item per line (runtime/eval/choice.py says the fields)")
+    choice.add_argument("--task-type", default="multiple_choice", help="multiple_choice, schema or language_modeling")
+    choice.add_argument("--shots", type=int, default=0, help="few-shot examples before each item")
+    choice.add_argument("--delimiter", default=" ", help="between a context and its continuation")
+    choice.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
+    _model_args(choice)
+    _engine_args(choice)
+    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat, "eval": {"perplexity": ppl, "choice": choice}}
     return parser
 
 
@@ -165,23 +175,42 @@ def _serve(args) -> int:
     return 0
 
 
+def _read(path: str, param: str) -> str:
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(f"cannot read {path!r}: {exc}", param=param) from exc
+
+
 def _eval(args) -> int:
     import json
     from pathlib import Path
 
-    from runtime.eval.perplexity import perplexity
+    if args.task == "perplexity":
+        from runtime.eval.perplexity import perplexity
 
-    path = Path(args.text_file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RequestError(f"cannot read the text file {str(path)!r}: {exc}", param="text_file") from exc
-    with _llm(args) as llm:
-        ids = llm.tokenizer.encode(text, add_special_tokens=True)
-        result = perplexity(llm, ids, context=args.context, stride=args.stride or max(1, args.context // 2),
-                            num_bytes=len(text.encode("utf-8")), use_tqdm=True)
-    print(f"{'perplexity':<15}{result.perplexity:.4f}\n{'bits per byte':<15}{result.bits_per_byte:.4f}\n"
-          f"{'tokens scored':<15}{result.tokens}")
+        text = _read(args.text_file, "text_file")
+        with _llm(args) as llm:
+            ids = llm.tokenizer.encode(text, add_special_tokens=True)
+            result = perplexity(llm, ids, context=args.context, stride=args.stride or max(1, args.context // 2),
+                                num_bytes=len(text.encode("utf-8")), use_tqdm=True)
+        print(f"{'perplexity':<15}{result.perplexity:.4f}\n{'bits per byte':<15}{result.bits_per_byte:.4f}\n"
+              f"{'tokens scored':<15}{result.tokens}")
+    else:
+        from runtime.eval.choice import evaluate
+
+        lines = [line for line in _read(args.task_file, "task_file").splitlines() if line.strip()]
+        try:
+            items = [json.loads(line) for line in lines]
+        except ValueError as exc:
+            raise RequestError(f"{args.task_file!r} is not JSONL (one JSON object per line): {exc}",
+                               param="task_file") from exc
+        with _llm(args) as llm:
+            result, _ = evaluate(llm, items, args.task_type, delimiter=args.delimiter, shots=args.shots,
+                                 use_tqdm=True)
+        print(f"{'accuracy':<10}{result.accuracy:.4f}\n{'items':<10}{result.n}")
     if args.json:
         Path(args.json).write_text(json.dumps(result._asdict(), indent=2) + "\n")
     return 0

@@ -70,3 +70,87 @@ def test_cli_prints_and_writes_perplexity(smollm2_gguf, tmp_path, capsys):
     assert 0 < numbers["bits_per_byte"] < numbers["nll"] / math.log(2)
     assert f"{numbers['perplexity']:.4f}" in capsys.readouterr().out
     assert main(["eval", "perplexity", str(tmp_path / "missing.txt"), "--model", str(smollm2_gguf)]) == 2
+
+
+# -- eval choice: accuracy by continuation likelihood -------------------------------------------
+
+MC = [{"query": "The capital of France is", "choices": ["Paris", "a banana", "the moon"], "gold": 0},
+      {"query": "Two plus two equals", "choices": ["four", "purple", "Tuesday"], "gold": 0},
+      {"query": "The opposite of hot is", "choices": ["cold", "seven", "a chair"], "gold": 0},
+      {"query": "Water freezes at zero degrees", "choices": ["Celsius", "banana", "elephants"], "gold": 0}]
+SCHEMA = [{"context_options": ["The sun is hot.", "The sun is a sandwich."], "continuation": "It gives us light.",
+           "gold": 0},
+          {"context_options": ["Fish live in water.", "Fish live in the sky."], "continuation": "They swim.",
+           "gold": 0}]
+LM = [{"context": "The capital of France is", "continuation": "Paris"},
+      {"context": "The capital of France is", "continuation": "banana bread"},
+      {"context": "One, two, three, four,", "continuation": "five"}]
+
+
+def reference(model, scored):
+    """Per prompt: mean loss over its span and whether greedy predicts every span token, from one
+    plain forward over the whole prompt (no engine, no batching with other prompts)."""
+    from nanoinfer.batch import SeqChunk, build_batch
+    from nanoinfer.kv_cache import allocate_kv_pool
+    from nanoinfer.model import forward
+
+    out = []
+    for tokens, (start, end) in zip(scored.tokens, scored.spans):
+        blocks = -(-len(tokens) // 16)
+        kv = allocate_kv_pool(model.config, blocks, 16, torch.float32, "cpu")
+        batch = build_batch([SeqChunk(tokens, 0, list(range(blocks)), True)], 16, logits_rows=range(len(tokens)))
+        with torch.inference_mode():
+            logprobs = forward(model.params, kv, batch, model.config).log_softmax(-1)
+        rows = range(start - 1, end - 1)
+        out.append((-sum(logprobs[r, tokens[r + 1]].item() for r in rows) / (end - start),
+                    all(logprobs[r].argmax().item() == tokens[r + 1] for r in rows)))
+    return out
+
+
+@pytest.mark.parametrize("task_type, items, shots", [("multiple_choice", MC, 1), ("schema", SCHEMA, 0),
+                                                      ("language_modeling", LM, 1)])
+def test_choice_accuracy_is_the_models_preference(smollm2_gguf, task_type, items, shots):
+    """The answer each item gets is the one a plain forward prefers; with golds forced to it the
+    accuracy is 1, with golds forced off it 0."""
+    from nanoinfer import LLM
+    from runtime.eval.choice import evaluate, prepare
+
+    with LLM(smollm2_gguf, device="cpu", dtype="float32", progress=False, num_blocks=256) as llm:
+        scored = prepare(items, task_type, lambda t: llm.tokenizer.encode(t, add_special_tokens=True), shots=shots)
+        refs = [reference(llm.model, s) for s in scored]
+        if task_type == "language_modeling":
+            acc, right = evaluate(llm, items, task_type, shots=shots)
+            assert right == [r[0][1] for r in refs] and any(right) and not all(right)
+            assert acc.accuracy == sum(right) / len(items) and acc.n == len(items)
+            return
+        best = [min(range(len(r)), key=lambda i: r[i][0]) for r in refs]
+        forced = [item | {"gold": b} for item, b in zip(items, best)]
+        assert evaluate(llm, forced, task_type, shots=shots)[0].accuracy == 1.0
+        off = [item | {"gold": (b + 1) % len(r)} for item, b, r in zip(items, best, refs)]
+        assert evaluate(llm, off, task_type, shots=shots)[0].accuracy == 0.0
+
+
+def test_choice_task_errors_are_named():
+    from runtime.eval.choice import check_items
+
+    with pytest.raises(RequestError, match="task_type='mc' is invalid"):
+        check_items(MC, "mc")
+    with pytest.raises(RequestError, match="item 1 has no 'gold'"):
+        check_items([MC[0], {"query": "q", "choices": ["a"]}], "multiple_choice")
+    with pytest.raises(RequestError, match="no items"):
+        check_items([], "schema")
+
+
+def test_cli_choice(smollm2_gguf, tmp_path, capsys):
+    from runtime.cli import main
+
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps(item) for item in MC) + "\n")
+    out = tmp_path / "acc.json"
+    assert main(["eval", "choice", str(task), "--model", str(smollm2_gguf), "--device", "cpu", "--shots", "1",
+                 "--num-blocks", "256", "--json", str(out)]) == 0
+    numbers = json.loads(out.read_text())
+    assert numbers["n"] == 4 and 0 <= numbers["accuracy"] <= 1
+    assert f"{numbers['accuracy']:.4f}" in capsys.readouterr().out
+    task.write_text("{not json\n")
+    assert main(["eval", "choice", str(task), "--model", str(smollm2_gguf)]) == 2
