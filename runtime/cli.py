@@ -1,6 +1,6 @@
 """The `nanoinfer` command line: generate (stream one completion), serve (the OpenAI-compatible
 server), chat (an interactive terminal chat) and eval (perplexity of a text, accuracy on a
-CORE-format task).
+CORE-format task, generated answers scored against references).
 
 Engine and server flags come from their settings dataclasses (nanoinfer/settings.py): the
 flag, the keyword argument and the check are one declaration. `--config FILE` (JSON or YAML,
@@ -110,7 +110,16 @@ def _parser() -> argparse.ArgumentParser:
     choice.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
     _model_args(choice)
     _engine_args(choice)
-    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat, "eval": {"perplexity": ppl, "choice": choice}}
+    answers = tasks.add_parser("generate", help="generate answers to a task's prompts (JSONL) and score them against "
+                                                "its references: BLEU, ROUGE, exact match", formatter_class=_HelpFormatter)
+    answers.add_argument("task_file", help='JSONL, one {"prompt": ..., "reference": ...} per line')
+    answers.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    answers.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
+    _model_args(answers)
+    _sampling_args(answers, temperature=0.0)
+    _engine_args(answers)
+    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat,
+                          "eval": {"perplexity": ppl, "choice": choice, "generate": answers}}
     return parser
 
 
@@ -199,18 +208,27 @@ def _eval(args) -> int:
         print(f"{'perplexity':<15}{result.perplexity:.4f}\n{'bits per byte':<15}{result.bits_per_byte:.4f}\n"
               f"{'tokens scored':<15}{result.tokens}")
     else:
-        from runtime.eval.choice import evaluate
-
         lines = [line for line in _read(args.task_file, "task_file").splitlines() if line.strip()]
         try:
             items = [json.loads(line) for line in lines]
         except ValueError as exc:
             raise RequestError(f"{args.task_file!r} is not JSONL (one JSON object per line): {exc}",
                                param="task_file") from exc
-        with _llm(args) as llm:
-            result, _ = evaluate(llm, items, args.task_type, delimiter=args.delimiter, shots=args.shots,
-                                 use_tqdm=True)
-        print(f"{'accuracy':<10}{result.accuracy:.4f}\n{'items':<10}{result.n}")
+        if args.task == "choice":
+            from runtime.eval.choice import evaluate
+
+            with _llm(args) as llm:
+                result, _ = evaluate(llm, items, args.task_type, delimiter=args.delimiter, shots=args.shots,
+                                     use_tqdm=True)
+            print(f"{'accuracy':<10}{result.accuracy:.4f}\n{'items':<10}{result.n}")
+        else:
+            from runtime.eval import generate
+
+            generate.check_items(items)
+            with _llm(args) as llm:
+                result, _ = generate.evaluate(llm, items, _sampling(args), chat=args.chat, use_tqdm=True)
+            print("\n".join(f"{name:<13}{value:.4f}" for name, value in result._asdict().items() if name != "n")
+                  + f"\n{'items':<13}{result.n}")
     if args.json:
         Path(args.json).write_text(json.dumps(result._asdict(), indent=2) + "\n")
     return 0

@@ -154,3 +154,49 @@ def test_cli_choice(smollm2_gguf, tmp_path, capsys):
     assert f"{numbers['accuracy']:.4f}" in capsys.readouterr().out
     task.write_text("{not json\n")
     assert main(["eval", "choice", str(task), "--model", str(smollm2_gguf)]) == 2
+
+
+# -- eval generate: answers scored with sacrebleu and rouge-score --------------------------------
+
+def test_scores_are_the_libraries_own():
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    from runtime.eval.generate import score
+
+    predictions = ["the cat sat on the mat", "Paris", "a dog barks loudly at night ", "forty-two"]
+    references = ["the cat is sitting on the mat", "Paris", "the dog barked at night", "42"]
+    got = score(predictions, references)
+    assert got.n == 4 and got.exact_match == 0.25
+    assert got.bleu == sacrebleu.corpus_bleu(predictions, [references]).score
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    for kind in ("rouge1", "rouge2", "rougeL"):
+        direct = [scorer.score(r, p)[kind].fmeasure for p, r in zip(predictions, references)]
+        assert math.isclose(getattr(got, kind), sum(direct) / 4)
+    assert score(["x"], ["x"]).exact_match == 1.0 and score(["x"], ["x"]).rouge1 == 1.0
+
+
+def test_cli_generate_scores_the_models_answers(smollm2_gguf, tmp_path):
+    """The model's own greedy answers as references score 1 everywhere; other references lower."""
+    from nanoinfer import LLM
+    from nanoinfer.sampling import SamplingParams
+    from runtime.cli import main
+
+    prompts = ["The capital of France is", "Water is made of", "The first month of the year is"]
+    with LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=128) as llm:
+        answers = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12),
+                                                use_tqdm=False)]
+    task = tmp_path / "task.jsonl"
+    out = tmp_path / "scores.json"
+    for references, perfect in ((answers, True), (["Berlin is a city in Germany"] * 3, False)):
+        task.write_text("\n".join(json.dumps({"prompt": p, "reference": r}) for p, r in zip(prompts, references)))
+        assert main(["eval", "generate", str(task), "--model", str(smollm2_gguf), "--device", "cpu",
+                     "--max-tokens", "12", "--num-blocks", "128", "--json", str(out)]) == 0
+        numbers = json.loads(out.read_text())
+        assert numbers["n"] == 3
+        if perfect:
+            assert numbers["exact_match"] == 1.0 and numbers["rouge1"] == 1.0 and numbers["bleu"] > 99
+        else:
+            assert numbers["exact_match"] == 0.0 and numbers["bleu"] < 50
+    task.write_text('{"prompt": "x"}\n')
+    assert main(["eval", "generate", str(task), "--model", str(smollm2_gguf)]) == 2
