@@ -22,10 +22,7 @@ import time
 
 import torch
 
-
-def percentile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+from runtime.eval.speed import percentile
 
 
 async def conversation(engine, system, args, rng, vocab, ttfts):

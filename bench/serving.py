@@ -23,10 +23,7 @@ import time
 
 import httpx
 
-
-def percentile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
+from runtime.eval.speed import percentile
 
 
 async def one_client(http, url, prompt, max_tokens, ttfts, itls):

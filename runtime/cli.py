@@ -1,6 +1,6 @@
 """The `nanoinfer` command line: generate (stream one completion), serve (the OpenAI-compatible
 server), chat (an interactive terminal chat) and eval (perplexity of a text, accuracy on a
-CORE-format task, generated answers scored against references).
+CORE-format task, generated answers scored against references, throughput and latency).
 
 Engine and server flags come from their settings dataclasses (nanoinfer/settings.py): the
 flag, the keyword argument and the check are one declaration. `--config FILE` (JSON or YAML,
@@ -118,8 +118,17 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(answers)
     _sampling_args(answers, temperature=0.0)
     _engine_args(answers)
+    speed = tasks.add_parser("speed", help="throughput and latency (TTFT, ITL) per batch size, synthetic prompts",
+                             formatter_class=_HelpFormatter)
+    speed.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="concurrent requests")
+    speed.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    speed.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    speed.add_argument("--plot", default=None, metavar="FILE.png", help="throughput vs batch size, latency CDFs")
+    speed.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
+    _model_args(speed)
+    _engine_args(speed)
     parser.subcommands = {"generate": gen, "serve": serve, "chat": chat,
-                          "eval": {"perplexity": ppl, "choice": choice, "generate": answers}}
+                          "eval": {"perplexity": ppl, "choice": choice, "generate": answers, "speed": speed}}
     return parser
 
 
@@ -197,6 +206,8 @@ def _eval(args) -> int:
     import json
     from pathlib import Path
 
+    if args.task == "speed":
+        return _eval_speed(args)
     if args.task == "perplexity":
         from runtime.eval.perplexity import perplexity
 
@@ -231,6 +242,35 @@ def _eval(args) -> int:
                   + f"\n{'items':<13}{result.n}")
     if args.json:
         Path(args.json).write_text(json.dumps(result._asdict(), indent=2) + "\n")
+    return 0
+
+
+def _eval_speed(args) -> int:
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from runtime.engine import AsyncEngine
+    from runtime.eval.speed import measure, plot
+
+    engine = AsyncEngine.from_model(args.model, **_load_kwargs(args), **_engine_kwargs(args))
+
+    async def run():
+        async with engine:
+            return await measure(engine, args.batch_sizes, args.input_len, args.output_len,
+                                 engine.model.config.vocab_size)
+
+    points = asyncio.run(run())
+    print(f"{'batch':>6}{'tok/s':>10}{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'ITL p50':>9}{'p90':>8}{'p99':>8}  (ms)")
+    for p in points:
+        print(f"{p.batch:>6}{p.output_tokens_per_s:>10.1f}" + "".join(
+            f"{p.ttft_ms[q]:>{w}.1f}" for q, w in (("p50", 10), ("p90", 8), ("p99", 8)))
+              + "".join(f"{p.itl_ms[q]:>{w}.2f}" for q, w in (("p50", 9), ("p90", 8), ("p99", 8))))
+    if args.plot:
+        plot(points, args.plot)
+    if args.json:
+        rows = [{k: v for k, v in p._asdict().items() if k not in ("ttfts", "itls")} for p in points]
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 

@@ -200,3 +200,52 @@ def test_cli_generate_scores_the_models_answers(smollm2_gguf, tmp_path):
             assert numbers["exact_match"] == 0.0 and numbers["bleu"] < 50
     task.write_text('{"prompt": "x"}\n')
     assert main(["eval", "generate", str(task), "--model", str(smollm2_gguf)]) == 2
+
+
+# -- eval speed: throughput and latency per batch size ------------------------------------------
+
+def test_percentile_is_nearest_rank():
+    from runtime.eval.speed import percentile
+
+    values = list(range(1, 101))
+    assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == (51, 91, 100)
+    assert percentile([3.0], 99) == 3.0 and math.isnan(percentile([], 50))
+
+
+def test_speed_records_every_request_and_token():
+    import asyncio
+    from pathlib import Path
+
+    from nanoinfer.loaders import LoadedModel
+    from runtime.engine import AsyncEngine, engine_config
+    from runtime.eval.speed import measure
+    from tests.tiny import random_params, tiny_config
+
+    cfg = tiny_config()
+    engine = AsyncEngine(LoadedModel(cfg, random_params(cfg), None, Path("tiny")), engine_config(num_blocks=64))
+
+    async def run():
+        async with engine:
+            return await measure(engine, [1, 3], input_len=5, output_len=4, vocab_size=cfg.vocab_size)
+
+    points = asyncio.run(run())
+    assert [p.batch for p in points] == [1, 3]
+    for p in points:
+        assert len(p.ttfts) == p.batch and len(p.itls) == p.batch * 3 and p.output_tokens_per_s > 0
+        assert p.ttft_ms["p50"] <= p.ttft_ms["p90"] <= p.ttft_ms["p99"] == max(p.ttfts)
+    with pytest.raises(RequestError, match="expected positive numbers"):
+        asyncio.run(measure(engine, [0], 5, 4, cfg.vocab_size))
+
+
+def test_cli_speed_writes_table_json_and_plot(smollm2_gguf, tmp_path, capsys):
+    from runtime.cli import main
+
+    png, out = tmp_path / "speed.png", tmp_path / "speed.json"
+    assert main(["eval", "speed", "--model", str(smollm2_gguf), "--device", "cpu", "--batch-sizes", "1", "2",
+                 "--input-len", "8", "--output-len", "4", "--num-blocks", "64", "--plot", str(png),
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["batch"] for r in rows] == [1, 2] and set(rows[0]) == {"batch", "output_tokens_per_s", "ttft_ms",
+                                                                     "itl_ms"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tok/s" in capsys.readouterr().out
