@@ -85,14 +85,17 @@ def plot(points: Sequence[SpeedPoint], path: str) -> None:
     except ImportError as exc:
         raise RequestError("--plot needs matplotlib: pip install 'nanoinfer[eval]'", param="plot") from exc
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([p.batch for p in points], [p.output_tokens_per_s for p in points], marker="o")
+    batches = [p.batch for p in points]
+    left.plot(batches, [p.output_tokens_per_s for p in points], marker="o")
     left.set(xlabel="batch size (concurrent requests)", ylabel="output tokens / s", title="throughput")
     left.set_xscale("log", base=2)
+    left.set_xticks(batches, [str(b) for b in batches])
     last = points[-1]
     for name, values in (("TTFT", last.ttfts), ("ITL", last.itls)):
-        values = sorted(values)
+        values = sorted(v for v in values if v > 0)  # (tokens that came with the first have no gap)
         right.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
-    right.set(xlabel="ms", ylabel="fraction", title=f"latency CDF at batch {last.batch}")
+    right.set(xlabel="ms (log scale)", ylabel="fraction of requests / tokens", title=f"latency CDF at batch {last.batch}")
+    right.set_xscale("log")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
