@@ -10,6 +10,7 @@ keys = flag names) sets any of them; flags given on the command line win.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 
@@ -322,8 +323,6 @@ def _chat(args) -> int:
 def _tensor_parallel_rank(args) -> int:
     """A rank other than 0 of a torchrun launch: the same command line, but this process only
     computes its shard of each step that rank 0 (the engine) sends (runtime/tensor_parallel.py)."""
-    import os
-
     import torch
 
     from nanoinfer.loaders import load_model
@@ -341,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"generate": _generate, "serve": _serve, "chat": _chat, "eval": _eval}
     try:
         args = parse_args(argv)
-        from runtime.tensor_parallel import launched_rank
-
-        if (launched_rank() or (0, 1))[0] > 0:
+        if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":  # torchrun's other ranks
             return _tensor_parallel_rank(args)
         return handlers[args.command](args)
     except NanoInferError as exc:

@@ -11,7 +11,6 @@ the host without waiting: `InFlightStep.transfer.wait()` is the only place a ste
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Callable, NamedTuple
 
 import numpy as np

@@ -39,11 +39,11 @@ import torch.multiprocessing as mp
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
+from nanoinfer.errors import RequestError
 from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
-from nanoinfer.errors import RequestError
 from runtime.faults import RankLost
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
@@ -96,8 +96,13 @@ class TensorParallelRanks:
                           for rank in range(1, size)]
             for p in self.procs:
                 p.start()
-        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=TIMEOUT)
-        self.control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
+        try:
+            dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=TIMEOUT)
+            self.control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
+        except BaseException:  # (no group to stop them through: the ranks just started go now)
+            for p in self.procs:
+                p.kill()
+            raise
         self.shard = Shard(0, size)
         self.closed = False
 
@@ -197,7 +202,9 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
         shard = shard_params(params, cfg, rank, size)
         del params  # (rank 0's whole weights: only the shard stays)
         shard = map_params(lambda t: t.to(device), shard)
-        _, setup = receive()
+        kind, setup = receive()
+        if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
+            return
         kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=shard,
                               kv_dtype=setup.kv_dtype)
         fns = layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size)
@@ -219,7 +226,7 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
                     swap_blocks(kv, cpu_kv, body)
                 elif kind == "swap_in":
                     swap_blocks(cpu_kv, kv, body)
-    except Exception:  # noqa: BLE001 - reported; rank 0's next collective then times out
+    except Exception:  # noqa: BLE001 - reported; rank 0 sees this rank gone at its next message (RankLost)
         log.exception("tensor-parallel rank %d failed", rank)
         raise
     finally:

@@ -409,3 +409,23 @@ def test_torchrun_starts_the_ranks(smollm2_gguf):
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and one.stdout.strip()
+
+
+def test_a_failed_start_stops_the_ranks_cleanly(monkeypatch):
+    """Rank 0 failing after the ranks started (here: its KV pool) stops them before their setup:
+    they exit 0, and the error is rank 0's own."""
+    from runtime import model_runner, tensor_parallel
+    from runtime.engine import engine_config
+    from runtime.engine_core import EngineCore
+
+    started = []
+    monkeypatch.setattr(tensor_parallel.TensorParallelRanks, "setup", lambda self, setup: started.append(self))
+
+    def no_pool(*args, **kwargs):
+        raise MemoryError("no KV pool for you")
+
+    monkeypatch.setattr(model_runner, "allocate_kv_pool", no_pool)
+    with pytest.raises(MemoryError, match="no KV pool"):
+        EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
+    (ranks,) = started
+    assert ranks.closed and [p.exitcode for p in ranks.procs] == [0]
