@@ -2,7 +2,7 @@
 transformers (eager) in the same run.
 
     python bench/latency.py [--shapes qwen3-0.6b llama-3.2-1b llama-3.1-8b] [--new-tokens 200]
-                            [--quantization none int8 fp8 gpt-fast-int8]
+                            [--quantization none int8 fp8 gpt-fast-int8] [--tensor-parallel-size 1 2]
 
 5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
 bandwidth = weight bytes read per token x tok/s. Also prints where a NanoInfer step's host
@@ -14,6 +14,9 @@ the graphs path for each. `gpt-fast-int8` is gpt-fast's int8 weight-only method 
 engine, as the baseline for ours: the same int8 weights, but every projection computed as
 `F.linear(x, w.to(bf16)) * scale` in the compiled graph (gpt-fast's WeightOnlyInt8Linear),
 where ours runs the Triton GEMV at batch 1.
+
+`--tensor-parallel-size` times the engine at each size given (its graphs and eager paths:
+one GPU per rank); a size of 1 is the plain engine.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import time
 import torch
 
 
-def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None):
+def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine_core import EngineConfig, EngineCore
 
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
-                                            enforce_eager=enforce_eager, async_scheduling=async_scheduling))
+                                            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+                                            tensor_parallel_size=tensor_parallel_size))
     prompt = [11, 22, 33, 44, 55]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     while engine.has_unfinished():
@@ -44,6 +48,7 @@ def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None):
         engine.step()
     elapsed = time.perf_counter() - start
     phases = {k: v / (new_tokens - 1) * 1e3 for k, v in engine.phase_times.items()}
+    engine.close()
     del engine
     return (new_tokens - 1) / elapsed, phases
 
@@ -80,6 +85,7 @@ def main():
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "fp8", "gpt-fast-int8"])
+    parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
     args = parser.parse_args()
 
     import dataclasses
@@ -106,10 +112,14 @@ def main():
             linear = nanoinfer.gemv.linear
             if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.gemv.linear when the engine starts)
                 nanoinfer.gemv.linear = quantized.linear
-            for label, eager, overlap in variants if quant == "none" else variants[:1]:
-                tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap)
+            runs = [(label, eager, overlap, size) for size in args.tensor_parallel_size
+                    for label, eager, overlap in (variants if quant == "none" else variants[:1])]
+            for label, eager, overlap, size in runs:
+                tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap,
+                                        tensor_parallel_size=size)
                 breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
                                                                           "resolve"))
+                label += f", tp={size}" if size > 1 else ""
                 label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
                 print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
             nanoinfer.gemv.linear = linear

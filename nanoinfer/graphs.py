@@ -22,7 +22,7 @@ of 0 keys (attention writes zeros); their outputs are sliced off.
 from __future__ import annotations
 
 import gc
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -36,6 +36,17 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 # to first token, 1.45x longer.
 DEFAULT_TOKEN_BUCKETS = ((8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224) + tuple(range(256, 4096, 256))
                          + tuple(range(4096, 8192, 512)) + tuple(range(8192, 16385, 1024)))
+
+
+class GraphSizes(NamedTuple):
+    """What StepGraphs captures (its constructor's size arguments): tensor-parallel ranks
+    capture the same graphs as rank 0 from these."""
+
+    max_batch: int
+    max_blocks: int
+    widths: tuple[int, ...] = ()
+    max_tokens: int = 0
+    rows_per_seq: int = 1
 
 
 class StepGraphs:

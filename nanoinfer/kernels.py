@@ -84,6 +84,15 @@ def compiled_draw() -> Callable:
     return draw
 
 
+def mark_weights_static(params: Params) -> None:
+    """Every weight's shape static to the compiler (see `prepare`)."""
+    def static(t: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_static(t)
+        return t
+
+    map_params(static, params)  # (marks the tensors themselves; the copy it returns is dropped)
+
+
 def prepare(kernels: Kernels, params: Params, vocab_size: int) -> None:
     """Before the first step, where the kernels compile: the weights' shapes are static to the
     compiler (with every size dynamic, a first step of 4,096 tokens made the QKV weight's
@@ -91,12 +100,7 @@ def prepare(kernels: Kernels, params: Params, vocab_size: int) -> None:
     draw compiles now rather than at the first sampled step."""
     if not kernels.graphs:
         return
-
-    def static(t: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.mark_static(t)
-        return t
-
-    map_params(static, params)  # (marks the tensors themselves; the copy it returns is dropped)
+    mark_weights_static(params)
     probs = torch.full((2, vocab_size), 1.0 / vocab_size, device=params.device)
     zeros = torch.zeros(2, dtype=torch.int64, device=params.device)
     kernels.draw(probs, zeros, zeros)

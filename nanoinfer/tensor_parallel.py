@@ -39,8 +39,7 @@ from nanoinfer.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4Weig
 
 class Shard(NamedTuple):
     rank: int
-    size: int  # N, the tensor-parallel world
-    group: object = None  # the torch.distributed process group (None: the default one)
+    size: int  # N, the tensor-parallel world (torch.distributed's default process group)
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
@@ -154,14 +153,31 @@ def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Para
                                layers=tuple(layer(lp) for lp in params.layers))
 
 
+@torch.library.custom_op("nanoinfer::all_reduce_", mutates_args=("x",))
+def all_reduce_(x: torch.Tensor) -> None:
+    """Sums `x` over the default process group's ranks, in place. A custom op so that a
+    compiled layer part keeps the collective as one opaque call (Dynamo would trace into
+    torch.distributed), which a CUDA graph then captures like any kernel."""
+    dist.all_reduce(x)
+
+
+@all_reduce_.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """`x` summed over the ranks (in place). One module-level function: compiled layer parts
+    that take it as an argument guard on it once for every engine in the process, where a
+    closure per engine made each new engine recompile them."""
+    all_reduce_(x)
+    return x
+
+
 def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int) -> LayerFunctions:
     """`base` with the collectives of rank `shard.rank`: sums after the row-parallel
     projections, the vocab-parallel embedding, the gathered logits."""
-    rank, size, group = shard
-
-    def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=group)
-        return x
+    rank, size = shard
 
     def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         per = table.shape[0]
@@ -171,8 +187,11 @@ def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int) -> Laye
         return all_reduce(x)
 
     def gather_logits(shard_logits: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(shard_logits) for _ in range(size)]
-        dist.all_gather(parts, shard_logits.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        rows, per = shard_logits.shape
+        parts = shard_logits.new_empty(size, rows, per)  # rank r's columns at [r]
+        # (the list form: all_gather_into_tensor is deprecated in newer torch, and its
+        # successor is missing from older ones)
+        dist.all_gather(list(parts.unbind(0)), shard_logits.contiguous())
+        return parts.permute(1, 0, 2).reshape(rows, size * per)[:, :vocab_size]
 
     return base._replace(all_reduce=all_reduce, embed=embed, gather_logits=gather_logits)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nanoinfer.batch import Batch
-from nanoinfer.errors import RequestError
+from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
@@ -66,6 +66,12 @@ class ForwardOutput(NamedTuple):
     finite: torch.Tensor  # [rows] bool: every logit finite
 
 
+def uses_ranks(config) -> bool:
+    """Whether the model runs over torch.distributed ranks (tensor parallelism). Tests force
+    it at one rank, so that a one-GPU machine runs that path (tests/conftest.py)."""
+    return config.tensor_parallel_size > 1
+
+
 def lookahead(config) -> int:
     """Draft tokens a step may verify per sequence (0 without speculative decoding)."""
     spec = config.speculative_config
@@ -77,13 +83,9 @@ class ModelRunner:
         """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
         (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
         self.tp = None
-        if config.tensor_parallel_size > 1:  # (the other ranks start now: runtime/tensor_parallel.py)
+        if uses_ranks(config):  # (the other ranks start now: runtime/tensor_parallel.py)
             from runtime.tensor_parallel import TensorParallelRanks
 
-            if draft is not None:
-                raise RequestError("speculative decoding with a draft model does not run under tensor parallelism "
-                                   "yet: expected tensor_parallel_size=1 or an n-gram speculative_config",
-                                   param="tensor_parallel_size")
             self.tp = TensorParallelRanks(model.config, model.params, config.tensor_parallel_size)
         try:
             self._init(model, config, max_model_len, draft)
@@ -99,9 +101,8 @@ class ModelRunner:
         self.model, self.config, self.cfg = model, config, cfg
         self.device = model.params.device
         self.block_size = config.block_size
-        # (Tensor-parallel CUDA steps run eagerly: no graphs around the NCCL collectives yet.)
-        eager = config.enforce_eager or self.tp is not None and self.device.type == "cuda"
-        kernels = kernels_for(cfg, self.device, config.block_size, eager=eager, params=model.params, kv_dtype=dtype)
+        kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager, params=model.params,
+                              kv_dtype=dtype)
         if self.tp is not None:
             kernels = kernels._replace(layer_fns=self.tp.layer_functions(kernels.layer_fns))
         self.kernels, self.attention = kernels, kernels.attention
@@ -112,32 +113,31 @@ class ModelRunner:
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
                                                                     lambda: self.attention)
         self.num_cpu_blocks = config.swap_space // per_block
-        if self.tp is not None:
+        max_blocks = -(-max_model_len // config.block_size)
+        graph_sizes = None if not kernels.graphs else GraphSizes(
+            max_batch=min(config.scheduler.max_num_seqs, 512), max_blocks=max_blocks,
+            max_tokens=config.scheduler.max_num_batched_tokens,
+            # Steps whose contexts fit one split-K partition get graphs whose attention runs
+            # in one pass (no reduce kernel).
+            widths=(self.attention.partition_size // config.block_size,), rows_per_seq=1 + lookahead(config))
+        if self.tp is not None:  # (the ranks capture their graphs now, in step with ours below)
             from runtime.tensor_parallel import RankSetup
 
-            self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, config.block_size, dtype, eager))
+            self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, config.block_size, dtype,
+                                    config.enforce_eager, graph_sizes))
         self.kv = allocate_kv_pool(cfg, self.num_blocks, config.block_size, dtype, self.device)
         # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
         self.cpu_kv = allocate_kv_pool(cfg, self.num_cpu_blocks, config.block_size, dtype, "cpu")
         if self.device.type == "cuda" and self.num_cpu_blocks:
             self.cpu_kv = self.cpu_kv.pin_memory()
-        max_blocks = -(-max_model_len // config.block_size)
         # (n - 1 forks may take rows in the step their parent's prefill ends, before it is planned)
         self.batch = InputBatch(config.scheduler.max_num_seqs + 8, max_blocks, cfg.vocab_size, cfg.eos_token_ids,
                                 self.device)
         self.draft = None if draft is None else DraftRunner(draft, config, self.num_blocks, self.num_cpu_blocks,
                                                             self.batch)
         self.graphs = None
-        if kernels.graphs:
-            from nanoinfer.graphs import StepGraphs
-
-            self.graphs = StepGraphs(self._eager_forward, self.device,
-                                     max_batch=min(config.scheduler.max_num_seqs, 512), max_blocks=max_blocks,
-                                     max_tokens=config.scheduler.max_num_batched_tokens,
-                                     # Steps whose contexts fit one split-K partition get graphs
-                                     # whose attention runs in one pass (no reduce kernel).
-                                     widths=(self.attention.partition_size // config.block_size,),
-                                     rows_per_seq=1 + lookahead(config))
+        if graph_sizes is not None:
+            self.graphs = StepGraphs(self._eager_forward, self.device, **graph_sizes._asdict())
             self.graphs.capture()
 
     # -- the KV pools ----------------------------------------------------------------------
@@ -238,14 +238,15 @@ class ModelRunner:
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
     def _eager_forward(self, batch: Batch) -> ForwardOutput:
-        if self.tp is not None:
-            self.tp.forward(batch)
         k = self.kernels
         logits = forward(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
         return ForwardOutput(logits, *greedy_and_finite(logits))
 
     def _forward(self, batch: Batch) -> ForwardOutput:
-        """The step's forward: a CUDA graph's replay where one fits the batch."""
+        """The step's forward: a CUDA graph's replay where one fits the batch. (The other
+        tensor-parallel ranks receive the batch first and decide alike.)"""
+        if self.tp is not None:
+            self.tp.forward(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             return ForwardOutput(*self.graphs.run(batch))
         return self._eager_forward(batch)

@@ -6,7 +6,7 @@ of the weights (nanoinfer/tensor_parallel.py) and a KV pool of its own heads, in
 rank 0's block tables. Rank 0 tells the others what to do, in the order it does it:
 
 - `forward`: before each of its forwards, the step's Batch (a header with the shapes over
-  the control group, then the tensors by broadcast). Every rank runs the same forward, so
+  the control group, then the tensors in one broadcast). Every rank runs the same forward, so
   their collectives (an all-reduce after each row-parallel projection, the vocab-parallel
   embedding, the gathered logits) meet; only rank 0 samples.
 - `copy`, `swap_out`, `swap_in`: the block copies of copy-on-write and preemption.
@@ -20,7 +20,9 @@ Across hosts, torchrun starts every rank instead (each loads the model itself: `
 and they meet at its rendezvous (env://).
 The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
 the control messages. The default process group is the process's: one tensor-parallel engine
-per process at a time. Steps run eagerly (no CUDA graphs yet).
+per process at a time. On CUDA every rank captures the same graphs as rank 0, its
+collectives inside (NCCL's kernels capture like any other), and replays the one rank 0
+replays: the decision follows from the batch, which every rank has.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import torch.multiprocessing as mp
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import RequestError
-from nanoinfer.kernels import kernels_for
+from nanoinfer.graphs import GraphSizes, StepGraphs
+from nanoinfer.kernels import kernels_for, mark_weights_static
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
@@ -59,7 +62,8 @@ class RankSetup(NamedTuple):
     num_cpu_blocks: int
     block_size: int
     kv_dtype: torch.dtype
-    eager: bool  # kernels_for's: the CPU's fused layers or not (CUDA ranks run eagerly for now)
+    eager: bool  # kernels_for's (enforce_eager): no compiled or fused layers, no graphs
+    graphs: GraphSizes | None  # the CUDA graphs rank 0 captures, which every rank captures alike
 
 
 def _backend(device: torch.device) -> str:
@@ -117,11 +121,11 @@ class TensorParallelRanks:
         self._send(("setup", setup))
 
     def forward(self, batch: Batch) -> None:
-        """Before rank 0's own forward over `batch`: the other ranks receive it and start theirs."""
-        tensors = [t.contiguous() for t in batch]
-        self._send(("forward", [(tuple(t.shape), t.dtype) for t in tensors]))
-        for t in tensors:
-            dist.broadcast(t, src=0)
+        """Before rank 0's own forward over `batch`: the other ranks receive it and start theirs
+        (a graph's replay where rank 0's graphs take it: theirs are the same)."""
+        self._check_ranks()
+        dist.broadcast(_forward_header(batch), src=0, group=self.control)
+        dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in batch]), src=0)
 
     def copy_blocks(self, copies) -> None:
         self._send(("copy", copies))
@@ -151,11 +155,50 @@ class TensorParallelRanks:
                 os.unlink(self._init_file)
 
     def _send(self, message) -> None:
+        """An order other than a forward: (kind, body), pickled."""
+        self._check_ranks()
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[0] = OBJECT
+        dist.broadcast(header, src=0, group=self.control)
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def _check_ranks(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():  # (a collective with it would wait for the timeout)
                 raise RankLost(f"tensor-parallel rank {rank} exited (code {p.exitcode}): the engine cannot "
                                f"run the model without it")
-        dist.broadcast_object_list([message], src=0, group=self.control)
+
+
+# Every order starts with a fixed header of int64s over the control group: its kind and, for a
+# forward (every step), each batch tensor's rows, columns (-1: 1-D) and dtype, so that the
+# step's path pickles nothing; the batch's tensors then follow as one int64 broadcast (on
+# CUDA over NCCL). Any other order follows its header as a pickled (kind, body).
+FORWARD, OBJECT = 0, 1
+_DTYPES = (torch.int32, torch.int64)
+HEADER = 1 + 3 * len(Batch._fields)
+
+
+def _forward_header(batch: Batch) -> torch.Tensor:
+    fields = [FORWARD]
+    for t in batch:
+        fields += (t.shape[0], t.shape[1] if t.dim() == 2 else -1, _DTYPES.index(t.dtype))
+    return torch.tensor(fields, dtype=torch.int64)
+
+
+def _layout(header: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Per batch tensor of a forward's header: rows, columns (-1: 1-D), dtype index, elements."""
+    return [(rows, cols, dtype, rows if cols < 0 else rows * cols)
+            for rows, cols, dtype in header[1:].view(-1, 3).tolist()]
+
+
+def _unpack_batch(layout: list[tuple[int, int, int, int]], flat: torch.Tensor) -> Batch:
+    """The Batch of a forward's `_layout` and its flattened tensors."""
+    tensors, at = [], 0
+    for rows, cols, dtype, n in layout:
+        part = flat[at:at + n]
+        tensors.append((part if cols < 0 else part.view(rows, cols)).to(_DTYPES[dtype]))
+        at += n
+    return Batch(*tensors)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -193,6 +236,14 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
 
     def receive():
+        """The next order: ("forward", Batch on this rank's device) or a pickled (kind, body)."""
+        header = torch.empty(HEADER, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=control)
+        if header[0] == FORWARD:
+            layout = _layout(header)
+            flat = torch.empty(sum(n for *_, n in layout), dtype=torch.int64, device=device)
+            dist.broadcast(flat, src=0)
+            return "forward", _unpack_batch(layout, flat)
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control)
         return message[0]
@@ -208,18 +259,28 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
         kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=shard,
                               kv_dtype=setup.kv_dtype)
         fns = layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size)
+        if kernels.graphs:
+            mark_weights_static(shard)
         kv = allocate_kv_pool(local, setup.num_blocks, setup.block_size, setup.kv_dtype, device)
         cpu_kv = allocate_kv_pool(local, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, "cpu")
+
+        def step(batch: Batch) -> tuple[torch.Tensor]:
+            return (forward(shard, kv, batch, local, kernels.attention, fns, logits_dtype=None),)
+
+        graphs = None
+        if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
+            graphs = StepGraphs(step, device, **setup.graphs._asdict())
+            graphs.capture()
         with torch.inference_mode():
             while True:
                 kind, body = receive()
                 if kind == "stop":
                     break
                 if kind == "forward":
-                    batch = Batch(*(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in body))
-                    for t in batch:
-                        dist.broadcast(t, src=0)
-                    forward(shard, kv, batch, local, kernels.attention, fns, logits_dtype=None)
+                    if graphs is not None and graphs.can_run(body):
+                        graphs.run(body)
+                    else:
+                        step(body)
                 elif kind == "copy":
                     copy_blocks(kv, body)
                 elif kind == "swap_out":

@@ -47,3 +47,29 @@ def poisoned_server(tiny_chat_model):
     model = dataclasses.replace(tiny_chat_model, params=dataclasses.replace(tiny_chat_model.params, embed=embed))
     with LiveServer(model) as server:
         yield server
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tensor-parallel-path", action="store_true",
+                     help="run every engine's model through the tensor-parallel path at one rank (on a GPU: an "
+                          "NCCL world of one, graphs capturing its collectives), as a one-GPU machine can")
+
+
+@pytest.fixture(autouse=True)
+def tensor_parallel_path(request, monkeypatch):
+    """With --tensor-parallel-path, ModelRunner takes the ranks' path whatever the size; a
+    test that failed before closing its engine leaves no process group to the next."""
+    if not request.config.getoption("--tensor-parallel-path"):
+        yield
+        return
+    import torch.distributed as dist
+
+    from runtime import model_runner
+
+    monkeypatch.setattr(model_runner, "uses_ranks", lambda config: True)
+    # Compiled layer parts then guard on two reductions (the tests' direct forwards keep the
+    # plain one) for every weight form: more variants than Dynamo's default limit of 8.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

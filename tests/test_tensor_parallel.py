@@ -87,8 +87,8 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
             kv = allocate_kv_pool(local, 8, BS, torch.float32, "cpu")
             logits = steps(local, shard_params(params, cfg, rank, size), kv,
                            layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
-            if rank == 0:
-                results.put((name, logits))
+            if rank == 0:  # (by value: a shared tensor's memory goes with this process, which may exit first)
+                results.put((name, logits.float().numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -99,7 +99,7 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
     ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
     for p in ranks:
         p.start()
-    got = dict(results.get(timeout=120) for _ in CASES)
+    got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120) for _ in CASES)}
     for p in ranks:
         p.join(60)
         assert p.exitcode == 0
@@ -186,8 +186,8 @@ def _default_model_rank(rank: int, size: int, init_file: str, path: str, results
             logits = steps(local, shard_params(loaded.params, cfg, rank, size),
                            allocate_kv_pool(local, 8, BS, loaded.params.dtype, "cpu"),
                            layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
-            if rank == 0:
-                results.put(logits)
+            if rank == 0:  # (by value: a shared tensor's memory goes with this process, which may exit first)
+                results.put(logits.float().numpy())
     finally:
         dist.destroy_process_group()
 
@@ -201,7 +201,7 @@ def test_default_model_over_two_ranks(smollm2_gguf, tmp_path):
                                                             results)) for r in range(2)]
     for p in ranks:
         p.start()
-    got, got_packed = results.get(timeout=300), results.get(timeout=300)
+    got, got_packed = (torch.from_numpy(results.get(timeout=300)) for _ in range(2))
     for p in ranks:
         p.join(60)
         assert p.exitcode == 0
@@ -217,13 +217,13 @@ def test_default_model_over_two_ranks(smollm2_gguf, tmp_path):
 
 # -- the engine over two ranks (runtime/tensor_parallel.py) ---------------------------------------
 
-def engine_outputs(model, prompts, params, **config):
+def engine_outputs(model, prompts, params, draft_model=None, **config):
     """Every sequence's tokens, greedy, from an EngineCore with `config`; its ranks are gone
     after close."""
     from runtime.engine import engine_config
     from runtime.engine_core import EngineCore
 
-    core = EngineCore(model, engine_config(**config))
+    core = EngineCore(model, engine_config(**config), draft_model=draft_model)
     try:
         for prompt in prompts:
             core.add_request(prompt, params)
@@ -239,12 +239,12 @@ def engine_outputs(model, prompts, params, **config):
     return sorted(outs.items()), stats
 
 
-@pytest.mark.parametrize("case", ["roomy", "preempting-swap", "preempting-recompute"])
+@pytest.mark.parametrize("case", ["roomy", "preempting-swap", "preempting-recompute", "draft-model"])
 def test_engine_over_two_ranks_emits_what_one_rank_does(case):
     """Greedy tokens of an engine whose model is split over two processes (9 query heads over 3
     KV heads: 3 + 6) equal one process's, with forks sharing blocks (copy-on-write copies)
     and, in a pool too small for the batch, preemption by swap (block swaps on every rank) or
-    by recompute."""
+    by recompute; and with speculative decoding by a draft model (which runs whole on rank 0)."""
     from nanoinfer.loaders import LoadedModel
     from nanoinfer.sampling import SamplingParams
 
@@ -253,14 +253,22 @@ def test_engine_over_two_ranks_emits_what_one_rank_does(case):
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9] * 11, [10, 11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, n=2 if case == "roomy" else 1,
                             seed=1, top_k=2 if case == "roomy" else 0)
+    draft = None
     config = {"roomy": dict(num_blocks=64),
               "preempting-swap": dict(num_blocks=12, preemption_mode="swap", swap_space=1 << 20),
-              "preempting-recompute": dict(num_blocks=12)}[case]
-    one, stats_one = engine_outputs(model, prompts, params, block_size=4, **config)
-    two, stats_two = engine_outputs(model, prompts, params, block_size=4, tensor_parallel_size=2, **config)
+              "preempting-recompute": dict(num_blocks=12),
+              "draft-model": dict(num_blocks=64, speculative_config={"model": "d", "num_speculative_tokens": 3,
+                                                                  "adaptive": False})}[case]  # (timing-free)
+    if case == "draft-model":  # (the target itself: its drafts are accepted)
+        draft = model
+    one, stats_one = engine_outputs(model, prompts, params, draft, block_size=4, **config)
+    two, stats_two = engine_outputs(model, prompts, params, draft, block_size=4, tensor_parallel_size=2, **config)
     assert two == one
     assert stats_two["num_preemptions"] == stats_one["num_preemptions"]
-    assert (stats_one["num_preemptions"] > 0) == (case != "roomy")
+    assert (stats_one["num_preemptions"] > 0) == case.startswith("preempting")
+    if draft is not None:
+        assert stats_two["spec_accepted_tokens"] == stats_one["spec_accepted_tokens"]
+        assert stats_one["spec_accepted_tokens"] > 0
 
 
 def test_engine_tensor_parallel_errors_are_named():
@@ -274,10 +282,6 @@ def test_engine_tensor_parallel_errors_are_named():
         EngineCore(model, engine_config(num_blocks=16, tensor_parallel_size=5))
     with pytest.raises(RequestError, match="tensor_parallel_size=0 is invalid"):
         engine_config(tensor_parallel_size=0)
-    with pytest.raises(RequestError, match="draft model does not run under tensor parallelism"):
-        EngineCore(model, engine_config(num_blocks=16, tensor_parallel_size=2,
-                                        speculative_config={"model": "d", "num_speculative_tokens": 2}),
-                   draft_model=model)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["exact", "packed"])
