@@ -267,6 +267,32 @@ class Tokenizer:
                    extra_eos_ids=extra_eos_ids, end_token_ids=[i for i in ends if i is not None])
 
 
+    # ---- llama2.c -------------------------------------------------------------------------
+
+    @classmethod
+    def from_llama2c(cls, path: str | Path, vocab_size: int) -> Tokenizer:
+        """llama2.c's tokenizer.bin for a model of `vocab_size` tokens: SentencePiece pieces
+        and scores (nanoinfer/loaders/llama2c.py reads them), <unk> <s> </s> at 0, 1, 2, byte
+        tokens <0xNN>. Encodes as its run.c does: BOS, a dummy space prefix, merges by score."""
+        from nanoinfer.loaders.llama2c import read_llama2c_vocab
+
+        pieces, scores = read_llama2c_vocab(Path(path), vocab_size)
+        pieces[:3] = ["<unk>", "<s>", "</s>"][:len(pieces)]  # (written as "\n<s>\n", "\n</s>\n")
+        kinds = gguf.TokenType
+        types = [kinds.UNKNOWN if i == 0 else kinds.CONTROL if i < 3 else
+                 kinds.BYTE if len(p) == 6 and p.startswith("<0x") and p.endswith(">") else kinds.NORMAL
+                 for i, p in enumerate(pieces)]
+        try:
+            backend = _sentencepiece_bpe(pieces, types, scores, add_space_prefix=True)
+        except Exception as e:  # tokenizers raises plain Exception
+            raise CheckpointError(path, f"its pieces do not form a vocabulary: {e}") from e
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in pieces[:3]])
+        _set_bos_eos(backend, "<s>", None)
+        special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+        return cls(_TokenizersBackend(backend), source=str(path), bos_token="<s>", eos_token="</s>",
+                   special_tokens=special, chat_template=None)
+
+
 def _read_json(file: Path) -> dict:
     if not file.is_file():
         return {}

@@ -83,6 +83,16 @@ def load_model(
         params = dummy_params(cfg, torch_dtype, dev) if dummy else load_hf_params(
             path, cfg, torch_dtype, dev, progress=progress, fp8=quantization == "fp8")
         tokenizer = Tokenizer.from_hf_dir(path)
+    elif path.suffix == ".bin" and path.is_file():  # llama2.c, its tokenizer.bin beside it (if there)
+        from nanoinfer.loaders.llama2c import llama2c_config, load_llama2c_params
+
+        cfg, offset, shared = llama2c_config(path)
+        torch_dtype = resolve_dtype(dtype, cfg, dev)
+        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False)
+        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_llama2c_params(
+            path, cfg, offset, shared, torch_dtype, dev, progress=progress)
+        vocab = path.parent / "tokenizer.bin"
+        tokenizer = Tokenizer.from_llama2c(vocab, cfg.vocab_size) if vocab.is_file() and vocab != path else None
     elif path.suffix == ".gguf" or path.is_file():
         reader = open_gguf(path)
         cfg = gguf_config(reader, path)
@@ -95,7 +105,7 @@ def load_model(
     else:
         raise CheckpointError(
             path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
-                  "model directory or a .gguf file"
+                  "model directory, a .gguf file or a llama2.c .bin"
         )
     if quantization in ("int8", "fp8"):
         params = quantize_params(params, quantization)

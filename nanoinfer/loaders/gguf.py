@@ -13,9 +13,9 @@ from nanoinfer.config import ModelConfig, RopeScaling
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.loaders.gguf_groups import GROUPED_TYPES, grouped_weight
-from nanoinfer.loaders.params import build_params
+from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model import Params
-from nanoinfer.quantized import Int8Weight, take_rows
+from nanoinfer.quantized import Int8Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TYPES = frozenset(
@@ -114,18 +114,6 @@ def is_quantized(reader: GGUFReader) -> bool:
     return any(len(t.shape) == 2 and t.tensor_type not in DENSE_TYPES for t in reader.tensors)
 
 
-def _unpermute(w, num_heads: int):
-    """Undo llama.cpp's Q/K row permutation for the llama architecture (on any row-wise weight).
-
-    Its converter interleaves each head's two rotary halves (rows 0, D/2, 1, D/2+1, ...) so
-    its kernels can rotate adjacent pairs; we rotate halves (HF's layout) and swap back.
-    """
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    order = torch.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
-    return take_rows(w, order)
-
-
 def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
                      progress: bool = True, packed: bool = False) -> Params:
     """`packed`: quantized matrices stay quantized (nanoinfer.quantized, CPU kernels): Q4_0,
@@ -175,9 +163,9 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
         else:
             w = dequant(tensor)
         if cfg.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, cfg.num_heads)
+            w = unpermute_rotary_rows(w, cfg.num_heads)
         elif cfg.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, cfg.num_kv_heads)
+            w = unpermute_rotary_rows(w, cfg.num_kv_heads)
         return w
 
     inv_freq = None

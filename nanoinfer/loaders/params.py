@@ -18,13 +18,23 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.model import LayerParams, Params
-from nanoinfer.quantized import GroupedWeight, concat_rows, map_weight, pack
+from nanoinfer.quantized import GroupedWeight, concat_rows, map_weight, pack, take_rows
 
 if TYPE_CHECKING:
     from nanoinfer.quantized import Weight
 
 # name -> tensor (or a quantized matrix), or None when the checkpoint does not have it.
 TensorSource = Callable[[str], "torch.Tensor | Weight | None"]
+
+
+def unpermute_rotary_rows(w, num_heads: int):
+    """Q or K rows (or bias) in Meta's rotary layout, each head's dimension pairs adjacent
+    (rows 0, D/2, 1, D/2+1, ... of HF's; llama.cpp's GGUF and llama2.c keep it so their kernels
+    rotate adjacent pairs), regrouped into HF's halves, which we rotate. Any row-wise weight."""
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    order = torch.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
+    return take_rows(w, order)
 
 
 def build_params(
