@@ -3,6 +3,7 @@ transformers (eager) in the same run.
 
     python bench/latency.py [--shapes qwen3-0.6b llama-3.2-1b llama-3.1-8b] [--new-tokens 200]
                             [--quantization none int8 fp8 gpt-fast-int8] [--tensor-parallel-size 1 2]
+                            [--plot FILE.png]
 
 5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
 bandwidth = weight bytes read per token x tok/s. Also prints where a NanoInfer step's host
@@ -86,7 +87,10 @@ def main():
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "fp8", "gpt-fast-int8"])
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="tok/s bars per shape and variant, with each one's speedup over our eager path")
     args = parser.parse_args()
+    figures: dict[str, dict[str, float]] = {}  # shape -> variant -> tok/s
 
     import dataclasses
 
@@ -121,6 +125,7 @@ def main():
                                                                           "resolve"))
                 label += f", tp={size}" if size > 1 else ""
                 label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
+                figures.setdefault(name, {})[label] = tps
                 print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
             nanoinfer.gemv.linear = linear
             del model
@@ -131,9 +136,23 @@ def main():
         torch.cuda.empty_cache()
         if not args.no_baseline:
             tps = time_transformers(name, args.new_tokens)
+            figures.setdefault(name, {})["transformers (eager)"] = tps
             print(f"{name:<14}{'transformers (eager)':<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}")
         gc.collect()
         torch.cuda.empty_cache()
+    if args.plot:
+        plot(figures, args.plot, torch.cuda.get_device_name())
+
+
+def plot(figures: dict[str, dict[str, float]], path: str, device: str) -> None:
+    """Batch-1 decode tok/s per shape and variant: what each optimisation buys over eager."""
+    from runtime.eval.plots import bars, pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(4 + 3 * len(figures), 4.5))
+    bars(ax, figures, f"batch-1 decode, {device}", "tokens / s", baseline="nanoinfer (eager)")
+    save(fig, path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 beside the offline engine (LLM.generate) on the same requests in the same run.
 
     python bench/serving.py [--model M] [--device cpu] [--clients 16] [--input-len 16 64]
-                            [--output-len 32 32] [--num-blocks N]
+                            [--output-len 32 32] [--num-blocks N] [--plot FILE.png]
 
 Prompts are random token ids (fixed seed) sent to /v1/completions with ignore-free greedy
 sampling; every request asks for its output length, and min-length is enforced by checking
@@ -67,6 +67,7 @@ def main():
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--load-format", default="auto", help="dummy: random weights (bench/dummy_checkpoint.py)")
     parser.add_argument("--idle-requests", type=int, default=10, help="one at a time, for the idle server's TTFT")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="the TTFT and ITL CDFs")
     args = parser.parse_args()
 
     import random
@@ -114,6 +115,16 @@ def main():
     print(f"server keeps {served_tps / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
     print(f"idle server TTFT p50 {ms(statistics.median(idle_ttfts))} ms over {len(idle_ttfts)} requests "
           f"(goal <= 50 ms)")
+    if args.plot:
+        from runtime.eval.plots import cdf, pyplot, save
+
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        to_ms = lambda values: [v * 1e3 for v in values]  # noqa: E731
+        cdf(ax, {f"TTFT, {args.clients} clients": to_ms(ttfts), "TTFT, idle server": to_ms(idle_ttfts),
+                 f"ITL, {args.clients} clients": to_ms(itls)}, f"served latency, {args.device}")
+        save(fig, args.plot)
+        plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -249,3 +249,14 @@ def test_cli_speed_writes_table_json_and_plot(smollm2_gguf, tmp_path, capsys):
                                                                      "itl_ms"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_bench_latency_plot_draws_a_png(tmp_path):
+    """bench/latency.py --plot: bars per shape and variant (the figures are made up here)."""
+    from bench.latency import plot
+
+    png = tmp_path / "latency.png"
+    plot({"llama-3.2-1b": {"nanoinfer (eager)": 91.0, "nanoinfer (graphs, overlap)": 792.0,
+                           "transformers (eager)": 60.0},
+          "llama-3.1-8b": {"nanoinfer (eager)": 39.0, "nanoinfer (graphs, overlap)": 177.0}}, str(png), "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

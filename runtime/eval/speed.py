@@ -77,13 +77,9 @@ async def measure(engine, batch_sizes: Sequence[int], input_len: int, output_len
 
 def plot(points: Sequence[SpeedPoint], path: str) -> None:
     """Throughput against batch size, and the largest batch's TTFT and ITL CDFs, as a PNG."""
-    try:
-        import matplotlib
+    from runtime.eval.plots import cdf, pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RequestError("--plot needs matplotlib: pip install 'nanoinfer[eval]'", param="plot") from exc
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     batches = [p.batch for p in points]
     left.plot(batches, [p.output_tokens_per_s for p in points], marker="o")
@@ -91,12 +87,7 @@ def plot(points: Sequence[SpeedPoint], path: str) -> None:
     left.set_xscale("log", base=2)
     left.set_xticks(batches, [str(b) for b in batches])
     last = points[-1]
-    for name, values in (("TTFT", last.ttfts), ("ITL", last.itls)):
-        values = sorted(v for v in values if v > 0)  # (tokens that came with the first have no gap)
-        right.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
-    right.set(xlabel="ms (log scale)", ylabel="fraction of requests / tokens", title=f"latency CDF at batch {last.batch}")
-    right.set_xscale("log")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # (tokens that came with the first have no gap: cdf leaves their 0 out)
+    cdf(right, {"TTFT": last.ttfts, "ITL": last.itls}, f"latency CDF at batch {last.batch}")
+    save(fig, path)
     plt.close(fig)
