@@ -49,6 +49,7 @@ def bars(ax, groups: Mapping[str, Mapping[str, float]], title: str, ylabel: str,
         ax.bar_label(drawn, labels, fontsize=7)
     ax.set_xticks(range(len(groups)), list(groups))
     ax.set(ylabel=ylabel, title=title)
+    ax.margins(y=0.12)  # (room for the tallest bar's label under the title)
     ax.legend(fontsize=8)
 
 
