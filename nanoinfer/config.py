@@ -31,7 +31,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "nanochat" (nanoinfer/nanochat.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,6 +51,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the checkpoint's own dtype, for dtype="auto"
+    # Pool layers past the model's, for per-token state a family keeps beside its keys and
+    # values (nanochat: each token's normed embedding, which the next token's smear reads).
+    kv_extra_layers: int = 0
 
     def __post_init__(self):
         if self.windowed_layers is not None and len(self.windowed_layers) != self.num_layers:

@@ -33,14 +33,14 @@ def allocate_kv_pool(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
     """A zeroed pool of `num_blocks` blocks of `block_size` token slots for every layer."""
-    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers + cfg.kv_extra_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block costs across all layers, keys and values (to size a pool from a budget)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return (cfg.num_layers + cfg.kv_extra_layers) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def copy_blocks(kv: torch.Tensor, copies: list[tuple[int, int]]) -> None:

@@ -45,6 +45,9 @@ class Shard(NamedTuple):
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     """RequestError naming what keeps `cfg` from splitting over `size` ranks."""
     kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    if cfg.architecture == "nanochat":  # (its smear state and value embeddings are not split yet)
+        raise RequestError("a nanochat model does not run under tensor parallelism yet: expected "
+                           f"tensor_parallel_size=1, got {size}", param="tensor_parallel_size")
     problems = []
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by tensor_parallel_size={size}")

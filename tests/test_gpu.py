@@ -548,3 +548,35 @@ def test_tensor_parallel_world_of_one_over_nccl():
         ranks.close()
     ref = forward(params, allocate_kv_pool(cfg, 8, 4, torch.float32, "cuda"), batch, cfg)
     assert torch.equal(ours, ref)
+
+
+# --- nanochat (issue 17) ---------------------------------------------------------------------------
+
+def test_nanochat_on_cuda_with_graphs_agrees_with_the_reference(tmp_path):
+    """The nanochat forward captured in CUDA graphs (decode and mixed steps), fp32: greedy tokens
+    equal the CPU reference's up to near-ties, with chunked prefills and a cached prefix."""
+    from nanoinfer.loaders import load_model
+    from runtime.engine import engine_config
+    from tests.nanochat_files import nanochat_state, prompt, reference_logits, write_checkpoint
+
+    sd = nanochat_state()
+    write_checkpoint(tmp_path / "d4", sd)
+    model = load_model(tmp_path / "d4", device="cuda", dtype="float32", progress=False)
+    engine = EngineCore(model, engine_config(block_size=16, num_blocks=64, max_num_batched_tokens=48,
+                                             max_model_len=256))
+    assert engine.runner.graphs is not None
+    first = prompt(140, seed=2)
+    prompts = [first, first[:70] + prompt(9, seed=3)]
+    outs = []
+    for ids in prompts:
+        seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        outs.append(seq.output_token_ids)
+    engine.close()
+    assert engine.stats()["prefix_cache_hits"] > 0
+    for ids, ours in zip(prompts, outs):
+        ref = reference_logits(sd, ids + ours)[len(ids) - 1:-1]  # (each of our tokens' logits, the reference's)
+        top2 = ref.topk(2, dim=-1)
+        for i, token in enumerate(ours):  # ours is the reference's argmax, or within 1e-3 of it
+            assert token == int(top2.indices[i, 0]) or top2.values[i, 0] - ref[i, token] < 1e-3, (i, token)

@@ -271,7 +271,7 @@ def test_engine_over_two_ranks_emits_what_one_rank_does(case):
         assert stats_one["spec_accepted_tokens"] > 0
 
 
-def test_engine_tensor_parallel_errors_are_named():
+def test_engine_tensor_parallel_errors_are_named(tmp_path):
     from nanoinfer.loaders import LoadedModel
     from runtime.engine import engine_config
     from runtime.engine_core import EngineCore
@@ -282,6 +282,13 @@ def test_engine_tensor_parallel_errors_are_named():
         EngineCore(model, engine_config(num_blocks=16, tensor_parallel_size=5))
     with pytest.raises(RequestError, match="tensor_parallel_size=0 is invalid"):
         engine_config(tensor_parallel_size=0)
+    from nanoinfer.loaders import load_model
+    from tests.nanochat_files import nanochat_state, write_checkpoint
+
+    write_checkpoint(tmp_path / "d4", nanochat_state())
+    nanochat = load_model(tmp_path / "d4", device="cpu", progress=False)
+    with pytest.raises(RequestError, match="nanochat model does not run under tensor parallelism yet"):
+        EngineCore(nanochat, engine_config(num_blocks=16, tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["exact", "packed"])

@@ -75,7 +75,29 @@ def load_model(
     name = DEFAULT_MODEL if model is None else str(model)
     path = resolve_model_name(name, quiet=not progress) if name in KNOWN_MODELS else Path(name).expanduser()
     dev = resolve_device(device)
-    if path.is_dir():
+    from nanoinfer.loaders import nanochat
+
+    nanochat_files = nanochat.checkpoint_files(path) if path.exists() else None
+    if nanochat_files is not None:  # model_<step>.pt + meta_<step>.json, its tokenizer.pkl above
+        from nanoinfer.nanochat_tokenizer import nanochat_tokenizer
+
+        model_file, meta_file = nanochat_files
+        if dummy:
+            raise RequestError("load_format='dummy' makes Llama-family weights: a nanochat checkpoint loads "
+                               "with load_format='auto'", param="load_format")
+        cfg = nanochat.nanochat_config(meta_file)
+        torch_dtype = resolve_dtype(dtype, cfg, dev)
+        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False)
+        if quantization != "none":
+            raise RequestError(f"quantization={quantization!r}: a nanochat model runs unquantized (expected 'none' "
+                               "or 'auto')", param="quantization")
+        params = nanochat.load_nanochat_params(model_file, cfg, torch_dtype, dev)
+        vocab = nanochat.tokenizer_file(model_file)
+        tokenizer = nanochat_tokenizer(vocab) if vocab is not None else None
+        if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
+            raise CheckpointError(vocab, f"{tokenizer.vocab_size} tokens where the model's meta says vocab_size="
+                                         f"{cfg.vocab_size}: not this model's tokenizer")
+    elif path.is_dir():
         cfg = read_hf_config(path)
         torch_dtype = resolve_dtype(dtype, cfg, dev)
         fp8_file = not dummy and has_fp8_weights(path)
