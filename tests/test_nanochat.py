@@ -166,10 +166,11 @@ def test_nanochat_checkpoint_errors_are_named(tmp_path):
         load_model(tmp_path / "cut", device="cpu", progress=False)
 
 
-def test_nanochat_chat_through_llm_from_a_nanochat_base_directory(tmp_path):
+def test_nanochat_chat_through_llm_and_the_server_from_a_nanochat_base_directory(tmp_path):
     """nanochat's layout: <base>/tokenizer/tokenizer.pkl beside <base>/chatsft_checkpoints/d4/.
     LLM.chat renders the conversation as nanochat does and continues it greedily as the
-    reference model does; the model id is the checkpoint directory's name."""
+    reference model does (the model id is the checkpoint directory's name); the server
+    streams the same reply."""
     from nanoinfer import LLM
     from nanoinfer.sampling import SamplingParams
 
@@ -193,3 +194,15 @@ def test_nanochat_chat_through_llm_from_a_nanochat_base_directory(tmp_path):
     ids = render_conversation(enc, messages)
     assert list(out.prompt_token_ids) == ids
     assert list(out.outputs[0].token_ids) == reference_greedy(sd, ids, 8)
+
+    from openai import OpenAI
+
+    from nanoinfer.loaders import load_model
+    from tests.live_server import LiveServer
+
+    with LiveServer(load_model(tmp_path / "chatsft_checkpoints" / "d4", device="cpu", progress=False)) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+        stream = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == out.outputs[0].text
