@@ -25,7 +25,10 @@ from runtime.serving import ServerConfig
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help=f"a known name, an HF directory or a .gguf file (default: {DEFAULT_MODEL})")
+                        help=f"a known name, an HF directory, a .gguf file, a nanochat checkpoint, a llama2.c .bin "
+                             f"or a Hugging Face Hub id org/name[@revision] (default: {DEFAULT_MODEL})")
+    parser.add_argument("--gguf-file", default=None, metavar="FILE",
+                        help="which .gguf of a Hub repository (or local directory) holding several")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
@@ -167,7 +170,8 @@ def _llm(args):
 
 def _load_kwargs(args) -> dict:
     """The flags `load_model` takes."""
-    return dict(device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization)
+    return dict(device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
+                gguf_file=args.gguf_file)
 
 
 def _generate(args) -> int:

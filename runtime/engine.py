@@ -104,12 +104,12 @@ class AsyncEngine:
     @classmethod
     def from_model(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
                    progress: bool = True, load_format: str = "auto", quantization: str = "auto",
-                   **engine_args) -> "AsyncEngine":
-        """Load `model` (a short name, HF directory or .gguf; None = the default model) as
+                   gguf_file: str | None = None, **engine_args) -> "AsyncEngine":
+        """Load `model` (a short name, HF directory, .gguf or Hub id; None = the default model) as
         `load_model` does. `engine_args` are those of `engine_config`."""
         config = engine_config(**engine_args)
         return cls(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
-                              quantization=quantization), config)
+                              quantization=quantization, gguf_file=gguf_file), config)
 
     @property
     def tokenizer(self):

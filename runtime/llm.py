@@ -27,16 +27,17 @@ _DONE = object()
 class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
-    `model` is a short name (default: smollm2-135m-instruct), an HF directory or a .gguf
-    path; `engine_args` are the settings of EngineConfig and SchedulerConfig (see
+    `model` is a short name (default: smollm2-135m-instruct), an HF directory, a .gguf
+    path or a Hub id `org/name[@revision]` (`gguf_file` picks a GGUF repository's file); `engine_args` are the settings of EngineConfig and SchedulerConfig (see
     `runtime.engine.engine_config`; an unknown name is a RequestError listing them).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
-                 progress: bool = True, load_format: str = "auto", quantization: str = "auto", **engine_args):
+                 progress: bool = True, load_format: str = "auto", quantization: str = "auto",
+                 gguf_file: str | None = None, **engine_args):
         config = engine_config(**engine_args)  # (checked before minutes of loading)
         self._init_with(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
-                                   quantization=quantization), config)
+                                   quantization=quantization, gguf_file=gguf_file), config)
 
     @classmethod
     def from_loaded(cls, model, **engine_args) -> "LLM":

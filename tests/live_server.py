@@ -26,6 +26,17 @@ def tiny_chat_model(gguf_path: Path) -> LoadedModel:
     return LoadedModel(cfg, random_params(cfg, seed=7), tokenizer, Path("tiny-chat"))
 
 
+def start_in_thread(server: uvicorn.Server, thread: threading.Thread) -> str:
+    """Start `thread` (running `server`), wait until it listens; its URL."""
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
 class LiveServer:
     def __init__(self, model: LoadedModel, **app_kw):
         engine_kw = app_kw.pop("engine_kw", {})
@@ -37,14 +48,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = start_in_thread(self.server, self.thread)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,6 +12,7 @@ import torch
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.loaders.dummy import dummy_params
+from nanoinfer.loaders.hf_hub import is_hub_id, resolve_hub_model
 from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 from nanoinfer.model import Params
 from nanoinfer.placement import resolve_device, resolve_dtype
@@ -36,7 +37,7 @@ class LoadedModel:
     params: Params
     tokenizer: "Tokenizer | None"  # None when an HF directory ships no tokenizer files
     path: Path
-    name: str | None = None  # how users named it, when that was a short name
+    name: str | None = None  # how users named it, when that was a short name or a Hub id
     quantization: str = "none"  # how the matrices are held: QUANTIZATIONS less "auto"
 
     @property
@@ -55,6 +56,7 @@ def load_model(
     progress: bool = True,
     load_format: str = "auto",
     quantization: str = "auto",
+    gguf_file: str | None = None,
 ) -> LoadedModel:
     """Load `model` (None = the default model) onto `device` in `dtype`, its matrices held as
     `quantization` says (QUANTIZATIONS). `load_format` "dummy" reads the config and tokenizer
@@ -74,6 +76,11 @@ def load_model(
     dummy = load_format == "dummy"
     name = DEFAULT_MODEL if model is None else str(model)
     path = resolve_model_name(name, quiet=not progress) if name in KNOWN_MODELS else Path(name).expanduser()
+    hub_id = None
+    if not path.exists() and is_hub_id(name):  # org/name[@revision] on the Hugging Face Hub
+        path, hub_id = resolve_hub_model(name, gguf_file), name.partition("@")[0]
+    elif gguf_file is not None:  # (a local directory of GGUF files)
+        path = path / gguf_file
     dev = resolve_device(device)
     from nanoinfer.loaders import nanochat
 
@@ -136,7 +143,7 @@ def load_model(
         # token the config names but the tokenizer does not, or the other way round).
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    return LoadedModel(cfg, params, tokenizer, path, name if name in KNOWN_MODELS else None, quantization)
+    return LoadedModel(cfg, params, tokenizer, path, hub_id or (name if name in KNOWN_MODELS else None), quantization)
 
 
 def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool,
