@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 import time
 
-import msgspec
-
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -93,8 +91,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 class _Renderer:
-    """Turns the engine's outputs for one HTTP request (its prompts' handles, n completions
-    each) into OpenAI responses and stream chunks. Choice index = prompt * n + completion."""
+    """Turns the engine's outputs for one request (its prompts' handles, n completions each)
+    into OpenAI responses and stream chunk objects (the server encodes them: SSE events or
+    WebSocket messages). Choice index = prompt * n + completion."""
 
     def __init__(self, response_id: str, model: str, handles, req, tokenizer):
         self.id, self.created, self.model = response_id, int(time.time()), model
@@ -111,10 +110,10 @@ class _Renderer:
         cached = PromptTokensDetails(sum(h.cached_tokens for h in self.handles))
         return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, cached)
 
-    def start(self) -> list[bytes]:
+    def start(self) -> list:
         return []
 
-    def chunks(self, position: int, delta) -> list[bytes]:
+    def chunks(self, position: int, delta) -> list:
         self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
         return [self.chunk(position * self.n + c.index, c) for c in delta.outputs]
 
@@ -123,10 +122,6 @@ class _Renderer:
 
     def total_tokens(self, results) -> int:
         return sum(len(c.token_ids) for out in results for c in out.outputs)
-
-
-def _sse(item) -> bytes:
-    return b"data: " + msgspec.json.encode(item) + b"\n\n"
 
 
 class CompletionRenderer(_Renderer):
@@ -148,15 +143,15 @@ class CompletionRenderer(_Renderer):
         return CompletionChoice(index, c.text, c.finish_reason,
                                 self.logprobs(c.logprobs or (), offset) if self.want_logprobs else None)
 
-    def chunk(self, index: int, c) -> bytes:
+    def chunk(self, index: int, c) -> CompletionResponse:
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(c.text)
-        return _sse(CompletionResponse(self.id, self.created, self.model, [self.choice(index, c, offset)]))
+        return CompletionResponse(self.id, self.created, self.model, [self.choice(index, c, offset)])
 
-    def end(self) -> list[bytes]:
+    def end(self) -> list:
         if not self.include_usage:
             return []
-        return [_sse(CompletionResponse(self.id, self.created, self.model, [], self.usage(self.completion_tokens)))]
+        return [CompletionResponse(self.id, self.created, self.model, [], self.usage(self.completion_tokens))]
 
     def response(self, results) -> CompletionResponse:
         return CompletionResponse(self.id, self.created, self.model, self.choices(results),
@@ -176,14 +171,14 @@ class ChatRenderer(_Renderer):
         return ChatLogprobs([ChatTokenLogprob(*entry(lp.token_id, lp.logprob),
                                               [TopLogprob(*entry(t, v)) for t, v in lp.top]) for lp in logprobs])
 
-    def _chunk(self, choices, usage=None) -> bytes:
-        return _sse(ChatCompletionChunk(self.id, self.created, self.model, choices, usage))
+    def _chunk(self, choices, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.id, self.created, self.model, choices, usage)
 
-    def start(self) -> list[bytes]:
+    def start(self) -> list:
         return [self._chunk([ChatChunkChoice(i, ChatDelta("assistant", ""))])
                 for i in range(len(self.handles) * self.n)]
 
-    def chunks(self, position: int, delta) -> list[bytes]:
+    def chunks(self, position: int, delta) -> list:
         self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
         out = []
         for c in delta.outputs:
@@ -195,7 +190,7 @@ class ChatRenderer(_Renderer):
                 out.append(self._chunk([ChatChunkChoice(index, ChatDelta(), c.finish_reason)]))
         return out
 
-    def end(self) -> list[bytes]:
+    def end(self) -> list:
         return [self._chunk([], self.usage(self.completion_tokens))] if self.include_usage else []
 
     def choice(self, index: int, c) -> ChatChoice:

@@ -9,7 +9,7 @@ working.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -240,4 +240,27 @@ class ErrorBody(msgspec.Struct):
 
 class ErrorResponse(msgspec.Struct):
     error: ErrorBody
+
+
+# -- the WebSocket endpoint's messages (runtime/websocket.py) ----------------------------------
+
+
+class WsClientMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """From the client: `request` starts a chat completion (`body`: the same object POST
+    /v1/chat/completions takes) under the client's `id`; `cancel` aborts the one with `id`."""
+
+    type: Literal["request", "cancel"]
+    id: str
+    body: dict | None = None
+
+
+class WsServerMessage(msgspec.Struct, omit_defaults=True):
+    """To the client, per request `id`: each `chunk` (the SSE stream's chat.completion.chunk
+    objects), then `done`; or an `error` (OpenAI's error object), after which nothing more
+    comes for that id. `id` is null for an error about a message that could not be read."""
+
+    type: Literal["chunk", "done", "error"]
+    id: str | None
+    chunk: ChatCompletionChunk | None = None
+    error: ErrorBody | None = None
 

@@ -30,7 +30,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from nanoinfer.errors import RequestError
 from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_logprobs, chat_messages, completion_logprobs,
@@ -38,6 +38,7 @@ from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_logprobs
 from runtime import protocol as api
 from runtime.engine import AsyncEngine, EngineError, RequestHandle
 from runtime.metrics import ServerMetrics
+from runtime.websocket import ChatSocket
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
@@ -67,6 +68,10 @@ class HTTPError(Exception):
 def _error_response(err: HTTPError) -> Response:
     return Response(_encode(api.ErrorResponse(err.body)), err.status, headers=err.headers,
                     media_type="application/json")
+
+
+def _sse(item) -> bytes:
+    return b"data: " + _encode(item) + b"\n\n"
 
 
 def _sse_error(err: HTTPError) -> bytes:
@@ -135,6 +140,11 @@ class _Server:
             raise HTTPError(400, f"the body is not valid UTF-8: {exc}") from exc
         except RecursionError as exc:
             raise HTTPError(400, "the body nests JSON too deeply") from exc
+        return self.parse(raw, type_)
+
+    def parse(self, raw, type_):
+        """The request of type `type_` that decoded JSON `raw` holds, checked (an HTTP body or
+        a WebSocket message's)."""
         if not isinstance(raw, dict):
             raise HTTPError(400, f"the body must be a JSON object, got {type(raw).__name__}")
         for name in set(raw) - api.known_fields(type_) - self._unknown_fields_logged:
@@ -219,12 +229,12 @@ class _Server:
             status = 499  # until it ends: a client that leaves mid-stream closes it here
             try:
                 for chunk in out.start():
-                    yield chunk
+                    yield _sse(chunk)
                 async for position, delta in self.engine.merge(handles):
                     for chunk in out.chunks(position, delta):
-                        yield chunk
+                        yield _sse(chunk)
                 for chunk in out.end():
-                    yield chunk
+                    yield _sse(chunk)
                 status = 200
             except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
                 err = HTTPError.of(exc, self.engine.healthy)
@@ -361,7 +371,8 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
               Route("/v1/models/{model_id:path}", g(srv.model), methods=["GET"]),
               Route("/health", g(srv.health), methods=["GET"]),
               Route("/metrics", g(srv.render_metrics), methods=["GET"]),
-              Route("/", g(srv.chat_page), methods=["GET"])]
+              Route("/", g(srv.chat_page), methods=["GET"]),
+              WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve())]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                              allow_headers=["*"])] if cors_origins else []
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
