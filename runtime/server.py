@@ -44,6 +44,12 @@ log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 MAX_UNKNOWN_FIELDS_LOGGED = 100
+# OpenAI's endpoints a client may try that a generation server does not have: named as such.
+OPENAI_ROUTES_NOT_SERVED = ("/v1/embeddings", "/v1/responses", "/v1/audio", "/v1/images", "/v1/moderations",
+                            "/v1/files", "/v1/batches", "/v1/fine_tuning", "/v1/assistants", "/v1/threads",
+                            "/v1/vector_stores", "/v1/edits", "/v1/uploads", "/v1/realtime")
+ROUTES_SERVED = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{id}",
+                 "WebSocket /v1/chat/ws")
 
 
 class HTTPError(Exception):
@@ -360,7 +366,12 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
         allowed = exc.headers or None
-        return _error_response(HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+        path = request.url.path
+        if exc.status_code == 404 and path.startswith(OPENAI_ROUTES_NOT_SERVED):
+            return _error_response(HTTPError(404, f"{request.method} {path}: this OpenAI endpoint is not supported by "
+                                                  f"this server (it serves {', '.join(ROUTES_SERVED)})",
+                                             code="unsupported_endpoint"))
+        return _error_response(HTTPError(exc.status_code, f"{request.method} {path}: {exc.detail}",
                                          code="not_found" if exc.status_code == 404 else "method_not_allowed",
                                          headers=allowed))
 

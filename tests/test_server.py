@@ -266,6 +266,14 @@ def test_errors_for_unknown_routes_and_methods_are_json(live_server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_openai_endpoints_not_served_say_so(client):
+    """The official client calling an endpoint a generation server lacks gets it named."""
+    with pytest.raises(openai.NotFoundError, match="POST /v1/embeddings: this OpenAI endpoint is not supported by "
+                                                   "this server .*POST /v1/chat/completions") as caught:
+        client.embeddings.create(model="tiny-chat", input="hello")
+    assert caught.value.code == "unsupported_endpoint"
+
+
 def test_only_json_bodies_are_read(live_server):
     r = httpx.post(live_server.url + "/v1/completions", content=json.dumps({"prompt": "hi"}),
                    headers={"content-type": "text/plain"})
