@@ -76,14 +76,15 @@ def verify(logits: torch.Tensor, st: SamplingTensors, draft_tokens: torch.Tensor
 
 def draft_sample(logits: torch.Tensor, st: SamplingTensors,
                  draw: Callable = random_draw) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A draft model's proposal per row and the distribution q it was drawn from (None when
+    """A draft model's proposal per row (`logits` in the model's dtype: a greedy draft needs
+    no fp32 copy of them) and the distribution q it was drawn from (None when
     every row is greedy: the argmax, which verification compares with the target's). The
     draft uses the request's temperature, top-k, top-p and min-p but no penalties: any q
     keeps the output exact, as long as the draft really is drawn from it."""
-    greedy = greedy_tokens(logits)
+    greedy = greedy_tokens(logits)  # (in the logits' own dtype: widening is exact, so the argmax is the same)
     if st.all_greedy:
         return greedy, None
-    q = target_distribution(logits, st)
+    q = target_distribution(logits.float(), st)
     return torch.where(st.temperature > 0, draw(q, st.seeds ^ DRAFT_SALT, st.steps), greedy), q
 
 

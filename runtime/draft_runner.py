@@ -110,7 +110,7 @@ class DraftRunner:
         rows = np.array([self.batch.row_of[s.seq_id] for s in seqs], dtype=np.int64)
         steps = [len(s.token_ids) - s.num_prompt_tokens + o for s, o in zip(seqs, offsets)]
         rows_t, steps_t = to_device_packed([rows, steps], torch.int64, self.device)
-        return draft_sample(logits.float(), self.batch.sampling(rows, rows_t, steps_t), self.kernels.draw)
+        return draft_sample(logits, self.batch.sampling(rows, rows_t, steps_t), self.kernels.draw)
 
     def propose(self, step: Seq[tuple[Sequence, int, int]]) -> Proposal:
         """Catch the draft's cache up with the step's `(seq, start, num_tokens)` chunks, and
