@@ -30,7 +30,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 
 from nanoinfer.errors import RequestError
 from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_logprobs, chat_messages, completion_logprobs,
@@ -383,7 +384,9 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
               Route("/health", g(srv.health), methods=["GET"]),
               Route("/metrics", g(srv.render_metrics), methods=["GET"]),
               Route("/", g(srv.chat_page), methods=["GET"]),
-              WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve())]
+              WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve()),
+              # The chat page's vendored libraries (runtime/static/vendor/VENDOR.md): no CDN.
+              Mount("/static", StaticFiles(packages=[("runtime", "static")]), name="static")]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                              allow_headers=["*"])] if cors_origins else []
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,

@@ -1,5 +1,6 @@
 """The chat page (GET /) in headless Chromium against the live server: streaming, the kept
-conversation, Stop, error display and the SSE parser."""
+conversation, Stop, error display, the SSE parser, and replies rendered as sanitized Markdown
+with highlighted, copyable code (the vendored libraries served from /static, no CDN)."""
 
 from __future__ import annotations
 
@@ -64,10 +65,11 @@ def last_reply(page):
 
 
 def wait_finished(page, state="done") -> str:
+    """The last reply's text as it streamed in (its Markdown source; the page shows it rendered)."""
     reply = last_reply(page)
     sync_api.expect(reply).to_have_attribute("data-state", state, timeout=TIMEOUT_MS)
     sync_api.expect(page.locator("#send")).to_be_enabled()
-    return reply.locator(".content").text_content()
+    return reply.get_attribute("data-source")
 
 
 def post_chat(url: str, body: dict) -> tuple[int, dict]:
@@ -135,7 +137,7 @@ def test_stop_aborts_and_keeps_partial_text(page, live_server):
     set_sampling(page, temperature="1", max_tokens="1500", seed="5")
     send(page, "Tell me a very long story.")
     reply = last_reply(page)
-    sync_api.expect(reply.locator(".content")).not_to_have_text("", timeout=TIMEOUT_MS)
+    sync_api.expect(reply).not_to_have_attribute("data-source", "", timeout=TIMEOUT_MS)
     sync_api.expect(reply).to_have_attribute("data-state", "streaming")
     page.click("#stop")
     partial = wait_finished(page, "stopped")
@@ -148,7 +150,7 @@ def test_stop_aborts_and_keeps_partial_text(page, live_server):
     while live_server.engine.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_server.engine.num_in_flight == 0
-    assert reply.locator(".content").text_content() == partial
+    assert reply.get_attribute("data-source") == partial
 
     # The partial reply stays in the conversation.
     set_sampling(page, max_tokens="4")
@@ -191,3 +193,39 @@ def test_sse_parser_handles_splits_across_reads(page):
         return out;
     }""", pieces)
     assert got == ['{"a":"é"}', '{"b":"😀"}']
+
+
+MARKDOWN_REPLY = ("**Bold** and `inline`, a [link](javascript:window.pwned=1) and <img src=x onerror=\"window.pwned=1\">"
+                  "<script>window.pwned=1</script>\n\n```python\ndef add(a, b):\n    return a + b\n```\n\n- one\n- two")
+
+
+def test_replies_render_as_sanitized_markdown_with_copyable_code(page, browser):
+    """A reply (served here by a stubbed stream, in small pieces) shows as Markdown: emphasis,
+    lists, a highlighted code block with a Copy button that copies its code; the model's
+    script, event handler and javascript: link do not survive. Nothing is fetched from
+    outside the server."""
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    pieces = [MARKDOWN_REPLY[i:i + 7] for i in range(0, len(MARKDOWN_REPLY), 7)]
+    events = "".join("data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": p}}]}) + "\n\n"
+                     for p in pieces) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=200, body=events,
+                                                                    headers={"Content-Type": "text/event-stream"}))
+    outside = []
+    page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(page.url.rstrip("/")) else None)
+    send(page, "Show me some Markdown")
+    assert wait_finished(page) == MARKDOWN_REPLY
+    content = last_reply(page).locator(".content")
+    assert content.locator("strong").text_content() == "Bold"
+    assert content.locator("li").count() == 2
+    code = content.locator("pre code.hljs")
+    assert code.text_content() == "def add(a, b):\n    return a + b\n"
+    assert code.locator("span[class^=hljs-]").count() > 0  # highlighted
+    assert content.locator("script, img[onerror], a[href^=javascript]").count() == 0
+    assert page.evaluate("window.pwned") is None
+    content.locator("pre button.copy").click()
+    sync_api.expect(content.locator("pre button.copy")).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == "def add(a, b):\n    return a + b\n"
+    assert not outside
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat_markdown.png"))
+
