@@ -229,3 +229,41 @@ def test_replies_render_as_sanitized_markdown_with_copyable_code(page, browser):
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat_markdown.png"))
 
+
+
+def test_system_prompt_regenerate_edit_last_tokens_per_second_and_reload(page, live_server):
+    set_sampling(page, temperature="0", max_tokens="8")
+    page.fill("#system", "Be brief.")
+    send(page, "Hi")
+    first = wait_finished(page)
+    system = {"role": "system", "content": "Be brief."}
+    assert page.chat_requests[0]["messages"] == [system, {"role": "user", "content": "Hi"}]
+    assert page.chat_requests[0]["stream_options"] == {"include_usage": True}
+    stats = last_reply(page).locator(".stats").text_content()
+    assert stats.startswith("8 tokens · ") and stats.endswith(" tokens/s"), stats
+
+    page.click("#regenerate")  # the same conversation again, the old reply replaced
+    assert wait_finished(page) == first  # (greedy)
+    assert page.chat_requests[1]["messages"] == page.chat_requests[0]["messages"]
+    assert page.locator("#messages .msg").count() == 2
+
+    page.click("#edit-last")  # the user's turn back in the box, its reply gone
+    assert page.locator("#messages .msg").count() == 0 and page.input_value("#prompt") == "Hi"
+    page.fill("#prompt", "Hello again")
+    page.press("#prompt", "Enter")
+    second = wait_finished(page)
+
+    page.reload()  # the conversation and system prompt survive it
+    assert page.input_value("#system") == "Be brief."
+    assert page.locator("#messages .msg.user .content").all_text_contents() == ["Hello again"]
+    assert last_reply(page).get_attribute("data-source") == second
+    assert last_reply(page).locator(".stats").text_content().endswith(" tokens/s")
+    page.chat_requests.clear()
+    set_sampling(page, temperature="0", max_tokens="4")
+    send(page, "More")
+    wait_finished(page)
+    assert page.chat_requests[0]["messages"] == [system, {"role": "user", "content": "Hello again"},
+                                                 {"role": "assistant", "content": second},
+                                                 {"role": "user", "content": "More"}]
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat_page_features.png"))
