@@ -163,6 +163,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def tokenizers_json(self) -> str | None:
+        """The vocabulary as a Hugging Face tokenizer.json string (None: not a `tokenizers`
+        vocabulary), for libraries that read one (structured output's llguidance)."""
+        return self._backend.backend.to_str() if isinstance(self._backend, _TokenizersBackend) else None
+
     def save_hf(self, directory: str | Path) -> None:
         """Write this tokenizer as a Hugging Face directory's files (tokenizer.json and
         tokenizer_config.json with the chat template), e.g. a GGUF's beside a dummy config."""

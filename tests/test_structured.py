@@ -1,0 +1,119 @@
+"""Structured output's machinery (nanoinfer/structured.py) over the default model's vocabulary:
+50 generated JSON schemas, each constraining random logits to a document that parses and
+validates (jsonschema); regex and choice; the device-side mask against a reference; bad
+grammars named."""
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from nanoinfer.errors import RequestError  # noqa: E402
+from nanoinfer.structured import (Constraint, GrammarSpec, allocate_bitmask, apply_bitmask,  # noqa: E402
+                                  grammar_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def vocab(smollm2_gguf):
+    """(our tokenizer, llguidance's view of it, the model's vocabulary size)."""
+    from nanoinfer.loaders.gguf import open_gguf
+    from nanoinfer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
+    size = tokenizer.vocab_size
+    return tokenizer, grammar_tokenizer(tokenizer, size), size
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """An object schema of a few properties, each a bounded string (some enums or patterns),
+    a bounded integer, a boolean, a short array or (shallowly) a nested object; some required.
+    Bounded, so that any document the grammar allows ends."""
+    props = {}
+    for i in range(rng.randint(1, 4)):
+        kind = rng.choice(["string", "enum", "pattern", "integer", "boolean", "array"] + (["object"] if depth < 2 else []))
+        if kind == "string":
+            prop = {"type": "string", "maxLength": rng.randint(1, 10)}
+        elif kind == "enum":
+            prop = {"type": "string", "enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é"], rng.randint(1, 3))}
+        elif kind == "pattern":
+            prop = {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{1,3}$"}
+        elif kind == "integer":
+            low = rng.randint(-50, 50)
+            prop = {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
+        elif kind == "boolean":
+            prop = {"type": "boolean"}
+        elif kind == "array":
+            prop = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": rng.randint(0, 3)}
+        else:
+            prop = random_schema(rng, depth + 1)
+        props[f"k{i}_{kind}"] = prop
+    required = [k for k in props if rng.random() < 0.6]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def generate(tokenizer, lltok, size: int, spec: GrammarSpec, seed: int, steps: int = 300) -> str:
+    """Random logits (a model that knows nothing) sampled under the constraint until the
+    grammar is complete and EOS is sampled: the text."""
+    constraint = Constraint(lltok, spec)
+    g = torch.Generator().manual_seed(seed)
+    bitmask = allocate_bitmask(1, size)
+    eos = tokenizer.eos_token_ids[0]
+    tokens = []
+    for _ in range(steps):
+        constraint.fill(bitmask, 0)
+        logits = apply_bitmask(torch.randn(1, size, generator=g), bitmask)
+        token = int(torch.multinomial(logits.softmax(-1), 1, generator=g))
+        if token == eos:
+            assert constraint.done
+            return tokenizer.decode(tokens)
+        constraint.consume(token)
+        tokens.append(token)
+    raise AssertionError(f"no end after {steps} tokens: {tokenizer.decode(tokens)!r}")
+
+
+def test_fifty_generated_schemas_constrain_random_logits_to_valid_json(vocab):
+    tokenizer, lltok, size = vocab
+    rng = random.Random(0)
+    for i in range(50):
+        schema = random_schema(rng)
+        text = generate(tokenizer, lltok, size, GrammarSpec("json_schema", schema), seed=i)
+        jsonschema.validate(json.loads(text), schema)  # parses, and is what the schema says
+    text = generate(tokenizer, lltok, size, GrammarSpec("json_object"), seed=99, steps=2000)
+    assert isinstance(json.loads(text), dict)
+
+
+def test_regex_and_choice(vocab):
+    tokenizer, lltok, size = vocab
+    for seed in range(5):
+        assert re.fullmatch(r"[A-Z][a-z]{1,6} [0-9]{2}", generate(tokenizer, lltok, size,
+                                                                   GrammarSpec("regex", r"[A-Z][a-z]{1,6} [0-9]{2}"),
+                                                                   seed))
+        assert generate(tokenizer, lltok, size, GrammarSpec("choice", ("positive", "negative", "neutral ☺")),
+                        seed) in ("positive", "negative", "neutral ☺")
+
+
+def test_apply_bitmask_matches_bit_by_bit_reference():
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 3, 100  # (4 words: 28 bits of the last past the vocabulary)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, 4), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(rows, vocab + 5, generator=g)  # (5 columns past the mask: never allowed)
+    got = apply_bitmask(logits.clone(), words)
+    for r in range(rows):
+        for t in range(vocab + 5):
+            allowed = t < 128 and (int(words[r, t // 32]) >> (t % 32)) & 1
+            assert (got[r, t] == logits[r, t]) if allowed else got[r, t] == float("-inf"), (r, t)
+
+
+def test_bad_grammars_are_named(vocab):
+    _, lltok, _ = vocab
+    with pytest.raises(RequestError, match="json_schema cannot constrain generation"):
+        Constraint(lltok, GrammarSpec("json_schema", {"type": "frobnicate"}))
+    with pytest.raises(RequestError, match="regex cannot constrain generation"):
+        Constraint(lltok, GrammarSpec("regex", "(unclosed"))
+    with pytest.raises(RequestError, match="choice must be a non-empty list of strings"):
+        GrammarSpec("choice", ()).grammar()
