@@ -116,7 +116,9 @@ class Constraint:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` [rows, vocab] with every token the rows' `bitmask` [rows, words] (on the same
-    device) does not allow set to -inf, in place; columns past the mask's words too."""
+    device) does not allow set to -inf, in place; columns past the mask's words too.
+    (llguidance.torch has one too, but torch.compile'd: a C++ compiler on the CPU and a
+    compile per new shape, for what is a few tensor ops and graph-capturable as they are.)"""
     rows, vocab = logits.shape
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(rows, -1)  # [rows, words * 32]
