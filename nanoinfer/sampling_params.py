@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
 from nanoinfer.settings import check_settings, float32_in, setting
+from nanoinfer.structured import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -44,6 +45,9 @@ class SamplingParams:
     ignore_eos: bool = setting(False, "keep generating past the end-of-sequence token")
     include_stop_str_in_output: bool = setting(False, "keep the stop string that ended the text")
     skip_special_tokens: bool = setting(True, "leave special tokens out of the text")
+    # A GrammarSpec, or vLLM's mapping ({"json": schema} | {"regex": ...} | {"choice": [...]} |
+    # {"grammar": lark} | {"json_object": true}): the output follows it (nanoinfer/structured.py).
+    structured_outputs: GrammarSpec | None = None
 
     def __post_init__(self):
         check_settings(self)
@@ -66,6 +70,7 @@ class SamplingParams:
         check(all(t >= 0 and float32_in(b, -100, 100) for t, b in bias), "logit_bias",
               "token ids >= 0 mapped to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "structured_outputs", GrammarSpec.parse(self.structured_outputs))
         check(self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens", "an integer in [0, max_tokens]")
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 import struct
@@ -40,6 +41,19 @@ def parse_size(text: str | int) -> int:
     if match is None:
         raise RequestError(f"size {text!r} is invalid: expected bytes, or a number with KiB, MiB, GiB or TiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def json_object(value: Any, name: str, expected: str, param: str | None = None) -> dict:
+    """`value` (a dict, or its JSON text: a CLI flag, a request field) as a dict; RequestError
+    naming `name` and what was `expected` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise RequestError(f"{name}={value!r} is not valid JSON: {exc}", param=param or name) from exc
+    if not isinstance(value, dict):
+        raise RequestError(f"{name}={value!r} is invalid: expected {expected}", param=param or name)
+    return value
 
 
 def float32_in(value, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False) -> bool:

@@ -8,6 +8,7 @@ import time
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
+from nanoinfer.structured import GrammarSpec
 from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -38,7 +39,41 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             kw["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
         except ValueError as exc:
             raise RequestError(f"logit_bias keys must be token ids: {exc}", param="logit_bias") from exc
-    return SamplingParams(**kw)
+    return SamplingParams(**kw, structured_outputs=grammar_spec(req))
+
+
+def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
+    """What the request constrains its output to, if anything: OpenAI's `response_format`
+    (json_object; json_schema, enforced whether or not `strict`), vLLM's `structured_outputs`
+    ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) or its older `guided_json`,
+    `guided_regex`, `guided_choice` and `guided_grammar`. At most one."""
+    given = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given.append(("response_format", GrammarSpec("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise RequestError("response_format.json_schema must be an object with a name and a schema",
+                                   param="response_format")
+            schema = spec.get("schema")
+            given.append(("response_format", GrammarSpec("json_object") if schema is None else
+                          GrammarSpec("json_schema", schema)))
+        elif kind != "text":
+            raise RequestError(f"response_format type {kind!r} is not supported: expected text, json_object or "
+                               f"json_schema", param="response_format")
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", GrammarSpec.parse(req.structured_outputs)))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given.append((name, GrammarSpec(kind, getattr(req, name))))
+    if len(given) > 1:
+        raise RequestError(f"{given[0][0]} and {given[1][0]} both constrain the output: expected one",
+                           param=given[1][0])
+    return given[0][1] if given else None
 
 
 def completion_prompts(req: CompletionRequest) -> list:

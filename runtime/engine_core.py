@@ -74,6 +74,7 @@ class EngineCore:
             raise RequestError("a draft model was given but speculative_config does not ask for one: expected "
                                "method 'draft_model'", param="speculative_config")
         self.runner = ModelRunner(model, config, self.max_model_len, draft_model)
+        self.grammars = self.runner.grammars  # structured output's compiler (the runner fills the masks)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks,
                                    prefix_caching=config.enable_prefix_caching)
         self.waiting = WaitingQueue(config.scheduler)
@@ -136,6 +137,8 @@ class EngineCore:
                 f"(n={params.n}, {self._max_total(ids, params)} each) but the pool holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size}: lower max_tokens or raise num_blocks",
                 param="max_tokens")
+        if params.structured_outputs is not None:
+            self.grammars.constraint(params.structured_outputs)  # (compiled and cached; a bad one is named)
         return ids
 
     def _max_total(self, ids: list[int], params: SamplingParams) -> int:
@@ -159,6 +162,8 @@ class EngineCore:
             # Completion i draws with seed + i: different samples, each reproducible.
             seqs.append(Sequence(self._next_id, ids, params.with_seed(params.seed + i), self._max_total(ids, params),
                                  request=key, priority=priority, arrival=self.step_count, index=i))
+            if params.structured_outputs is not None:
+                seqs[-1].constraint = self.grammars.constraint(params.structured_outputs)
             self._next_id += 1
         seq, seq.forks = seqs[0], seqs[1:]
         self.requests[key] = seqs
@@ -304,6 +309,8 @@ class EngineCore:
         self._nvtx_next("schedule")
         previous, self._in_flight = self._in_flight, None
         outputs_before = []
+        if previous is not None and previous.constrained:  # its grammars must see its tokens before masking again
+            outputs_before, previous = self._resolve(previous), None
         if self.speculator is not None:
             speculate = self.speculator.policy.choose()
             if speculate and previous is not None:  # drafts come from the tokens so far: all on the host
@@ -501,6 +508,9 @@ class EngineCore:
             if not ok:
                 outputs += self._fail(seq, self._non_finite())
                 continue
+            if seq.constraint is not None and not seq.constraint.consume(token):
+                outputs += self._fail(seq, self._off_grammar(seq, token))
+                continue
             outputs.append(take(seq, token, logprobs[i], prompt_done.get(seq.seq_id)))
         if step.verified:
             outputs += self._apply_verified(step.verified, host[rest + 3 * len(step.prompt_logprobs):])
@@ -514,12 +524,20 @@ class EngineCore:
         self.generated_tokens += 1
         if token in params.stop_token_ids or (token in self.model.config.eos_token_ids and not params.ignore_eos):
             reason = "stop"
+        elif seq.constraint is not None and seq.constraint.finished:  # (only the end may follow: it is here)
+            reason = "stop"
         elif len(ids) >= seq.max_total_tokens:
             reason = "length"
         else:
             return TokenOutput(seq, token, False, logprob, prompt_logprobs)
         self._finish(seq, reason)
         return TokenOutput(seq, token, True, logprob, prompt_logprobs)
+
+    @staticmethod
+    def _off_grammar(seq: Sequence, token: int) -> RequestFailed:
+        return RequestFailed(f"token {token} does not continue this request's {seq.constraint.spec.kind} "
+                             f"({seq.constraint.error}): its grammar left nothing to sample (min_tokens, logit_bias "
+                             f"or stop_token_ids against what the grammar requires?)")
 
     @staticmethod
     def _non_finite() -> RequestFailed:
@@ -555,6 +573,9 @@ class EngineCore:
             emitted = tokens[row:row + a + 1]  # (an accepted row's token is its draft)
             self.runner.emitted(seq, emitted)
             for i, token in enumerate(emitted):
+                if seq.constraint is not None and not seq.constraint.consume(token):
+                    outputs += self._fail(seq, self._off_grammar(seq, token))
+                    break
                 lp = logprobs[row + i]
                 outputs.append(self._take(seq, token, None if k is None else lp._replace(top=lp.top[:k])))
                 if seq.is_finished:  # (a stop token or the length limit among the drafts)

@@ -25,6 +25,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from nanoinfer.speculative import draft_history, verify
+from nanoinfer.structured import Grammars, allocate_bitmask, apply_bitmask
 from runtime.draft_runner import DraftRunner, draft_bytes_per_block
 from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow, VerifiedRows
 from runtime.input_batch import InputBatch
@@ -66,6 +67,15 @@ class ForwardOutput(NamedTuple):
     finite: torch.Tensor  # [rows] bool: every logit finite
 
 
+def _offsets(counts) -> list[int]:
+    """Where each of consecutive runs of `counts` items starts."""
+    offsets, at = [], 0
+    for n in counts:
+        offsets.append(at)
+        at += n
+    return offsets
+
+
 def uses_ranks(config) -> bool:
     """Whether the model runs over torch.distributed ranks (tensor parallelism). Tests force
     it at one rank, so that a one-GPU machine runs that path (tests/conftest.py)."""
@@ -83,6 +93,7 @@ class ModelRunner:
         """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
         (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
         self.tp = None
+        self.grammars = Grammars(model.tokenizer, model.config.vocab_size)  # structured output's masks
         if uses_ranks(config):  # (the other ranks start now: runtime/tensor_parallel.py)
             from runtime.tensor_parallel import TensorParallelRanks
 
@@ -256,8 +267,16 @@ class ModelRunner:
         returns without waiting for the device. Changes no sequence. (`forward_done` is called
         between the two, for the step's phase timings.)"""
         batch, sampler_rows, (sampler_rows_t, steps_t) = self._build(inp)
+        host_drafts = self._host_drafts(inp)
         out = self._forward(batch)
         forward_done()
+        # Grammar masks are filled on the host while the device runs the forward.
+        masks = self._grammar_masks([(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)])
+        verify_masks = None
+        if host_drafts is not None:  # (a verifier's j + 1 rows follow the ones before it; so do its drafts)
+            drafts, counts = host_drafts.wait()[0].tolist(), [j for _, _, j in inp.verifiers]
+            verify_masks = self._grammar_masks([(seq, row, drafts[at:at + j]) for (seq, _, j), row, at in zip(
+                inp.verifiers, _offsets(j + 1 for j in counts), _offsets(counts))])
         full, all_logits = out, out.logits
         sample_at = [i for _, i in inp.samplers]
         if sample_at != list(range(out.logits.shape[0])):  # (a pure decode step needs no gather)
@@ -265,11 +284,12 @@ class ModelRunner:
             out = ForwardOutput(*(t.index_select(0, index) for t in out))
         st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)
         logits = out.logits
-        if st.all_greedy and st.penalties is None:
+        if st.all_greedy and st.penalties is None and masks is None:
             tokens = out.greedy  # (the graph's own argmax: no float copy of the logits, no launch)
         else:
             logits = logits.float()
-            tokens = sample(logits, st, self.kernels.draw, greedy=out.greedy)
+            tokens = sample(logits if masks is None else apply_bitmask(logits, *masks), st, self.kernels.draw,
+                            greedy=out.greedy if masks is None else None)
         self.batch.sampled(sampler_rows_t, tokens)
         # A row whose logits are not finite (NaN, inf) samples garbage: it fails its request alone.
         results = [tokens, out.finite]
@@ -285,12 +305,38 @@ class ModelRunner:
         rows = tuple(SampledRow(seq, k) for (seq, _), k in zip(inp.samplers, wanted))
         verified = ()
         if inp.verifiers:
-            verified, tensors = self._verify(inp.verifiers, full, inp.draft_tokens, inp.draft_probs)
+            verified, tensors = self._verify(inp.verifiers, full, inp.draft_tokens, inp.draft_probs, verify_masks)
             results.extend(tensors)
-        return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results), verified)
+        return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results), verified,
+                            constrained=masks is not None or verify_masks is not None)
 
-    def _verify(self, verifiers, out: ForwardOutput, draft_tokens: torch.Tensor,
-                draft_probs: torch.Tensor | None) -> tuple[tuple[VerifiedRows, ...], list[torch.Tensor]]:
+    def _host_drafts(self, inp: StepInput) -> DeviceToHost | None:
+        """The drafts on their way to the host when a constrained sequence verifies some (its
+        masks follow them): started before the forward is queued, so waiting for them does not
+        wait for it."""
+        if not any(seq.constraint is not None for seq, _, _ in inp.verifiers):
+            return None
+        return DeviceToHost([inp.draft_tokens])
+
+    def _grammar_masks(self, rows: list[tuple[Sequence, int, list[int]]]
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The bitmask rows of the constrained sequences among `rows` (sequence, first logits
+        row, drafts it verifies) and the logits rows they mask, on the device; None if no
+        sequence is constrained. (A finished sequence's rows are dropped when the step
+        resolves: its grammar is not asked.)"""
+        constrained = [(seq, first, drafts) for seq, first, drafts in rows
+                       if seq.constraint is not None and not seq.is_finished]
+        if not constrained:
+            return None
+        at = [first + i for _, first, drafts in constrained for i in range(len(drafts) + 1)]
+        bitmask = allocate_bitmask(len(at), self.cfg.vocab_size)
+        self.grammars.fill([(seq.constraint, row, drafts) for (seq, _, drafts), row in
+                            zip(constrained, _offsets(len(drafts) + 1 for _, _, drafts in constrained))], bitmask)
+        (at_t,) = to_device_packed([at], torch.int64, self.device)
+        return bitmask.to(self.device, non_blocking=True), at_t
+
+    def _verify(self, verifiers, out: ForwardOutput, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                masks: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[tuple[VerifiedRows, ...], list[torch.Tensor]]:
         """Verify each sequence's drafts against its rows of target logits (see
         nanoinfer/speculative.py); the tensors to bring to the host, per row: accepted, token,
         finite (and logprobs when asked for)."""
@@ -321,7 +367,8 @@ class ModelRunner:
             pen.seen[history_rows_t, history_tokens_t] = True
         if draft_probs is not None:  # (a sequence's last row has no draft: its q row is never read)
             draft_probs = draft_probs.index_select(0, q_rows_t)
-        v = verify(logits, st, drafts_t, draft_probs, draw=self.kernels.draw)
+        v = verify(logits if masks is None else apply_bitmask(logits, *masks), st, drafts_t, draft_probs,
+                   draw=self.kernels.draw)
         tensors = [v.accepted, v.tokens, out.finite.index_select(0, index_t)]
         wanted = [seq.params.logprobs for seq, _, _ in verifiers]
         if any(k is not None for k in wanted):

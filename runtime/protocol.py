@@ -43,8 +43,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Known fields with an effect we do not implement (see `unsupported`).
+    # Structured output (runtime/api_mapping.grammar_spec): OpenAI's, and vLLM's extensions.
     response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    # Known fields with an effect we do not implement (see `unsupported`).
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -56,10 +62,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     prompt_logprobs: Any = None  # (the engine has them; the API's shape for them does not exist yet)
     use_beam_search: Any = None
     verbosity: Any = None
@@ -75,8 +77,6 @@ def _has_effect(name: str, value: Any, req) -> bool:
     values that mean the default pass)."""
     if value in (None, False, "", "none", [], {}):
         return False
-    if name == "response_format":
-        return not (isinstance(value, dict) and value.get("type") == "text")
     if name == "best_of":
         return value != req.n
     if name == "modalities":
@@ -86,9 +86,9 @@ def _has_effect(name: str, value: Any, req) -> bool:
     return True
 
 
-UNSUPPORTED = ("echo", "prompt_logprobs", "use_beam_search", "verbosity", "response_format", "tools", "tool_choice", "functions", "function_call", "best_of", "suffix", "audio",
-               "modalities", "prediction", "reasoning_effort", "web_search_options", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar")
+UNSUPPORTED = ("echo", "prompt_logprobs", "use_beam_search", "verbosity", "tools", "tool_choice", "functions",
+               "function_call", "best_of", "suffix", "audio", "modalities", "prediction", "reasoning_effort",
+               "web_search_options")
 
 
 def unsupported(req) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from nanoinfer.sampling import SamplingParams
+from nanoinfer.structured import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +64,8 @@ class Sequence:
     # leading tokens the draft model's own KV pool holds.
     num_lookahead: int = 0
     num_draft_computed: int = 0
+    # Structured output (nanoinfer/structured.py): the grammar state of the tokens resolved so far.
+    constraint: "Constraint | None" = None
 
     def __post_init__(self):
         if not self.token_ids:

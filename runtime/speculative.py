@@ -15,7 +15,6 @@ pays (`SpeculationPolicy`): a draft the target keeps rejecting switches it off.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import deque
@@ -26,7 +25,7 @@ import numpy as np
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import QUANTIZATIONS
 from nanoinfer.ngram import propose_ngram
-from nanoinfer.settings import check_settings, setting, setting_names
+from nanoinfer.settings import check_settings, json_object, setting, setting_names
 from runtime.sequence import Sequence
 
 METHODS = ("ngram", "draft_model")
@@ -76,14 +75,7 @@ class SpeculativeConfig:
         naming what is wrong."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise RequestError(f"{name}={value!r} is not valid JSON: {exc}", param=name) from exc
-        if not isinstance(value, dict):
-            raise RequestError(f"{name}={value!r} is invalid: expected a JSON object such as "
-                               f'{{"method": "ngram", "num_speculative_tokens": 4}}', param=name)
+        value = json_object(value, name, 'a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}')
         unknown = sorted(set(value) - set(setting_names(cls)))
         if unknown:
             raise RequestError(f"{name}: unknown key {unknown[0]!r}: expected some of {setting_names(cls)}",

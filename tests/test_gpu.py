@@ -580,3 +580,48 @@ def test_nanochat_on_cuda_with_graphs_agrees_with_the_reference(tmp_path):
         top2 = ref.topk(2, dim=-1)
         for i, token in enumerate(ours):  # ours is the reference's argmax, or within 1e-3 of it
             assert token == int(top2.indices[i, 0]) or top2.values[i, 0] - ref[i, token] < 1e-3, (i, token)
+
+
+# --- structured output (issue 18) ------------------------------------------------------------------
+
+def test_structured_output_with_graphs_async_scheduling_and_speculation(hf_and_ours, tmp_path):
+    """Constrained rows bypass the graphs' in-graph argmax and mask on the device; a step that
+    masked waits before the next is planned. Greedy tokens: the same with and without async
+    scheduling; every output follows its grammar, with n-gram verification too."""
+    import json
+    import re
+
+    from tests.tiny import byte_level_tokenizer
+
+    _, model = hf_and_ours
+    model = dataclasses.replace(model, tokenizer=byte_level_tokenizer(tmp_path / "tok"))
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    specs = [{"json": person}, {"regex": "[a-f]{2,5}-[0-9]{1,2}"}, {"choice": ["red", "green", "blue"]}]
+    runs = []
+    for args in ({"async_scheduling": False}, {"async_scheduling": True},
+                 {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}}):
+        engine = EngineCore(model, engine_config(block_size=16, num_blocks=512, max_model_len=1024, **args))
+        seqs = []
+        for i in range(9):
+            spec = specs[i % 3] if i < 6 else None  # (the last three free, in the same batches)
+            seqs.append(engine.add_request(list(range(100 + i, 120 + 5 * i)), SamplingParams(
+                temperature=0 if i % 2 == 0 else 0.9, seed=i, max_tokens=40, ignore_eos=spec is None,
+                structured_outputs=spec)))
+        while engine.has_unfinished():
+            engine.step()
+        engine.close()
+        assert engine.blocks.num_free_blocks == 512
+        texts = [model.tokenizer.decode(s.output_token_ids) for s in seqs]
+        for i, (s, text) in enumerate(zip(seqs[:6], texts)):
+            assert s.finish_reason == "stop", (i, text)
+            if i % 3 == 0:
+                value = json.loads(text)
+                assert set(value) == {"name", "age"} and 0 <= value["age"] <= 99
+            elif i % 3 == 1:
+                assert re.fullmatch("[a-f]{2,5}-[0-9]{1,2}", text)
+            else:
+                assert text in ("red", "green", "blue")
+        runs.append([s.output_token_ids for s in seqs])
+    assert runs[0] == runs[1]

@@ -117,8 +117,14 @@ BAD_REQUESTS = [
     # Issue 10: max_tokens beyond the context was silently capped (vLLM answers 400).
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2048}).encode(), 400, "max_tokens"),
     # Issue 10: parameters whose effect we do not implement were silently ignored.
-    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "response_format": {"type": "json_object"}}).encode(),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "response_format": {"type": "xml"}}).encode(),
      400, "response_format"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}}).encode(), 400,
+     "response_format"),
+    ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(unclosed"}).encode(), 400, "response_format"),
+    ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "response_format": {
+        "type": "json_object"}}).encode(), 400, "guided_choice"),
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {
         "name": "f"}}]}).encode(), 400, "tools"),
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tool_choice": "required"}).encode(), 400,

@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 
-pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoinfer.errors import RequestError  # noqa: E402
@@ -102,7 +101,7 @@ def test_apply_bitmask_matches_bit_by_bit_reference():
     rows, vocab = 3, 100  # (4 words: 28 bits of the last past the vocabulary)
     words = torch.randint(-2**31, 2**31 - 1, (rows, 4), generator=g, dtype=torch.int64).to(torch.int32)
     logits = torch.randn(rows, vocab + 5, generator=g)  # (5 columns past the mask: never allowed)
-    got = apply_bitmask(logits.clone(), words)
+    got = apply_bitmask(logits, words)
     for r in range(rows):
         for t in range(vocab + 5):
             allowed = t < 128 and (int(words[r, t // 32]) >> (t % 32)) & 1
@@ -117,3 +116,32 @@ def test_bad_grammars_are_named(vocab):
         Constraint(lltok, GrammarSpec("regex", "(unclosed"))
     with pytest.raises(RequestError, match="choice must be a non-empty list of strings"):
         GrammarSpec("choice", ()).grammar()
+
+
+def test_parallel_fill_with_drafts_equals_one_row_at_a_time(vocab):
+    """`Grammars.fill` (llguidance's threads, drafts included) against `Constraint.fill` per row:
+    the same masks, the matchers where they were."""
+    from nanoinfer.structured import Grammars
+
+    tokenizer, _, size = vocab
+    grammars = Grammars(tokenizer, size)
+    rng = random.Random(1)
+    specs = [GrammarSpec("json_schema", random_schema(rng)) for _ in range(6)] + [GrammarSpec("regex", "[a-z]{3,8}")]
+    pairs = [(grammars.constraint(s), grammars.constraint(s)) for s in specs]
+    prefix = tokenizer.encode('{"k', add_special_tokens=False)
+    rows, offset = [], 0
+    for i, (a, b) in enumerate(pairs):
+        if a.spec.kind == "json_schema" and i % 2:  # (some advanced first, some drafting a valid prefix)
+            assert all(a.consume(t) and b.consume(t) for t in prefix[:1])
+        drafts = prefix[1:] if a.spec.kind == "json_schema" else [] if i % 2 else [rng.randrange(size)]
+        rows.append((a, b, offset, drafts))
+        offset += len(drafts) + 1
+    parallel, reference = allocate_bitmask(offset, size), allocate_bitmask(offset, size)
+    grammars.fill([(a, row, drafts) for a, _, row, drafts in rows], parallel)
+    for _, b, row, drafts in rows:
+        b.fill(reference, row, drafts)
+    assert torch.equal(parallel, reference)
+    assert not torch.equal(parallel[0], torch.full_like(parallel[0], -1))  # (something was masked)
+    for a, b, _, _ in rows:  # rolled back: both accept the same next token
+        token = tokenizer.encode('"', add_special_tokens=False)[0]
+        assert a.matcher.validate_tokens([token]) == b.matcher.validate_tokens([token])

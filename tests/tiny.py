@@ -67,3 +67,29 @@ def patch_forward(monkeypatch, fn) -> None:
 
     real = ModelRunner._forward
     monkeypatch.setattr(ModelRunner, "_forward", lambda self, batch: fn(batch, lambda b: real(self, b)))
+
+
+def byte_level_tokenizer(path, vocab_size: int = 600):
+    """A byte-level BPE tokenizer (every byte a token, merges learned from a little JSON and
+    prose, EOS `<|end|>` id 0) written as a HF directory at `path` and loaded: a real
+    `tokenizers` vocabulary for machines without the default model (the GPU one)."""
+    import json
+    from pathlib import Path
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from nanoinfer.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name":"Ann","age":31}', '{"a":[1,2,3],"b":true,"c":null}', "The quick brown fox jumps.",
+              "red green blue 0123456789"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    return Tokenizer.from_hf_dir(path)
