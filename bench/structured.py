@@ -3,6 +3,7 @@ batch free, each request producing the same number of tokens.
 
     python bench/structured.py [--model M] [--load-format auto|dummy] [--device auto]
                                [--num-seqs 64] [--max-tokens 160] [--repeat 3]
+                               [--schema bounded|plain]
 
 The constrained run goes first (temperature 0.8, seeded); each free request then gets
 max_tokens = its constrained twin's output length and ignore_eos, so both runs produce the
@@ -18,6 +19,9 @@ import argparse
 import json
 import time
 
+# "bounded": lengths and patterns, which make llguidance's masks inside strings expensive
+# (~0.1-0.4 ms at a 49k vocabulary); "plain": the same fields without them (~5-15 µs), whose
+# strings a random model may never close (the output then ends at --max-tokens).
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -27,22 +31,27 @@ SCHEMA = {"type": "object", "properties": {
                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                 "required": ["city", "zip"], "additionalProperties": False}},
     "required": ["name", "age", "email", "tags", "address"], "additionalProperties": False}
+PLAIN = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                "required": ["city", "zip"]}},
+    "required": ["name", "age", "email", "tags", "address"]}
+SCHEMAS = {"bounded": SCHEMA, "plain": PLAIN}
 
 
-def timed_masks():
-    """Patch the runner's mask building to sum its host time; returns the running total."""
-    from runtime.model_runner import ModelRunner
+def timed(cls, name: str) -> list[float]:
+    """Patch method `name` of `cls` to sum its host time into the returned one-item list."""
+    real, total = getattr(cls, name), [0.0]
 
-    real, total = ModelRunner._grammar_masks, [0.0]
-
-    def wrapped(self, rows):
+    def wrapped(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return real(self, rows)
+            return real(*args, **kwargs)
         finally:
             total[0] += time.perf_counter() - start
 
-    ModelRunner._grammar_masks = wrapped
+    setattr(cls, name, wrapped)
     return total
 
 
@@ -54,30 +63,36 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded")
     args = parser.parse_args()
 
     from nanoinfer import LLM, SamplingParams
 
-    mask_time = timed_masks()
+    from nanoinfer.structured import Grammars
+    from runtime.model_runner import ModelRunner
+
+    mask_time, fill_time = timed(ModelRunner, "_grammar_masks"), timed(Grammars, "fill")
+    consume_time = timed(Grammars, "consume")
     results = {}
     for name, engine_args in (("async", {}), ("sync", {"async_scheduling": False})):
         with LLM(args.model, device=args.device, load_format=args.load_format, progress=False,
-                 max_num_seqs=max(args.num_seqs, 8), **engine_args) as llm:
+                 max_num_seqs=max(args.num_seqs, 8), max_model_len=2048, **engine_args) as llm:
             prompts = [[{"role": "user", "content": f"Describe person number {i} as JSON."}]
                        for i in range(args.num_seqs)]
             constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens,
-                                          structured_outputs={"json": SCHEMA}) for i in range(args.num_seqs)]
+                                          structured_outputs={"json": SCHEMAS[args.schema]}) for i in range(args.num_seqs)]
             llm.generate(prompts[:2], constrained[:2], use_tqdm=False)  # warm-up: graphs, compile, grammar
             for _ in range(args.repeat):
                 if name == "async":
-                    before = mask_time[0]
+                    before, fill_before, consume_before = mask_time[0], fill_time[0], consume_time[0]
                     start = time.perf_counter()
                     outs = llm.generate(prompts, constrained, use_tqdm=False)
                     elapsed = time.perf_counter() - start
                     lengths = [len(o.outputs[0].token_ids) for o in outs]
                     valid = sum(1 for o in outs if _parses(o.outputs[0].text))
                     results.setdefault("constrained", []).append(
-                        (sum(lengths) / elapsed, mask_time[0] - before, valid, sum(lengths)))
+                        (sum(lengths) / elapsed, mask_time[0] - before, valid, sum(lengths), fill_time[0] - fill_before,
+                         consume_time[0] - consume_before))
                 free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True)
                         for i, n in enumerate(lengths)]
                 start = time.perf_counter()
@@ -85,10 +100,11 @@ def main():
                 results.setdefault(f"free-{name}", []).append((sum(lengths) / (time.perf_counter() - start),))
             device = str(llm.engine.model.params.device)
     best = {k: max(v, key=lambda r: r[0]) for k, v in results.items()}
-    tok_s, masks, valid, tokens = best["constrained"]
-    print(f"device={device} seqs={args.num_seqs} tokens={tokens} (mean {tokens / args.num_seqs:.0f}/request), "
+    tok_s, masks, valid, tokens, fills, consumes = best["constrained"]
+    print(f"device={device} schema={args.schema} seqs={args.num_seqs} tokens={tokens} (mean {tokens / args.num_seqs:.0f}/request), "
           f"valid JSON {valid}/{args.num_seqs}")
-    print(f"constrained: {tok_s:8.1f} tok/s  (grammar masks: {1e6 * masks / tokens:.1f} µs host time per token)")
+    print(f"constrained: {tok_s:8.1f} tok/s  (grammar masks: {1e6 * masks / tokens:.1f} µs host time per token, "
+          f"{1e6 * fills / tokens:.1f} of it in llguidance's fill; consuming tokens {1e6 * consumes / tokens:.1f})")
     for key in ("free-async", "free-sync"):
         print(f"{key:12s} {best[key][0]:8.1f} tok/s  (constrained at {tok_s / best[key][0]:.2f}x)")
 

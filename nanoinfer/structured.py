@@ -137,12 +137,8 @@ class Grammars:
 
     def constraint(self, spec: GrammarSpec) -> "Constraint":
         """A fresh Constraint for `spec`; RequestError naming what makes it unusable."""
-        if self.tokenizer is None:
-            raise RequestError("structured output needs the model's tokenizer, and this model has none",
-                               param="response_format")
         with self._lock:
-            if self._llm_tokenizer is None:
-                self._llm_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
+            self._build_tokenizer()
             grammar = self._grammars.get(spec)
             if grammar is None:
                 grammar = spec.grammar()
@@ -151,22 +147,56 @@ class Grammars:
                 self._grammars[spec] = grammar
         return Constraint(self._llm_tokenizer, spec, grammar)
 
-    def fill(self, rows: list[tuple["Constraint", int, list[int]]], bitmask: torch.Tensor) -> None:
-        """Fill host `bitmask`'s rows as `Constraint.fill` does for each (constraint, row,
-        drafts), in parallel on llguidance's threads (without the GIL: a mask over a large
-        vocabulary inside a JSON string takes ~0.1-1 ms)."""
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer and its token tables now: ~2 s once for a
+        49k vocabulary, which the first structured request would otherwise wait for, and
+        everything queued with it (a server calls this on a thread at startup). Nothing when
+        this model cannot have structured output."""
+        try:
+            with self._lock:
+                self._build_tokenizer()
+        except RequestError:
+            pass
+
+    def _build_tokenizer(self) -> None:
+        if self._llm_tokenizer is not None:
+            return
+        if self.tokenizer is None:
+            raise RequestError("structured output needs the model's tokenizer, and this model has none",
+                               param="response_format")
+        tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
+        # (the token tables are built on the first mask: build them here, with any grammar)
+        Constraint(tokenizer, GrammarSpec("regex", "a")).fill(allocate_bitmask(1, self.vocab_size), 0)
+        self._llm_tokenizer = tokenizer
+
+    def consume(self, pairs: list[tuple["Constraint", int]]) -> list[bool]:
+        """`Constraint.consume` for each (constraint, token), in parallel: whether each token
+        continued its grammar."""
+        if not pairs:
+            return []
+        ok = self._executor_().consume_token_par([(c.matcher, token) for c, token in pairs])
+        return [o and not c.matcher.is_error() for o, (c, _) in zip(ok, pairs)]
+
+    def _executor_(self):
         from llguidance import LLExecutor
 
         if self._executor is None:
             self._executor = LLExecutor()
+        return self._executor
+
+    def fill(self, rows: list[tuple["Constraint", int, list[int]]], bitmask: torch.Tensor) -> None:
+        """Fill host `bitmask`'s rows as `Constraint.fill` does for each (constraint, row,
+        drafts), in parallel on llguidance's threads (without the GIL: a mask over a large
+        vocabulary inside a JSON string takes ~0.1-1 ms)."""
+        executor = self._executor_()
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
         where = (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
         plain = [(c.matcher, row) for c, row, drafts in rows if not drafts]
         drafting = [(c.matcher, row, list(drafts)) for c, row, drafts in rows if drafts]
         if plain:
-            self._executor.unsafe_compute_mask_ptr(plain, *where)
+            executor.unsafe_compute_mask_ptr(plain, *where)
         if drafting:  # (llguidance refuses an empty draft list there)
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafting, *where)
+            executor.unsafe_compute_mask_ptr_with_draft_token(drafting, *where)
         for c, _, _ in rows:
             c._check("computing the next tokens")
 

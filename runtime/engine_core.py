@@ -500,6 +500,7 @@ class EngineCore:
             if done is not None:
                 prompt_done[entry.seq.seq_id] = done
         finished, take = SequenceStatus.FINISHED, self._take
+        off_grammar = self._consume(step, tokens) if step.constrained else ()
         for i, (row, token, ok) in enumerate(zip(step.rows, tokens, finite)):  # (every sequence, every step)
             seq = row.seq
             if seq.status is finished:
@@ -508,13 +509,20 @@ class EngineCore:
             if not ok:
                 outputs += self._fail(seq, self._non_finite())
                 continue
-            if seq.constraint is not None and not seq.constraint.consume(token):
+            if i in off_grammar:
                 outputs += self._fail(seq, self._off_grammar(seq, token))
                 continue
             outputs.append(take(seq, token, logprobs[i], prompt_done.get(seq.seq_id)))
         if step.verified:
             outputs += self._apply_verified(step.verified, host[rest + 3 * len(step.prompt_logprobs):])
         return outputs
+
+    def _consume(self, step: InFlightStep, tokens: list[int]) -> set[int]:
+        """The grammars of the step's constrained rows consume their tokens (in parallel); the
+        rows whose token their grammar refused."""
+        rows = [i for i, row in enumerate(step.rows) if row.seq.constraint is not None and not row.seq.is_finished]
+        ok = self.grammars.consume([(step.rows[i].seq.constraint, tokens[i]) for i in rows])
+        return {i for i, accepted in zip(rows, ok) if not accepted}
 
     def _take(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None,
               prompt_logprobs: tuple | None = None) -> TokenOutput:

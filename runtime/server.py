@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import html
 import logging
+import threading
 import time
 import uuid
 from importlib import resources
@@ -357,6 +358,8 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
     async def lifespan(app):
         if manage_engine:
             engine.start()
+        # Structured output's token tables, built while the server waits for its first request.
+        threading.Thread(target=engine.core.grammars.prepare, name="nanoinfer-grammars", daemon=True).start()
         ticker = asyncio.create_task(srv.log_throughput(log_interval))
         try:
             yield
