@@ -3,16 +3,21 @@ outputs to choices, whole responses and stream chunks (types in runtime/protocol
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import time
+from typing import NamedTuple
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 from nanoinfer.structured import GrammarSpec
+from runtime.tool_calls import ToolCallParser, ToolSetup, new_call_id, parse_reply, tool_setup
 from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                              CompletionResponse, PromptTokensDetails, TopLogprob, Usage, SamplingFields)
+                              CompletionResponse, FunctionCall, FunctionDelta, PromptTokensDetails, SamplingFields,
+                              ToolCall, ToolCallDelta, TopLogprob, Usage)
 
 
 # -- requests -> the engine's inputs --------------------------------------------------------
@@ -106,7 +111,9 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The conversation as {"role", "content"} dicts for the chat template."""
+    """The conversation as dicts for the chat template: role and content, and an assistant
+    turn's `tool_calls` (arguments as objects, as templates expect them) or a tool turn's
+    `tool_call_id`."""
     if not req.messages:
         raise RequestError("messages must be a non-empty list", param="messages")
     messages = []
@@ -118,8 +125,57 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
                 raise RequestError("only text content parts are supported", param="messages")
             content = "".join(str(part.get("text", "")) for part in content)
-        messages.append({"role": m.role, "content": content})
+        message = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     return messages
+
+
+def _template_call(call: dict) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(f"a message's tool call must hold a function with a name, got {call!r:.200}",
+                           param="messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # (kept as the client wrote it)
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+class ChatInputs(NamedTuple):
+    """What a chat completion request submits: the messages, the chat template's extra
+    variables, the sampling parameters, and its tool setup (None without tools)."""
+
+    messages: list[dict]
+    template_kwargs: dict
+    params: SamplingParams
+    tools: ToolSetup | None
+
+
+def chat_inputs(req: ChatCompletionRequest, tokenizer) -> ChatInputs:
+    """A chat completion request's inputs (RequestError, a 400, names a bad value)."""
+    messages = chat_messages(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens, chat_logprobs(req))
+    kwargs = dict(req.chat_template_kwargs or {})
+    template = tokenizer.chat_template if tokenizer is not None else None
+    tools = tool_setup(req.tools, req.tool_choice, messages, template, req.parallel_tool_calls is not False)
+    if tools is not None:
+        messages, kwargs = tools.messages, {**kwargs, **tools.template_kwargs}
+        if tools.grammar is not None:
+            if params.structured_outputs is not None:
+                raise RequestError(f"tool_choice={req.tool_choice!r} constrains the output, and so does the request's "
+                                   f"structured output: expected one", param="tool_choice")
+            params = dataclasses.replace(params, structured_outputs=tools.grammar)
+    return ChatInputs(messages, kwargs, params, tools)
 
 
 # -- the engine's outputs -> responses ---------------------------------------------------------
@@ -194,9 +250,12 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    def __init__(self, response_id, model, handles, req, tokenizer):
+    def __init__(self, response_id, model, handles, req, tokenizer, tools: ToolSetup | None = None):
         super().__init__(response_id, model, handles, req, tokenizer)
         self.want_logprobs = req.logprobs
+        self.tools = tools
+        self.parsers: dict[int, ToolCallParser] = {}  # per choice, while it streams
+        self.num_calls: dict[int, int] = {}  # per choice: tool calls streamed so far
 
     def logprobs(self, logprobs) -> ChatLogprobs:
         def entry(token_id, value):
@@ -218,18 +277,39 @@ class ChatRenderer(_Renderer):
         out = []
         for c in delta.outputs:
             index = position * self.n + c.index
-            if c.text or c.logprobs:
-                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(content=c.text), None,
+            text, calls = c.text, []
+            if self.tools is not None:  # (text that may be a call is held back until it is known)
+                parser = self.parsers.setdefault(index, self.tools.parser())
+                text, calls = parser.feed(c.text)
+                if c.finish_reason:
+                    more, later = parser.finish()
+                    text, calls = text + more, calls + later
+            if text or c.logprobs:
+                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(content=text), None,
                                                         self.logprobs(c.logprobs) if self.want_logprobs else None)]))
+            if calls:
+                first = self.num_calls.get(index, 0)
+                self.num_calls[index] = first + len(calls)
+                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(tool_calls=[
+                    ToolCallDelta(first + k, new_call_id(), "function", FunctionDelta(call.name, call.arguments))
+                    for k, call in enumerate(calls)]))]))
             if c.finish_reason:
-                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(), c.finish_reason)]))
+                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(),
+                                                        self._finish_reason(c.finish_reason, self.num_calls.get(index)))]))
         return out
+
+    @staticmethod
+    def _finish_reason(reason: str, num_calls: int | None) -> str:
+        return "tool_calls" if num_calls and reason == "stop" else reason
 
     def end(self) -> list:
         return [self._chunk([], self.usage(self.completion_tokens))] if self.include_usage else []
 
     def choice(self, index: int, c) -> ChatChoice:
-        return ChatChoice(index, AssistantMessage(c.text), c.finish_reason,
+        content, calls = (c.text, []) if self.tools is None else parse_reply(self.tools, c.text)
+        tool_calls = [ToolCall(new_call_id(), FunctionCall(call.name, call.arguments)) for call in calls] or None
+        return ChatChoice(index, AssistantMessage("assistant", content, tool_calls),
+                          self._finish_reason(c.finish_reason, len(calls)),
                           self.logprobs(c.logprobs or ()) if self.want_logprobs else None)
 
     def response(self, results) -> ChatCompletionResponse:

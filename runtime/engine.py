@@ -162,7 +162,7 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _prepare(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _prepare(self, prompt: Prompt, chat_template_kwargs: dict | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.model.path} has no tokenizer: pass the prompt as token ids")
@@ -171,7 +171,7 @@ class AsyncEngine:
         if items and all(isinstance(m, dict) for m in items):
             if self.tokenizer is None:
                 raise RequestError(f"{self.model.path} has no tokenizer, so no chat template")
-            text = self.tokenizer.apply_chat_template(items, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, **(chat_template_kwargs or {}))
             # The template writes BOS itself where the model wants one: add no specials again.
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
@@ -179,9 +179,11 @@ class AsyncEngine:
         return None, items
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               priority: int = 0) -> RequestHandle:
+               priority: int = 0, chat_template_kwargs: dict | None = None) -> RequestHandle:
         """Validate and queue a request now (RequestError names what is wrong); consume it
-        with `collect(handle)` or `merge([handles])`. `stream` and `generate` do both."""
+        with `collect(handle)` or `merge([handles])`. `stream` and `generate` do both.
+        `chat_template_kwargs`: extra variables for the chat template of a messages prompt
+        (`tools`, `enable_thinking`, ...)."""
         if self._worker is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if self._fatal is not None:
@@ -194,7 +196,7 @@ class AsyncEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
-        text, ids = self._prepare(prompt)
+        text, ids = self._prepare(prompt, chat_template_kwargs)
         ids = self.core.check_request(ids, params)  # fail this consumer now, not the worker later
         if params.stop and self.tokenizer is None:
             raise RequestError(f"{self.model.path} has no tokenizer, so stop strings cannot be matched: use "

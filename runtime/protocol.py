@@ -50,9 +50,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    # Known fields with an effect we do not implement (see `unsupported`).
+    # Tool calling (runtime/tool_calls.py; chat completions only: `unsupported` on completions)
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (what `required` forces)
+    # Known fields with an effect we do not implement (see `unsupported`).
     functions: Any = None
     function_call: Any = None
     best_of: Any = None
@@ -69,7 +71,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
 
 
 def _has_effect(name: str, value: Any, req) -> bool:
@@ -86,13 +87,16 @@ def _has_effect(name: str, value: Any, req) -> bool:
     return True
 
 
-UNSUPPORTED = ("echo", "prompt_logprobs", "use_beam_search", "verbosity", "tools", "tool_choice", "functions",
-               "function_call", "best_of", "suffix", "audio", "modalities", "prediction", "reasoning_effort",
-               "web_search_options")
+UNSUPPORTED = ("echo", "prompt_logprobs", "use_beam_search", "verbosity", "functions", "function_call", "best_of",
+               "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options")
 
 
 def unsupported(req) -> str | None:
     """The first field of `req` that asks for something this server does not do, if any."""
+    if not hasattr(req, "messages"):  # (tools are for chat completions)
+        chat_only = [name for name in ("tools", "tool_choice") if _has_effect(name, getattr(req, name), req)]
+        if chat_only:
+            return chat_only[0]
     return next((name for name in UNSUPPORTED if _has_effect(name, getattr(req, name, None), req)), None)
 
 
@@ -112,10 +116,14 @@ class ChatMessage(msgspec.Struct):
     role: str
     # A string, or OpenAI's list of content parts ({"type": "text", "text": ...}).
     content: Union[str, list[dict], None] = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -177,9 +185,35 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
 
 
-class AssistantMessage(msgspec.Struct):
-    content: str
-    role: str = "assistant"
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | None  # (null when the reply is only tool calls)
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed tool call: its first delta has the id, type and name; `index` says which."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -201,6 +235,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -35,7 +35,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from nanoinfer.errors import RequestError
-from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_logprobs, chat_messages, completion_logprobs,
+from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_logprobs,
                                  completion_prompts, param_of, sampling_params)
 from runtime import protocol as api
 from runtime.engine import AsyncEngine, EngineError, RequestHandle
@@ -173,7 +173,8 @@ class _Server:
             raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {self.max_n}", param="n")
         return req
 
-    def submit_all(self, rid: str, prompts: Sequence, params) -> list[RequestHandle]:
+    def submit_all(self, rid: str, prompts: Sequence, params, chat_template_kwargs: dict | None = None
+                   ) -> list[RequestHandle]:
         """Submit every prompt now so that a bad one is a 400, not a broken stream."""
         wanted = len(prompts) * params.n
         if wanted > self.max_pending:
@@ -186,7 +187,8 @@ class _Server:
         try:
             for i, prompt in enumerate(prompts):
                 request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                handles.append(self.engine.submit(prompt, params, request_id=request_id))
+                handles.append(self.engine.submit(prompt, params, request_id=request_id,
+                                                  chat_template_kwargs=chat_template_kwargs))
         except BaseException:
             for handle in handles:
                 self.engine.release(handle)
@@ -268,13 +270,15 @@ class _Server:
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self.read(request, api.ChatCompletionRequest)
-        messages = chat_messages(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, max_tokens, chat_logprobs(req))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        handles = self.submit_all(rid, [messages], params)
-        out = ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)
+        handles, out = self.submit_chat(rid, req)
         return await self.answer(request, req, handles, out)
+
+    def submit_chat(self, rid: str, req) -> tuple[list[RequestHandle], ChatRenderer]:
+        """Submit a chat completion request (HTTP's or a WebSocket's); its handles and renderer."""
+        inputs = chat_inputs(req, self.engine.tokenizer)
+        handles = self.submit_all(rid, [inputs.messages], inputs.params, chat_template_kwargs=inputs.template_kwargs)
+        return handles, ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, inputs.tools)
 
     async def answer(self, request: Request, req, handles: list[RequestHandle], out) -> Response:
         """The SSE stream, or the whole response once every prompt is done."""

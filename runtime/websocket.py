@@ -19,7 +19,6 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from runtime import protocol as api
-from runtime.api_mapping import ChatRenderer, chat_logprobs, chat_messages, sampling_params
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
@@ -90,10 +89,7 @@ class ChatSocket:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             req = self.srv.parse(body, api.ChatCompletionRequest)
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            handles = self.srv.submit_all(rid, [chat_messages(req)], sampling_params(req, max_tokens,
-                                                                                       chat_logprobs(req)))
-            out = ChatRenderer(rid, self.srv.model_name, handles, req, self.srv.engine.tokenizer)
+            handles, out = self.srv.submit_chat(rid, req)
             for chunk in out.start():
                 await self.send(api.WsServerMessage("chunk", request_id, chunk))
             async for position, delta in self.srv.engine.merge(handles):

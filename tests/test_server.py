@@ -126,9 +126,18 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "response_format": {
         "type": "json_object"}}).encode(), 400, "guided_choice"),
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {
-        "name": "f"}}]}).encode(), 400, "tools"),
+        "name": "bad name!"}}]}).encode(), 400, "tools"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "retrieval"}]}).encode(), 400,
+     "tools"),
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tool_choice": "required"}).encode(), 400,
      "tool_choice"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}).encode(), 400, "tool_choice"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "required", "response_format": {"type": "json_object"}}).encode(), 400,
+     "tool_choice"),
+    ("/v1/completions", json.dumps({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
+     400, "tools"),
     ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
     ("/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400, "echo"),
     # Issue 10: n is bounded (sequences are what admission counts).
