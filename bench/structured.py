@@ -73,7 +73,7 @@ def main():
 
     mask_time, fill_time = timed(ModelRunner, "_grammar_masks"), timed(Grammars, "fill")
     consume_time = timed(Grammars, "consume")
-    results = {}
+    results, phases = {}, {}
     for name, engine_args in (("async", {}), ("sync", {"async_scheduling": False})):
         with LLM(args.model, device=args.device, load_format=args.load_format, progress=False,
                  max_num_seqs=max(args.num_seqs, 8), max_model_len=2048, **engine_args) as llm:
@@ -82,12 +82,22 @@ def main():
             constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens,
                                           structured_outputs={"json": SCHEMAS[args.schema]}) for i in range(args.num_seqs)]
             llm.generate(prompts[:2], constrained[:2], use_tqdm=False)  # warm-up: graphs, compile, grammar
+            core = llm.engine.core
+
+            def phases_since(before: tuple[dict, int]) -> dict:
+                """Host ms per step in each of the engine's phases since `before`."""
+                times, steps = before
+                n = max(1, core.step_count - steps)
+                return {k: round(1e3 * (v - times.get(k, 0.0)) / n, 2) for k, v in core.phase_times.items()}
+
             for _ in range(args.repeat):
                 if name == "async":
                     before, fill_before, consume_before = mask_time[0], fill_time[0], consume_time[0]
+                    mark = (dict(core.phase_times), core.step_count)
                     start = time.perf_counter()
                     outs = llm.generate(prompts, constrained, use_tqdm=False)
                     elapsed = time.perf_counter() - start
+                    phases["constrained"] = phases_since(mark)
                     lengths = [len(o.outputs[0].token_ids) for o in outs]
                     valid = sum(1 for o in outs if _parses(o.outputs[0].text))
                     results.setdefault("constrained", []).append(
@@ -95,8 +105,10 @@ def main():
                          consume_time[0] - consume_before))
                 free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True)
                         for i, n in enumerate(lengths)]
+                mark = (dict(core.phase_times), core.step_count)
                 start = time.perf_counter()
                 llm.generate(prompts, free, use_tqdm=False)
+                phases[f"free-{name}"] = phases_since(mark)
                 results.setdefault(f"free-{name}", []).append((sum(lengths) / (time.perf_counter() - start),))
             device = str(llm.engine.model.params.device)
     best = {k: max(v, key=lambda r: r[0]) for k, v in results.items()}
@@ -107,6 +119,8 @@ def main():
           f"{1e6 * fills / tokens:.1f} of it in llguidance's fill; consuming tokens {1e6 * consumes / tokens:.1f})")
     for key in ("free-async", "free-sync"):
         print(f"{key:12s} {best[key][0]:8.1f} tok/s  (constrained at {tok_s / best[key][0]:.2f}x)")
+    for key, per_step in phases.items():  # (the last repeat's)
+        print(f"host ms per step, {key}: {per_step}")
 
 
 def _parses(text: str) -> bool:
