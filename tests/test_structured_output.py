@@ -6,6 +6,7 @@ a request whose grammar goes wrong fails alone; bad grammars are named at submit
 import json
 import random
 import re
+import threading
 
 import pytest
 import torch
@@ -296,3 +297,30 @@ def test_vllm_extensions_on_completions(client):
     as_json = client.completions.create(model="tiny-chat", prompt="Person:", max_tokens=80, seed=1,
                                         extra_body={"guided_json": PERSON})
     jsonschema.validate(json.loads(as_json.choices[0].text), PERSON)
+
+
+def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model, monkeypatch):
+    """llguidance failing on one grammar (here: on purpose), whether the mask was filled ahead
+    on the thread or in the step: that request fails, the others finish."""
+    from nanoinfer import structured
+
+    real, calls = structured.Grammars.fill, []
+
+    def fill(self, rows, bitmask):  # (the regex's third mask, by then one filled ahead)
+        if any(c.spec.kind == "regex" for c, _, _ in rows):
+            calls.append(threading.current_thread().name)
+            if len(calls) >= 3:
+                raise RequestError("regex constraint failed computing the next tokens: broken on purpose")
+        return real(self, rows, bitmask)
+
+    monkeypatch.setattr(structured.Grammars, "fill", fill)
+    ps = prompts(tiny_chat_model, 3, seed=5)
+    outs = run(tiny_chat_model, [
+        (ps[0], SamplingParams(temperature=0, max_tokens=50, structured_outputs={"regex": "[0-9]{40}"})),
+        (ps[1], SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON})),
+        (ps[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])
+    assert outs[0][1] == "error" and "broken on purpose" in str(outs[0][2])
+    assert calls[2].startswith("nanoinfer-masks")  # (it broke on the thread)
+    assert outs[1][1] == "stop" and outs[1][2] is None
+    jsonschema.validate(json.loads(text(tiny_chat_model, outs[1][0])), PERSON)
+    assert outs[2][1] == "length" and len(outs[2][0]) == 20
