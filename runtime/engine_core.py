@@ -93,7 +93,6 @@ class EngineCore:
         # Speculative decoding (runtime/speculative.py): the drafts of the step being planned.
         self.speculator = Speculator(config.speculative_config) if config.speculative_config else None
         self._drafts: dict[Sequence, list[int]] = {}
-        self._constrained: set[Sequence] = set()  # unfinished sequences under a grammar (structured output)
         # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
         # A step that verifies drafts is resolved at once (the next one's drafts depend on it).
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -165,7 +164,6 @@ class EngineCore:
                                  request=key, priority=priority, arrival=self.step_count, index=i))
             if params.structured_outputs is not None:
                 seqs[-1].constraint = self.grammars.constraint(params.structured_outputs)
-                self._constrained.add(seqs[-1])
             self._next_id += 1
         seq, seq.forks = seqs[0], seqs[1:]
         self.requests[key] = seqs
@@ -321,9 +319,6 @@ class EngineCore:
             self._note_step_time(start)
             if speculate:
                 self._drafts = self.speculator.lookahead(self.running)
-        if self._constrained:  # (their masks fill on a thread while this step is planned and launched)
-            self.runner.masks.start([s for s in self._constrained
-                                     if s.status is SequenceStatus.RUNNING and not s.num_unresolved])
         timed = False
         try:
             p, outputs = self._apply(self.plan())
@@ -341,7 +336,6 @@ class EngineCore:
             for seq in self._drafts:  # (a lookahead holds for the step it was planned for only)
                 seq.num_lookahead = 0
             self._drafts = {}
-            self.runner.masks.discard()  # (masks filled ahead for a step that did not launch)
         if previous is not None:
             outputs += self._resolve(previous)
         step = self._in_flight
@@ -655,7 +649,6 @@ class EngineCore:
             self.waiting.discard(seq)  # (a completion not yet forked off was never queued)
         self.blocks.free(seq)
         self.runner.remove(seq)
-        self._constrained.discard(seq)
         seq.num_unresolved = 0  # (tokens of a step still in flight are dropped when it resolves)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

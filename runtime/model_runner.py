@@ -25,9 +25,8 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from nanoinfer.speculative import draft_history, verify
-from nanoinfer.structured import Grammars, apply_bitmask
+from nanoinfer.structured import Grammars, allocate_bitmask, apply_bitmask
 from runtime.draft_runner import DraftRunner, draft_bytes_per_block
-from runtime.grammar_masks import GrammarMasks
 from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow, VerifiedRows
 from runtime.input_batch import InputBatch
 from runtime.kv_budget import kv_blocks_for_memory
@@ -94,8 +93,7 @@ class ModelRunner:
         """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
         (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
         self.tp = None
-        self.grammars = Grammars(model.tokenizer, model.config.vocab_size)  # structured output's compiler
-        self.masks = GrammarMasks(self.grammars, model.config.vocab_size, model.params.device)
+        self.grammars = Grammars(model.tokenizer, model.config.vocab_size)  # structured output's masks
         if uses_ranks(config):  # (the other ranks start now: runtime/tensor_parallel.py)
             from runtime.tensor_parallel import TensorParallelRanks
 
@@ -272,13 +270,12 @@ class ModelRunner:
         host_drafts = self._host_drafts(inp)
         out = self._forward(batch)
         forward_done()
-        # Grammar masks: those filled ahead (runtime/grammar_masks.py), the rest now, while the
-        # device runs the forward.
-        masks = self.masks.build([(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)], self.masks.wait())
+        # Grammar masks are filled on the host while the device runs the forward.
+        masks = self._grammar_masks([(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)])
         verify_masks = None
         if host_drafts is not None:  # (a verifier's j + 1 rows follow the ones before it; so do its drafts)
             drafts, counts = host_drafts.wait()[0].tolist(), [j for _, _, j in inp.verifiers]
-            verify_masks = self.masks.build([(seq, row, drafts[at:at + j]) for (seq, _, j), row, at in zip(
+            verify_masks = self._grammar_masks([(seq, row, drafts[at:at + j]) for (seq, _, j), row, at in zip(
                 inp.verifiers, _offsets(j + 1 for j in counts), _offsets(counts))])
         full, all_logits = out, out.logits
         sample_at = [i for _, i in inp.samplers]
@@ -320,6 +317,23 @@ class ModelRunner:
         if not any(seq.constraint is not None for seq, _, _ in inp.verifiers):
             return None
         return DeviceToHost([inp.draft_tokens])
+
+    def _grammar_masks(self, rows: list[tuple[Sequence, int, list[int]]]
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The bitmask rows of the constrained sequences among `rows` (sequence, first logits
+        row, drafts it verifies) and the logits rows they mask, on the device; None if no
+        sequence is constrained. (A finished sequence's rows are dropped when the step
+        resolves: its grammar is not asked.)"""
+        constrained = [(seq, first, drafts) for seq, first, drafts in rows
+                       if seq.constraint is not None and not seq.is_finished]
+        if not constrained:
+            return None
+        at = [first + i for _, first, drafts in constrained for i in range(len(drafts) + 1)]
+        bitmask = allocate_bitmask(len(at), self.cfg.vocab_size)
+        self.grammars.fill([(seq.constraint, row, drafts) for (seq, _, drafts), row in
+                            zip(constrained, _offsets(len(drafts) + 1 for _, _, drafts in constrained))], bitmask)
+        (at_t,) = to_device_packed([at], torch.int64, self.device)
+        return bitmask.to(self.device, non_blocking=True), at_t
 
     def _verify(self, verifiers, out: ForwardOutput, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                 masks: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[tuple[VerifiedRows, ...], list[torch.Tensor]]:

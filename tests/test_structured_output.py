@@ -6,7 +6,6 @@ a request whose grammar goes wrong fails alone; bad grammars are named at submit
 import json
 import random
 import re
-import threading
 
 import pytest
 import torch
@@ -300,15 +299,15 @@ def test_vllm_extensions_on_completions(client):
 
 
 def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model, monkeypatch):
-    """llguidance failing on one grammar (here: on purpose), whether the mask was filled ahead
-    on the thread or in the step: that request fails, the others finish."""
+    """llguidance failing on one grammar (here: on purpose, at its third mask): that request
+    fails, the others finish."""
     from nanoinfer import structured
 
     real, calls = structured.Grammars.fill, []
 
-    def fill(self, rows, bitmask):  # (the regex's third mask, by then one filled ahead)
+    def fill(self, rows, bitmask):
         if any(c.spec.kind == "regex" for c, _, _ in rows):
-            calls.append(threading.current_thread().name)
+            calls.append(rows)
             if len(calls) >= 3:
                 raise RequestError("regex constraint failed computing the next tokens: broken on purpose")
         return real(self, rows, bitmask)
@@ -320,7 +319,7 @@ def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model,
         (ps[1], SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON})),
         (ps[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])
     assert outs[0][1] == "error" and "broken on purpose" in str(outs[0][2])
-    assert calls[2].startswith("nanoinfer-masks")  # (it broke on the thread)
+    assert len(calls) >= 3  # (broken mid-output, not at the first token; retried while it is narrowed down)
     assert outs[1][1] == "stop" and outs[1][2] is None
     jsonschema.validate(json.loads(text(tiny_chat_model, outs[1][0])), PERSON)
     assert outs[2][1] == "length" and len(outs[2][0]) == 20
