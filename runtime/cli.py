@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LOAD_FORMATS, QUANTIZATIONS
@@ -50,6 +51,13 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
 
     add_flags(parser.add_argument_group("sampling"), SamplingParams, only=SAMPLING_FLAGS,
               defaults={"max_tokens": 256, "temperature": temperature})
+    group = parser.add_argument_group("structured output (one at most; llama.cpp's and vLLM's names)")
+    group.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output is JSON following this schema (JSON text, or @FILE)")
+    group.add_argument("--regex", default=None, help="the output matches this regular expression")
+    group.add_argument("--choice", nargs="+", default=None, metavar="TEXT", help="the output is one of these")
+    group.add_argument("--grammar", default=None, metavar="LARK",
+                       help="the output follows this Lark grammar (llguidance's dialect; text, or @FILE)")
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +167,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _sampling(args):
     from nanoinfer.sampling import SamplingParams
 
-    return SamplingParams(**from_namespace(SamplingParams, args))
+    given = {key: value for key, value in (("json", getattr(args, "json_schema", None)),
+                                           ("regex", getattr(args, "regex", None)),
+                                           ("choice", getattr(args, "choice", None)),
+                                           ("grammar", getattr(args, "grammar", None))) if value is not None}
+    for key in ("json", "grammar"):  # (@FILE: read from the file)
+        if isinstance(given.get(key), str) and given[key].startswith("@"):
+            try:
+                given[key] = Path(given[key][1:]).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise RequestError(f"--{'json-schema' if key == 'json' else key} {given[key]}: cannot read the file "
+                                   f"({exc.strerror})", param=key) from exc
+    return SamplingParams(**from_namespace(SamplingParams, args), structured_outputs=given or None)
 
 
 def _llm(args):
@@ -199,7 +218,6 @@ def _serve(args) -> int:
 
 
 def _read(path: str, param: str) -> str:
-    from pathlib import Path
 
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -209,7 +227,6 @@ def _read(path: str, param: str) -> str:
 
 def _eval(args) -> int:
     import json
-    from pathlib import Path
 
     if args.task == "speed":
         return _eval_speed(args)
@@ -253,7 +270,6 @@ def _eval(args) -> int:
 def _eval_speed(args) -> int:
     import asyncio
     import json
-    from pathlib import Path
 
     from runtime.engine import AsyncEngine
     from runtime.eval.speed import measure, plot

@@ -176,3 +176,25 @@ def test_chat_says_when_a_reply_hit_max_tokens(smollm2_gguf):
         child.expect(pexpect.EOF)
     finally:
         child.close()
+
+
+def test_structured_output_flags(smollm2_gguf, tmp_path):
+    """llama.cpp's `--json-schema` (text or @FILE) and the regex/choice flags constrain the
+    output; a bad pattern, or two at once, is named."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    proc = run_cli("generate", "The capital of France, as JSON:", "--chat", "--model", str(smollm2_gguf),
+                   "--max-tokens", "30", "--device", "cpu", "--json-schema", f"@{tmp_path / 'schema.json'}")
+    assert proc.returncode == 0, proc.stderr
+    assert set(json.loads(proc.stdout)) == {"city"}
+    proc = run_cli("generate", "Pick a number:", "--model", str(smollm2_gguf), "--max-tokens", "10", "--device",
+                   "cpu", "--regex", "[0-9]{3}")
+    assert proc.returncode == 0 and re.fullmatch("[0-9]{3}\n", proc.stdout), proc.stderr
+    proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--device", "cpu", "--regex", "(unclosed")
+    assert proc.returncode == 2 and "regex cannot constrain generation" in proc.stderr
+    proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--device", "cpu", "--regex", "a", "--choice", "b")
+    assert proc.returncode == 2 and "exactly one of" in proc.stderr
