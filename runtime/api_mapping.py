@@ -294,8 +294,8 @@ class ChatRenderer(_Renderer):
                     ToolCallDelta(first + k, new_call_id(), "function", FunctionDelta(call.name, call.arguments))
                     for k, call in enumerate(calls)]))]))
             if c.finish_reason:
-                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(),
-                                                        self._finish_reason(c.finish_reason, self.num_calls.get(index)))]))
+                reason = self._finish_reason(c.finish_reason, self.num_calls.get(index))
+                out.append(self._chunk([ChatChunkChoice(index, ChatDelta(), reason)]))
         return out
 
     @staticmethod

@@ -154,9 +154,10 @@ def _with_tags_prompt(messages: list[dict], functions: list[dict]) -> list[dict]
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f'{OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)}\n{CLOSE}'
-                              for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.get("content") or "", calls]))})
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                ensure_ascii=False) for c in m["tool_calls"]]
+            written = "\n".join(f"{OPEN}\n{call}\n{CLOSE}" for call in calls)
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.get("content") or "", written]))})
         else:
             out.append({k: v for k, v in m.items() if k in ("role", "content")})
     return out

@@ -115,7 +115,8 @@ SPECS = [GrammarSpec("json_schema", PERSON), GrammarSpec("choice", ("red", "gree
          GrammarSpec("regex", r"[a-z]{2,6}-[0-9]{1,3}"), GrammarSpec("json_object")]
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True}, {"num_blocks": 40, "block_size": 4, "swap_space": 0},
+@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True},
+                                         {"num_blocks": 40, "block_size": 4, "swap_space": 0},
                                          {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                                  "adaptive": False}}],
                          ids=["plain", "async", "preempting", "ngram"])
