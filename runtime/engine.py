@@ -377,9 +377,9 @@ class AsyncEngine:
                 self.release(request)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-                       priority: int = 0) -> RequestOutput:
+                       priority: int = 0, chat_template_kwargs: dict | None = None) -> RequestOutput:
         """Run one request to completion; the whole text and ids."""
-        return await self.collect(self.submit(prompt, params, request_id, priority))
+        return await self.collect(self.submit(prompt, params, request_id, priority, chat_template_kwargs))
 
     async def collect(self, request: RequestHandle) -> RequestOutput:
         """Wait for a submitted request's end; the whole text, ids and logprobs of each

@@ -151,6 +151,16 @@ class LLM:
             except BaseException:  # noqa: BLE001 - cancelled, or the error already raised above
                 pass
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        """Render `messages` with the chat template and generate the assistant's reply."""
-        return self._call(self.engine.generate(messages, params))
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> RequestOutput:
+        """Render `messages` with the chat template and generate the assistant's reply. As in
+        vLLM, `tools` (OpenAI's function objects) are rendered for the model (through the
+        template, or in its system message where the template has none) and the reply comes
+        back as text; the server parses calls out of it (runtime/tool_calls.py)."""
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            from runtime.tool_calls import tool_setup
+
+            setup = tool_setup(tools, "auto", list(messages), self.tokenizer.chat_template if self.tokenizer else None)
+            messages, kwargs = setup.messages, {**kwargs, **setup.template_kwargs}
+        return self._call(self.engine.generate(messages, params, chat_template_kwargs=kwargs or None))

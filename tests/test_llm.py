@@ -105,6 +105,19 @@ def test_chat_uses_the_template(llm):
     assert out.prompt_token_ids[0] == llm.tokenizer.encode("<|im_start|>")[0]
 
 
+def test_chat_renders_tools_and_template_variables(llm):
+    """vLLM's offline `chat(..., tools=...)`: the tools reach the prompt (here in the system
+    message: the default model's template has no tools); the reply is text."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    out = llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(temperature=0, max_tokens=4),
+                   tools=[tool])
+    assert '"name": "get_weather"' in out.prompt and "<tool_call>" in out.prompt and out.outputs[0].text
+    plain = llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(temperature=0, max_tokens=4),
+                     chat_template_kwargs={"unused_variable": 1})
+    assert "get_weather" not in plain.prompt and plain.prompt == llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather?"}])
+
+
 def test_bad_requests_fail_alone_and_the_engine_keeps_serving(llm):
     with pytest.raises(RequestError, match="max_model_len"):
         llm.generate([[5] * 9000], GREEDY, use_tqdm=False)
