@@ -94,6 +94,7 @@ class ModelRunner:
         (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
         self.tp = None
         self.grammars = Grammars(model.tokenizer, model.config.vocab_size)  # structured output's masks
+        self.constrained: set[int] = set()  # ids of the sequences with rows that a grammar constrains
         if uses_ranks(config):  # (the other ranks start now: runtime/tensor_parallel.py)
             from runtime.tensor_parallel import TensorParallelRanks
 
@@ -181,10 +182,13 @@ class ModelRunner:
     def add(self, seq: Sequence) -> None:
         """`seq` starts running: give it a row."""
         self.batch.add(seq)
+        if seq.constraint is not None:
+            self.constrained.add(seq.seq_id)
 
     def remove(self, seq: Sequence) -> None:
         """`seq` stopped running (finished, preempted): free its row."""
         self.batch.remove(seq)
+        self.constrained.discard(seq.seq_id)
 
     def table_changed(self, seq: Sequence) -> None:
         """`seq`'s block table grew, or a block in its write range was replaced (copy-on-write)."""
@@ -271,7 +275,8 @@ class ModelRunner:
         out = self._forward(batch)
         forward_done()
         # Grammar masks are filled on the host while the device runs the forward.
-        masks = self._grammar_masks([(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)])
+        masks = None if not self.constrained else self._grammar_masks(  # (no pass over rows when none is)
+            [(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)])
         verify_masks = None
         if host_drafts is not None:  # (a verifier's j + 1 rows follow the ones before it; so do its drafts)
             drafts, counts = host_drafts.wait()[0].tolist(), [j for _, _, j in inp.verifiers]
@@ -314,7 +319,7 @@ class ModelRunner:
         """The drafts on their way to the host when a constrained sequence verifies some (its
         masks follow them): started before the forward is queued, so waiting for them does not
         wait for it."""
-        if not any(seq.constraint is not None for seq, _, _ in inp.verifiers):
+        if not self.constrained or not any(seq.constraint is not None for seq, _, _ in inp.verifiers):
             return None
         return DeviceToHost([inp.draft_tokens])
 
