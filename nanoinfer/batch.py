@@ -9,6 +9,10 @@ import torch
 
 from nanoinfer.host_copy import to_device_packed
 
+# Batch's and HostBatch's sizes (NamedTuples take no base class to share them from).
+_NUM_TOKENS = property(lambda self: self.input_ids.shape[0], doc="Query rows (tokens) of the step.")
+_NUM_SEQS = property(lambda self: self.seq_lens.shape[0], doc="Sequences of the step.")
+
 
 class Batch(NamedTuple):
     """One step's work: the new tokens of every scheduled sequence, flattened.
@@ -26,13 +30,33 @@ class Batch(NamedTuple):
     query_start_loc: torch.Tensor  # [seqs + 1] int32, cu_seqlens of the queries
     logits_indices: torch.Tensor  # [samples] int64, the token rows whose logits are computed
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
+    num_tokens = _NUM_TOKENS
+    num_seqs = _NUM_SEQS
 
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
+
+class HostBatch(NamedTuple):
+    """A Batch's arrays on the host (numpy; the same fields, the same dtypes as on the device),
+    before they move: a CUDA graph takes them in one copy (nanoinfer/graphs.py)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    logits_indices: np.ndarray
+
+    num_tokens = _NUM_TOKENS
+    num_seqs = _NUM_SEQS
+
+    def to(self, device: torch.device | str) -> Batch:
+        """On `device`, in two copies: the int64 columns, and the int32 ones (see
+        host_copy.to_device_packed)."""
+        input_ids, positions, slot_mapping, logits_indices = to_device_packed(
+            [self.input_ids, self.positions, self.slot_mapping, self.logits_indices], torch.int64, device)
+        block_tables, seq_lens, query_start_loc = to_device_packed(
+            [self.block_tables, self.seq_lens, self.query_start_loc], torch.int32, device)
+        return Batch(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices)
 
 
 class SeqChunk(NamedTuple):
@@ -48,11 +72,16 @@ class SeqChunk(NamedTuple):
 
 def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
                 logits_rows: Sequence[int] | None = None) -> Batch:
-    """Lay out the chunks as one Batch on `device`. `logits_rows` overrides the rows whose
+    """Lay out the chunks as one Batch on `device` (see `host_batch`)."""
+    return host_batch(chunks, block_size, logits_rows).to(device)
+
+
+def host_batch(chunks: Sequence[SeqChunk], block_size: int, logits_rows: Sequence[int] | None = None) -> HostBatch:
+    """Lay out the chunks as one batch, on the host. `logits_rows` overrides the rows whose
     logits are computed (default: the last row of each chunk that asks for them).
 
-    Built on the host with numpy (a step at batch 256 has ~32k block-table entries: Python
-    lists of them cost milliseconds) and moved in two copies (see host_copy.to_device_packed).
+    Built with numpy: a step at batch 256 has ~32k block-table entries, and Python lists of
+    them cost milliseconds.
     """
     num = len(chunks)
     lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num)
@@ -77,12 +106,7 @@ def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.devic
     slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
     wants = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=num)
-    logits_indices = query_start_loc[1:][wants] - 1
-
-    # Two copies in all: the int64 columns, and the int32 ones (the kernels' index types).
-    input_ids, positions, slot_mapping, logits_indices = to_device_packed(
-        [input_ids, positions, slots, logits_indices if logits_rows is None else np.asarray(logits_rows, np.int64)],
-        torch.int64, device)
-    block_tables, seq_lens, query_start_loc = to_device_packed([block_tables, ends, query_start_loc], torch.int32,
-                                                               device)
-    return Batch(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices)
+    logits_indices = (query_start_loc[1:][wants] - 1 if logits_rows is None
+                      else np.asarray(logits_rows, dtype=np.int64).reshape(-1))
+    return HostBatch(input_ids, positions, slots, block_tables, ends.astype(np.int32),
+                     query_start_loc.astype(np.int32), logits_indices)

@@ -17,6 +17,11 @@ token and finite flag, so a greedy step samples inside the graph).
 
 Padding rows carry slot -1 (the KV write skips them) and belong to a sequence with a context
 of 0 keys (attention writes zeros); their outputs are sliced off.
+
+Every graph reads its batch from its own region of one device buffer (the regions overlap:
+one graph replays at a time, in stream order), laid out field after field. A batch built on
+the host (`HostBatch`) is written, padded, straight into a pinned copy of that region and
+moved in one copy; a batch already on the device is copied field by field.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from __future__ import annotations
 import gc
 from typing import Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
-from nanoinfer.batch import Batch
+from nanoinfer.batch import Batch, HostBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # A mixed step pads to the next of these: by at most 256 tokens up to 4,096, then by at most
@@ -47,6 +53,76 @@ class GraphSizes(NamedTuple):
     widths: tuple[int, ...] = ()
     max_tokens: int = 0
     rows_per_seq: int = 1
+
+
+_ALIGN = 64  # bytes: each field starts aligned (Triton specializes kernels on 16-byte pointer alignment)
+
+
+class _Inputs(NamedTuple):
+    """Where a captured graph reads its batch: the (byte offset, dtype, shape) in the input
+    buffer of each Batch field, None for a field the graph takes from elsewhere (a decode
+    graph's query starts and logits rows: constants); and the bytes the fields span."""
+
+    fields: tuple[tuple[int, torch.dtype, tuple[int, ...]] | None, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tokens: int, seqs: int, width: int, rows: int, decode: bool) -> "_Inputs":
+        specs = (((tokens,), torch.int64), ((tokens,), torch.int64), ((tokens,), torch.int64),  # ids, positions, slots
+                 ((seqs, width), torch.int32), ((seqs,), torch.int32),
+                 None if decode else ((seqs + 1,), torch.int32), None if decode else ((rows,), torch.int64))
+        fields, at = [], 0
+        for spec in specs:
+            fields.append(None if spec is None else (at, spec[1], spec[0]))
+            if spec is not None:
+                at += -(-int(np.prod(spec[0])) * spec[1].itemsize // _ALIGN) * _ALIGN
+        return cls(tuple(fields), at)
+
+    def views(self, buffer: torch.Tensor | np.ndarray) -> Batch:
+        """The fields as views of `buffer` (bytes: the device's input buffer, or a host staging
+        copy); None where the graph has no such input."""
+        if isinstance(buffer, np.ndarray):  # (per step: one constructor call per field)
+            return Batch(*(None if f is None else np.ndarray(f[2], _NUMPY[f[1]], buffer, f[0]) for f in self.fields))
+        return Batch(*(None if f is None else buffer[f[0]:f[0] + int(np.prod(f[2])) * f[1].itemsize].view(f[1]).view(f[2])
+                       for f in self.fields))
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+class Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple[torch.Tensor, ...]
+    inputs: _Inputs  # where it reads its batch
+    views: Batch  # its inputs in the device buffer
+
+
+def _fill(to: Batch, batch: Batch | HostBatch) -> None:
+    """Write `batch` into a graph's inputs `to` (views of the host staging copy or of the
+    device buffer: numpy arrays and tensors take the same slice assignments), padded: padding
+    tokens at position 0 with slot -1 (no KV written), padding sequences with no keys. Block
+    table entries past a sequence's context are left as they are: attention never reads them."""
+    t, n = batch.num_tokens, batch.num_seqs
+    tokens, seqs = to.input_ids.shape[0], to.seq_lens.shape[0]
+    to.input_ids[:t] = batch.input_ids
+    to.positions[:t] = batch.positions
+    to.slot_mapping[:t] = batch.slot_mapping
+    to.block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+    to.seq_lens[:n] = batch.seq_lens
+    if t < tokens:
+        to.input_ids[t:] = 0
+        to.positions[t:] = 0
+        to.slot_mapping[t:] = -1
+    if n < seqs:
+        to.seq_lens[n:] = 0
+    if to.query_start_loc is None:  # a decode graph: one row per sequence, padding ones too (constants)
+        return
+    r = batch.logits_indices.shape[0]
+    # Padding tokens form sequence n (no keys: attention writes zeros); later ones own none.
+    to.query_start_loc[:n + 1] = batch.query_start_loc
+    to.query_start_loc[n + 1:] = tokens
+    to.logits_indices[:r] = batch.logits_indices
+    to.logits_indices[r:] = 0
 
 
 class StepGraphs:
@@ -77,31 +153,27 @@ class StepGraphs:
             tuple(t for t in token_buckets if smallest < t < max_tokens) + (max_tokens,))
         self.max_rows = max_batch * rows_per_seq
         self.max_batch, self.max_blocks = max_batch, max_blocks
-        n, t = max_batch, max(max_batch, max_tokens)
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.decode_starts = torch.arange(n + 1, dtype=torch.int32, device=device)  # one row per sequence
-        self.decode_rows = torch.arange(n, dtype=torch.int64, device=device)
-        self.mixed_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self.mixed_rows = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
-        Captured = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]  # the graph, its outputs
+        # Each graph's inputs, at the start of one device buffer (the regions overlap).
+        self.decode_inputs = {(size, width): _Inputs.of(size, size, width, size, decode=True)
+                              for size in self.buckets for width in self.widths}
+        self.mixed_inputs = {tokens: _Inputs.of(tokens, self._mixed_seqs(tokens), max_blocks,
+                                                self._mixed_rows(tokens), decode=False)
+                             for tokens in self.token_buckets}
+        size = max(i.nbytes for i in (*self.decode_inputs.values(), *self.mixed_inputs.values()))
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.decode_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one row per sequence
+        self.decode_rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], Captured] = {}  # decode, by (size, width)
         self.mixed: dict[int, Captured] = {}  # by token bucket
         self.pool = None
 
-    def _decode_batch(self, size: int, width: int) -> Batch:
-        return Batch(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                     self.block_tables[:size, :width], self.seq_lens[:size], self.decode_starts[:size + 1],
-                     self.decode_rows[:size])
-
-    def _mixed_batch(self, tokens: int) -> Batch:
-        seqs = self._mixed_seqs(tokens)
-        return Batch(self.input_ids[:tokens], self.positions[:tokens], self.slot_mapping[:tokens],
-                     self.block_tables[:seqs], self.seq_lens[:seqs], self.mixed_starts[:seqs + 1],
-                     self.mixed_rows[:self._mixed_rows(tokens)])
+    def _views(self, inputs: _Inputs) -> Batch:
+        """A graph's inputs in the device buffer (a decode graph's constants added)."""
+        views = inputs.views(self.buffer)
+        if views.query_start_loc is None:
+            size = views.seq_lens.shape[0]
+            views = views._replace(query_start_loc=self.decode_starts[:size + 1], logits_indices=self.decode_rows[:size])
+        return views
 
     def _mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed bucket holds: no more than its tokens (a verification step of a
@@ -112,7 +184,13 @@ class StepGraphs:
         """Logits rows a mixed bucket computes (`max_rows`, or one per token if fewer)."""
         return min(tokens, self.max_rows)
 
-    def _capture(self, batch: Batch) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    def _capture(self, inputs: _Inputs) -> Captured:
+        # Capture-time batch: every token in the first sequence, no keys read or written.
+        batch = self._views(inputs)
+        self.buffer.zero_()
+        batch.slot_mapping.fill_(-1)
+        if inputs.fields[5] is not None:  # (a mixed graph's query starts)
+            batch.query_start_loc[1:].fill_(batch.num_tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
@@ -122,7 +200,7 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = tuple(self.step(batch))
         self.pool = graph.pool()
-        return graph, outputs
+        return Captured(graph, outputs, inputs, batch)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -132,23 +210,15 @@ class StepGraphs:
         gc.collect()
         gc.freeze()
         try:
-            self._capture_all()
+            for tokens in sorted(self.token_buckets, reverse=True):
+                self.mixed[tokens] = self._capture(self.mixed_inputs[tokens])
+            for key in sorted(self.decode_inputs, reverse=True):
+                self.graphs[key] = self._capture(self.decode_inputs[key])
+            torch.cuda.synchronize()
         finally:
             gc.unfreeze()
 
-    def _capture_all(self) -> None:
-        # Capture-time batches: every token in the first sequence, no keys read or written.
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(0)
-        self.mixed_starts.fill_(0)
-        for tokens in sorted(self.token_buckets, reverse=True):
-            self.mixed_starts[1:].fill_(tokens)
-            self.mixed[tokens] = self._capture(self._mixed_batch(tokens))
-        for size, width in sorted(((s, w) for s in self.buckets for w in self.widths), reverse=True):
-            self.graphs[size, width] = self._capture(self._decode_batch(size, width))
-        torch.cuda.synchronize()
-
-    def can_run(self, batch: Batch) -> bool:
+    def can_run(self, batch: Batch | HostBatch) -> bool:
         """A step within the captured sizes: decode, or mixed when mixed graphs were captured."""
         n, t = batch.num_seqs, batch.num_tokens
         if not self.graphs or n > self.max_batch or batch.block_tables.shape[1] > self.max_blocks:
@@ -159,34 +229,25 @@ class StepGraphs:
             return False
         return batch.logits_indices.shape[0] <= self._mixed_rows(next(b for b in self.token_buckets if b >= t))
 
-    def run(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+    def run(self, batch: Batch | HostBatch, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The step's outputs (rows: len(batch.logits_indices)) for a batch that `can_run`, by
-        graph replay."""
+        graph replay. A HostBatch moves in one copy; `input_ids` on the device, if given,
+        replace the batch's own (tokens that never went to the host)."""
         n, t = batch.num_seqs, batch.num_tokens
-        width = batch.block_tables.shape[1]
-        # Columns past `width` may hold another step's blocks: seq_lens keeps them unread.
-        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:t].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         if t == n:
-            size = next(b for b in self.buckets if b >= n)
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(0)
-            graph, outputs = self.graphs[size, next(w for w in self.widths if w >= width)]
-            graph.replay()
-            return tuple(out[:n] for out in outputs)
-        tokens = next(b for b in self.token_buckets if b >= t)
+            width = batch.block_tables.shape[1]
+            captured = self.graphs[next(b for b in self.buckets if b >= n), next(w for w in self.widths if w >= width)]
+        else:
+            captured = self.mixed[next(b for b in self.token_buckets if b >= t)]
+        views = captured.views
+        if isinstance(batch, HostBatch):
+            staging = torch.empty(captured.inputs.nbytes, dtype=torch.uint8, pin_memory=True)  # (see host_copy.py)
+            _fill(captured.inputs.views(staging.numpy()), batch)
+            self.buffer[:captured.inputs.nbytes].copy_(staging, non_blocking=True)
+        else:
+            _fill(views, batch)
+        if input_ids is not None:
+            views.input_ids[:t].copy_(input_ids, non_blocking=True)
+        captured.graph.replay()
         rows = batch.logits_indices.shape[0]
-        seqs = self._mixed_seqs(tokens)
-        self.slot_mapping[t:tokens].fill_(-1)
-        self.seq_lens[n:seqs].fill_(0)
-        # Padding tokens form sequence n (no keys: attention writes zeros); later ones own none.
-        self.mixed_starts[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
-        self.mixed_starts[n + 1:seqs + 1].fill_(tokens)
-        self.mixed_rows[:rows].copy_(batch.logits_indices, non_blocking=True)
-        self.mixed_rows[rows:self._mixed_rows(tokens)].fill_(0)
-        graph, outputs = self.mixed[tokens]
-        graph.replay()
-        return tuple(out[:rows] for out in outputs)
+        return tuple(out[:rows] for out in captured.outputs)

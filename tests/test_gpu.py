@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
-from nanoinfer.batch import SeqChunk, build_batch  # noqa: E402
+from nanoinfer.batch import SeqChunk, build_batch, host_batch  # noqa: E402
 from nanoinfer.graphs import StepGraphs  # noqa: E402
 from nanoinfer.kernels import kernels_for  # noqa: E402
 from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
@@ -78,7 +78,12 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
         with torch.inference_mode():
             eager = forward(model.params, kv, batch, cfg, backend).clone()
             replayed = graphs.run(batch)[0].clone()
+            # The same batch built on the host: one staged copy into the graph's inputs.
+            staged = graphs.run(host_batch(chunks, bs))[0].clone()
+            # Device-side input ids replace the batch's own.
+            other = graphs.run(host_batch([c._replace(token_ids=[0]) for c in chunks], bs), batch.input_ids)[0]
         assert torch.equal(eager, replayed), contexts
+        assert torch.equal(eager, staged) and torch.equal(eager, other), contexts
 
 
 def test_compiled_forward_matches_eager_and_replays_exactly(hf_and_ours):
@@ -124,13 +129,16 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
     ]
     for chunks in steps:
         blocks = iter(range(64))
-        batch = build_batch([SeqChunk(list(range(1, 1 + n)), start, [next(blocks) for _ in range(b)], sample)
-                             for n, start, b, sample in chunks], bs, "cuda")
+        seq_chunks = [SeqChunk(list(range(1, 1 + n)), start, [next(blocks) for _ in range(b)], sample)
+                      for n, start, b, sample in chunks]
+        batch = build_batch(seq_chunks, bs, "cuda")
         assert graphs.can_run(batch) and batch.num_tokens > batch.num_seqs
         eager_kv = kv.clone()
         with torch.inference_mode():
             eager = forward(model.params, eager_kv, batch, cfg, backend)
             replayed = graphs.run(batch)[0].clone()
+            # Staged from the host in one copy: the same inputs, the same outputs.
+            assert torch.equal(graphs.run(host_batch(seq_chunks, bs))[0], replayed)
         assert replayed.shape == eager.shape
         assert (replayed - eager).abs().max().item() <= 0.02 * eager.abs().max().item(), chunks
         written = torch.zeros(64 * bs, dtype=torch.bool, device="cuda")
