@@ -9,22 +9,32 @@ speculation may be switched off for a while); then it proposes, one forward per 
 token, each pass's input the pass before's draw, on the device. `Sequence.num_draft_computed`
 says how far a sequence's draft cache holds. The draft never decides what is emitted
 (verification does): a stale cache could lower the acceptance rate, never change an output.
+
+A step whose sequences accepted all their drafts starts with a two-token catch-up (the last
+draft, then the target's bonus token) that the host can only build once it has planned the
+step. While the draft keeps being accepted in full, that pass is queued at the end of the
+step before, right behind the verification, from the verified tokens on the device
+(`prelaunch`): the device then goes from one step to the next without waiting for the host.
+If the sequences did not accept everything after all, the pass is dropped (its KV lies past
+what the draft's cache is known to hold) and the catch-up runs as usual.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple, Sequence as Seq
 
 import numpy as np
 import torch
 
-from nanoinfer.batch import Batch, SeqChunk, build_batch
+from nanoinfer.batch import Batch, SeqChunk, host_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import forward
+from nanoinfer.sampling import greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.input_batch import InputBatch
 from runtime.sequence import Sequence
@@ -35,6 +45,14 @@ class Proposal(NamedTuple):
 
     tokens: torch.Tensor | None  # [drafts] int64 (None: nothing to verify)
     probs: torch.Tensor | None  # [drafts, vocab]: q of each draft (None: every row greedy)
+
+
+class Prelaunched(NamedTuple):
+    """A catch-up pass queued before the step it serves was planned, and its draws."""
+
+    chunks: tuple[tuple[int, int], ...]  # (seq id, first position) of each sequence's two-token catch-up
+    tokens: torch.Tensor  # [seqs] each one's first draft
+    probs: torch.Tensor | None  # [seqs, vocab] what it was drawn from (None: all greedy)
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -77,6 +95,15 @@ class DraftRunner:
                                      widths=(self.kernels.attention.partition_size // config.block_size,),
                                      rows_per_seq=2)
             self.graphs.capture()
+        # Prelaunching pays where the device would wait for the host (not on the CPU), and
+        # while a step that accepted everything is mostly followed by another (`_outcomes`:
+        # whether it was, of late; a dropped pass costs more than a used one saves).
+        self.prelaunches = self.device.type == "cuda"
+        self.prelaunch_when = 0.75  # the share of such steps of late followed by another
+        self._prelaunched: Prelaunched | None = None
+        self._all_accepted = False  # the last step's verifying sequences all accepted every draft
+        self._outcomes: deque[bool] = deque(maxlen=8)
+        self.num_prelaunched = self.num_prelaunches_used = 0  # (stats, tests)
 
     # -- the pool follows the target's -----------------------------------------------------
 
@@ -91,23 +118,29 @@ class DraftRunner:
 
     # -- proposing ---------------------------------------------------------------------------
 
-    def _eager_forward(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+    def _eager_forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the batch's logits rows, and their argmax (a greedy draft's proposal,
+        inside the graph: its pass needs no other launch)."""
         k = self.kernels
-        return (forward(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None),)
+        logits = forward(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
+        return logits, greedy_tokens(logits)
 
-    def _logits(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the chunks' rows that ask for them; `input_ids` on the device replace the
-        chunks' own tokens (a pass's input is the pass before's draw: no trip to the host)."""
-        batch = build_batch(chunks, self.block_size, self.device)
-        if input_ids is not None:
-            batch = batch._replace(input_ids=input_ids)
+    def _logits(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and argmax of the chunks' rows that ask for them; `input_ids` on the device
+        replace the chunks' own tokens (a pass's input is the pass before's draw: no trip to
+        the host)."""
+        batch = host_batch(chunks, self.block_size)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)[0]
-        return self._eager_forward(batch)[0]
+            return self.graphs.run(batch, input_ids)  # (the batch moves in one copy)
+        batch = batch.to(self.device)
+        return self._eager_forward(batch if input_ids is None else batch._replace(input_ids=input_ids))
 
-    def _sample(self, seqs: Seq[Sequence], offsets: Seq[int], logits: torch.Tensor):
+    def _sample(self, seqs: Seq[Sequence], offsets: Seq[int], logits: torch.Tensor, greedy: torch.Tensor):
         """Each sequence's draft token at its output index + offset, and q (None: all greedy)."""
         rows = np.array([self.batch.row_of[s.seq_id] for s in seqs], dtype=np.int64)
+        if self.batch.greedy[rows].all():  # (the argmax is all there is to it; copied out of the
+            return greedy.clone(), None  # graph's output, which its next replay overwrites)
         steps = [len(s.token_ids) - s.num_prompt_tokens + o for s, o in zip(seqs, offsets)]
         rows_t, steps_t = to_device_packed([rows, steps], torch.int64, self.device)
         return draft_sample(logits, self.batch.sampling(rows, rows_t, steps_t), self.kernels.draw)
@@ -126,29 +159,42 @@ class DraftRunner:
             seq.num_draft_computed = end
             if j > 0:
                 verifying.append((seq, j))
+        prelaunched, self._prelaunched = self._prelaunched, None
         if not verifying:
             if catch_up:
                 self._logits(catch_up)  # (prefill chunks: the draft's prefill, bounded as the target's)
             return Proposal(None, None)
+        # Every sequence accepted all its drafts (its catch-up: the last draft and the bonus token).
+        all_accepted = len(catch_up) == len(verifying) and all(len(c.token_ids) == 2 for c in catch_up)
+        if self._all_accepted:
+            self._outcomes.append(all_accepted)
+        self._all_accepted = all_accepted
         row_of: dict[tuple[int, int], int] = {}  # (seq id, draft index) -> its row in the passes' draws
         drawn, probs, active = [], [], verifying  # (`drawn`: each pass's tokens, on the device)
-        logits = self._logits(catch_up)  # (its logits rows: the verifying sequences', in order)
         for i in range(max(j for _, j in verifying)):
-            if i:  # one more draft for each sequence still drafting, from the one before (on the device)
-                still = [r for r, (_, j) in enumerate(active) if j > i]
-                active = [active[r] for r in still]
-                previous = drawn[-1] if len(still) == len(drawn[-1]) else drawn[-1].index_select(
-                    0, to_device_packed([still], torch.int64, self.device)[0])
-                logits = self._logits([SeqChunk([0], s.num_draft_computed, s.block_table, True) for s, _ in active],
-                                      previous)
-                for s, _ in active:
-                    s.num_draft_computed += 1
             seqs = [s for s, _ in active]
-            tokens, q = self._sample(seqs, [i] * len(seqs), logits)
+            if i == 0 and all_accepted and prelaunched is not None and prelaunched.chunks == tuple(
+                    (s.seq_id, c.start_pos) for s, c in zip(seqs, catch_up)):
+                tokens, q = prelaunched.tokens, prelaunched.probs  # (this pass ran behind the last verification)
+                self.num_prelaunches_used += 1
+            else:
+                if i == 0:  # (its logits rows: the verifying sequences', in order)
+                    logits, greedy = self._logits(catch_up)
+                else:  # one more draft for each sequence still drafting, from the one before (on the device)
+                    still = [r for r, (_, j) in enumerate(active) if j > i]
+                    active = [active[r] for r in still]
+                    seqs = [s for s, _ in active]
+                    previous = drawn[-1] if len(still) == len(drawn[-1]) else drawn[-1].index_select(
+                        0, to_device_packed([still], torch.int64, self.device)[0])
+                    logits, greedy = self._logits(
+                        [SeqChunk([0], s.num_draft_computed, s.block_table, True) for s in seqs], previous)
+                    for s in seqs:
+                        s.num_draft_computed += 1
+                tokens, q = self._sample(seqs, [i] * len(seqs), logits, greedy)
             for r, s in enumerate(seqs):
                 row_of[s.seq_id, i] = sum(len(t) for t in drawn) + r
             drawn.append(tokens)
-            probs.append(q if q is not None else logits.new_zeros(len(seqs), 0))
+            probs.append(q if q is not None else torch.zeros(len(seqs), 0, device=self.device))
         (index,) = to_device_packed([[row_of[s.seq_id, i] for s, j in verifying for i in range(j)]], torch.int64,
                                     self.device)
         tokens = torch.cat(drawn).index_select(0, index)  # (no wait: the target's input takes them as they are)
@@ -158,3 +204,28 @@ class DraftRunner:
         vocab = max(p.shape[1] for p in probs)
         probs = [p if p.shape[1] else p.new_zeros(p.shape[0], vocab) for p in probs]
         return Proposal(tokens, torch.cat(probs).index_select(0, index))
+
+    def prelaunch(self, verifiers: Seq[tuple[Sequence, int, int]], draft_tokens: torch.Tensor,
+                  verified_tokens: torch.Tensor) -> None:
+        """Queue the next step's catch-up as if every verifying sequence, `(seq, start, j)`
+        (its pending token at `start`, then j drafts), accepts all its drafts: the last draft
+        and the bonus token, taken from the device (`draft_tokens`: j per sequence, in order;
+        `verified_tokens`: j + 1). Only while that keeps coming true (see the module's text),
+        and where the bonus token's slot is allocated already."""
+        if not (self.prelaunches and self._all_accepted and sum(self._outcomes) >= self.prelaunch_when * len(self._outcomes)):
+            return
+        chunks, at, drafts = [], [], 0
+        for seq, start, j in verifiers:
+            first = start + j  # the last draft's position; the bonus token's follows
+            if (first + 1) // self.block_size >= len(seq.block_table):
+                return
+            chunks.append(SeqChunk([0, 0], first, seq.block_table, True))
+            at += (drafts + j - 1, len(draft_tokens) + drafts + len(at) // 2 + j)  # (into drafts + verified)
+            drafts += j
+        (index,) = to_device_packed([at], torch.int64, self.device)
+        logits, greedy = self._logits(chunks, torch.cat([draft_tokens, verified_tokens]).index_select(0, index))
+        seqs = [seq for seq, _, _ in verifiers]
+        # (drawn at the index of the next step's first draft: its j + 1 tokens are not on the host yet)
+        tokens, q = self._sample(seqs, [j + 1 for _, _, j in verifiers], logits, greedy)
+        self._prelaunched = Prelaunched(tuple((seq.seq_id, c.start_pos) for seq, c in zip(seqs, chunks)), tokens, q)
+        self.num_prelaunched += 1

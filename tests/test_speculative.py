@@ -53,11 +53,13 @@ def draft_config(k=4):
     return {"model": "in-memory", "num_speculative_tokens": k, "adaptive": False}
 
 
-def run(spec, params, prompts=PROMPTS, draft=None, **engine_args):
-    """Per request: output ids and logprobs; and the engine's stats (its pool checked empty)."""
+def run(spec, params, prompts=PROMPTS, draft=None, setup=lambda core: None, **engine_args):
+    """Per request: output ids and logprobs; and the engine's stats (its pool checked empty).
+    `setup(core)` is called before the first request."""
     args = dict(block_size=4, num_blocks=512, speculative_config=spec)
     args.update(engine_args)
     core = EngineCore(MODEL, engine_config(**args), draft_model=draft)
+    setup(core)
     seqs, logprobs = [], {}
     for prompt in prompts:
         first = core.add_request(prompt, params)
@@ -174,6 +176,63 @@ def test_draft_model_under_engine_pressure_and_sampling():
     b, _ = run(draft_config(), params, draft=NEAR)
     assert [ids for ids, _ in a] == [ids for ids, _ in b]
     assert_speculated(stats)
+
+
+def prelaunching(drafts: list, on: bool = True, when: float | None = None):
+    """A `run` setup: the catch-up queued behind each verification on or off (on the CPU too),
+    optionally after every fully accepted step (`when` 0); the draft runners go to `drafts`."""
+    def setup(core):
+        core.runner.draft.prelaunches = on
+        if when is not None:
+            core.runner.draft.prelaunch_when = when
+        drafts.append(core.runner.draft)
+    return setup
+
+
+LONGER = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(block_size=16),  # (a catch-up is prelaunched where the bonus token's block is there already)
+    dict(block_size=16, num_blocks=12),
+    dict(block_size=16, num_blocks=12, preemption_mode="swap", swap_space=1 << 20),
+    dict(block_size=16, max_num_seqs=2, max_num_batched_tokens=7),
+], ids=["plain", "recompute", "swap", "chunked-two-at-once"])
+def test_prelaunched_catch_up_is_used_while_everything_is_accepted(engine_args):
+    """The target drafting for itself: after a step that accepted everything, the next one's
+    catch-up is queued behind the verification and used (dropped only where the batch
+    changed: a sequence finished, was preempted, or another one joined)."""
+    drafts = []
+    ref, _ = run(None, LONGER, prompts=PROMPTS[:2], **engine_args)
+    out, stats = run(draft_config(), LONGER, prompts=PROMPTS[:2], draft=MODEL, setup=prelaunching(drafts),
+                     **engine_args)
+    assert_same(ref, out)
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 100
+    assert drafts[0].num_prelaunched > 10 and drafts[0].num_prelaunches_used >= 0.75 * drafts[0].num_prelaunched
+
+
+def test_prelaunched_catch_up_changes_no_token():
+    """A draft accepted ~80% of the time, one sequence at a time, prelaunching after every
+    fully accepted step: some of those passes are used, some dropped, and no token changes:
+    greedy outputs equal decoding without speculation, seeded sampled ones (the first draft
+    drawn at the next step's index) equal speculating without prelaunches."""
+    close = LoadedModel(CFG, perturbed(MODEL.params, 0.03, seed=5), None, Path("tiny-close"))
+    drafts = []
+    ref, _ = run(None, LONGER, prompts=PROMPTS[:1], block_size=16)
+    out, stats = run(draft_config(), LONGER, prompts=PROMPTS[:1], draft=close, setup=prelaunching(drafts, when=0),
+                     block_size=16)
+    assert_same(ref, out)
+    assert_speculated(stats)
+    sampled = SamplingParams(temperature=0.9, top_k=20, max_tokens=80, ignore_eos=True, seed=7)
+    on, stats = run(draft_config(), sampled, prompts=PROMPTS[:1], draft=close, setup=prelaunching(drafts, when=0),
+                    block_size=16)
+    off, _ = run(draft_config(), sampled, prompts=PROMPTS[:1], draft=close, setup=prelaunching(drafts, False),
+                 block_size=16)
+    assert [ids for ids, _ in on] == [ids for ids, _ in off]
+    assert_speculated(stats)
+    for used in drafts[:2]:
+        assert 0 < used.num_prelaunches_used < used.num_prelaunched
+    assert drafts[2].num_prelaunched == 0
 
 
 def test_draft_model_must_share_the_vocabulary():
