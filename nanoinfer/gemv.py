@@ -12,7 +12,7 @@ so a batch-1 step reads one byte per weight instead of two.
 
 Two to 16 rows (a speculative verify step, a small decode batch) go to a second kernel that
 multiplies each weight tile with all the rows at once on tensor cores (rows padded to 16),
-so the weight is still read once.
+so the weight is still read once; two rows of a narrow int8 weight stay in the first kernel.
 
 `linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
@@ -46,15 +46,19 @@ def _quick_bench(kernel_call, quantiles):
                                 # few rows, long rows: the best for 8B shapes, 1-byte weights most of all
                                 # (an H100 sweep: .scratch-era numbers in bench/RESULTS.md)
                                 (2, 4096, 4, 3), (2, 2048, 4, 4), (4, 2048, 4, 4))],
-    key=["N", "K", "W_BYTES"], do_bench=_quick_bench, cache_results=True,
+    key=["N", "K", "W_BYTES", "ROWS"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, W_BYTES, HAS_SCALE: tl.constexpr,
-                 INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES,
+                 HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
+    # ROWS: 1, or 2 (each weight widened once, multiplied with both rows).
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if ROWS == 2:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -69,11 +73,32 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, W_BYTES, HAS
         else:
             wf = w.to(tl.float32)
         acc += wf * x.to(tl.float32)[None, :]
+        if ROWS == 2:
+            x2 = tl.load(x_ptr + stride_xm + offs_k, mask=k_mask, other=0.0)
+            acc2 += wf * x2.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
     if HAS_SCALE:
-        out *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out *= scale
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ROWS == 2:
+        out2 = tl.sum(acc2, 1)
+        if HAS_SCALE:
+            out2 *= scale
+        tl.store(out_ptr + stride_om + offs_n, out2.to(out_ptr.dtype.element_ty), mask=n_mask)
 
+
+
+
+def _two_rows_on_cuda_cores(w: torch.Tensor) -> bool:
+    """Whether a two-row product (a speculative draft's catch-up pass) runs in the one-row kernel,
+    each weight widened once for both rows, rather than on tensor cores with rows padded to 16:
+    for int8 weights of at most 8,192 output rows, where the tensor-core kernel's few wide
+    programs leave SMs idle and widen every weight to bf16 (H100, Llama-3.2-1B shapes, µs:
+    3,072 x 2,048 6.0 against 7.2; 2,048 x 8,192 10.6 against 17.5; but 16,384 x 2,048 19.3
+    against 15.1, and the 128k-row LM head 130.9 against 93.7). bf16 weights gain nothing
+    there (within ±7% either way)."""
+    return w.dtype == torch.int8 and w.shape[0] <= 8192
 
 # Up to 16 rows (tl.dot's smallest tile): a speculative verify step (1 + k rows per sequence)
 # or a small decode batch reads each weight once, as the one-row kernel does.
@@ -121,10 +146,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     m = x.shape[0]
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 1:
+    if m == 1 or m == 2 and _two_rows_on_cuda_cores(w):
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            x, w, w if scale is None else scale, out, n, k, w.stride(0), w.element_size(),
-            HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8)
+            x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
+            HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m)
     elif m <= ROWS_MAX and x.dtype in (torch.bfloat16, torch.float16) and w.dtype in (x.dtype, torch.int8):
         _rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),

@@ -378,10 +378,11 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
 
 # --- quantized weights (issue 12) ---------------------------------------------------------------
 
-@pytest.mark.parametrize("form,rows", [("int8", 1), ("int8", 3), ("int8", 16), ("fp8", 1)])
+@pytest.mark.parametrize("form,rows", [("int8", 1), ("int8", 2), ("int8", 3), ("int8", 16), ("fp8", 1)])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (7, 64), (151936, 1024), (14336, 4096)])
 def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, rows, n, k):
-    """int8 at 1-16 rows, fp8 at one (several rows of fp8 scale their activations too:
+    """int8 at 1-16 rows (two: on CUDA cores up to 8,192 output rows, past them on tensor
+    cores), fp8 at one (several rows of fp8 scale their activations too:
     test_batched_quantized_matmul_matches_the_cpu_reference)."""
     from nanoinfer import quantized
     from nanoinfer.gemv import linear
