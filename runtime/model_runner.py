@@ -312,11 +312,14 @@ class ModelRunner:
         if inp.verifiers:
             verified, tensors = self._verify(inp.verifiers, full, inp.draft_tokens, inp.draft_probs, verify_masks)
             results.extend(tensors)
-            if self.draft is not None:  # (the next step's catch-up, queued behind this verification)
-                starts = {c.seq.seq_id: c.start for c in inp.chunks if c.num_drafts}
-                self.draft.prelaunch([(seq, starts[seq.seq_id], j) for seq, _, j in inp.verifiers], inp.draft_tokens,
-                                     tensors[1])
-        return InFlightStep(rows, tuple(prompt_lp), DeviceToHost(results), verified,
+        transfer = DeviceToHost(results)
+        if inp.verifiers and self.draft is not None:
+            # The next step's catch-up, queued behind this verification and behind the copy of
+            # its results: the host learns them while the device runs it.
+            starts = {c.seq.seq_id: c.start for c in inp.chunks if c.num_drafts}
+            self.draft.prelaunch([(seq, starts[seq.seq_id], j) for seq, _, j in inp.verifiers], inp.draft_tokens,
+                                 tensors[1])
+        return InFlightStep(rows, tuple(prompt_lp), transfer, verified,
                             constrained=masks is not None or verify_masks is not None)
 
     def _host_drafts(self, inp: StepInput) -> DeviceToHost | None:
