@@ -56,6 +56,7 @@ class GraphSizes(NamedTuple):
 
 
 _ALIGN = 64  # bytes: each field starts aligned (Triton specializes kernels on 16-byte pointer alignment)
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class _Inputs(NamedTuple):
@@ -85,9 +86,6 @@ class _Inputs(NamedTuple):
             return Batch(*(None if f is None else np.ndarray(f[2], _NUMPY[f[1]], buffer, f[0]) for f in self.fields))
         return Batch(*(None if f is None else buffer[f[0]:f[0] + int(np.prod(f[2])) * f[1].itemsize].view(f[1]).view(f[2])
                        for f in self.fields))
-
-
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class Captured(NamedTuple):
