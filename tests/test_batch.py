@@ -1,9 +1,12 @@
-"""build_batch (numpy-vectorized) against a plain per-token construction of the same Batch."""
+"""build_batch (numpy-vectorized) against a plain per-token construction of the same Batch; a
+CUDA graph's inputs written from the host and from the device alike."""
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.batch import Batch, SeqChunk, build_batch, host_batch
 
 
 def reference_batch(chunks, block_size):
@@ -57,3 +60,32 @@ def test_a_table_too_short_is_refused():
 
     with pytest.raises(ValueError, match="cannot hold 9 tokens"):
         build_batch([SeqChunk([1] * 9, 0, [0, 1], True)], 4)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_graph_inputs_are_written_alike_from_the_host_and_the_device(decode):
+    """A CUDA graph's inputs (nanoinfer/graphs.py): a HostBatch written into a staging copy of
+    its layout and the same batch's tensors written into the buffer itself give the same
+    fields, padded: tokens at position 0 with slot -1, sequences with no keys (a mixed
+    graph's padding tokens form one more sequence; its logits rows are 0 past the batch's)."""
+    from nanoinfer.graphs import _fill, _Inputs
+
+    chunks = ([SeqChunk([5], 20, [1, 2], True), SeqChunk([9], 3, [7], True)] if decode else
+              [SeqChunk([5, 6, 7], 3, [4, 5], True), SeqChunk([9], 20, [1, 2], True), SeqChunk([3, 4], 0, [6], False)])
+    host = host_batch(chunks, 16)
+    inputs = _Inputs.of(8, 4, 3, 8, decode)
+    staging = np.full(inputs.nbytes, 0xAB, dtype=np.uint8)
+    device = torch.full((inputs.nbytes,), 0xAB, dtype=torch.uint8)
+    _fill(inputs.views(staging), host)
+    _fill(inputs.views(device), host.to("cpu"))
+    a, b = inputs.views(staging), inputs.views(device)
+    t, n = host.num_tokens, host.num_seqs
+    for name, x, y in zip(Batch._fields, a, b):
+        assert (x is None) == (y is None) == (decode and name in ("query_start_loc", "logits_indices")), name
+        if x is not None:
+            assert np.array_equal(x, y.numpy()) or name == "block_tables", name
+    assert np.array_equal(a.block_tables[:n, :2], b.block_tables[:n, :2].numpy())
+    assert a.input_ids[:t].tolist() == host.input_ids.tolist() and not a.input_ids[t:].any()
+    assert not a.positions[t:].any() and (a.slot_mapping[t:] == -1).all() and not a.seq_lens[n:].any()
+    if not decode:
+        assert a.query_start_loc.tolist() == [0, 3, 4, 6, 8] and a.logits_indices.tolist() == [2, 3] + [0] * 6
