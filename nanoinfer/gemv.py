@@ -88,8 +88,6 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
         tl.store(out_ptr + stride_om + offs_n, out2.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-
-
 def _two_rows_on_cuda_cores(w: torch.Tensor) -> bool:
     """Whether a two-row product (a speculative draft's catch-up pass) runs in the one-row kernel,
     each weight widened once for both rows, rather than on tensor cores with rows padded to 16:
@@ -99,6 +97,7 @@ def _two_rows_on_cuda_cores(w: torch.Tensor) -> bool:
     against 15.1, and the 128k-row LM head 130.9 against 93.7). bf16 weights gain nothing
     there (within ±7% either way)."""
     return w.dtype == torch.int8 and w.shape[0] <= 8192
+
 
 # Up to 16 rows (tl.dot's smallest tile): a speculative verify step (1 + k rows per sequence)
 # or a small decode batch reads each weight once, as the one-row kernel does.

@@ -69,22 +69,31 @@ class _Inputs(NamedTuple):
 
     @classmethod
     def of(cls, tokens: int, seqs: int, width: int, rows: int, decode: bool) -> "_Inputs":
-        specs = (((tokens,), torch.int64), ((tokens,), torch.int64), ((tokens,), torch.int64),  # ids, positions, slots
-                 ((seqs, width), torch.int32), ((seqs,), torch.int32),
-                 None if decode else ((seqs + 1,), torch.int32), None if decode else ((rows,), torch.int64))
+        shapes = (((tokens,), torch.int64), ((tokens,), torch.int64), ((tokens,), torch.int64),  # ids, positions, slots
+                  ((seqs, width), torch.int32), ((seqs,), torch.int32),
+                  None if decode else ((seqs + 1,), torch.int32), None if decode else ((rows,), torch.int64))
         fields, at = [], 0
-        for spec in specs:
-            fields.append(None if spec is None else (at, spec[1], spec[0]))
-            if spec is not None:
-                at += -(-int(np.prod(spec[0])) * spec[1].itemsize // _ALIGN) * _ALIGN
+        for field in shapes:
+            if field is None:
+                fields.append(None)
+                continue
+            shape, dtype = field
+            fields.append((at, dtype, shape))
+            at += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
         return cls(tuple(fields), at)
+
+    @property
+    def decode(self) -> bool:
+        """A decode graph's inputs: its query starts and logits rows are constants."""
+        return self.fields[5] is None
 
     def views(self, buffer: torch.Tensor | np.ndarray) -> Batch:
         """The fields as views of `buffer` (bytes: the device's input buffer, or a host staging
         copy); None where the graph has no such input."""
         if isinstance(buffer, np.ndarray):  # (per step: one constructor call per field)
             return Batch(*(None if f is None else np.ndarray(f[2], _NUMPY[f[1]], buffer, f[0]) for f in self.fields))
-        return Batch(*(None if f is None else buffer[f[0]:f[0] + int(np.prod(f[2])) * f[1].itemsize].view(f[1]).view(f[2])
+        return Batch(*(None if f is None else
+                       buffer[f[0]:f[0] + int(np.prod(f[2])) * f[1].itemsize].view(f[1]).view(f[2])
                        for f in self.fields))
 
 
@@ -168,9 +177,10 @@ class StepGraphs:
     def _views(self, inputs: _Inputs) -> Batch:
         """A graph's inputs in the device buffer (a decode graph's constants added)."""
         views = inputs.views(self.buffer)
-        if views.query_start_loc is None:
+        if inputs.decode:
             size = views.seq_lens.shape[0]
-            views = views._replace(query_start_loc=self.decode_starts[:size + 1], logits_indices=self.decode_rows[:size])
+            views = views._replace(query_start_loc=self.decode_starts[:size + 1],
+                                   logits_indices=self.decode_rows[:size])
         return views
 
     def _mixed_seqs(self, tokens: int) -> int:
@@ -187,7 +197,7 @@ class StepGraphs:
         batch = self._views(inputs)
         self.buffer.zero_()
         batch.slot_mapping.fill_(-1)
-        if inputs.fields[5] is not None:  # (a mixed graph's query starts)
+        if not inputs.decode:
             batch.query_start_loc[1:].fill_(batch.num_tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

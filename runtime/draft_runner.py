@@ -212,16 +212,17 @@ class DraftRunner:
         and the bonus token, taken from the device (`draft_tokens`: j per sequence, in order;
         `verified_tokens`: j + 1). Only while that keeps coming true (see the module's text),
         and where the bonus token's slot is allocated already."""
-        if not (self.prelaunches and self._all_accepted and sum(self._outcomes) >= self.prelaunch_when * len(self._outcomes)):
+        paying = sum(self._outcomes) >= self.prelaunch_when * len(self._outcomes)
+        if not (self.prelaunches and self._all_accepted and paying):
             return
-        chunks, at, drafts = [], [], 0
+        chunks, at, drafts, rows = [], [], 0, len(draft_tokens)  # (`at`: into drafts, then verified tokens)
         for seq, start, j in verifiers:
             first = start + j  # the last draft's position; the bonus token's follows
             if (first + 1) // self.block_size >= len(seq.block_table):
                 return
             chunks.append(SeqChunk([0, 0], first, seq.block_table, True))
-            at += (drafts + j - 1, len(draft_tokens) + drafts + len(at) // 2 + j)  # (into drafts + verified)
-            drafts += j
+            at += (drafts + j - 1, rows + j)  # its last draft, and its last verified row's token
+            drafts, rows = drafts + j, rows + j + 1
         (index,) = to_device_packed([at], torch.int64, self.device)
         logits, greedy = self._logits(chunks, torch.cat([draft_tokens, verified_tokens]).index_select(0, index))
         seqs = [seq for seq, _, _ in verifiers]
