@@ -83,12 +83,19 @@ def compile_chat_template(template: str, source: str = "chat template") -> jinja
                                       f"(template line {e.lineno})") from e
 
 
-def render_chat_template(template: str | jinja2.Template, messages: list[dict], *,
-                         add_generation_prompt: bool = True, bos_token: str = "",
-                         eos_token: str = "", **extra: Any) -> str:
+# Appended to the final message when it is continued, to find where its text ends once rendered
+# (the trailing space tells whether the template trims the message, as transformers tells it).
+_CONTINUE_TAG = "<<nanoinfer: the final message continues here>> "
+
+
+def render_chat_template(template: str | jinja2.Template, messages: list[dict], /, *,
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
     """The prompt text for `messages`, rendered as transformers' `apply_chat_template(...,
     tokenize=False)` would. `extra` reaches the template as variables (`tools`, `documents`,
-    `enable_thinking`, other special tokens, ...).
+    `enable_thinking`, other special tokens, ...). `continue_final_message`: the text ends
+    inside the last message, right after its content, so that the model continues it (a
+    prefilled reply); it excludes `add_generation_prompt`.
 
     A template that rejects the conversation (`raise_exception`, e.g. roles out of order) or fails
     on it (a message without `content`) raises RequestError naming the problem.
@@ -96,14 +103,37 @@ def render_chat_template(template: str | jinja2.Template, messages: list[dict], 
     compiled = compile_chat_template(template) if isinstance(template, str) else template
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise RequestError(f"chat messages must be a list of dicts, got {messages!r:.200}")
+    if "messages" in extra:  # (a request's chat_template_kwargs may hold any name)
+        raise RequestError("chat_template_kwargs may not set `messages`: the conversation is the request's messages",
+                           param="chat_template_kwargs")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt are both true: the prompt can end "
+                               "inside the final message or open a new one, not both (set add_generation_prompt "
+                               "to false)", param="continue_final_message")
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise RequestError("continue_final_message needs a final message with text content to continue",
+                               param="continue_final_message")
+        messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
     # transformers always defines these, so `{% if tools is not none %}` sees None, not Undefined.
     variables: dict[str, Any] = {"tools": None, "documents": None, **extra}
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=bos_token, eos_token=eos_token, **variables)
+        return _cut_at_continue_tag(text) if continue_final_message else text
     except _TemplateRaised as e:
         raise RequestError(f"the chat template rejected the conversation: {e}") from None
     except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError,
             ValueError) as e:
         raise RequestError(f"the chat template failed on these messages: "
                            f"{type(e).__name__}: {e}") from e
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    """The rendered text up to the final message's end (transformers' rule: a template that
+    trims the message's trailing space trims it here too)."""
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not render the final message's content, "
+                           "so there is nothing to continue", param="continue_final_message")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

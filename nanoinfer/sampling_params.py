@@ -26,7 +26,8 @@ class SamplingParams:
     top_k: int = setting(0, "keep the k most likely tokens (0 or -1 = all)", minimum=-1)
     min_p: float = setting(0.0, "drop tokens less likely than this share of the most likely one", minimum=0,
                            maximum=1, float32=True)
-    seed: int | None = setting(None, "the same seed gives the same tokens, whatever else runs", optional=True)
+    seed: int | None = setting(None, "the same seed gives the same tokens, whatever else runs", optional=True,
+                               minimum=-(1 << 63), maximum=(1 << 63) - 1)  # (int64, as vLLM and torch take it)
     presence_penalty: float = setting(0.0, "OpenAI's: minus this for every token already generated", minimum=-2,
                                       maximum=2, float32=True)
     frequency_penalty: float = setting(0.0, "OpenAI's: minus this times how often a token was generated",
@@ -83,4 +84,5 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens)
 
     def with_seed(self, seed: int) -> "SamplingParams":
-        return dataclasses.replace(self, seed=seed)
+        """A copy seeded with `seed`, wrapped into int64 (completion i of n takes seed + i)."""
+        return dataclasses.replace(self, seed=(seed + (1 << 63)) % (1 << 64) - (1 << 63))

@@ -69,6 +69,10 @@ def float32_in(value, low: float = -math.inf, high: float = math.inf, *, low_ope
     return math.isfinite(x) and (low < x if low_open else low <= x) and x <= high
 
 
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"  # (an int bound exactly: a seed's 2**63 - 1)
+
+
 @dataclass(frozen=True)
 class Spec:
     """What a setting accepts. Numbers are checked as float32 too where `float32` is set: a
@@ -94,11 +98,11 @@ class Spec:
             low = self.above if self.above is not None else self.minimum
             opening = "(" if self.above is not None else "["
             if low is not None and self.maximum is not None:
-                text += f" in {opening}{low:g}, {self.maximum:g}]"
+                text += f" in {opening}{_number(low)}, {_number(self.maximum)}]"
             elif low is not None:
-                text += f" {'>' if self.above is not None else '>='} {low:g}"
+                text += f" {'>' if self.above is not None else '>='} {_number(low)}"
             elif self.maximum is not None:
-                text += f" <= {self.maximum:g}"
+                text += f" <= {_number(self.maximum)}"
             if self.float32:
                 text += " (in float32)"
             if self.size:

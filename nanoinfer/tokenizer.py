@@ -181,7 +181,7 @@ class Tokenizer:
         (directory / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
                                                                     indent=1))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """The prompt text for a conversation, as transformers renders it (`tokenize=False`)."""
         if self._compiled_template is None:

@@ -11,13 +11,14 @@ from typing import NamedTuple
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling_params import MAX_LOGPROBS
 from nanoinfer.structured import GrammarSpec
 from runtime.tool_calls import ToolCallParser, ToolSetup, new_call_id, parse_reply, tool_setup
 from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                              CompletionResponse, FunctionCall, FunctionDelta, PromptTokensDetails, SamplingFields,
-                              ToolCall, ToolCallDelta, TopLogprob, Usage)
+                              CompletionResponse, FunctionCall, FunctionDelta, PromptLogprob, PromptTokensDetails,
+                              SamplingFields, ToolCall, ToolCallDelta, TopLogprob, Usage)
 
 
 # -- requests -> the engine's inputs --------------------------------------------------------
@@ -30,9 +31,15 @@ def param_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams (RequestError, a 400, names a bad value)."""
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
+    if req.stream and req.prompt_logprobs is not None:
+        raise RequestError("prompt_logprobs cannot be streamed: expected stream=false", param="prompt_logprobs")
     kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop or (), seed=req.seed, logprobs=logprobs,
+              prompt_logprobs=prompt_logprobs,
               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
               min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
               skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
@@ -98,15 +105,31 @@ def completion_prompts(req: CompletionRequest) -> list:
     return prompts
 
 
-def completion_logprobs(req: CompletionRequest) -> int | None:
-    if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-        raise RequestError(f"logprobs={req.logprobs} is invalid: expected 0 to 5", param="logprobs")
-    return req.logprobs
+DEFAULT_MAX_TOKENS = 16  # OpenAI's, for completions (chat has none: up to the context)
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    """A completion request's SamplingParams. `max_tokens` 0 scores the prompt (with `echo`, as
+    vLLM and lm-evaluation-harness use it): the engine samples one token that is not returned.
+    With `echo` and `logprobs`, the prompt's tokens get logprobs too."""
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs={req.logprobs} is invalid: expected 0 to {MAX_LOGPROBS}", param="logprobs")
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0:
+        if not req.echo:
+            raise RequestError("max_tokens=0 generates nothing: expected max_tokens >= 1, or 0 with echo=true to "
+                               "score the prompt", param="max_tokens")
+        max_tokens = 1
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs
+    return sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
-    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
-        raise RequestError(f"top_logprobs={req.top_logprobs} needs logprobs=true and 0 to 20", param="top_logprobs")
+    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= MAX_LOGPROBS):
+        raise RequestError(f"top_logprobs={req.top_logprobs} needs logprobs=true and 0 to {MAX_LOGPROBS}",
+                           param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -164,8 +187,10 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer) -> ChatInputs:
     """A chat completion request's inputs (RequestError, a 400, names a bad value)."""
     messages = chat_messages(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, chat_logprobs(req))
-    kwargs = dict(req.chat_template_kwargs or {})
+    params = sampling_params(req, max_tokens, chat_logprobs(req), req.prompt_logprobs)
+    # The request's own chat_template_kwargs win over its flags, as in vLLM.
+    kwargs = {"add_generation_prompt": req.add_generation_prompt,
+              "continue_final_message": req.continue_final_message, **(req.chat_template_kwargs or {})}
     template = tokenizer.chat_template if tokenizer is not None else None
     tools = tool_setup(req.tools, req.tool_choice, messages, template, req.parallel_tool_calls is not False)
     if tools is not None:
@@ -191,6 +216,8 @@ class _Renderer:
         self.handles, self.n, self.tokenizer = handles, req.n, tokenizer
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.completion_tokens = 0
+        self.want_prompt_logprobs = req.prompt_logprobs is not None
+        self.prompt_logprobs: dict[int, tuple] = {}  # prompt position -> its logprobs, once they arrive
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
@@ -204,9 +231,17 @@ class _Renderer:
     def start(self) -> list:
         return []
 
-    def chunks(self, position: int, delta) -> list:
-        self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
-        return [self.chunk(position * self.n + c.index, c) for c in delta.outputs]
+    def prompt_logprobs_of(self, position: int) -> list | None:
+        """vLLM's `prompt_logprobs` of prompt `position`, keyed by token id."""
+        entries = self.prompt_logprobs.get(position)
+        if not self.want_prompt_logprobs or entries is None:
+            return None
+        out = [None]
+        for lp in entries[1:]:
+            ranked = {t: PromptLogprob(v, rank, self.token_text(t)) for rank, (t, v) in enumerate(lp.top, 1)}
+            ranked.setdefault(lp.token_id, PromptLogprob(lp.logprob, None, self.token_text(lp.token_id)))
+            out.append(ranked)
+        return out
 
     def choices(self, results) -> list:
         return [self.choice(p * self.n + c.index, c) for p, out in enumerate(results) for c in out.outputs]
@@ -216,28 +251,60 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
+    """With `echo`, each choice's text starts with its prompt's, and its logprobs with the
+    prompt's tokens; with `max_tokens` 0 (scoring), the one token the engine sampled is left out."""
+
     def __init__(self, response_id, model, handles, req, tokenizer):
         super().__init__(response_id, model, handles, req, tokenizer)
-        self.want_logprobs = req.logprobs is not None
+        self.want_logprobs, self.echo, self.scoring = req.logprobs is not None, req.echo, req.max_tokens == 0
         self.offsets: dict[int, int] = {}  # choice -> text length so far (logprobs' text_offset)
 
-    def logprobs(self, logprobs, offset: int) -> CompletionLogprobs:
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+    def top(self, lp) -> dict[str, float]:
+        """The alternatives, and the token itself where it is not among them (as vLLM and
+        OpenAI's legacy completions list it)."""
+        top = {self.token_text(t): v for t, v in lp.top}
+        top.setdefault(self.token_text(lp.token_id), lp.logprob)
+        return top
+
+    def logprobs(self, token_ids, logprobs, offset: int) -> CompletionLogprobs:
+        """`logprobs` holds one TokenLogprob per token id, or None (a prompt's first token)."""
+        tokens = [self.token_text(t) for t in token_ids]
         offsets, position = [], offset
         for token in tokens:
             offsets.append(position)
             position += len(token)
-        return CompletionLogprobs(tokens, [lp.logprob for lp in logprobs],
-                                  [{self.token_text(t): v for t, v in lp.top} for lp in logprobs], offsets)
+        return CompletionLogprobs(tokens, [None if lp is None else lp.logprob for lp in logprobs],
+                                  [None if lp is None else self.top(lp) for lp in logprobs], offsets)
 
-    def choice(self, index: int, c, offset: int = 0) -> CompletionChoice:
-        return CompletionChoice(index, c.text, c.finish_reason,
-                                self.logprobs(c.logprobs or (), offset) if self.want_logprobs else None)
+    def choice(self, index: int, c, position: int, first: bool, offset: int = 0) -> CompletionChoice:
+        """Choice `index` of prompt `position` from completion output `c` (a delta while streaming:
+        `first`, its first, carries the echo)."""
+        handle = self.handles[position]
+        ids, lps, text = ([], [], "") if self.scoring else (list(c.token_ids), list(c.logprobs or ()), c.text)
+        if self.echo and first:
+            prompt_text = handle.prompt if handle.prompt is not None else (
+                self.tokenizer.decode(handle.prompt_ids, skip_special_tokens=False) if self.tokenizer else "")
+            text = prompt_text + text
+            ids = list(handle.prompt_ids) + ids
+            lps = list(self.prompt_logprobs.get(position) or [None] * len(handle.prompt_ids)) + lps
+        return CompletionChoice(index, text, c.finish_reason,
+                                self.logprobs(ids, lps, offset) if self.want_logprobs else None,
+                                self.prompt_logprobs_of(position) if first else None)
 
-    def chunk(self, index: int, c) -> CompletionResponse:
-        offset = self.offsets.get(index, 0)
-        self.offsets[index] = offset + len(c.text)
-        return CompletionResponse(self.id, self.created, self.model, [self.choice(index, c, offset)])
+    def chunks(self, position: int, delta) -> list:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[position] = delta.prompt_logprobs
+        if not self.scoring:
+            self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        out = []
+        for c in delta.outputs:
+            index = position * self.n + c.index
+            first = index not in self.offsets
+            choice = self.choice(index, c, position, first, self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + len(choice.text)
+            if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
+                out.append(CompletionResponse(self.id, self.created, self.model, [choice]))
+        return out
 
     def end(self) -> list:
         if not self.include_usage:
@@ -245,8 +312,12 @@ class CompletionRenderer(_Renderer):
         return [CompletionResponse(self.id, self.created, self.model, [], self.usage(self.completion_tokens))]
 
     def response(self, results) -> CompletionResponse:
-        return CompletionResponse(self.id, self.created, self.model, self.choices(results),
-                                  self.usage(self.total_tokens(results)))
+        choices = []
+        for position, out in enumerate(results):
+            self.prompt_logprobs[position] = out.prompt_logprobs
+            choices += [self.choice(position * self.n + c.index, c, position, True) for c in out.outputs]
+        tokens = 0 if self.scoring else self.total_tokens(results)
+        return CompletionResponse(self.id, self.created, self.model, choices, self.usage(tokens))
 
 
 class ChatRenderer(_Renderer):
@@ -283,7 +354,7 @@ class ChatRenderer(_Renderer):
                 text, calls = parser.feed(c.text)
                 if c.finish_reason:
                     more, later = parser.finish()
-                    text, calls = text + more, calls + later
+                    text, calls = (text + more, calls + later) if not self.cut_off(c.finish_reason) else ("", [])
             if text or c.logprobs:
                 out.append(self._chunk([ChatChunkChoice(index, ChatDelta(content=text), None,
                                                         self.logprobs(c.logprobs) if self.want_logprobs else None)]))
@@ -305,13 +376,23 @@ class ChatRenderer(_Renderer):
     def end(self) -> list:
         return [self._chunk([], self.usage(self.completion_tokens))] if self.include_usage else []
 
+    def cut_off(self, finish_reason: str | None) -> bool:
+        """A forced call (required, named) that `max_tokens` ended: its JSON is incomplete, so
+        the reply has neither calls nor content, as OpenAI and vLLM answer."""
+        return finish_reason == "length" and self.tools is not None and self.tools.mode in ("required", "named")
+
     def choice(self, index: int, c) -> ChatChoice:
-        content, calls = (c.text, []) if self.tools is None else parse_reply(self.tools, c.text)
+        if self.cut_off(c.finish_reason):
+            content, calls = "", []
+        else:
+            content, calls = (c.text, []) if self.tools is None else parse_reply(self.tools, c.text)
         tool_calls = [ToolCall(new_call_id(), FunctionCall(call.name, call.arguments)) for call in calls] or None
         return ChatChoice(index, AssistantMessage("assistant", content, tool_calls),
                           self._finish_reason(c.finish_reason, len(calls)),
                           self.logprobs(c.logprobs or ()) if self.want_logprobs else None)
 
     def response(self, results) -> ChatCompletionResponse:
+        self.prompt_logprobs[0] = results[0].prompt_logprobs
         return ChatCompletionResponse(self.id, self.created, self.model, self.choices(results),
-                                      self.usage(self.total_tokens(results)))
+                                      self.usage(self.total_tokens(results)),
+                                      prompt_logprobs=self.prompt_logprobs_of(0))

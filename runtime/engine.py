@@ -171,7 +171,9 @@ class AsyncEngine:
         if items and all(isinstance(m, dict) for m in items):
             if self.tokenizer is None:
                 raise RequestError(f"{self.model.path} has no tokenizer, so no chat template")
-            text = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, **(chat_template_kwargs or {}))
+            # The request's variables win, the template flags included (vLLM merges them the same way).
+            variables = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
+            text = self.tokenizer.apply_chat_template(items, **variables)
             # The template writes BOS itself where the model wants one: add no specials again.
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
@@ -183,7 +185,9 @@ class AsyncEngine:
         """Validate and queue a request now (RequestError names what is wrong); consume it
         with `collect(handle)` or `merge([handles])`. `stream` and `generate` do both.
         `chat_template_kwargs`: extra variables for the chat template of a messages prompt
-        (`tools`, `enable_thinking`, ...)."""
+        (`tools`, `enable_thinking`, ...), and its flags `add_generation_prompt` (default true)
+        and `continue_final_message` (the prompt ends inside the last message, which the reply
+        continues)."""
         if self._worker is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if self._fatal is not None:

@@ -34,6 +34,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     user: str | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives (the first token has none);
+    # on completions with `echo`, `logprobs` asks for them too.
+    prompt_logprobs: int | None = None
     # vLLM's extensions, accepted the same way
     top_k: int | None = None
     min_p: float | None = None
@@ -64,7 +67,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    prompt_logprobs: Any = None  # (the engine has them; the API's shape for them does not exist yet)
     use_beam_search: Any = None
     verbosity: Any = None
     # Harmless: accepted, no effect on the output.
@@ -87,7 +89,7 @@ def _has_effect(name: str, value: Any, req) -> bool:
     return True
 
 
-UNSUPPORTED = ("echo", "prompt_logprobs", "use_beam_search", "verbosity", "functions", "function_call", "best_of",
+UNSUPPORTED = ("use_beam_search", "verbosity", "functions", "function_call", "best_of",
                "suffix", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options")
 
 
@@ -109,7 +111,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # type per union; api_mapping checks that a list holds one kind).
     prompt: Union[str, list[Union[int, str, list[int]]]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and with logprobs, its tokens' logprobs) before the completion
 
 
 class ChatMessage(msgspec.Struct):
@@ -123,7 +125,11 @@ class ChatMessage(msgspec.Struct):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (they win)
+    # vLLM's template flags: a new assistant turn opened after the messages, or the last
+    # message continued (its reply prefilled); not both.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -144,12 +150,26 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per token (with `echo`, the
+    prompt's first: its first token has no logprob, null). Each `top_logprobs` entry holds the
+    `logprobs` most likely tokens and the token itself where it is not among them."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob, in `prompt_logprobs` (keyed by token id): `rank` 1 is the most likely
+    token; null for the prompt's own token when it is not among the alternatives asked for."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token; the first is null
 
 
 class TopLogprob(msgspec.Struct):
@@ -174,6 +194,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(msgspec.Struct):
@@ -230,6 +251,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):

@@ -35,8 +35,8 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from nanoinfer.errors import RequestError
-from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_logprobs,
-                                 completion_prompts, param_of, sampling_params)
+from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params, completion_prompts,
+                                 param_of)
 from runtime import protocol as api
 from runtime.engine import AsyncEngine, EngineError, RequestHandle
 from runtime.metrics import ServerMetrics
@@ -262,7 +262,7 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         req = await self.read(request, api.CompletionRequest)
         prompts = completion_prompts(req)
-        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, completion_logprobs(req))
+        params = completion_params(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         handles = self.submit_all(rid, prompts, params)
         out = CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)

@@ -128,11 +128,68 @@ def _forcing_grammar(mode: str, function: str | None, functions: list[dict], par
     if mode == "named":
         return GrammarSpec("json_schema", next(f["parameters"] for f in functions if f["name"] == function))
     if mode == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                   "parameters": _placed(f["name"], f["parameters"], defs)},
                   "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
         return GrammarSpec("json_schema", {"type": "array", "minItems": 1, "items": {"anyOf": calls},
-                                           **({} if parallel else {"maxItems": 1})})
+                                           **({} if parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})})
     return None
+
+
+def _placed(name: str, parameters: dict, defs: dict[str, Any]) -> dict:
+    """Function `name`'s parameters schema as it sits inside the schema of all calls. A schema
+    with local `$ref`s (pydantic's `#/$defs/Model`, `#` for recursion) points into itself, not
+    the wrapper's root: it moves into the wrapper's `defs` as `name`, its own definitions as
+    `name.$defs.Key`, and each `$ref` is rewritten to the new place."""
+    if not _has_local_ref(parameters):
+        return parameters
+    body = dict(parameters)
+    own = {(section, key) for section in ("$defs", "definitions") if isinstance(body.get(section), dict)
+           for key in body[section]}
+    moved = {(section, key): body[section][key] for section, key in own}
+    for section in ("$defs", "definitions"):
+        if section in body and isinstance(body[section], dict):
+            del body[section]
+
+    def new_ref(ref: str) -> str:
+        tokens = ref[2:].split("/") if ref.startswith("#/") else []
+        if len(tokens) >= 2 and tokens[0] in ("$defs", "definitions"):
+            if (tokens[0], _unescape(tokens[1])) not in own:
+                raise RequestError(f"function {name!r}: $ref {ref!r} points to no definition in its parameters",
+                                   param="tools")
+            return "/".join(["#/$defs", _escape(f"{name}.{tokens[0]}.{_unescape(tokens[1])}"), *tokens[2:]])
+        return "/".join(["#/$defs", _escape(name), *tokens])
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items()}
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            out["$ref"] = new_ref(node["$ref"])
+        return out
+
+    defs[name] = rewrite(body)
+    for (section, key), schema in moved.items():
+        defs[f"{name}.{section}.{key}"] = rewrite(schema)
+    return {"$ref": f"#/$defs/{_escape(name)}"}
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return (isinstance(node.get("$ref"), str) and node["$ref"].startswith("#")) or any(
+            _has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _escape(key: str) -> str:  # a JSON pointer's token (RFC 6901)
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _unescape(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")
 
 
 def _with_tags_prompt(messages: list[dict], functions: list[dict]) -> list[dict]:

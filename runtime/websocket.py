@@ -88,7 +88,7 @@ class ChatSocket:
         handles, status = [], 499
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            req = self.srv.parse(body, api.ChatCompletionRequest)
+            req = msgspec.structs.replace(self.srv.parse(body, api.ChatCompletionRequest), stream=True)  # (always)
             handles, out = self.srv.submit_chat(rid, req)
             for chunk in out.start():
                 await self.send(api.WsServerMessage("chunk", request_id, chunk))

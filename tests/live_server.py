@@ -3,6 +3,7 @@ the default model's real tokenizer and chat template: protocol tests without the
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -50,6 +51,10 @@ class LiveServer:
     def __enter__(self) -> "LiveServer":
         self.url = start_in_thread(self.server, self.thread)
         return self
+
+    def call(self, coro, timeout: float = 60):
+        """Run `coro` on the server's event loop, where its engine runs; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.engine._loop).result(timeout)
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True

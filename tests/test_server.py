@@ -139,7 +139,7 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
      400, "tools"),
     ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
-    ("/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400, "echo"),
+    ("/v1/completions", json.dumps({"prompt": "x", "use_beam_search": True}).encode(), 400, "use_beam_search"),
     # Issue 10: n is bounded (sequences are what admission counts).
     ("/v1/completions", json.dumps({"prompt": "x", "n": 17}).encode(), 400, "n"),
     ("/v1/completions", json.dumps({"prompt": ["x"] * 100, "n": 16}).encode(), 400, "n"),
