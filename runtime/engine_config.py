@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import KV_CACHE_DTYPES
-from nanoinfer.settings import check_settings, setting
+from nanoinfer.settings import check_settings, setting, split_kwargs
 from runtime.scheduler import SchedulerConfig
 from runtime.speculative import SpeculativeConfig
 
@@ -44,3 +44,10 @@ class EngineConfig:
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
             raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
                                param="swap_space")
+
+
+def engine_config(**engine_args) -> EngineConfig:
+    """EngineConfig from the flat engine arguments users pass to LLM/AsyncEngine: the settings
+    of EngineConfig and SchedulerConfig (an unknown name is a RequestError listing them)."""
+    engine, scheduler = split_kwargs(engine_args, EngineConfig, SchedulerConfig, what="engine")
+    return EngineConfig(**engine, scheduler=SchedulerConfig(**scheduler))

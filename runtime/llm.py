@@ -1,15 +1,9 @@
-"""LLM: the synchronous offline facade over AsyncEngine (prompts in, one output per prompt out).
-
-It owns an event loop in a background thread and runs the same AsyncEngine there, so there
-is one step loop whichever API a user picks.
-"""
+"""LLM: the synchronous offline facade (prompts in, one output per prompt out), running the
+LLMEngine's step loop on the caller's thread: no event loop, no worker thread."""
 
 from __future__ import annotations
 
-import asyncio
-import queue
 import sys
-import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,18 +12,19 @@ from tqdm.auto import tqdm
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine import AsyncEngine, Prompt, engine_config
+from runtime.engine_config import engine_config
+from runtime.llm_engine import LLMEngine, Prompt, failed
 from runtime.outputs import RequestOutput
-
-_DONE = object()
+from runtime.request_state import RequestState
 
 
 class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     `model` is a short name (default: smollm2-135m-instruct), an HF directory, a .gguf
-    path or a Hub id `org/name[@revision]` (`gguf_file` picks a GGUF repository's file); `engine_args` are the settings of EngineConfig and SchedulerConfig (see
-    `runtime.engine.engine_config`; an unknown name is a RequestError listing them).
+    path or a Hub id `org/name[@revision]` (`gguf_file` picks a GGUF repository's file);
+    `engine_args` are the settings of EngineConfig and SchedulerConfig (see
+    `runtime.engine_config.engine_config`; an unknown name is a RequestError listing them).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -48,24 +43,26 @@ class LLM:
 
     def _init_with(self, model, config) -> None:
         self.model = model
-        self.engine = AsyncEngine(self.model, config)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="nanoinfer-llm-loop", daemon=True)
-        self._thread.start()
-        self._call(self._start())
-
-    async def _start(self):
-        self.engine.start()
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self.engine = LLMEngine(model, config)
+        # Outputs a step produced for requests other than the ones being waited for (an open
+        # `stream` while `generate` runs), until their consumer takes them.
+        self._inbox: dict[RequestState, list[RequestOutput]] = {}
 
     def close(self) -> None:
-        """Stop the engine and its threads (also done at interpreter exit)."""
-        if self._loop.is_running():
-            self._call(self.engine.shutdown())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
+        """Release the engine's other processes (tensor-parallel ranks); idempotent."""
+        self.engine.close()
+
+    def _pump(self) -> None:
+        """One engine step, its outputs filed by request."""
+        for state, out in self.engine.step_requests():
+            self._inbox.setdefault(state, []).append(out)
+
+    def _take(self, state: RequestState) -> list[RequestOutput]:
+        outputs = self._inbox.pop(state, [])
+        for out in outputs:
+            if out.error is not None:
+                raise failed(out)
+        return outputs
 
     def __enter__(self) -> "LLM":
         return self
@@ -91,65 +88,52 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: expected one or one each")
-        return self._call(self._generate_all(list(prompts), list(params), use_tqdm))
+        # Every prompt is checked before any is queued: a bad one fails the call before any work.
+        states = [self.engine.new_request(prompt, p, stream=False) for prompt, p in zip(prompts, params)]
+        return self._run(states, use_tqdm)
 
-    async def _generate_all(self, prompts, params, use_tqdm) -> list[RequestOutput]:
-        # Submit everything before awaiting anything: a bad prompt fails the whole call
-        # before any work is done, and the batch fills at once.
-        requests = []
+    def _run(self, states: list[RequestState], use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step until every request has its output; a request the engine failed raises."""
+        results: list[RequestOutput | None] = [None] * len(states)
+        waiting = set(range(len(states)))
+        bar = tqdm(total=len(states), desc="generating", unit="prompt", disable=not use_tqdm, file=sys.stderr)
         try:
-            for prompt, p in zip(prompts, params):
-                requests.append(self.engine.submit(prompt, p))
-        except BaseException:
-            for request in requests:
-                self.engine.release(request)
-            raise
-        bar = tqdm(total=len(requests), desc="generating", unit="prompt", disable=not use_tqdm, file=sys.stderr)
-
-        async def one(request):
-            out = await self.engine.collect(request)
-            bar.update(1)
-            return out
-
-        with bar:
-            tasks = [asyncio.ensure_future(one(request)) for request in requests]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
-                for task in tasks:  # cancelling a task aborts its request and frees its blocks
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            for state in states:
+                self.engine.add(state)
+            with bar:
+                while True:
+                    for i in [i for i in waiting if states[i] in self._inbox]:
+                        (results[i],) = self._take(states[i])  # (not streamed: one output, at the end)
+                        waiting.discard(i)
+                        bar.update(1)
+                    if not waiting:
+                        break
+                    self._pump()
+        finally:
+            for state in states:  # (an error or an interrupt: what is left stops and frees its blocks)
+                if not state.finished:
+                    self.engine.abort(state)
+                self._inbox.pop(state, None)
+        return results
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
                ) -> Iterator[RequestOutput]:
         """Yield deltas (new text and ids) as tokens arrive. `chat` wraps the prompt as a
-        user message in the chat template first."""
+        user message in the chat template first. Stopping early aborts the request."""
         if chat:
             prompt = [{"role": "user", "content": prompt}]
-        items: queue.SimpleQueue = queue.SimpleQueue()
-
-        async def pump():
-            try:
-                async for out in self.engine.stream(prompt, params):
-                    items.put(out)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
-                items.put(exc)
-            finally:
-                items.put(_DONE)
-
-        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        state = self.engine.new_request(prompt, params, stream=True)
+        self.engine.add(state)
         try:
-            while (item := items.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            while True:
+                yield from self._take(state)
+                if state.done:
+                    break
+                self._pump()
         finally:
-            future.cancel()  # a consumer that stops early aborts the request
-            try:
-                future.result()
-            except BaseException:  # noqa: BLE001 - cancelled, or the error already raised above
-                pass
+            if not state.finished:
+                self.engine.abort(state)
+            self._inbox.pop(state, None)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> RequestOutput:
@@ -163,4 +147,5 @@ class LLM:
 
             setup = tool_setup(tools, "auto", list(messages), self.tokenizer.chat_template if self.tokenizer else None)
             messages, kwargs = setup.messages, {**kwargs, **setup.template_kwargs}
-        return self._call(self.engine.generate(messages, params, chat_template_kwargs=kwargs or None))
+        state = self.engine.new_request(messages, params, chat_template_kwargs=kwargs or None, stream=False)
+        return self._run([state])[0]

@@ -38,6 +38,8 @@ class RequestOutput:
     # in a stream it comes with the first item.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again
+    # Why the engine failed this request (its completions end with "error"); None otherwise.
+    error: BaseException | None = None
 
     # The first completion's fields, for the common n == 1 case.
     @property

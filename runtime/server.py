@@ -173,9 +173,10 @@ class _Server:
             raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {self.max_n}", param="n")
         return req
 
-    def submit_all(self, rid: str, prompts: Sequence, params, chat_template_kwargs: dict | None = None
-                   ) -> list[RequestHandle]:
-        """Submit every prompt now so that a bad one is a 400, not a broken stream."""
+    def submit_all(self, rid: str, prompts: Sequence, params, chat_template_kwargs: dict | None = None,
+                   stream: bool = True) -> list[RequestHandle]:
+        """Submit every prompt now so that a bad one is a 400, not a broken stream. Without
+        `stream`, each request's output comes once, at its end."""
         wanted = len(prompts) * params.n
         if wanted > self.max_pending:
             raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
@@ -188,7 +189,7 @@ class _Server:
             for i, prompt in enumerate(prompts):
                 request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
                 handles.append(self.engine.submit(prompt, params, request_id=request_id,
-                                                  chat_template_kwargs=chat_template_kwargs))
+                                                  chat_template_kwargs=chat_template_kwargs, stream=stream))
         except BaseException:
             for handle in handles:
                 self.engine.release(handle)
@@ -264,7 +265,7 @@ class _Server:
         prompts = completion_prompts(req)
         params = completion_params(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        handles = self.submit_all(rid, prompts, params)
+        handles = self.submit_all(rid, prompts, params, stream=req.stream)
         out = CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)
         return await self.answer(request, req, handles, out)
 
@@ -277,7 +278,8 @@ class _Server:
     def submit_chat(self, rid: str, req) -> tuple[list[RequestHandle], ChatRenderer]:
         """Submit a chat completion request (HTTP's or a WebSocket's); its handles and renderer."""
         inputs = chat_inputs(req, self.engine.tokenizer)
-        handles = self.submit_all(rid, [inputs.messages], inputs.params, chat_template_kwargs=inputs.template_kwargs)
+        handles = self.submit_all(rid, [inputs.messages], inputs.params, chat_template_kwargs=inputs.template_kwargs,
+                                  stream=req.stream)
         return handles, ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, inputs.tools)
 
     async def answer(self, request: Request, req, handles: list[RequestHandle], out) -> Response:

@@ -1,0 +1,186 @@
+"""LLMEngine: the engine on the caller's thread — `add_request`, `step() -> [RequestOutput]`,
+`abort_request`, as in vLLM and nano-vllm.
+
+It is the engine core (requests, plan, device; runtime/engine_core.py) plus what turns its
+tokens into outputs (runtime/request_state.py): prompts rendered and tokenized, text
+detokenized, stop strings matched, n completions gathered. `LLM` runs it on the caller's
+thread; `AsyncEngine`'s worker thread runs the same `step`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Sequence, Union
+
+from nanoinfer.errors import NanoInferError, RequestError
+from nanoinfer.loaders import LoadedModel, load_model
+from nanoinfer.sampling import SamplingParams
+from runtime.engine_config import EngineConfig, engine_config
+from runtime.engine_core import EngineCore, EngineDead
+from runtime.faults import RequestFailed
+from runtime.outputs import RequestOutput
+from runtime.request_state import RequestState
+
+log = logging.getLogger("nanoinfer.engine")
+
+# A prompt is text, token ids, or chat messages ({"role", "content"} dicts).
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+class EngineError(NanoInferError, RuntimeError):
+    """A request failed inside the engine (its own fault, or the engine's: `__cause__` says);
+    other requests went on, unless the engine is no longer healthy."""
+
+
+def failed(out: RequestOutput) -> EngineError:
+    """The error to raise for an output whose request the engine failed."""
+    error = EngineError(f"request {out.request_id} failed: {out.error}")
+    error.__cause__ = out.error
+    return error
+
+
+class LLMEngine:
+    """One model's engine, driven by whoever calls `step`."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.core = EngineCore(model, config)
+        self.requests: dict[str, RequestState] = {}  # `add_request`'s, by id, until handed out or aborted
+        self.fatal: BaseException | None = None  # set once the engine cannot serve again
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
+                   progress: bool = True, load_format: str = "auto", quantization: str = "auto",
+                   gguf_file: str | None = None, **engine_args) -> "LLMEngine":
+        """Load `model` as `load_model` does; `engine_args` are those of `engine_config`."""
+        config = engine_config(**engine_args)  # (checked before minutes of loading)
+        return cls(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
+                              quantization=quantization, gguf_file=gguf_file), config)
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def new_request(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 0, chat_template_kwargs: dict | None = None, stream: bool = True) -> RequestState:
+        """A request checked (RequestError names what is wrong) and ready for `add`. It reads
+        nothing a step changes, so another thread may call it while the engine runs.
+        `chat_template_kwargs`: variables for a messages prompt's chat template (`tools`,
+        `enable_thinking`, ...) and its flags `add_generation_prompt` (default true) and
+        `continue_final_message` (the prompt ends inside the last message, which the reply
+        continues). `stream`: outputs as deltas at every step, else one at the end."""
+        if self.fatal is not None:
+            raise EngineError(f"the engine is unhealthy (restart it): {self.fatal!r}") from self.fatal
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority={priority!r} is invalid: expected an integer")
+        text, ids = self._tokenize(prompt, chat_template_kwargs)
+        ids = self.core.check_request(ids, params)
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"{self.model.path} has no tokenizer, so stop strings cannot be matched: use "
+                               f"stop_token_ids", param="stop")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        return RequestState(request_id, text, ids, params, self.tokenizer, priority=priority, stream=stream)
+
+    def _tokenize(self, prompt: Prompt, chat_template_kwargs: dict | None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model.path} has no tokenizer: pass the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model.path} has no tokenizer, so no chat template")
+            # The request's variables win, the template flags included (vLLM merges them the same way).
+            variables = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
+            text = self.tokenizer.apply_chat_template(items, **variables)
+            # The template writes BOS itself where the model wants one: add no specials again.
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise RequestError("prompt must be a string, a list of token ids, or a list of chat messages (dicts)")
+        return None, items
+
+    def add(self, state: RequestState) -> None:
+        """Queue a request made by `new_request` (on the engine's thread)."""
+        self.core.add_request(state.prompt_ids, state.params, request=state, priority=state.priority)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 0, chat_template_kwargs: dict | None = None, stream: bool = False) -> str:
+        """Check and queue a request; its id. Its outputs come from `step`: one when it ends, or
+        with `stream` a delta at every step."""
+        if request_id is not None and str(request_id) in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
+        state = self.new_request(prompt, params, request_id=request_id, priority=priority,
+                                 chat_template_kwargs=chat_template_kwargs, stream=stream)
+        self.add(state)
+        self.requests[state.request_id] = state
+        return state.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (unknown or finished ids are ignored)."""
+        state = self.requests.pop(str(request_id), None)
+        if state is not None:
+            self.abort(state)
+
+    def abort(self, state: RequestState, reason: str = "abort") -> None:
+        self.core.abort_request(state, reason)
+        state.end(reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs it produced (deltas of streaming requests, whole outputs
+        of those that ended)."""
+        return [out for _, out in self.step_requests()]
+
+    def step_requests(self) -> list[tuple[RequestState, RequestOutput]]:
+        """`step`, each output with its request."""
+        try:
+            outputs = self.core.step()
+        except Exception as exc:  # noqa: BLE001 - the core contains what it can; this it could not
+            outputs = self._fail_all(exc)
+        now = time.monotonic()
+        touched: dict[int, RequestState] = {}
+        for out in outputs:
+            state: RequestState = out.seq.request
+            state.file(out, now)
+            touched[id(state)] = state
+        results = []
+        for state in touched.values():
+            out = state.take()
+            for index in state.stopped:  # a stop string ended it: finish it here, free its blocks
+                self.core.abort_request(state, "stop", index)
+            state.stopped.clear()
+            if out is not None:
+                results.append((state, out))
+            if state.done and self.requests.get(state.request_id) is state:
+                del self.requests[state.request_id]
+        return results
+
+    def _fail_all(self, exc: Exception) -> list:
+        log.exception("the engine step failed; failing every request in flight")
+        outputs = self.core.fail_all(exc if isinstance(exc, EngineDead) else RequestFailed.because(
+            "the engine step failed outside any one request", exc))
+        # A dead device, or books that no longer balance, cannot serve anything again.
+        if isinstance(exc, EngineDead) or self.core.blocks.num_free_blocks != self.core.blocks.num_blocks:
+            self.fatal = exc
+        return outputs
+
+    def stats(self) -> dict:
+        """Counts from the engine core (running, waiting, free_blocks, ...), and healthy."""
+        return {**self.core.stats(), "healthy": self.fatal is None}
+
+    def close(self) -> None:
+        """Release what outlives the engine: the other tensor-parallel ranks (idempotent)."""
+        self.core.close()
