@@ -221,10 +221,12 @@ class AsyncEngine:
         if request is not None:
             self._end(request, "abort")
 
-    def abort_all(self) -> None:
-        """Abort every request in flight (graceful shutdown: their streams end at once)."""
+    def abort_all(self, error: BaseException | None = None) -> None:
+        """Abort every request in flight (shutdown: their streams end at once). With `error`,
+        each consumer raises EngineError from it (a server ending what it could not finish)
+        instead of seeing finish_reason "abort"."""
         for request in list(self._requests.values()):
-            self._end(request, "abort")
+            self._end(request, "abort", error)
 
     # -- the one way a request ends ------------------------------------------------------------
 
