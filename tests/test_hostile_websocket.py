@@ -162,3 +162,29 @@ def test_fifty_sockets_dropped_mid_stream_free_everything(server):
     assert_clean(server)
     assert_serving(server)
 
+
+
+def test_serve_reads_no_websocket_message_over_the_limit(tiny_chat_model):
+    """serve() sets uvicorn's ws_max_size from --max-body-bytes: a larger message is never read
+    whole (the socket closes with 1009, message too big), and the server serves on."""
+    import threading
+    from types import SimpleNamespace
+
+    from runtime.engine import AsyncEngine, engine_config
+    from runtime.serving import ServerConfig, build_server
+    from tests.live_server import start_in_thread
+
+    engine = AsyncEngine(tiny_chat_model, engine_config(num_blocks=256, block_size=16))
+    server = build_server(engine, ServerConfig(port=0, max_body_bytes=64 << 10, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    live = SimpleNamespace(url=start_in_thread(server, thread), engine=engine)
+    try:
+        with ws_client.connect(ws_url(live), compression=None) as ws:
+            ws.send(request("big", messages=[{"role": "user", "content": "word " * 20_000}]))  # ~100 KB
+            with pytest.raises(ws_errors.ConnectionClosedError) as caught:
+                ws.recv(timeout=30)
+            assert caught.value.rcvd.code == 1009
+        assert_serving(live)
+    finally:
+        server.should_exit = True
+        thread.join(30)
