@@ -157,13 +157,15 @@ class _Server:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
         body = bytearray()
-        try:
-            async with asyncio.timeout(self.timeout_body):  # (a body trickling in would hold a connection for ever)
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > self.max_body_bytes:
-                        raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
-        except TimeoutError as exc:
+
+        async def receive() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.max_body_bytes:
+                    raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+        try:  # (a body trickling in would hold a connection for ever)
+            await asyncio.wait_for(receive(), self.timeout_body)
+        except asyncio.TimeoutError as exc:
             raise HTTPError(408, f"the request body did not arrive within {self.timeout_body:g} s ({len(body)} of "
                                  f"{length or 'unknown'} bytes came; --timeout-body)", code="request_timeout",
                             headers={"Connection": "close"}) from exc
