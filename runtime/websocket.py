@@ -97,9 +97,14 @@ class ChatSocket:
                 if frame["type"] == "websocket.disconnect":
                     break
                 try:
-                    self.handle(self.read(frame))
+                    message = self.read(frame)
                 except HTTPError as err:
-                    await self.error(None, err)
+                    await self.error(None, err)  # (a message not read has no id)
+                    continue
+                try:
+                    self.handle(message)
+                except HTTPError as err:
+                    await self.error(message.id, err)
         except WebSocketDisconnect:  # (a send while the client left)
             pass
         finally:  # (a closed connection aborts what it started: cancelling a stream releases its requests)
@@ -116,7 +121,8 @@ class ChatSocket:
         text, limit = frame.get("text"), self.srv.max_body_bytes
         if text is None:
             raise HTTPError(400, "binary frames are not read: send each message as JSON in a text frame")
-        if len(text) > limit or len(text) * 4 > limit and len(text.encode()) > limit:  # (UTF-8: 4 bytes a char at most)
+        size = len(text) if len(text) > limit or len(text) * 4 <= limit else len(text.encode())  # (UTF-8: 1-4 bytes)
+        if size > limit:
             raise HTTPError(413, f"message of {len(text.encode())} bytes exceeds the limit of {limit} bytes "
                                  f"(--max-body-bytes)")
         try:
