@@ -468,7 +468,7 @@ def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
         time.sleep(0.01)
         return step(*args, **kw)
     engine.core.step = slow_step
-    server = build_server(engine, ServerConfig(port=0, shutdown_timeout=3.0, log_level="warning"))
+    server = build_server(engine, ServerConfig(port=0, shutdown_timeout=5.0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     url = start_in_thread(server, thread)
     ws_url = url.replace("http://", "ws://") + "/v1/chat/ws"
