@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], 
 GET /metrics, GET / (the chat page). Every error is OpenAI-shaped JSON and the server keeps
 serving: a bad request is a 4xx naming the field, a request the engine fails ends alone (a
 500 or, mid-stream, an SSE `error` event then `[DONE]`), and only a dead device makes it 503.
-A client that disconnects, streaming or not, aborts its requests.
+A client that disconnects, streaming or not, aborts its requests. A Host header the server
+does not answer is refused before any route (DNS rebinding); a shutdown drains (_Server.drain).
 
 The API's types are in runtime/protocol.py and their mapping to the engine's SamplingParams
 and outputs in runtime/api_mapping.py; this file is the HTTP side: reading, checking,
@@ -18,21 +19,24 @@ import contextlib
 import hmac
 import html
 import logging
+import re
 import threading
 import time
 import uuid
 from importlib import resources
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
 
 from nanoinfer.errors import RequestError
 from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params, completion_prompts,
@@ -40,11 +44,14 @@ from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, 
 from runtime import protocol as api
 from runtime.engine import AsyncEngine, EngineError, RequestHandle
 from runtime.metrics import ServerMetrics
-from runtime.websocket import ChatSocket
+from runtime.websocket import ChatSocket, refuse
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+# A Host header as RFC 9110 has it: a name or IPv4 address, or an IPv6 address in brackets, then
+# an optional numeric port. Anything else (`127.0.0.1:80@evil.example`) is refused, not guessed at.
+_HOST = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::[0-9]{1,5})?")
 MAX_UNKNOWN_FIELDS_LOGGED = 100
 # OpenAI's endpoints a client may try that a generation server does not have: named as such.
 OPENAI_ROUTES_NOT_SERVED = ("/v1/embeddings", "/v1/responses", "/v1/audio", "/v1/images", "/v1/moderations",
@@ -66,6 +73,8 @@ class HTTPError(Exception):
         if isinstance(exc, HTTPError):
             return exc
         cause = exc.__cause__ if isinstance(exc, EngineError) else exc
+        if isinstance(cause, HTTPError):  # (the server ended the request: a shutdown)
+            return cause
         if isinstance(cause, RequestError):  # the request cannot be served as asked
             return cls(400, str(cause), param=cause.param)
         if not healthy:
@@ -101,26 +110,38 @@ class _Server:
     """The state one app serves from: the engine, its name, limits and metrics."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_body_bytes: int,
-                 max_pending: int, max_n: int, allowed_hosts: Sequence[str] | None):
+                 max_pending: int, max_n: int, allowed_hosts: Sequence[str] | None, cors_origins: Sequence[str] = (),
+                 timeout_body: float = 30.0):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes, self.max_pending, self.max_n = max_body_bytes, max_pending, max_n
-        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else \
+            {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, allowed_hosts)}
+        self.cors_origins = frozenset(o.lower() for o in cors_origins)
+        self.timeout_body = timeout_body
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self._unknown_fields_logged: set[str] = set()
+        self.draining = False  # shutting down: new requests get 503 (see drain)
+        self.sockets: set[ChatSocket] = set()  # the open chat WebSockets, whose requests a drain waits for
 
     # -- checks before any work ------------------------------------------------------------
 
+    def check_host(self, host: str | None) -> None:
+        """The Host header is one this server answers (a request without one is no browser's)."""
+        if self.allowed_hosts is None or host is None:
+            return
+        match = _HOST.fullmatch(host)
+        if match is None:
+            raise HTTPError(400, f"Host {host!r} is malformed: expected host[:port] (an IPv6 address in brackets)",
+                            param="host")
+        name = f"[{match['ipv6']}]" if match["ipv6"] is not None else match["name"]
+        if name.lower() not in self.allowed_hosts:
+            # A page on another site that resolves its name to this server's address (DNS
+            # rebinding) would otherwise reach it from the user's browser.
+            raise HTTPError(400, f"Host {host!r} is not allowed: this server answers only "
+                                 f"{sorted(self.allowed_hosts)} (--allowed-hosts adds names)", param="host")
+
     def check_access(self, request: Request) -> None:
-        host = request.headers.get("host")
-        if self.allowed_hosts is not None and host is not None:
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if name.lower() not in self.allowed_hosts:
-                # A page on another site that resolves its name to 127.0.0.1 (DNS rebinding)
-                # would otherwise reach a loopback-only server from the user's browser.
-                raise HTTPError(400, f"Host {host!r} is not allowed: this server is bound to loopback and answers "
-                                     f"only {sorted(self.allowed_hosts)} (bind another --host to serve other names)",
-                                param="host")
         if self.api_key is not None and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
@@ -136,10 +157,21 @@ class _Server:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+
+        async def receive() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.max_body_bytes:
+                    raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+        try:  # (a body trickling in would hold a connection for ever)
+            await asyncio.wait_for(receive(), self.timeout_body)
+        except asyncio.TimeoutError as exc:
+            raise HTTPError(408, f"the request body did not arrive within {self.timeout_body:g} s ({len(body)} of "
+                                 f"{length or 'unknown'} bytes came; --timeout-body)", code="request_timeout",
+                            headers={"Connection": "close"}) from exc
+        except ClientDisconnect as exc:
+            raise HTTPError(499, f"the client closed the connection while sending the body ({len(body)} of "
+                                 f"{length or 'unknown'} bytes came)", code="client_closed_request") from exc
         try:
             raw = msgspec.json.decode(bytes(body))
         except msgspec.DecodeError as exc:
@@ -177,6 +209,7 @@ class _Server:
                    stream: bool = True) -> list[RequestHandle]:
         """Submit every prompt now so that a bad one is a 400, not a broken stream. Without
         `stream`, each request's output comes once, at its end."""
+        self.check_open()
         wanted = len(prompts) * params.n
         if wanted > self.max_pending:
             raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
@@ -195,6 +228,40 @@ class _Server:
                 self.engine.release(handle)
             raise
         return handles
+
+    # -- shutting down -----------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down and takes no new requests", type_="server_error",
+                            code="shutting_down")
+
+    def idle(self) -> bool:
+        """Nothing in flight: no request in the engine, none of a WebSocket's still answering."""
+        return self.engine.num_in_flight == 0 and not any(s.running for s in self.sockets)
+
+    async def drain(self, grace: float, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Shutdown: refuse new requests (503), let those in flight finish for up to `grace`
+        seconds, then end the rest with a 503 (an error response, an SSE `error` event, a
+        WebSocket `error` per id) and wait a little for those answers to go out. `give_up`:
+        stop waiting (a second Ctrl-C)."""
+        self.draining = True
+        if await self._wait_idle(grace, give_up):
+            return
+        log.warning("shutting down: %d requests still running after %g s end with an error", self.engine.num_in_flight,
+                    grace)
+        self.engine.abort_all(error=HTTPError(503, f"the server shut down before this request finished (it waited "
+                                                   f"{grace:g} s: --shutdown-timeout)", type_="server_error",
+                                              code="shutting_down"))
+        await self._wait_idle(5.0, give_up)  # (an error each: written at once, unless a client stopped reading)
+
+    async def _wait_idle(self, seconds: float, give_up: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + seconds
+        while not self.idle():
+            if give_up() or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     # -- running ---------------------------------------------------------------------------
 
@@ -310,8 +377,9 @@ class _Server:
         return Response(_encode(api.ModelCard(self.model_name, self.created)), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
-        ok = self.engine.healthy
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+        ok = self.engine.healthy and not self.draining  # (a load balancer stops sending work to a draining server)
+        status = "shutting down" if self.draining else "ok" if ok else "unhealthy"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -349,16 +417,40 @@ class _Server:
             last_tokens, last_time = tokens, now
 
 
+class _HostCheck:
+    """ASGI middleware: a Host the server does not answer is refused before any route runs, so
+    the API, the page, static files, 404s and the WebSocket handshake are all covered."""
+
+    def __init__(self, app, srv: _Server):
+        self.app, self.srv = app, srv
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            try:
+                self.srv.check_host(Headers(scope=scope).get("host"))
+            except HTTPError as err:
+                log.info("%s %s: %d, %s", scope.get("method", "WebSocket"), scope["path"], err.status, err.body.message)
+                if scope["type"] == "websocket":
+                    await refuse(WebSocket(scope, receive, send), err.status, _encode(api.ErrorResponse(err.body)))
+                else:
+                    await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: str | None = None,
                cors_origins: Sequence[str] = (), max_body_bytes: int = 1 << 20, max_pending: int = 1024,
-               max_n: int = 16, allowed_hosts: Sequence[str] | None = None, log_interval: float = 10.0,
-               manage_engine: bool = True) -> Starlette:
+               max_n: int = 16, allowed_hosts: Sequence[str] | None = None, timeout_body: float = 30.0,
+               log_interval: float = 10.0, manage_engine: bool = True) -> Starlette:
     """The app serving `engine`. `max_pending` bounds the sequences (prompts x n) queued at
-    once; `allowed_hosts` (None: any) the Host headers answered. With `manage_engine`, the
-    app's lifespan starts the engine in the server's event loop and shuts it down (aborting
-    what is in flight) on exit."""
+    once; `allowed_hosts` (None or "*": any) the Host headers answered; `cors_origins` the
+    other sites' pages that may call it (and open its WebSocket); `timeout_body` the seconds a
+    request body may take to arrive. With `manage_engine`, the app's lifespan starts the
+    engine in the server's event loop and shuts it down (aborting what is in flight) on exit.
+    `app.state.drain(grace)` is the graceful stop (see _Server.drain), for the server process
+    to await before it closes connections."""
     srv = _Server(engine, model_name or engine.model.model_id, api_key, max_body_bytes, max_pending, max_n,
-                  allowed_hosts)
+                  allowed_hosts, cors_origins, timeout_body)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -396,7 +488,11 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
               WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve()),
               # The chat page's vendored libraries (runtime/static/vendor/VENDOR.md): no CDN.
               Mount("/static", StaticFiles(packages=[("runtime", "static")]), name="static")]
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
-                             allow_headers=["*"])] if cors_origins else []
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={404: not_found, 405: not_found})
+    middleware = [Middleware(_HostCheck, srv=srv)]
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                                     allow_headers=["*"]))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: not_found})
+    app.state.drain = srv.drain
+    return app

@@ -1,8 +1,9 @@
 """Running the server process: its settings, uvicorn with limits for slow clients, clean stops.
 
-`serve(engine, config)` binds, prints the URL, serves until SIGINT/SIGTERM, aborts what is in
-flight so every open stream ends properly, and returns. The HTTP app itself is
-runtime/server.py.
+`serve(engine, config)` binds, prints the URL and serves until SIGINT/SIGTERM; then it drains:
+new requests get 503 while those in flight have --shutdown-timeout seconds to finish, and what
+is left ends with an error (a 503, an SSE `error` event, a WebSocket `error` per id) before
+connections close. The HTTP app itself is runtime/server.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from nanoinfer.errors import NanoInferError
 from nanoinfer.settings import check_settings, setting
@@ -32,16 +34,22 @@ class ServerConfig:
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*", optional=True)
     served_model_name: str | None = setting(None, "the model id clients use (default: the model's short name or "
                                                   "file stem)", optional=True)
-    cors_origin: tuple[str, ...] = setting((), "allow this origin (repeatable; CORS is off without it)",
-                                           repeated=True)
+    cors_origin: tuple[str, ...] = setting((), "allow this origin (repeatable; CORS is off without it): its pages "
+                                               "may call the API and open the WebSocket", repeated=True)
+    allowed_hosts: tuple[str, ...] = setting((), "also answer this Host name (repeatable; '*': any). Without it a "
+                                                 "loopback server answers only loopback names, another any name",
+                                             repeated=True)
     max_pending: int = setting(1024, "sequences (prompts x n) in flight, waiting or running, before new "
                                      "requests get 503", minimum=1)
     max_n: int = setting(16, "largest n (completions per prompt) a request may ask for", minimum=1, maximum=128)
-    max_body_bytes: int = setting(1 << 20, "largest request body", minimum=1, size=True)
+    max_body_bytes: int = setting(1 << 20, "largest request body (and WebSocket message)", minimum=1, size=True)
     log_level: str = setting("info", "info: a line per request and a throughput line; warning: quiet",
                              choices=LOG_LEVELS)
     timeout_keep_alive: int = setting(5, "seconds an idle keep-alive connection stays open", minimum=1)
     timeout_headers: float = setting(10.0, "seconds a client may take to send a request's headers", above=0)
+    timeout_body: float = setting(30.0, "seconds a client may take to send a request's body (then 408)", above=0)
+    shutdown_timeout: float = setting(20.0, "seconds SIGINT/SIGTERM lets requests in flight finish (new ones get "
+                                            "503) before ending the rest with an error", minimum=0)
     max_header_bytes: int = setting(16384, "largest request head (line and headers) held while it arrives",
                                     minimum=1024, size=True)
 
@@ -86,6 +94,26 @@ def _protocol(header_timeout: float):
     return Protocol
 
 
+class _WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol, quiet about a handshake refused with an HTTP answer (a
+    cross-origin page, a wrong Host, a draining server): uvicorn 0.54 logs each as the error
+    "ASGI callable returned without completing handshake" (uvicorn PR #3138 fixes it)."""
+
+    async def send(self, message) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            self.handshake_complete = True
+
+
+def allowed_hosts(config: ServerConfig) -> tuple[str, ...] | None:
+    """The Host names the server answers (None: any). A loopback server answers loopback names;
+    with --allowed-hosts, those too, and the address it is bound to."""
+    if "*" in config.allowed_hosts or (config.host not in LOOPBACK_HOSTS and not config.allowed_hosts):
+        return None
+    bound = () if config.host in LOOPBACK_HOSTS or config.host in ("0.0.0.0", "::", "") else (config.host,)
+    return (*LOOPBACK_HOSTS, *bound, *config.allowed_hosts)
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail before loading a model for minutes, not after."""
     if port == 0:
@@ -102,11 +130,20 @@ def check_port_free(host: str, port: int) -> None:
 
 def serve(engine: AsyncEngine, config: ServerConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loopback = config.host in LOOPBACK_HOSTS
+    if allowed_hosts(config) is None:
+        logging.getLogger("nanoinfer.server").warning(
+            "answering any Host name: a page on another site can reach this server through DNS rebinding "
+            "(--allowed-hosts names the ones to answer)")
+    build_server(engine, config).run()
+
+
+def build_server(engine: AsyncEngine, config: ServerConfig) -> uvicorn.Server:
+    """The uvicorn server `serve` runs: SIGINT/SIGTERM set its `should_exit` (a test running it
+    in a thread sets that itself), and its shutdown drains before closing connections."""
     name = config.served_model_name or engine.model.model_id
     app = create_app(engine, model_name=name, api_key=config.api_key, cors_origins=config.cors_origin,
                      max_pending=config.max_pending, max_n=config.max_n, max_body_bytes=config.max_body_bytes,
-                     allowed_hosts=LOOPBACK_HOSTS if loopback else None)
+                     allowed_hosts=allowed_hosts(config), timeout_body=config.timeout_body)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -117,9 +154,10 @@ def serve(engine: AsyncEngine, config: ServerConfig) -> None:
                       flush=True)
 
         async def shutdown(self, sockets=None):
-            # SIGINT/SIGTERM: abort what is in flight first, so that every open stream ends
-            # properly (finish_reason "abort", then [DONE]) before uvicorn closes connections.
-            engine.abort_all()
+            # SIGINT/SIGTERM: drain while still listening (new requests get a 503, not a refused
+            # connection), so that every request in flight ends with its answer or an error
+            # before uvicorn closes connections (a WebSocket with 1012 at once).
+            await app.state.drain(config.shutdown_timeout, give_up=lambda: self.force_exit)
             await super().shutdown(sockets)
 
         def handle_exit(self, sig, frame):
@@ -131,5 +169,6 @@ def serve(engine: AsyncEngine, config: ServerConfig) -> None:
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
         timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive,
-        http=_protocol(config.timeout_headers), h11_max_incomplete_event_size=config.max_header_bytes)
-    Server(uvicorn_config).run()
+        http=_protocol(config.timeout_headers), h11_max_incomplete_event_size=config.max_header_bytes,
+        ws=_WebSocketProtocol, ws_max_size=config.max_body_bytes)
+    return Server(uvicorn_config)

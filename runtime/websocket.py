@@ -5,8 +5,13 @@ Each client message is a JSON WsClientMessage: `{"type": "request", "id": ID, "b
 with the body POST /v1/chat/completions takes (always streamed), or `{"type": "cancel",
 "id": ID}`. The server answers per id with WsServerMessage: `chunk` messages carrying the
 same chat.completion.chunk objects as the SSE stream, then `done`; or one `error` (OpenAI's
-error object): a bad request, a cancelled one (code `cancelled`), an engine failure. A bad
-message is answered, not fatal; closing the connection aborts everything it started.
+error object): a bad request, a cancelled one (code `cancelled`), an engine failure, a
+server shutting down (code `shutting_down`). A bad message (not JSON, nested too deeply,
+larger than --max-body-bytes, a binary frame) is answered with an error whose id is null, and
+the connection serves on; closing the connection aborts everything it started.
+
+A browser applies no CORS to WebSockets, so the handshake checks Origin itself: only this
+server's own origin and the --cors-origin ones (a client with no Origin is no browser).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from urllib.parse import urlsplit
 
 import msgspec
+from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from runtime import protocol as api
@@ -23,6 +30,27 @@ from runtime import protocol as api
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(api.WsClientMessage).decode
+_EXPECTED = '(expected {"type": "request"|"cancel", "id": ..., "body": ...})'
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a handshake's Origin may use the socket: none (no browser), this server's own
+    (its authority is the Host header the browser sent), or one `allowed` names ("*": any)."""
+    if origin is None or "*" in allowed or origin.lower() in allowed:
+        return True
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and host is not None and parts.netloc.lower() == host.lower()
+
+
+async def refuse(websocket: WebSocket, status: int, body: bytes) -> None:
+    """Refuse a handshake with an HTTP answer (uvicorn's servers can send one), else a close."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(Response(body, status, media_type="application/json"))
+    else:
+        await websocket.close(code=1008)
 
 
 class ChatSocket:
@@ -31,6 +59,7 @@ class ChatSocket:
     def __init__(self, srv, websocket: WebSocket):
         self.srv, self.websocket = srv, websocket
         self.running: dict[str, asyncio.Task] = {}
+        self.cancelled: set[str] = set()  # ids the client cancelled (and no one else: a closed socket says nothing)
         self._send_lock = asyncio.Lock()  # (one frame at a time from the requests' tasks)
 
     async def send(self, message: api.WsServerMessage) -> None:
@@ -41,7 +70,7 @@ class ChatSocket:
         from runtime.server import HTTPError
 
         err = HTTPError.of(exc, self.srv.engine.healthy)
-        if err.status >= 500:
+        if err.status == 500:
             log.error("websocket request %s failed: %r", request_id, exc)
         await self.send(api.WsServerMessage("error", request_id, error=err.body))
 
@@ -50,36 +79,72 @@ class ChatSocket:
 
         try:
             self.srv.check_access(self.websocket)
+            origin = self.websocket.headers.get("origin")
+            if not origin_allowed(origin, self.websocket.headers.get("host"), self.srv.cors_origins):
+                raise HTTPError(403, f"Origin {origin!r} may not open this WebSocket: expected this server's own "
+                                     f"origin or one given with --cors-origin", param="origin",
+                                code="origin_not_allowed")
+            self.srv.check_open()
         except HTTPError as err:  # (before accepting: the handshake is refused)
-            await self.websocket.close(code=1008, reason=err.body.message[:120])
+            log.info("WebSocket %s: %d, %s", self.websocket.url.path, err.status, err.body.message)
+            await refuse(self.websocket, err.status, _encode(api.ErrorResponse(err.body)))
             return
         await self.websocket.accept()
+        self.srv.sockets.add(self)
         try:
             while True:
-                raw = await self.websocket.receive_text()
+                frame = await self.websocket.receive()
+                if frame["type"] == "websocket.disconnect":
+                    break
                 try:
-                    message = _decode(raw)
-                except msgspec.DecodeError as exc:
-                    await self.error(None, HTTPError(400, f"invalid message: {exc} (expected "
-                                                          '{"type": "request"|"cancel", "id": ..., "body": ...})'))
+                    message = self.read(frame)
+                except HTTPError as err:
+                    await self.error(None, err)  # (a message not read has no id)
                     continue
-                if message.type == "cancel":
-                    task = self.running.get(message.id)
-                    if task is None:
-                        await self.error(message.id, HTTPError(404, f"no running request with id {message.id!r}",
-                                                               param="id"))
-                    else:
-                        task.cancel()
-                elif message.id in self.running:
-                    await self.error(message.id, HTTPError(400, f"id {message.id!r} is already running", param="id"))
-                else:
-                    self.running[message.id] = asyncio.create_task(self.run(message.id, message.body))
-        except WebSocketDisconnect:
+                try:
+                    self.handle(message)
+                except HTTPError as err:
+                    await self.error(message.id, err)
+        except WebSocketDisconnect:  # (a send while the client left)
             pass
         finally:  # (a closed connection aborts what it started: cancelling a stream releases its requests)
+            self.srv.sockets.discard(self)
             for task in self.running.values():
                 task.cancel()
             await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+    def read(self, frame: dict) -> api.WsClientMessage:
+        """The message a frame holds, or HTTPError saying why it cannot be read: checked before
+        it is decoded, as an HTTP body is."""
+        from runtime.server import HTTPError
+
+        text, limit = frame.get("text"), self.srv.max_body_bytes
+        if text is None:
+            raise HTTPError(400, "binary frames are not read: send each message as JSON in a text frame")
+        size = len(text) if len(text) > limit or len(text) * 4 <= limit else len(text.encode())  # (UTF-8: 1-4 bytes)
+        if size > limit:
+            raise HTTPError(413, f"message of {len(text.encode())} bytes exceeds the limit of {limit} bytes "
+                                 f"(--max-body-bytes)")
+        try:
+            return _decode(text)
+        except msgspec.DecodeError as exc:
+            raise HTTPError(400, f"invalid message: {exc} {_EXPECTED}") from exc
+        except RecursionError as exc:
+            raise HTTPError(400, "invalid message: it nests JSON too deeply") from exc
+
+    def handle(self, message: api.WsClientMessage) -> None:
+        from runtime.server import HTTPError
+
+        if message.type == "cancel":
+            task = self.running.get(message.id)
+            if task is None:
+                raise HTTPError(404, f"no running request with id {message.id!r}", param="id")
+            self.cancelled.add(message.id)
+            task.cancel()
+        elif message.id in self.running:
+            raise HTTPError(400, f"id {message.id!r} is already running", param="id")
+        else:
+            self.running[message.id] = asyncio.create_task(self.run(message.id, message.body))
 
     async def run(self, request_id: str, body: dict | None) -> None:
         """One chat completion, streamed as chunk messages."""
@@ -100,7 +165,7 @@ class ChatSocket:
             await self.send(api.WsServerMessage("done", request_id))
             status = 200
         except asyncio.CancelledError:
-            if self.websocket.client_state.name == "CONNECTED":  # (a cancel message, not a closed socket)
+            if request_id in self.cancelled:  # (a cancel message, not a closed socket)
                 try:
                     await self.send(api.WsServerMessage("error", request_id, error=api.ErrorBody(
                         "cancelled by the client", "invalid_request_error", None, "cancelled")))
@@ -110,9 +175,13 @@ class ChatSocket:
             pass
         except Exception as exc:  # noqa: BLE001 - answered on the socket, which keeps serving
             status = HTTPError.of(exc, self.srv.engine.healthy).status
-            await self.error(request_id, exc)
+            try:
+                await self.error(request_id, exc)
+            except Exception:  # noqa: BLE001 - the socket went while we answered
+                pass
         finally:
             self.running.pop(request_id, None)
+            self.cancelled.discard(request_id)
             if handles:
                 for handle in handles:  # (a request refused before its stream began holds no slot)
                     self.srv.engine.release(handle)

@@ -310,6 +310,74 @@ def test_a_loopback_server_answers_only_loopback_host_names(tiny_chat_model):
                           headers={"host": f"localhost:{port}"}).status_code == 200
 
 
+def test_the_host_check_covers_every_route_and_parses_the_header_strictly(tiny_chat_model):
+    """Issue 31: /static/* and 404 answers took any Host, `127.0.0.1:PORT@evil.example` passed
+    (the name was what came before the last colon), and the WebSocket took any."""
+    with LiveServer(tiny_chat_model, allowed_hosts=("localhost", "127.0.0.1", "[::1]")) as server:
+        port = server.url.rsplit(":", 1)[1]
+        for path in ("/static/vendor/VENDOR.md", "/v1/nowhere", "/nowhere", "/health"):
+            r = httpx.get(server.url + path, headers={"host": "evil.example"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "host", (path, r.text)
+            assert httpx.get(server.url + path).status_code != 400, path
+        for host in (f"127.0.0.1:{port}@evil.example", "evil.example#127.0.0.1", "127.0.0.1:http", "127.0.0.1:",
+                     "[::1", "localhost:1:2", "127.0.0.1 :80", "", "::1"):
+            r = httpx.get(server.url + "/health", headers={"host": host})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "host", (host, r.text)
+        for host in (f"127.0.0.1:{port}", "LOCALHOST", f"[::1]:{port}", "[::1]"):
+            assert httpx.get(server.url + "/health", headers={"host": host}).status_code == 200, host
+        ws = pytest.importorskip("websockets.sync.client")
+        with pytest.raises(Exception, match="400"):
+            ws.connect(server.url.replace("http", "ws") + "/v1/chat/ws", additional_headers={"host": "evil.example"})
+
+
+def test_allowed_hosts_names_what_a_server_on_other_addresses_answers(tiny_chat_model):
+    """Issue 31: binding a non-loopback address turned the check off, with no way to list names."""
+    from runtime.serving import ServerConfig, allowed_hosts
+
+    assert allowed_hosts(ServerConfig()) == ("localhost", "127.0.0.1", "[::1]", "::1")
+    assert allowed_hosts(ServerConfig(host="0.0.0.0")) is None  # (any, as before: say which with --allowed-hosts)
+    assert allowed_hosts(ServerConfig(host="0.0.0.0", allowed_hosts=("*",))) is None
+    assert allowed_hosts(ServerConfig(host="10.1.2.3", allowed_hosts=("llm.lan",))) == (
+        "localhost", "127.0.0.1", "[::1]", "::1", "10.1.2.3", "llm.lan")
+    with LiveServer(tiny_chat_model, allowed_hosts=allowed_hosts(ServerConfig(host="0.0.0.0",
+                                                                            allowed_hosts=("llm.lan",)))) as server:
+        assert httpx.get(server.url + "/health", headers={"host": "llm.lan:8000"}).status_code == 200
+        assert httpx.get(server.url + "/health", headers={"host": "LLM.lan"}).status_code == 200
+        r = httpx.get(server.url + "/health", headers={"host": "evil.example"})
+        assert r.status_code == 400 and "--allowed-hosts" in r.json()["error"]["message"]
+
+
+def test_a_slow_body_is_a_408_and_a_client_that_leaves_is_no_error(tiny_chat_model, caplog):
+    """Issue 31: a body announced as 1,000,000 bytes of which 10 came held its connection for
+    ever, and each client that left mid-body logged an ERROR traceback."""
+    import socket
+
+    with LiveServer(tiny_chat_model, timeout_body=0.5) as server:
+        host, port = server.url[len("http://"):].split(":")
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000\r\n\r\n")
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(head + b'{"prompt":')
+            answer = b""
+            while chunk := slow.recv(4096):  # (until the server closes the connection)
+                answer += chunk
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(body)["error"]["message"] == ("the request body did not arrive within 0.5 s (10 of 1000000 "
+                                                        "bytes came; --timeout-body)")
+        with caplog.at_level("INFO", logger="nanoinfer.server"):
+            for _ in range(3):
+                with socket.create_connection((host, int(port)), timeout=10) as leaving:
+                    leaving.sendall(head + b'{"prompt":')
+                time.sleep(0.1)
+            deadline = time.monotonic() + 10
+            while sum("closed the connection" in r.getMessage() for r in caplog.records) < 3:
+                assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+                time.sleep(0.05)
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_a_client_that_leaves_a_non_streaming_request_aborts_it(live_server):
     """Issue 10, bug 5: it kept generating (here ~1,900 tokens) for no one."""
     body = {"prompt": "hi", "max_tokens": 1900, "ignore_eos": True}
@@ -378,3 +446,86 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client, live_
     assert first.usage.prompt_tokens_details.cached_tokens < cached
     assert metric(live_server.url, "nanoinfer_prefix_cache_hits_total") >= hits_before + cached
     assert metric(live_server.url, "nanoinfer_prefix_cache_queries_total") >= 2 * again.usage.prompt_tokens
+
+
+def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
+    """Issue 31: on SIGTERM a non-streaming request in flight got 200 with finish_reason "abort"
+    and a WebSocket's requests only a close 1012. Now the server takes no new requests (503)
+    while those in flight get --shutdown-timeout seconds, then ends the rest with an error. The
+    server is serve()'s; SIGTERM sets its should_exit, as this test does (no signals in a thread)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime.engine import AsyncEngine, engine_config
+    from runtime.serving import ServerConfig, build_server
+    from tests.live_server import start_in_thread
+
+    ws_client = pytest.importorskip("websockets.sync.client")
+    engine = AsyncEngine(tiny_chat_model, engine_config(num_blocks=2048, block_size=16))
+    step = engine.core.step
+
+    def slow_step(*args, **kw):  # (10 ms more a step: 2,000 tokens take over 20 s, 30 well under the grace)
+        time.sleep(0.01)
+        return step(*args, **kw)
+    engine.core.step = slow_step
+    server = build_server(engine, ServerConfig(port=0, shutdown_timeout=5.0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    url = start_in_thread(server, thread)
+    ws_url = url.replace("http://", "ws://") + "/v1/chat/ws"
+    long, short = {"prompt": "hi", "max_tokens": 2000, "ignore_eos": True}, {"prompt": "hi", "max_tokens": 30,
+                                                                             "ignore_eos": True}
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            return [line for line in r.iter_lines() if line]
+
+    def in_flight(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while engine.num_in_flight < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    try:
+        with ThreadPoolExecutor(4) as pool, ws_client.connect(ws_url) as ws:
+            ws.send(json.dumps({"type": "request", "id": "ws-long", "body": {
+                "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True}}))
+            streamed = pool.submit(stream)
+            waited = pool.submit(httpx.post, url + "/v1/completions", json=long, timeout=60)
+            in_flight(3)
+            finishing = pool.submit(httpx.post, url + "/v1/completions", json=short, timeout=60)
+            in_flight(4)
+            server.should_exit = True  # (what SIGTERM does)
+            deadline = time.monotonic() + 10
+            while (health := httpx.get(url + "/health")).status_code == 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            # Draining: new requests are refused, on HTTP and on the WebSocket, new and open.
+            assert health.status_code == 503 and health.json() == {"status": "shutting down"}
+            refused = httpx.post(url + "/v1/completions", json=short)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            ws.send(json.dumps({"type": "request", "id": "ws-late", "body": {"messages": MESSAGES}}))
+            with pytest.raises(Exception, match="503"):
+                ws_client.connect(ws_url)
+            got: dict[str, dict] = {}
+            while set(got) != {"ws-long", "ws-late"}:
+                message = json.loads(ws.recv(timeout=30))
+                if message["type"] != "chunk":
+                    got[message["id"]] = message
+            # What finishes within the grace period is answered as usual...
+            done = finishing.result()
+            assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"
+            assert done.json()["usage"]["completion_tokens"] == 30
+            # ...and what does not ends with an error, on each of the three paths.
+            cut = waited.result()
+            assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down"
+            assert "--shutdown-timeout" in cut.json()["error"]["message"]
+            lines = streamed.result()
+            assert lines[-1] == "data: [DONE]" and lines[-3] == "event: error"
+            assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "shutting_down"
+            assert got["ws-long"]["type"] == "error" and got["ws-long"]["error"]["code"] == "shutting_down"
+            assert got["ws-late"]["type"] == "error" and got["ws-late"]["error"]["code"] == "shutting_down"
+        thread.join(30)
+        assert not thread.is_alive() and engine.num_in_flight == 0
+    finally:
+        server.should_exit = True
+        thread.join(30)

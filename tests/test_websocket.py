@@ -72,7 +72,8 @@ def test_cancel_aborts_one_request_and_bad_messages_are_answered(live_server):
         message = json.loads(ws.recv(timeout=30))
         assert (message["type"], message["id"], message["error"]["param"]) == ("error", "bad", "temperature")
         ws.send(json.dumps({"type": "cancel", "id": "nothing"}))
-        assert json.loads(ws.recv(timeout=30))["error"]["message"] == "no running request with id 'nothing'"
+        message = json.loads(ws.recv(timeout=30))
+        assert (message["id"], message["error"]["message"]) == ("nothing", "no running request with id 'nothing'")
         ws.send(json.dumps({"type": "request", "id": "long", "body": body(max_tokens=2000, ignore_eos=True)}))
         first = json.loads(ws.recv(timeout=60))
         assert first["type"] == "chunk"
