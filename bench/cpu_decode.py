@@ -8,7 +8,9 @@ Every engine runs the same GGUF file, greedy, one sequence, `--threads` threads:
 - llama.cpp through llama-cpp-python (`--install-llama-cpp` builds it with pip: minutes);
 - transformers, which dequantizes the file to fp32.
 Decode tok/s counts the tokens after the first (the prefill and first token are timed
-apart), best of `--repeats` runs. Memory: each nanoinfer mode loads in a fresh process,
+apart), best of `--repeats` runs. A second table times whole requests (prefill + decode) through
+the bare engine core's step loop and through `LLM.generate`, which runs that loop on the
+caller's thread with its output processing. Memory: each nanoinfer mode loads in a fresh process,
 which reports its resident set after `import torch` and after the engine is up, and the KV
 pool's bytes (the issue's bound: RSS growth <= 3x the file + the KV pool).
 """
@@ -38,6 +40,26 @@ def time_ours(engine, prompt_ids, new_tokens):
         engine.step()
     end = time.perf_counter()
     return first - start, (new_tokens - 1) / (end - first)
+
+
+def time_core_total(engine, prompt_ids, new_tokens) -> float:
+    """Seconds for one whole request through the bare engine core's step loop."""
+    from nanoinfer.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def time_llm_total(llm, prompt_ids, new_tokens) -> float:
+    """Seconds for the same request through `LLM.generate` (its output processing included)."""
+    from nanoinfer.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - start
 
 
 def time_llama_cpp(llm, prompt_ids, new_tokens):
@@ -145,6 +167,23 @@ def main():
     print(f"{'engine':<22}{'prefill ms':>12}{'decode tok/s':>14}{'vs llama.cpp':>14}")
     for name, prefill_ms, tps in rows:
         print(f"{name:<22}{prefill_ms:>12.1f}{tps:>14.1f}" + (f"{tps / base:>13.2f}x" if base else ""))
+
+    # The offline facade against the bare step loop it runs, whole requests (prefill + decode).
+    from runtime.llm import LLM
+
+    core = engines[0][2]
+    llm = LLM.from_loaded(core.model, num_blocks=64, block_size=16)
+    totals = {"engine core step loop": [], "LLM.generate": []}
+    with torch.inference_mode():
+        time_core_total(core, prompt_ids, 8), time_llm_total(llm, prompt_ids, 8)  # warm-up
+        for _ in range(args.repeats):
+            totals["engine core step loop"].append(time_core_total(core, prompt_ids, args.new_tokens))
+            totals["LLM.generate"].append(time_llm_total(llm, prompt_ids, args.new_tokens))
+    llm.close()
+    base_total = min(totals["engine core step loop"])
+    print(f"\n{'whole request (gguf)':<22}{'seconds':>12}{'tok/s':>14}{'vs step loop':>14}")
+    for name, runs in totals.items():
+        print(f"{name:<22}{min(runs):>12.3f}{args.new_tokens / min(runs):>14.1f}{base_total / min(runs):>13.2f}x")
 
     print(f"\n{'memory (fresh process)':<22}{'RSS growth MiB':>16}{'KV pool MiB':>13}{'file MiB':>10}{'bound MiB':>11}")
     for quantization in ("gguf", "none"):
