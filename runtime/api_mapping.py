@@ -105,7 +105,7 @@ def completion_prompts(req: CompletionRequest) -> list:
     return prompts
 
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's, for completions (chat has none: up to the context)
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # (16, as OpenAI has it for completions; chat has none)
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from nanoinfer.errors import NanoInferError, RequestError
-from nanoinfer.loaders import LOAD_FORMATS, QUANTIZATIONS
+from nanoinfer.loaders import LoadConfig
 from nanoinfer.loaders.hub import DEFAULT_MODEL
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
 from runtime.engine_core import EngineConfig
@@ -28,16 +28,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f"a known name, an HF directory, a .gguf file, a nanochat checkpoint, a llama2.c .bin "
                              f"or a Hugging Face Hub id org/name[@revision] (default: {DEFAULT_MODEL})")
-    parser.add_argument("--gguf-file", default=None, metavar="FILE",
-                        help="which .gguf of a Hub repository (or local directory) holding several")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                        help="dummy: the checkpoint's config and tokenizer with random weights (benchmarks)")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="how matrices are held: auto (a quantized GGUF stays packed on the CPU, as llama.cpp "
-                             "runs it, unless --dtype names a float type; an FP8 checkpoint stays fp8), none "
-                             "(dequantized to --dtype: the exact path), gguf, int8 or fp8 (per row, any checkpoint)")
+    add_flags(parser, LoadConfig)
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="JSON or YAML file of flag names to values; flags on the command line win")
 
@@ -189,8 +180,7 @@ def _llm(args):
 
 def _load_kwargs(args) -> dict:
     """The flags `load_model` takes."""
-    return dict(device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
-                gguf_file=args.gguf_file)
+    return from_namespace(LoadConfig, args)
 
 
 def _generate(args) -> int:
@@ -351,7 +341,7 @@ def _tensor_parallel_rank(args) -> int:
     kwargs = _load_kwargs(args)
     if kwargs["device"] in ("auto", "cuda") and torch.cuda.is_available():
         kwargs["device"] = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    model = load_model(args.model, progress=False, **kwargs)
+    model = load_model(args.model, **{**kwargs, "progress": False})
     serve_rank(model.config, model.params)
     return 0
 

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Sequence
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import EngineConfig, engine_config
+from runtime.engine_config import EngineConfig, engine_config, load_and_engine_configs
 from runtime.llm_engine import EngineError, LLMEngine, Prompt, failed
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request_state import RequestState, merge
@@ -63,14 +63,11 @@ class AsyncEngine:
         self._fatal: BaseException | None = None
 
     @classmethod
-    def from_model(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
-                   progress: bool = True, load_format: str = "auto", quantization: str = "auto",
-                   gguf_file: str | None = None, **engine_args) -> "AsyncEngine":
-        """Load `model` (a short name, HF directory, .gguf or Hub id; None = the default model) as
-        `load_model` does. `engine_args` are those of `engine_config`."""
-        config = engine_config(**engine_args)
-        return cls(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
-                              quantization=quantization, gguf_file=gguf_file), config)
+    def from_model(cls, model: str | Path | None = None, **kwargs) -> "AsyncEngine":
+        """Load `model` (a short name, HF directory, .gguf or Hub id; None = the default model);
+        the keywords are the settings of LoadConfig, EngineConfig and SchedulerConfig."""
+        load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
+        return cls(load_model(model, load), config)
 
     @property
     def tokenizer(self):

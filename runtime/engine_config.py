@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import KV_CACHE_DTYPES
+from nanoinfer.loaders import LoadConfig
 from nanoinfer.settings import check_settings, setting, split_kwargs
 from runtime.scheduler import SchedulerConfig
 from runtime.speculative import SpeculativeConfig
@@ -51,3 +52,11 @@ def engine_config(**engine_args) -> EngineConfig:
     of EngineConfig and SchedulerConfig (an unknown name is a RequestError listing them)."""
     engine, scheduler = split_kwargs(engine_args, EngineConfig, SchedulerConfig, what="engine")
     return EngineConfig(**engine, scheduler=SchedulerConfig(**scheduler))
+
+
+def load_and_engine_configs(**kwargs) -> tuple[LoadConfig, EngineConfig]:
+    """The LoadConfig and EngineConfig of the flat keywords `LLM(...)` and `from_model(...)`
+    take: each name is a setting of LoadConfig, EngineConfig or SchedulerConfig (an unknown one
+    is a RequestError listing them), all checked before minutes of loading."""
+    load, engine, scheduler = split_kwargs(kwargs, LoadConfig, EngineConfig, SchedulerConfig, what="engine")
+    return LoadConfig(**load), EngineConfig(**engine, scheduler=SchedulerConfig(**scheduler))

@@ -67,7 +67,8 @@ class EngineCore:
             if draft_model is None:
                 from nanoinfer.loaders import load_model
 
-                draft_model = load_model(spec.model, device=self.device, dtype=model.params.dtype, progress=False,
+                draft_model = load_model(spec.model, device=str(self.device), progress=False,
+                                         dtype=str(model.params.dtype).removeprefix("torch."),
                                          quantization=spec.quantization)
             check_draft(model, draft_model)
         elif draft_model is not None:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import engine_config
+from runtime.engine_config import engine_config, load_and_engine_configs
 from runtime.llm_engine import LLMEngine, Prompt, failed
 from runtime.outputs import RequestOutput
 from runtime.request_state import RequestState
@@ -22,17 +22,14 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     `model` is a short name (default: smollm2-135m-instruct), an HF directory, a .gguf
-    path or a Hub id `org/name[@revision]` (`gguf_file` picks a GGUF repository's file);
-    `engine_args` are the settings of EngineConfig and SchedulerConfig (see
-    `runtime.engine_config.engine_config`; an unknown name is a RequestError listing them).
+    path or a Hub id `org/name[@revision]`; the keywords are the settings of LoadConfig
+    (device, dtype, quantization, load_format, gguf_file, progress), EngineConfig and
+    SchedulerConfig (an unknown name is a RequestError listing them).
     """
 
-    def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
-                 progress: bool = True, load_format: str = "auto", quantization: str = "auto",
-                 gguf_file: str | None = None, **engine_args):
-        config = engine_config(**engine_args)  # (checked before minutes of loading)
-        self._init_with(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
-                                   quantization=quantization, gguf_file=gguf_file), config)
+    def __init__(self, model: str | Path | None = None, **kwargs):
+        load, config = load_and_engine_configs(**kwargs)
+        self._init_with(load_model(model, load), config)
 
     @classmethod
     def from_loaded(cls, model, **engine_args) -> "LLM":

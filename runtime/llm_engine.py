@@ -18,7 +18,7 @@ from typing import Sequence, Union
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import EngineConfig, engine_config
+from runtime.engine_config import EngineConfig, engine_config, load_and_engine_configs
 from runtime.engine_core import EngineCore, EngineDead
 from runtime.faults import RequestFailed
 from runtime.outputs import RequestOutput
@@ -53,13 +53,11 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_model(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
-                   progress: bool = True, load_format: str = "auto", quantization: str = "auto",
-                   gguf_file: str | None = None, **engine_args) -> "LLMEngine":
-        """Load `model` as `load_model` does; `engine_args` are those of `engine_config`."""
-        config = engine_config(**engine_args)  # (checked before minutes of loading)
-        return cls(load_model(model, device=device, dtype=dtype, progress=progress, load_format=load_format,
-                              quantization=quantization, gguf_file=gguf_file), config)
+    def from_model(cls, model: str | Path | None = None, **kwargs) -> "LLMEngine":
+        """Load `model` (a short name, HF directory, .gguf or Hub id; None = the default model);
+        the keywords are the settings of LoadConfig, EngineConfig and SchedulerConfig."""
+        load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
+        return cls(load_model(model, load), config)
 
     @property
     def tokenizer(self):

@@ -15,7 +15,8 @@ from nanoinfer.loaders.dummy import dummy_params
 from nanoinfer.loaders.hf_hub import is_hub_id, resolve_hub_model
 from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 from nanoinfer.model import Params
-from nanoinfer.placement import resolve_device, resolve_dtype
+from nanoinfer.placement import DTYPES, resolve_device, resolve_dtype
+from nanoinfer.settings import check_settings, setting, split_kwargs
 from nanoinfer.loaders.quantize import quantize_params
 
 if TYPE_CHECKING:
@@ -29,6 +30,28 @@ LOAD_FORMATS = ("auto", "dummy")
 # the CPU, as llama.cpp runs it (unless a float dtype is asked for: then its exact weights in
 # that dtype), fp8 for an FP8 checkpoint, else none.
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How a checkpoint is loaded: `load_model`'s options, declared once (each a keyword of
+    load_model, LLM and AsyncEngine.from_model, a CLI flag, and a check)."""
+
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "auto (fp32 on the CPU, the checkpoint's half type on a GPU), float32, bfloat16 or "
+                                 "float16", choices=("auto", *DTYPES))
+    quantization: str = setting("auto", "how matrices are held: auto (a quantized GGUF stays packed on the CPU, as "
+                                        "llama.cpp runs it, unless --dtype names a float type; an FP8 checkpoint "
+                                        "stays fp8), none (dequantized to --dtype: the exact path), gguf, int8 or fp8 "
+                                        "(per row, any checkpoint)", choices=QUANTIZATIONS)
+    load_format: str = setting("auto", "dummy: the checkpoint's config and tokenizer with random weights (benchmarks)",
+                               choices=LOAD_FORMATS)
+    gguf_file: str | None = setting(None, "which .gguf of a Hub repository (or local directory) holding several",
+                                    optional=True)
+    progress: bool = setting(True, "progress bars while loading", flag=False)
+
+    def __post_init__(self):
+        check_settings(self)
 
 
 @dataclass(frozen=True)
@@ -48,31 +71,25 @@ class LoadedModel:
         return self.name or (name[:-len(".gguf")] if name.endswith(".gguf") else name)
 
 
-def load_model(
-    model: str | Path | None = None,
-    *,
-    device: str | torch.device = "auto",
-    dtype: str | torch.dtype = "auto",
-    progress: bool = True,
-    load_format: str = "auto",
-    quantization: str = "auto",
-    gguf_file: str | None = None,
-) -> LoadedModel:
-    """Load `model` (None = the default model) onto `device` in `dtype`, its matrices held as
-    `quantization` says (QUANTIZATIONS). `load_format` "dummy" reads the config and tokenizer
-    only and makes random weights (vLLM's option).
+def load_model(model: str | Path | None = None, config: LoadConfig | None = None, **load_args) -> LoadedModel:
+    """Load `model` (None = the default model) as `config` says, or LoadConfig's `load_args`
+    (device, dtype, quantization, load_format, gguf_file, progress; an unknown one is a
+    RequestError naming it): onto `device` in `dtype`, its matrices held as `quantization` says
+    (QUANTIZATIONS). `load_format` "dummy" reads the config and tokenizer only and makes
+    random weights (vLLM's option).
 
     Raises CheckpointError naming the file for anything wrong with the checkpoint."""
     from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
     from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
     from nanoinfer.tokenizer import Tokenizer
 
-    if load_format not in LOAD_FORMATS:
-        raise RequestError(f"load_format={load_format!r} is invalid: expected one of {list(LOAD_FORMATS)}",
-                           param="load_format")
-    if quantization not in QUANTIZATIONS:
-        raise RequestError(f"quantization={quantization!r} is invalid: expected one of {list(QUANTIZATIONS)}",
-                           param="quantization")
+    if config is None:
+        (args,) = split_kwargs(load_args, LoadConfig, what="load")
+        config = LoadConfig(**args)
+    elif load_args:
+        raise RequestError(f"load_model got a LoadConfig and {sorted(load_args)}: expected one of them")
+    device, dtype, progress = config.device, config.dtype, config.progress
+    load_format, quantization, gguf_file = config.load_format, config.quantization, config.gguf_file
     dummy = load_format == "dummy"
     name = DEFAULT_MODEL if model is None else str(model)
     path = resolve_model_name(name, quiet=not progress) if name in KNOWN_MODELS else Path(name).expanduser()
