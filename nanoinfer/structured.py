@@ -203,8 +203,9 @@ class Grammars:
 
     def compile(self, spec: GrammarSpec) -> "Future[None]":
         """Compile `spec` on the compile thread unless it is cached: a future whose result()
-        is None, or raises RequestError naming what makes it unusable. The first compile
-        also builds the tokenizer's tables (~1-3 s), unless `prepare` did."""
+        is None, or raises RequestError naming what makes it unusable (a refusal is cached
+        too). The first compile also builds llguidance's tokenizer (~0.3 s), unless `prepare`
+        did."""
         with self._lock:
             hit = self._compiled.get(spec)
         if hit is not None:
