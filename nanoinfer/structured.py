@@ -22,7 +22,8 @@ compiled on one thread with a COMPILE_STACK_BYTES stack, after `GrammarSpec.chec
 has bounded what may nest there (rules, `$ref`s, bytes, choices: generous for real grammars,
 the stack holds ~10x the worst nesting they allow); the compiled grammar is cached, and each
 sequence gets a copy (copying, masking and dropping do not recurse). A grammar that is invalid,
-or whose first mask shows that no output satisfies it, is a RequestError when it is compiled.
+or whose first mask shows that no output satisfies it, or a Lark grammar whose start derives no
+finite string (nanoinfer/lark_check.py), is a RequestError when it is compiled.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Literal
 import torch
 
 from nanoinfer.errors import RequestError
+from nanoinfer.lark_check import unproductive_start
 from nanoinfer.settings import json_object
 
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -275,6 +277,11 @@ class Grammars:
             if matcher.is_error() or not (matcher.is_accepting() or first.any()):
                 raise RequestError(f"the {spec.kind} cannot constrain generation: no output satisfies it "
                                    f"(not even its first token)", param=spec.param)
+            # (one that starts but never ends, `a: "x" a`, llguidance meets only once output started)
+            unproductive = unproductive_start(spec.value) if spec.kind == "grammar" else None
+            if unproductive:
+                raise RequestError(f"the grammar cannot constrain generation: no output satisfies it (no finite "
+                                   f"string derives from rule {', '.join(unproductive[:5])})", param=spec.param)
             compiled = matcher
         except RequestError as exc:
             compiled = str(exc)

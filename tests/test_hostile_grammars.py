@@ -230,8 +230,7 @@ def test_a_ref_chain_past_the_limit_is_refused(server):
     ("response_format", {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_objects(300)}},
      "recursion limit"),
     ("guided_regex", r"[^\s\S]", "no output satisfies it"),
-    # (llguidance sees no end to `a` once it forces "x" after "x": after the first token)
-    ("structured_outputs", {"grammar": 'start: a\na: "x" a'}, "no output satisfies it|too complex to follow"),
+    ("structured_outputs", {"grammar": 'start: a\na: "x" a'}, r"no output satisfies it \(no finite string .* start, a"),
     ("structured_outputs", {"grammar": 'start: start "x"'}, "no output satisfies it"),
     ("guided_json", {"$ref": "#"}, "no output satisfies it"),
     ("guided_json", {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "no output satisfies it"),

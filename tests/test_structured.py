@@ -188,3 +188,26 @@ def test_grammars_compile_once_and_name_the_field(vocab):
             with pytest.raises(RequestError, match=message) as e:
                 grammars.compile(GrammarSpec("regex", bad, param=param)).result()
             assert e.value.param == param
+
+
+@pytest.mark.parametrize("grammar, unproductive", [
+    ('start: a\na: "x" a', ["start", "a"]),
+    ('start: start "x"', ["start"]),
+    ('start: start "x" | "y"', []),
+    ('start: e\ne: e e | e "+" e | "a" | e*', []),
+    ('start: a b\na: "x"\nb: b "y"\n  | c\nc: ("z" c)+', ["start", "b", "c"]),
+    ('start: a b\na: "x"\nb: b "y"\n  | c\nc: ("z" c)*', []),
+    ('?start: sum\n?sum: product\n  | sum "+" product -> add\n?product: NUMBER | "(" sum ")"\nNUMBER: /[0-9]+/\n'
+     'WS: / +/\n%ignore WS', []),
+    ('start: value\nvalue: dict | list | STRING\nlist : "[" [value ("," value)*] "]"\n'
+     'dict : "{" [pair ("," pair)*] "}"\npair : STRING ":" value\nSTRING: /"[^"]*"/', []),
+    ('start: x~1..3\nx: x "a"', ["start", "x"]),
+    ('start: x~0..3\nx: x "a"', []),
+    ('start: <[128000]> "x" // a comment', []),
+    ('start: NUMBER\n%import common.NUMBER', None),  # (not followed: no verdict)
+    ('start: %json {"type": "object"}', None),
+])
+def test_lark_grammars_whose_start_derives_no_string(grammar, unproductive):
+    from nanoinfer.lark_check import unproductive_start
+
+    assert unproductive_start(grammar) == unproductive
