@@ -55,7 +55,10 @@ MAX_CHOICES = 10_000  # choice strings (compiling 10,000 takes ~0.2 s; 50,000 ~4
 # and llguidance's default (2,000) failed such a grammar at its first token. Each step's work
 # stays bounded by llguidance's items-per-step limit (50,000: ~2.5 ms).
 MAX_ROW_ITEMS = 20_000
-COMPILE_STACK_BYTES = 256 << 20  # the compile thread's stack: reserved address space, touched as used
+COMPILE_STACK_BYTES = 256 << 20
+# The compiled grammars a Grammars keeps, by their specs' text: one takes ~40x its text (a 0.7 MB
+# schema ~26 MB), so at most ~300 MB however large the grammars clients send.
+CACHE_GRAMMAR_BYTES = 8 << 20  # the compile thread's stack: reserved address space, touched as used
 
 # llguidance's errors when one of its parser limits is reached (they say "items", "fuel" or "TooComplex")
 _TOO_COMPLEX = re.compile(r"Too many items|has \d+ items; max is|TooComplex|fuel|lexer states")
@@ -119,17 +122,20 @@ class GrammarSpec:
     def schema(self) -> dict | None:
         return json.loads(self.value) if self.kind == "json_schema" else None
 
+    @property
+    def size(self) -> int:
+        """Its text's bytes (a grammar's, a pattern's, a schema's JSON, the choices')."""
+        if self.kind == "choice":
+            return sum(len(c.encode()) for c in self.value)
+        return len(self.value.encode()) if isinstance(self.value, str) else 0
+
     def check_bounds(self) -> None:
         """RequestError naming the bound (MAX_*) this spec exceeds: what may nest in the
         compiler, and what takes long to compile. Pure Python: before anything native runs."""
-        if self.kind == "choice":
-            if len(self.value) > MAX_CHOICES:
-                self._too_big(f"has {len(self.value):,} strings: expected at most {MAX_CHOICES:,}")
-            size = sum(len(c.encode()) for c in self.value)
-        else:
-            size = len(self.value.encode()) if isinstance(self.value, str) else 0
-        if size > MAX_GRAMMAR_BYTES:
-            self._too_big(f"is {size:,} bytes: expected at most {MAX_GRAMMAR_BYTES:,}")
+        if self.kind == "choice" and len(self.value) > MAX_CHOICES:
+            self._too_big(f"has {len(self.value):,} strings: expected at most {MAX_CHOICES:,}")
+        if self.size > MAX_GRAMMAR_BYTES:
+            self._too_big(f"is {self.size:,} bytes: expected at most {MAX_GRAMMAR_BYTES:,}")
         if self.kind in ("json_schema", "grammar"):
             refs = self.value.count('"$ref"')
             if refs > MAX_SCHEMA_REFS:
@@ -194,8 +200,10 @@ class Grammars:
     Compiling runs on one thread of its own (its stack: COMPILE_STACK_BYTES), queued: callers
     wait on a future (`compile`), or block (`check`, `constraint`)."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
-        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, cache_bytes: int = CACHE_GRAMMAR_BYTES):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self._cached_bytes = 0  # the cached specs' sizes (CACHE_GRAMMAR_BYTES says why)
         self._llm_tokenizer = None  # (written and read on the compile thread only)
         # spec -> a compiled matcher that has consumed nothing, or the message saying why it cannot be one
         self._compiled: dict[GrammarSpec, Any] = {}
@@ -287,9 +295,13 @@ class Grammars:
             compiled = str(exc)
         if not fresh:
             with self._lock:
-                if len(self._compiled) >= self.cache_size:
-                    self._compiled.pop(next(iter(self._compiled)))
+                while self._compiled and (len(self._compiled) >= self.cache_size
+                                          or self._cached_bytes + spec.size > self.cache_bytes):
+                    oldest = next(iter(self._compiled))
+                    del self._compiled[oldest]
+                    self._cached_bytes -= oldest.size
                 self._compiled[spec] = compiled
+                self._cached_bytes += spec.size
         if isinstance(compiled, str):
             raise RequestError(compiled, param=spec.param)
         return compiled

@@ -211,3 +211,19 @@ def test_lark_grammars_whose_start_derives_no_string(grammar, unproductive):
     from nanoinfer.lark_check import unproductive_start
 
     assert unproductive_start(grammar) == unproductive
+
+
+def test_the_compiled_grammars_kept_are_bounded_by_their_text(vocab):
+    """A Grammars keeps compiled grammars up to `cache_bytes` of spec text (one compiled takes
+    ~40x its text); one dropped is compiled again when a sequence needs it."""
+    from nanoinfer.structured import Grammars
+
+    tokenizer, _, size = vocab
+    grammars = Grammars(tokenizer, size, cache_bytes=20)
+    specs = [GrammarSpec("regex", f"[a-c]{{{i}}}xyz") for i in range(1, 5)]  # 10 bytes each
+    for spec in specs:
+        grammars.check(spec)
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    for spec in specs:
+        constraint = grammars.constraint(spec)
+        assert constraint.consume(a) and not constraint.done
