@@ -13,24 +13,56 @@ while constrained sequences run, not their masks' host time).
 
 Whitespace inside JSON is not free (`whitespace_flexible` off): OpenAI's strict JSON mode
 emits compact JSON, and a model cannot then pad an answer forever.
+
+Grammars come from clients, so compiling one must never end the process: llguidance's
+compiler recurses once per level of rule or `$ref` nesting (a Lark chain `r0: r1`, `r1: r2`,
+... takes ~3 KB of stack a level, a `$ref` chain through object properties ~9 KB), and a
+chain of ~2,500 rules overflowed an 8 MB thread stack (a segfault). So every grammar is
+compiled on one thread with a COMPILE_STACK_BYTES stack, after `GrammarSpec.check_bounds`
+has bounded what may nest there (rules, `$ref`s, bytes, choices: generous for real grammars,
+the stack holds ~10x the worst nesting they allow); the compiled grammar is cached, and each
+sequence gets a copy (copying, masking and dropping do not recurse). A grammar that is invalid,
+or whose first mask shows that no output satisfies it, or a Lark grammar whose start derives no
+finite string (nanoinfer/lark_check.py), is a RequestError when it is compiled.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from nanoinfer.errors import RequestError
+from nanoinfer.lark_check import unproductive_start
 from nanoinfer.settings import json_object
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+# Bounds on what a client's grammar may hold, checked before llguidance sees it (see above).
+MAX_GRAMMAR_BYTES = 2 << 20  # a Lark grammar's, a regex's, a schema's JSON text or the choices together
+MAX_GRAMMAR_RULES = 10_000  # Lark rule and terminal definitions (each may nest the next: ~3 KB of stack)
+MAX_SCHEMA_REFS = 10_000  # `$ref`s in a schema or a Lark grammar's inline %json (each ~9 KB of stack)
+MAX_CHOICES = 10_000  # choice strings (compiling 10,000 takes ~0.2 s; 50,000 ~4 s)
+# Earley items one row may hold: an anyOf, enum or choice of n alternatives makes a row of ~n,
+# and llguidance's default (2,000) failed such a grammar at its first token. Each step's work
+# stays bounded by llguidance's items-per-step limit (50,000: ~2.5 ms).
+MAX_ROW_ITEMS = 20_000
+COMPILE_STACK_BYTES = 256 << 20
+# The compiled grammars a Grammars keeps, by their specs' text: one takes ~40x its text (a 0.7 MB
+# schema ~26 MB), so at most ~300 MB however large the grammars clients send.
+CACHE_GRAMMAR_BYTES = 8 << 20  # the compile thread's stack: reserved address space, touched as used
+
+# llguidance's errors when one of its parser limits is reached (they say "items", "fuel" or "TooComplex")
+_TOO_COMPLEX = re.compile(r"Too many items|has \d+ items; max is|TooComplex|fuel|lexer states")
+_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_]\w*[^:\n]*:", re.M)  # (a Lark item starts a line)
 
 
 @dataclass(frozen=True)
@@ -39,20 +71,27 @@ class GrammarSpec:
     json_schema (`value`: the schema, a dict or its JSON text), regex (`value`: the pattern,
     Rust regex syntax as llguidance reads it), choice (`value`: the strings, one of which is
     the output) or grammar (`value`: a Lark grammar, llguidance's dialect). Hashable: a schema
-    is kept as its JSON text, choices as a tuple."""
+    is kept as its JSON text, choices as a tuple. `param`: the request field it came from, which
+    its errors name (not part of its identity: equal specs share one compilation)."""
 
     kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
     value: Any = None
+    param: str = field(default="", compare=False)
 
     def __post_init__(self):
-        param = "choice" if self.kind == "choice" else "response_format"
+        if not self.param:
+            object.__setattr__(self, "param", "choice" if self.kind == "choice" else "response_format")
+        param = self.param
         if self.kind not in KINDS:
             raise RequestError(f"structured output kind {self.kind!r} is not supported: expected one of "
-                               f"{list(KINDS)}", param="response_format")
+                               f"{list(KINDS)}", param=param)
         value = self.value
         if self.kind == "json_schema":
-            value = json.dumps(json_object(value, "json_schema", "a JSON schema (an object)", param),
-                               ensure_ascii=False)  # (key order kept: it orders the output's keys)
+            try:
+                value = json.dumps(json_object(value, "json_schema", "a JSON schema (an object)", param),
+                                   ensure_ascii=False)  # (key order kept: it orders the output's keys)
+            except RecursionError as exc:
+                raise RequestError("json_schema nests too deeply", param=param) from exc
         elif self.kind == "choice":
             if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
                 raise RequestError(f"choice must be a non-empty list of strings, got {value!r}", param=param)
@@ -77,14 +116,49 @@ class GrammarSpec:
         if unknown or len(given) != 1:
             raise RequestError(f"{param} must hold exactly one of {list(names)}, got {sorted(value)}", param=param)
         kind = names[given[0]]
-        return cls(kind, None if kind == "json_object" else value[given[0]])
+        return cls(kind, None if kind == "json_object" else value[given[0]], param=param)
 
     @property
     def schema(self) -> dict | None:
         return json.loads(self.value) if self.kind == "json_schema" else None
 
+    @property
+    def size(self) -> int:
+        """Its text's bytes (a grammar's, a pattern's, a schema's JSON, the choices')."""
+        if self.kind == "choice":
+            return sum(len(c.encode()) for c in self.value)
+        return len(self.value.encode()) if isinstance(self.value, str) else 0
+
+    def check_bounds(self) -> None:
+        """RequestError naming the bound (MAX_*) this spec exceeds: what may nest in the
+        compiler, and what takes long to compile. Pure Python: before anything native runs."""
+        if self.kind == "choice" and len(self.value) > MAX_CHOICES:
+            self._too_big(f"has {len(self.value):,} strings: expected at most {MAX_CHOICES:,}")
+        if self.size > MAX_GRAMMAR_BYTES:
+            self._too_big(f"is {self.size:,} bytes: expected at most {MAX_GRAMMAR_BYTES:,}")
+        if self.kind in ("json_schema", "grammar"):
+            refs = self.value.count('"$ref"')
+            if refs > MAX_SCHEMA_REFS:
+                self._too_big(f"has {refs:,} $refs: expected at most {MAX_SCHEMA_REFS:,} (each may nest the next)")
+        if self.kind == "grammar":
+            rules = len(_RULE_DEFINITION.findall(self.value))
+            if rules > MAX_GRAMMAR_RULES:
+                self._too_big(f"defines {rules:,} rules: expected at most {MAX_GRAMMAR_RULES:,} (each may nest "
+                              f"the next)")
+
+    def _too_big(self, what: str):
+        raise RequestError(f"the {self.kind} {what}", param=self.param)
+
     def grammar(self) -> str:
-        """The llguidance grammar; RequestError naming a bad schema, pattern or grammar."""
+        """The llguidance grammar (within `check_bounds`); RequestError naming a bad schema,
+        pattern or grammar. Validated by compiling it: see `Grammars`."""
+        self.check_bounds()
+        try:
+            return self._grammar()
+        except ValueError as exc:  # (llguidance reading a schema: "recursion limit exceeded", say)
+            raise RequestError(f"the {self.kind} cannot constrain generation: {exc}", param=self.param) from exc
+
+    def _grammar(self) -> str:
         from llguidance import LLMatcher
 
         if self.kind == "json_object":
@@ -97,10 +171,6 @@ class GrammarSpec:
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
         else:
             grammar = LLMatcher.grammar_from_lark(self.value)
-        error = LLMatcher.validate_grammar(grammar)
-        if error and not error.startswith("WARNING"):
-            raise RequestError(f"the {self.kind} cannot constrain generation: {error}",
-                               param="choice" if self.kind == "choice" else "response_format")
         return grammar
 
 
@@ -125,49 +195,132 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 class Grammars:
     """A model's grammar compiler: llguidance's view of its tokenizer (built on first use),
-    and the grammars of recent specs (a request is checked where it is submitted, then its
-    sequences constrained where they run: one compilation)."""
+    and the compiled grammars of recent specs (a request is checked where it is submitted,
+    then each of its sequences constrained by a copy where they run: one compilation).
+    Compiling runs on one thread of its own (its stack: COMPILE_STACK_BYTES), queued: callers
+    wait on a future (`compile`), or block (`check`, `constraint`)."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
-        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
-        self._llm_tokenizer = None
-        self._grammars: dict[GrammarSpec, str] = {}
-        self._lock = threading.Lock()  # (the event loop checks requests while the engine thread runs them)
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, cache_bytes: int = CACHE_GRAMMAR_BYTES):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self._cached_bytes = 0  # the cached specs' sizes (CACHE_GRAMMAR_BYTES says why)
+        self._llm_tokenizer = None  # (written and read on the compile thread only)
+        # spec -> a compiled matcher that has consumed nothing, or the message saying why it cannot be one
+        self._compiled: dict[GrammarSpec, Any] = {}
+        self._lock = threading.Lock()  # guards _compiled and _compiler (the engine thread and the server's use them)
+        self._compiler: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance's thread pool, made on first use
 
-    def constraint(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh Constraint for `spec`; RequestError naming what makes it unusable."""
+    def compile(self, spec: GrammarSpec) -> "Future[None]":
+        """Compile `spec` on the compile thread unless it is cached: a future whose result()
+        is None, or raises RequestError naming what makes it unusable (a refusal is cached
+        too). The first compile also builds llguidance's tokenizer (~0.3 s), unless `prepare`
+        did."""
         with self._lock:
-            self._build_tokenizer()
-            grammar = self._grammars.get(spec)
-            if grammar is None:
-                grammar = spec.grammar()
-                if len(self._grammars) >= self.cache_size:
-                    self._grammars.pop(next(iter(self._grammars)))
-                self._grammars[spec] = grammar
-        return Constraint(self._llm_tokenizer, spec, grammar)
+            hit = self._compiled.get(spec)
+        if hit is not None:
+            future = Future()
+            if isinstance(hit, str):
+                future.set_exception(RequestError(hit, param=spec.param))
+            else:
+                future.set_result(None)
+            return future
+        return self._compiler_().submit(self._compile, spec)
+
+    def check(self, spec: GrammarSpec) -> None:
+        """`compile(spec)`, waited for."""
+        self.compile(spec).result()
+
+    def constraint(self, spec: GrammarSpec) -> "Constraint":
+        """A fresh Constraint for `spec` (compiled first if need be); RequestError naming
+        what makes it unusable."""
+        self.check(spec)
+        with self._lock:
+            compiled = self._compiled.get(spec)
+        if not isinstance(compiled, str) and compiled is not None:
+            return Constraint.of(spec, compiled.deep_copy())
+        return Constraint.of(spec, self._compiler_().submit(self._compile, spec, True).result())
 
     def prepare(self) -> None:
-        """Build llguidance's view of the tokenizer and its token tables now: ~2 s once for a
-        49k vocabulary, which the first structured request would otherwise wait for, and
-        everything queued with it (a server calls this on a thread at startup). Nothing when
-        this model cannot have structured output."""
+        """Build llguidance's view of the tokenizer now (~0.3 s, holding the GIL: a server
+        calls this before it serves), and its token tables on the compile thread, which the
+        first structured request would otherwise wait for. Nothing when this model cannot have
+        structured output."""
         try:
-            with self._lock:
-                self._build_tokenizer()
+            tokenizer = self._new_tokenizer("response_format")
         except RequestError:
-            pass
-
-    def _build_tokenizer(self) -> None:
-        if self._llm_tokenizer is not None:
             return
+        self._compiler_().submit(self._warm, tokenizer)
+
+    def _compiler_(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._compiler is None:
+                # One thread, started now so that it is made with the big stack (the setting is
+                # process-wide: restored at once; a thread started meanwhile gets a big stack too).
+                previous = threading.stack_size(COMPILE_STACK_BYTES)
+                try:
+                    self._compiler = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammars")
+                    self._compiler.submit(lambda: None).result()
+                finally:
+                    threading.stack_size(previous)
+            return self._compiler
+
+    def _compile(self, spec: GrammarSpec, fresh: bool = False):
+        """On the compile thread: the compiled matcher for `spec`, cached (a fresh one, not
+        cached, with `fresh`: the cache dropped it meanwhile); RequestError, cached too,
+        naming what makes it unusable."""
+        with self._lock:
+            hit = self._compiled.get(spec)
+        if hit is not None and not fresh:
+            if isinstance(hit, str):
+                raise RequestError(hit, param=spec.param)
+            return hit
+        self._build_tokenizer(spec.param)
+        try:
+            matcher = Constraint(self._llm_tokenizer, spec).matcher
+            # llguidance finds no token to start an empty language with (a regex [^\s\S], a rule
+            # that only calls itself): better a 400 now than a failure once generation started.
+            first = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+            _fill_row(matcher, first, 0)
+            if matcher.is_error() or not (matcher.is_accepting() or first.any()):
+                raise RequestError(f"the {spec.kind} cannot constrain generation: no output satisfies it "
+                                   f"(not even its first token)", param=spec.param)
+            # (one that starts but never ends, `a: "x" a`, llguidance meets only once output started)
+            unproductive = unproductive_start(spec.value) if spec.kind == "grammar" else None
+            if unproductive:
+                raise RequestError(f"the grammar cannot constrain generation: no output satisfies it (no finite "
+                                   f"string derives from rule {', '.join(unproductive[:5])})", param=spec.param)
+            compiled = matcher
+        except RequestError as exc:
+            compiled = str(exc)
+        if not fresh:
+            with self._lock:
+                while self._compiled and (len(self._compiled) >= self.cache_size
+                                          or self._cached_bytes + spec.size > self.cache_bytes):
+                    oldest = next(iter(self._compiled))
+                    del self._compiled[oldest]
+                    self._cached_bytes -= oldest.size
+                self._compiled[spec] = compiled
+                self._cached_bytes += spec.size
+        if isinstance(compiled, str):
+            raise RequestError(compiled, param=spec.param)
+        return compiled
+
+    def _build_tokenizer(self, param: str) -> None:
+        if self._llm_tokenizer is None:
+            self._warm(self._new_tokenizer(param))
+
+    def _new_tokenizer(self, param: str):
         if self.tokenizer is None:
-            raise RequestError("structured output needs the model's tokenizer, and this model has none",
-                               param="response_format")
-        tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
-        # (the token tables are built on the first mask: build them here, with any grammar)
-        Constraint(tokenizer, GrammarSpec("regex", "a")).fill(allocate_bitmask(1, self.vocab_size), 0)
-        self._llm_tokenizer = tokenizer
+            raise RequestError("structured output needs the model's tokenizer, and this model has none", param=param)
+        return grammar_tokenizer(self.tokenizer, self.vocab_size)
+
+    def _warm(self, tokenizer) -> None:
+        """On the compile thread: use `tokenizer` from now on, its token tables built (on
+        the first mask: here, with any grammar)."""
+        if self._llm_tokenizer is None:
+            Constraint(tokenizer, GrammarSpec("regex", "a")).fill(allocate_bitmask(1, self.vocab_size), 0)
+            self._llm_tokenizer = tokenizer
 
     def consume(self, pairs: list[tuple["Constraint", int]]) -> list[bool]:
         """`Constraint.consume` for each (constraint, token), in parallel: whether each token
@@ -205,16 +358,28 @@ class Constraint:
     """One sequence's grammar state: the tokens it has consumed so far."""
 
     def __init__(self, llm_tokenizer, spec: GrammarSpec, grammar: str | None = None):
-        from llguidance import LLMatcher
+        """`spec` compiled here, on this thread (`Grammars.constraint` compiles on its own
+        thread, once per spec)."""
+        from llguidance import LLMatcher, LLParserLimits
 
         self.spec = spec
-        self.matcher = LLMatcher(llm_tokenizer, grammar if grammar is not None else spec.grammar(), log_level=0)
-        self._check("compiling the grammar")
+        # (terse errors: a verbose one holds the parser's state and the whole grammar, for every log line)
+        self.matcher = LLMatcher(llm_tokenizer, grammar if grammar is not None else spec.grammar(), log_level=0,
+                                 limits=LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ROW_ITEMS))
+        if self.matcher.is_error():
+            raise RequestError(f"the {spec.kind} cannot constrain generation: {self.error}", param=spec.param)
+
+    @classmethod
+    def of(cls, spec: GrammarSpec, matcher) -> "Constraint":
+        """Over a compiled matcher (that has consumed nothing): `spec`'s."""
+        constraint = cls.__new__(cls)
+        constraint.spec, constraint.matcher = spec, matcher
+        return constraint
 
     def _check(self, doing: str) -> None:
         if self.matcher.is_error():
             raise RequestError(f"{self.spec.kind} constraint failed {doing}: {self.matcher.get_error()}",
-                               param="response_format")
+                               param=self.spec.param)
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:
         """Row `row` of host `bitmask`: the tokens the grammar allows next; with `drafts` (a
@@ -222,11 +387,9 @@ class Constraint:
         before it. Rows past a draft the grammar rejects are left as they are: verification
         rejects that draft (its probability is 0), so they are never read. (One row at a
         time, on this thread: the reference for `Grammars.fill`, which the engine uses.)"""
-        from llguidance.torch import fill_next_token_bitmask
-
         valid = self.matcher.validate_tokens(drafts) if drafts else 0
         for i in range(valid + 1):
-            fill_next_token_bitmask(self.matcher, bitmask, row + i)
+            _fill_row(self.matcher, bitmask, row + i)
             self._check("computing the next tokens")
             if i < valid:
                 self.matcher.consume_token(drafts[i])
@@ -240,7 +403,14 @@ class Constraint:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error() or "the token does not continue it"
+        error = self.matcher.get_error().replace("<non-verbose/>", "").strip()
+        return error or "the token does not continue it"
+
+    @property
+    def too_complex(self) -> bool:
+        """llguidance gave up on the grammar at this point of the output: one of its limits
+        (Earley items in a row or a step, lexer states or fuel) was reached."""
+        return self.matcher.is_error() and bool(_TOO_COMPLEX.search(self.matcher.get_error()))
 
     @property
     def finished(self) -> bool:
@@ -251,6 +421,14 @@ class Constraint:
     def done(self) -> bool:
         """The output may end here (more may follow: a regex `[0-9]+`, say)."""
         return self.matcher.is_stopped() or self.matcher.is_accepting()
+
+
+def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """Row `row` of host int32 `bitmask`: what `matcher` allows next. (llguidance.torch has
+    this too, but importing it imports torch.compile's machinery: seconds, holding the GIL.)"""
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+    words = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -81,7 +81,7 @@ def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
     for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                        ("guided_grammar", "grammar")):
         if getattr(req, name) is not None:
-            given.append((name, GrammarSpec(kind, getattr(req, name))))
+            given.append((name, GrammarSpec(kind, getattr(req, name), param=name)))
     if len(given) > 1:
         raise RequestError(f"{given[0][0]} and {given[1][0]} both constrain the output: expected one",
                            param=given[1][0])
@@ -199,7 +199,8 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer) -> ChatInputs:
             if params.structured_outputs is not None:
                 raise RequestError(f"tool_choice={req.tool_choice!r} constrains the output, and so does the request's "
                                    f"structured output: expected one", param="tool_choice")
-            params = dataclasses.replace(params, structured_outputs=tools.grammar)
+            # (its errors name `tools`: the grammar is built from them)
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(tools.grammar, param="tools"))
     return ChatInputs(messages, kwargs, params, tools)
 
 

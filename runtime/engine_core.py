@@ -139,7 +139,7 @@ class EngineCore:
                 f"{self.blocks.num_blocks * self.blocks.block_size}: lower max_tokens or raise num_blocks",
                 param="max_tokens")
         if params.structured_outputs is not None:
-            self.grammars.constraint(params.structured_outputs)  # (compiled and cached; a bad one is named)
+            self.grammars.check(params.structured_outputs)  # (compiled and cached; a bad one is named)
         return ids
 
     def _max_total(self, ids: list[int], params: SamplingParams) -> int:
@@ -543,7 +543,11 @@ class EngineCore:
         return TokenOutput(seq, token, True, logprob, prompt_logprobs)
 
     @staticmethod
-    def _off_grammar(seq: Sequence, token: int) -> RequestFailed:
+    def _off_grammar(seq: Sequence, token: int) -> Exception:
+        constraint = seq.constraint
+        if constraint.too_complex:  # the client's grammar, not our fault (a 400)
+            return RequestError(f"the {constraint.spec.kind} is too complex to follow after {seq.num_output_tokens} "
+                                f"output tokens ({constraint.error}): simplify it", param=constraint.spec.param)
         return RequestFailed(f"token {token} does not continue this request's {seq.constraint.spec.kind} "
                              f"({seq.constraint.error}): its grammar left nothing to sample (min_tokens, logit_bias "
                              f"or stop_token_ids against what the grammar requires?)")

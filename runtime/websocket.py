@@ -154,7 +154,7 @@ class ChatSocket:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             req = msgspec.structs.replace(self.srv.parse(body, api.ChatCompletionRequest), stream=True)  # (always)
-            handles, out = self.srv.submit_chat(rid, req)
+            handles, out = await self.srv.submit_chat(rid, req)
             for chunk in out.start():
                 await self.send(api.WsServerMessage("chunk", request_id, chunk))
             async for position, delta in self.srv.engine.merge(handles):

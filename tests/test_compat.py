@@ -123,11 +123,13 @@ def test_required_tools_schema_keeps_each_tools_defs(live_server):
             jsonschema.validate(bad, schema)
 
 
-def test_a_tool_schema_with_a_dangling_ref_is_a_400_naming_tools(client, live_server):
-    broken = {"type": "function", "function": {"name": "broken", "parameters": {
-        "type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}}}}
+@pytest.mark.parametrize("parameters", [{"type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}},
+                                        {"type": "object", "properties": {"x": {"type": "frobnicate"}}}])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "broken"}}])
+def test_a_bad_tool_schema_is_a_400_naming_tools(client, live_server, parameters, tool_choice):
+    broken = {"type": "function", "function": {"name": "broken", "parameters": parameters}}
     r = post(live_server, "/v1/chat/completions", {"messages": MESSAGES, "tools": [broken],
-                                                    "tool_choice": "required"})
+                                                    "tool_choice": tool_choice})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     still_serves(client)
 

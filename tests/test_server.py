@@ -122,7 +122,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}}).encode(), 400,
      "response_format"),
-    ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(unclosed"}).encode(), 400, "response_format"),
+    ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(unclosed"}).encode(), 400, "guided_regex"),
     ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "response_format": {
         "type": "json_object"}}).encode(), 400, "guided_choice"),
     ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {

@@ -145,3 +145,85 @@ def test_parallel_fill_with_drafts_equals_one_row_at_a_time(vocab):
     for a, b, _, _ in rows:  # rolled back: both accept the same next token
         token = tokenizer.encode('"', add_special_tokens=False)[0]
         assert a.matcher.validate_tokens([token]) == b.matcher.validate_tokens([token])
+
+
+def test_bounds_are_checked_before_anything_native():
+    """A grammar's size, rules, $refs and choices are bounded in Python, the bound named with
+    the field the client sent (llguidance's compiler recursed once per nested rule or $ref, and
+    overflowed its stack on a few thousand: see nanoinfer/structured.py)."""
+    from nanoinfer import structured
+
+    chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(structured.MAX_GRAMMAR_RULES)) + '\nr_end: "x"'
+    with pytest.raises(RequestError, match=r"defines 10,00\d rules: expected at most 10,000") as e:
+        GrammarSpec("grammar", chain, param="guided_grammar").check_bounds()
+    assert e.value.param == "guided_grammar"
+    GrammarSpec("grammar", chain.split("\nr9990:")[0]).check_bounds()
+    refs = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(structured.MAX_SCHEMA_REFS + 1)}}
+    with pytest.raises(RequestError, match=r"10,001 \$refs: expected at most 10,000"):
+        GrammarSpec.parse({"json": refs}).check_bounds()
+    choices = [str(i) for i in range(structured.MAX_CHOICES)]
+    GrammarSpec("choice", choices).check_bounds()
+    with pytest.raises(RequestError, match=r"10,001 strings: expected at most 10,000") as e:
+        GrammarSpec("choice", choices + ["x"]).check_bounds()
+    assert e.value.param == "choice"
+    with pytest.raises(RequestError, match=r"regex is 2,097,153 bytes: expected at most 2,097,152") as e:
+        GrammarSpec.parse({"regex": "a" * (structured.MAX_GRAMMAR_BYTES + 1)}).check_bounds()
+    assert e.value.param == "structured_outputs"
+
+
+def test_grammars_compile_once_and_name_the_field(vocab):
+    """Grammars compiles on its own thread, once per spec (a refusal too), and names the field
+    the spec came from; a language with no string is refused when compiled."""
+    from nanoinfer.structured import Grammars
+
+    tokenizer, _, size = vocab
+    grammars = Grammars(tokenizer, size)
+    spec = GrammarSpec("regex", "[a-c]{2}", param="guided_regex")
+    grammars.check(spec)
+    a, b = grammars.constraint(spec), grammars.constraint(GrammarSpec("regex", "[a-c]{2}"))
+    assert a.matcher is not b.matcher  # (copies of one compiled grammar)
+    assert a.consume(tokenizer.encode("a", add_special_tokens=False)[0]) and not b.done
+    for bad, message in [(r"[^\s\S]", "no output satisfies it"), ("(unclosed", "cannot constrain generation")]:
+        for param in ("guided_regex", "structured_outputs"):  # (the second from the cache)
+            with pytest.raises(RequestError, match=message) as e:
+                grammars.compile(GrammarSpec("regex", bad, param=param)).result()
+            assert e.value.param == param
+
+
+@pytest.mark.parametrize("grammar, unproductive", [
+    ('start: a\na: "x" a', ["start", "a"]),
+    ('start: start "x"', ["start"]),
+    ('start: start "x" | "y"', []),
+    ('start: e\ne: e e | e "+" e | "a" | e*', []),
+    ('start: a b\na: "x"\nb: b "y"\n  | c\nc: ("z" c)+', ["start", "b", "c"]),
+    ('start: a b\na: "x"\nb: b "y"\n  | c\nc: ("z" c)*', []),
+    ('?start: sum\n?sum: product\n  | sum "+" product -> add\n?product: NUMBER | "(" sum ")"\nNUMBER: /[0-9]+/\n'
+     'WS: / +/\n%ignore WS', []),
+    ('start: value\nvalue: dict | list | STRING\nlist : "[" [value ("," value)*] "]"\n'
+     'dict : "{" [pair ("," pair)*] "}"\npair : STRING ":" value\nSTRING: /"[^"]*"/', []),
+    ('start: x~1..3\nx: x "a"', ["start", "x"]),
+    ('start: x~0..3\nx: x "a"', []),
+    ('start: <[128000]> "x" // a comment', []),
+    ('start: NUMBER\n%import common.NUMBER', None),  # (not followed: no verdict)
+    ('start: %json {"type": "object"}', None),
+])
+def test_lark_grammars_whose_start_derives_no_string(grammar, unproductive):
+    from nanoinfer.lark_check import unproductive_start
+
+    assert unproductive_start(grammar) == unproductive
+
+
+def test_the_compiled_grammars_kept_are_bounded_by_their_text(vocab):
+    """A Grammars keeps compiled grammars up to `cache_bytes` of spec text (one compiled takes
+    ~40x its text); one dropped is compiled again when a sequence needs it."""
+    from nanoinfer.structured import Grammars
+
+    tokenizer, _, size = vocab
+    grammars = Grammars(tokenizer, size, cache_bytes=20)
+    specs = [GrammarSpec("regex", f"[a-c]{{{i}}}xyz") for i in range(1, 5)]  # 10 bytes each
+    for spec in specs:
+        grammars.check(spec)
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    for spec in specs:
+        constraint = grammars.constraint(spec)
+        assert constraint.consume(a) and not constraint.done
