@@ -128,14 +128,34 @@ class AsyncEngine:
         `chat_template_kwargs`: variables and flags for a messages prompt's chat template (see
         `LLMEngine.new_request`). `stream` false: the request's output comes once, at its end
         (a consumer that only `collect`s wakes once)."""
+        self._check_open(request_id)
+        return self._queue(self.engine.new_request(prompt, params, request_id=request_id, priority=priority,
+                                                   chat_template_kwargs=chat_template_kwargs, stream=stream))
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                      priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
+                      ) -> RequestState:
+        """`submit`'s checks, with the prompt rendered and tokenized on a thread, so that a long
+        prompt (a chat with 2,000 tools, a megabyte of text) never stalls the event loop; queue
+        the request with `enqueue` (the server's way: every prompt of a request checked first)."""
+        self._check_open(request_id)
+        return await asyncio.to_thread(self.engine.new_request, prompt, params, request_id=request_id,
+                                       priority=priority, chat_template_kwargs=chat_template_kwargs, stream=stream)
+
+    def enqueue(self, state: RequestState) -> RequestHandle:
+        """Queue a request made by `prepare`; consume it as one from `submit`."""
+        self._check_open(state.request_id)  # (again: the engine or the id may have changed meanwhile)
+        return self._queue(state)
+
+    def _check_open(self, request_id: str | None) -> None:
         if self._worker is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if self._fatal is not None:
             raise EngineError(f"the engine is unhealthy (restart it): {self._fatal!r}") from self._fatal
         if request_id is not None and str(request_id) in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
-        state = self.engine.new_request(prompt, params, request_id=request_id, priority=priority,
-                                        chat_template_kwargs=chat_template_kwargs, stream=stream)
+
+    def _queue(self, state: RequestState) -> RequestHandle:
         while state.request_id in self._requests:  # (an automatic id that a caller's took)
             state.request_id = f"{state.request_id}+"
         request = RequestHandle(state)

@@ -217,15 +217,18 @@ class _Server:
         if wanted > self.max_pending:
             raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
                                  f"more than this server admits at once ({self.max_pending})", param="n")
+        # Rendered and tokenized off the event loop, every prompt checked before any is queued.
+        states = [await self.engine.prepare(prompt, params, rid if len(prompts) == 1 else f"{rid}-{i}",
+                                            chat_template_kwargs=chat_template_kwargs, stream=stream)
+                  for i, prompt in enumerate(prompts)]
+        self.check_open()
         if self.engine.num_seqs_in_flight + wanted > self.max_pending:
             raise HTTPError(503, f"the server is at its limit of {self.max_pending} queued sequences; retry later",
                             type_="overloaded_error", headers={"Retry-After": "1"})
         handles = []
         try:
-            for i, prompt in enumerate(prompts):
-                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                handles.append(self.engine.submit(prompt, params, request_id=request_id,
-                                                  chat_template_kwargs=chat_template_kwargs, stream=stream))
+            for state in states:
+                handles.append(self.engine.enqueue(state))
         except BaseException:
             for handle in handles:
                 self.engine.release(handle)
