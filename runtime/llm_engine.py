@@ -155,15 +155,16 @@ class LLMEngine:
             state.file(out, now)
             touched[id(state)] = state
         results = []
-        for state in touched.values():
+        for state in touched.values():  # (every running request, every step: kept lean)
             out = state.take()
-            for index in state.stopped:  # a stop string ended it: finish it here, free its blocks
-                self.core.abort_request(state, "stop", index)
-            state.stopped.clear()
+            if state.stopped:  # a stop string ended a completion: finish it here, free its blocks
+                for index in state.stopped:
+                    self.core.abort_request(state, "stop", index)
+                state.stopped.clear()
             if out is not None:
                 results.append((state, out))
-            if state.done and self.requests.get(state.request_id) is state:
-                del self.requests[state.request_id]
+                if out.finished and self.requests.get(state.request_id) is state:
+                    del self.requests[state.request_id]
         return results
 
     def _fail_all(self, exc: Exception) -> list:

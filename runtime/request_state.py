@@ -41,6 +41,7 @@ class RequestState:
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.priority, self.stream = priority, stream
         self.completions = [_Completion(self._detokenizer(tokenizer)) for _ in range(params.n)]
+        self.num_unfinished = params.n  # completions without a finish reason (read at every step)
         self.prompt_logprobs: tuple | None = None
         self._prompt_logprobs_sent = False
         self.error: BaseException | None = None
@@ -64,7 +65,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        return self.num_unfinished == 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -79,10 +80,8 @@ class RequestState:
     def file(self, out: TokenOutput, now: float) -> None:
         """One completion's progress in one step: its token, its end, or the request's failure."""
         seq = out.seq
-        if self.scheduled_at is None:
-            self.scheduled_at = seq.scheduled_at
-        if seq.index == 0:
-            self.cached_tokens = seq.num_cached_tokens
+        if self.scheduled_at is None:  # (the first output is completion 0's, which found the prefix cache)
+            self.scheduled_at, self.cached_tokens = seq.scheduled_at, seq.num_cached_tokens
         if seq.error is not None:
             self.end("error", seq.error)
             return
@@ -101,8 +100,7 @@ class RequestState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            c.finish_reason = seq.finish_reason
-            self._note_end()
+            self._finish(c, seq.finish_reason)
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
         """End every unfinished completion with `reason` (an abort, or the engine failing it
@@ -111,12 +109,14 @@ class RequestState:
         if error is not None and self.error is None and unfinished:
             self.error = error
         for c in unfinished:
-            c.finish_reason = reason
-        self._note_end()
+            self._finish(c, reason)
 
-    def _note_end(self) -> None:
-        if self.finished and self.finished_at is None:
-            self.finished_at = time.monotonic()
+    def _finish(self, c: _Completion, reason: str) -> None:
+        if c.finish_reason is None:
+            self.num_unfinished -= 1
+            if self.num_unfinished == 0:
+                self.finished_at = time.monotonic()
+        c.finish_reason = reason
 
     # -- to the caller ------------------------------------------------------------------------
 
@@ -126,6 +126,8 @@ class RequestState:
         string ended is listed in `stopped` (its tokens past the stop are dropped)."""
         if self.error is not None:
             return self._failed()
+        if not (self.stream or self.num_unfinished == 0 or self.params.stop):
+            return None  # (waiting for its end, no stop strings: nothing to do at this step)
         feed = self.stream or bool(self.params.stop) or self.finished
         for index, c in enumerate(self.completions):
             if c.detok is None:
@@ -141,8 +143,7 @@ class RequestState:
                     del c.logprobs[c.fed:]
                     if c.finish_reason is None:
                         self.stopped.append(index)
-                    c.finish_reason = "stop"
-                    self._note_end()
+                    self._finish(c, "stop")
         if not self.stream and not self.finished:
             return None
         outputs = []
