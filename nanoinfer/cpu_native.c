@@ -4,8 +4,9 @@
  * ~60 of them around four matmuls. These functions do the element-wise work of a layer in
  * plain loops over contiguous rows: fp32 activations, bf16 where torch's packed matmuls read
  * or write, an fp32 KV pool. nanoinfer/cpu_native.py builds and binds them; its reference
- * (the torch ops they replace) is tested against them. Single-threaded: at a decode step's
- * sizes a thread hand-off costs more than the work.
+ * (the torch ops they replace) is tested against them. Single-threaded but for the block
+ * matmuls and a large attention call: at a decode step's sizes a thread hand-off costs more
+ * than the work. No row's arithmetic depends on the rows beside it (see paged_attention).
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,11 +64,15 @@ void rms_norm_bf16(const float *x, const float *w, uint16_t *out, int rows, int 
     }
 }
 
-/* x_out = x + y (y the bf16 output of a matmul); h = bf16 rms_norm(x_out): residual and norm. */
-void add_rms_norm_bf16(const float *x, const uint16_t *y, const float *w, float *x_out, uint16_t *h, int rows,
+/* x_out = x + y (y a matmul's output: bf16, or fp32 (y_bf16 0) where tensor-parallel ranks
+ * summed it); h = bf16 rms_norm(x_out): residual and norm. */
+void add_rms_norm_bf16(const float *x, const void *y, int y_bf16, const float *w, float *x_out, uint16_t *h, int rows,
                        int dim, float eps) {
-    for (int r = 0; r < rows; r++, x += dim, y += dim, x_out += dim, h += dim) {
-        for (int i = 0; i < dim; i++) x_out[i] = x[i] + bf16_to_f32(y[i]);
+    for (int64_t r = 0; r < rows; r++, x += dim, x_out += dim, h += dim) {
+        if (y_bf16)
+            for (int i = 0; i < dim; i++) x_out[i] = x[i] + bf16_to_f32(((const uint16_t *)y)[r * dim + i]);
+        else
+            for (int i = 0; i < dim; i++) x_out[i] = x[i] + ((const float *)y)[r * dim + i];
         float inv = 1.0f / sqrtf(sum_squares(x_out, dim) / dim + eps);
         for (int i = 0; i < dim; i++) h[i] = f32_to_bf16(w[i] * (x_out[i] * inv));
     }
@@ -141,6 +146,42 @@ static inline float dot(const float *a, const float *b, int n) {
     return dot_n(a, b, n);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KEYS_AT_ONCE 8
+/* scores[i] = scale * (q . k_i) for 8 keys (d a multiple of 8): each key's products summed in
+ * an FMA chain per lane over d / 8 steps, then the 8 keys' lanes reduced together (a dot
+ * product at a time spends as long on its horizontal sum as on its products). */
+static inline void dot8(const float *q, const float *const k[8], int d, float scale, float *scores) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+        __m256 x = _mm256_loadu_ps(q + c);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[i] + c), a[i]);
+    }
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+    _mm256_storeu_ps(scores, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+/* o[c0 .. c0 + W) = sum over j, in order, of p[j] * ig * v_j: W / 8 accumulators kept in
+ * registers across the keys (W a constant where it is inlined). */
+static inline void weighted_sum(const float *p, float ig, const float *v_pool, const int64_t *s, int64_t keys,
+                                int64_t stride, int64_t offset, int W, float *o) {
+    __m256 a[8];
+    for (int i = 0; i < W / 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < keys; j++) {
+        const float *v = v_pool + s[j] * stride + offset;
+        __m256 pj = _mm256_set1_ps(p[j] * ig);
+        for (int i = 0; i < W / 8; i++) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), a[i]);
+    }
+    for (int i = 0; i < W / 8; i++) _mm256_storeu_ps(o + 8 * i, a[i]);
+}
+#else
+#define KEYS_AT_ONCE 1
+#endif
+
 /* One query row q [heads, d] attends to the `keys` pool slots s (k_pool, v_pool
  * [slots, kv_heads, d]); out [heads, d]. The heads sharing a KV head go together, so each
  * key and value row is read once. scores: scratch of (heads / kv_heads) * keys floats. */
@@ -151,17 +192,41 @@ static void attend(const float *q, const float *k_pool, const float *v_pool, con
     for (int kvh = 0; kvh < kv_heads; kvh++) {
         const float *qg = q + (int64_t)kvh * group * d;
         float *og = out + (int64_t)kvh * group * d;
-        for (int64_t j = 0; j < keys; j++) {
+        int64_t j = 0;
+#if KEYS_AT_ONCE > 1
+        if (d % 8 == 0)
+            for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) {
+                const float *k[KEYS_AT_ONCE];
+                for (int i = 0; i < KEYS_AT_ONCE; i++) k[i] = k_pool + (s[j + i] * kv_heads + kvh) * d;
+                for (int g = 0; g < group; g++) dot8(qg + g * d, k, d, scale, scores + g * keys + j);
+            }
+#endif
+        for (; j < keys; j++) { /* (the last keys, fewer than KEYS_AT_ONCE: always the same ones for a row) */
             const float *k = k_pool + (s[j] * kv_heads + kvh) * d;
             for (int g = 0; g < group; g++) scores[g * keys + j] = dot(qg + g * d, k, d) * scale;
         }
         for (int g = 0; g < group; g++) {
             float *sc = scores + g * keys, m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
             for (int64_t j = 0; j < keys; j++) m = sc[j] > m ? sc[j] : m;
 #pragma omp simd reduction(+ : total)
             for (int64_t j = 0; j < keys; j++) total += sc[j] = exp_approx(sc[j] - m);
             inv[g] = 1.0f / total;
         }
+#if KEYS_AT_ONCE > 1
+        if (d % 8 == 0) {
+            for (int g = 0; g < group; g++) {
+                int c = 0;
+                for (; c + 64 <= d; c += 64)
+                    weighted_sum(scores + g * keys, inv[g], v_pool, s, keys, (int64_t)kv_heads * d, (int64_t)kvh * d + c,
+                                 64, og + g * d + c);
+                for (; c < d; c += 8)
+                    weighted_sum(scores + g * keys, inv[g], v_pool, s, keys, (int64_t)kv_heads * d, (int64_t)kvh * d + c,
+                                 8, og + g * d + c);
+            }
+            continue;
+        }
+#endif
         memset(og, 0, sizeof(float) * group * d);
         for (int64_t j = 0; j < keys; j++) {
             const float *v = v_pool + (s[j] * kv_heads + kvh) * d;
@@ -174,32 +239,69 @@ static void attend(const float *q, const float *k_pool, const float *v_pool, con
     }
 }
 
-/* Decode rows among other rows: query row rows[i] (rows NULL: row i) of q [*, heads, d]
- * attends to the counts[i] slots at slots[i, 0..counts[i]); out like q. */
-void decode_attention(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
-                      const int64_t *counts, const int64_t *rows, int n, int keys_stride, int heads, int kv_heads,
-                      int d, float scale, float *scores, float *out) {
-    for (int i = 0; i < n; i++) {
-        int64_t row = rows ? rows[i] : i;
-        attend(q + row * heads * d, k_pool, v_pool, slots + (int64_t)i * keys_stride, counts[i], heads, kv_heads, d,
-               scale, scores, out + row * heads * d);
-    }
-}
+/* Attention work (multiply-adds) below which a call stays on one thread: a thread hand-off
+ * costs more than a decode step's few rows. */
+#define ATTENTION_PARALLEL_WORK (1 << 18)
 
-/* A step of decodes only: row i is sequence i's last token, at position lens[i] - 1; it
- * attends to positions [max(0, lens[i] - window), lens[i]) (window 0: all), found through its
- * block table (row i of tables, int32, rows table_stride apart). slot_scratch: as many int64 as the longest context. */
-void decode_attention_paged(const float *q, const float *k_pool, const float *v_pool, const int32_t *tables,
-                            int64_t table_stride, const int32_t *lens, int n, int block_size, int window, int heads,
-                            int kv_heads, int d, float scale, int64_t *slot_scratch, float *scores, float *out) {
-    for (int i = 0; i < n; i++) {
-        int64_t len = lens[i], lo = window > 0 && len > window ? len - window : 0;
-        const int32_t *table = tables + i * table_stride;
-        for (int64_t p = lo; p < len; p++)
-            slot_scratch[p - lo] = (int64_t)table[p / block_size] * block_size + p % block_size;
-        attend(q + (int64_t)i * heads * d, k_pool, v_pool, slot_scratch, len - lo, heads, kv_heads, d, scale, scores,
-               out + (int64_t)i * heads * d);
+/* Every query row of a step, each by `attend` over its own keys: sequence s owns rows
+ * query_start[s] .. query_start[s + 1], its newest tokens, the last at position lens[s] - 1;
+ * the row at position p sees positions [max(0, p + 1 - window), p] (window 0: [0, p]),
+ * found through block table s (int32, rows table_stride apart). A row's arithmetic depends on
+ * its query and its keys only, never on the rows beside it or the thread that takes it, so a
+ * token comes out bit for bit the same in a prefill chunk of any size, a decode step or a
+ * verification row: the int8 rounding of the matmuls after it sees the same inputs. Rows go
+ * to `threads` threads when the work is large (a prefill chunk). q and out hold `tokens` rows;
+ * those past the last sequence's (padding) come out zero. Returns 0, or -1 when there
+ * was no memory for the scratch (the slots of every context, and each thread's scores). */
+int paged_attention(const float *q, int tokens, const float *k_pool, const float *v_pool, const int32_t *tables,
+                    int64_t table_stride, const int32_t *lens, const int32_t *query_start, int seqs, int block_size,
+                    int window, int heads, int kv_heads, int d, float scale, int threads, float *out) {
+    int64_t total = 0, max_keys = 0, work = 0;
+    int rows = query_start[seqs] - query_start[0];
+    for (int s = 0; s < seqs; s++) {
+        int64_t len = lens[s], n = query_start[s + 1] - query_start[s];
+        int64_t keys = window > 0 && len > window ? window : len;
+        total += len;
+        max_keys = keys > max_keys ? keys : max_keys;
+        work += n * keys;
     }
+    if (tokens > query_start[seqs]) memset(out + (int64_t)query_start[seqs] * heads * d, 0,
+                                           sizeof(float) * (tokens - query_start[seqs]) * heads * d);
+    if (rows <= 0) return 0;
+    int64_t *slots = malloc(sizeof(int64_t) * (total + 1)), *base = malloc(sizeof(int64_t) * seqs);
+    int *row_seq = malloc(sizeof(int) * rows);
+    int failed = !slots || !base || !row_seq;
+    if (!failed)
+        for (int64_t s = 0, offset = 0; s < seqs; offset += lens[s], s++) { /* each context's slots once */
+            const int32_t *table = tables + s * table_stride;
+            base[s] = offset;
+            for (int64_t p = 0; p < lens[s]; p++)
+                slots[offset + p] = (int64_t)table[p / block_size] * block_size + p % block_size;
+            for (int r = query_start[s]; r < query_start[s + 1]; r++) row_seq[r - query_start[0]] = s;
+        }
+    int group = heads / kv_heads, parallel = threads > 1 && work * heads * d > ATTENTION_PARALLEL_WORK;
+    if (!failed) {
+#pragma omp parallel num_threads(threads) if (parallel)
+        {
+            float *scores = malloc(sizeof(float) * group * (max_keys + 1));
+            if (!scores) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 4)
+            for (int i = 0; i < rows; i++) {
+                if (!scores) continue;
+                int s = row_seq[i], row = query_start[0] + i;
+                int64_t p = lens[s] - (query_start[s + 1] - row); /* this row's position */
+                int64_t lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+                attend(q + (int64_t)row * heads * d, k_pool, v_pool, slots + base[s] + lo, p + 1 - lo, heads,
+                       kv_heads, d, scale, scores, out + (int64_t)row * heads * d);
+            }
+            free(scores);
+        }
+    }
+    free(slots), free(base), free(row_seq);
+    return failed ? -1 : 0;
 }
 
 /* ---- Block matmuls with int8 activations: llama.cpp's method for 4- and 8-bit groups ----

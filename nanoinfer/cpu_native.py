@@ -36,11 +36,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "rms_norm_bf16": (_P, _P, _P, _I, _I, _F),
-    "add_rms_norm_bf16": (_P, _P, _P, _P, _P, _I, _I, _F),
+    "add_rms_norm_bf16": (_P, _P, _I, _P, _P, _P, _I, _I, _F),
     "silu_mul_bf16": (_P, _P, _I, _I),
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
-    "decode_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
-    "decode_attention_paged": (_P, _P, _P, _P, ctypes.c_int64, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P),
+    "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I),
 }
 
@@ -90,7 +89,7 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    lib.block_dot_isa.restype = lib.block_matmul.restype = ctypes.c_int
+    lib.block_dot_isa.restype = lib.block_matmul.restype = lib.paged_attention.restype = ctypes.c_int
     return lib
 
 
@@ -147,8 +146,10 @@ class CpuNative:
     def add_rms_norm_bf16(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         x_out, h = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16)
-        self.lib.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), w.data_ptr(), x_out.data_ptr(), h.data_ptr(),
-                                   x.shape[0], x.shape[-1], eps)
+        """y: bf16, or fp32 (a sum over tensor-parallel ranks)."""
+        assert y.dtype in (torch.bfloat16, torch.float32)
+        self.lib.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), y.dtype == torch.bfloat16, w.data_ptr(), x_out.data_ptr(),
+                                   h.data_ptr(), x.shape[0], x.shape[-1], eps)
         return x_out, h
 
     def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -166,32 +167,23 @@ class CpuNative:
                             *_kv_ptrs(kv_layer), q.data_ptr())
         return q
 
-    def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                         rows: torch.Tensor | None, scale: float, scores: torch.Tensor, out: torch.Tensor) -> None:
-        """Into `out`'s rows `rows` (None: all); `scores`: fp32 scratch of heads // kv_heads * keys."""
+    def paged_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, window: int | None,
+                        scale: float) -> torch.Tensor:
+        """Every row of q [tokens, heads, d] attends causally to its sequence's context, as in a
+        Batch (block_tables [seqs, width], seq_lens [seqs], query_start_loc [seqs + 1], int32),
+        each row by the same arithmetic whatever shares the call; rows past the last sequence's
+        are zero."""
         heads, d = q.shape[1:]
-        n, keys = slots.shape
-        assert scores.numel() >= heads // kv_layer.shape[-2] * keys
-        self.lib.decode_attention(q.data_ptr(), *_kv_ptrs(kv_layer), slots.data_ptr(),
-                                  counts.data_ptr(), _ptr(rows), n, keys, heads, kv_layer.shape[-2], d, scale,
-                                  scores.data_ptr(), out.data_ptr())
-
-    def decode_attention_paged(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, window: int | None, scale: float, slot_scratch: torch.Tensor,
-                               scores: torch.Tensor) -> torch.Tensor:
-        """Every row of q a decode: row i is sequence i's newest token (block_tables [n, width]
-        and seq_lens [n] int32, as in a Batch). Scratch: int64 and fp32 for the longest context
-        (fp32 times heads // kv_heads)."""
-        heads, d = q.shape[1:]
-        n, width = block_tables.shape
-        block_size = kv_layer.shape[2]
-        assert slot_scratch.numel() >= width * block_size and scores.numel() >= heads // kv_layer.shape[-2] * width * block_size
+        assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+        assert q.is_contiguous() and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+        seqs = seq_lens.shape[0]
         out = torch.empty_like(q)
-        assert block_tables.stride(1) == 1 and seq_lens.stride(0) == 1  # (rows of a wider table are fine)
-        self.lib.decode_attention_paged(q.data_ptr(), *_kv_ptrs(kv_layer), block_tables.data_ptr(),
-                                        block_tables.stride(0), seq_lens.data_ptr(), n, block_size, window or 0, heads,
-                                        kv_layer.shape[-2], d, scale, slot_scratch.data_ptr(), scores.data_ptr(),
-                                        out.data_ptr())
+        if self.lib.paged_attention(q.data_ptr(), q.shape[0], *_kv_ptrs(kv_layer), block_tables.data_ptr(),
+                                    block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), seqs,
+                                    kv_layer.shape[2], window or 0, heads, kv_layer.shape[-2], d, scale,
+                                    torch.get_num_threads(), out.data_ptr()):
+            raise MemoryError(f"paged_attention: no memory for the scratch of {int(seq_lens.sum())} keys")
         return out
 
 

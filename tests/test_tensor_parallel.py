@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kernels import kernels_for
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.quantize import PROJECTIONS, quantize_params
@@ -35,20 +37,21 @@ CASES = {
 }
 BS = 4
 DENSE = [name for name in CASES if not name.endswith(("int8", "blocks"))]
+NATIVE = [name for name in CASES if name.endswith("blocks")]
 
 
-def steps(cfg, params, kv, layer_fns=EAGER):
+def steps(cfg, params, kv, layer_fns=EAGER, backend=REFERENCE):
     """A prefill of two prompts (5 and 7 tokens), then two decode steps: every logits row."""
     tables = [[0, 1, 2], [3, 4, 5]]
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
     out = []
     batch = build_batch([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables)], BS)
-    logits = forward(params, kv, batch, cfg, layer_fns=layer_fns)
+    logits = forward(params, kv, batch, cfg, backend, layer_fns)
     out.append(logits)
     lens = [len(p) for p in prompts]
     for nxt in ([7, 8], [9, 10]):  # (fixed tokens: a near-tie argmax would otherwise fork the runs)
         batch = build_batch([SeqChunk([t], n, table, True) for t, n, table in zip(nxt, lens, tables)], BS)
-        logits = forward(params, kv, batch, cfg, layer_fns=layer_fns)
+        logits = forward(params, kv, batch, cfg, backend, layer_fns)
         out.append(logits)
         lens = [n + 1 for n in lens]
     return torch.cat(out)
@@ -89,6 +92,13 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
                            layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
             if rank == 0:  # (by value: a shared tensor's memory goes with this process, which may exit first)
                 results.put((name, logits.float().numpy()))
+            if name in NATIVE:  # the CPU's fused packed layers (cpu_layers), as the engine runs them
+                sharded = shard_params(params, cfg, rank, size)
+                kernels = kernels_for(local, torch.device("cpu"), BS, params=sharded)
+                logits = steps(local, sharded, allocate_kv_pool(local, 8, BS, torch.float32, "cpu"),
+                               layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size), kernels.attention)
+                if rank == 0:
+                    results.put((name + "-native", logits.float().numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -99,7 +109,8 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
     ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
     for p in ranks:
         p.start()
-    got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120) for _ in CASES)}
+    got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120)
+                                                               for _ in range(len(CASES) + len(NATIVE)))}
     for p in ranks:
         p.join(60)
         assert p.exitcode == 0
@@ -115,6 +126,14 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
         # as close to the exact model (its weights dequantized, fp32) as one is.
         exact = steps(cfg, dequantized(params), allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
         one, two = (ref - exact).abs().max().item(), (got[name] - exact).abs().max().item()
+        assert 0 < two <= 2 * one, name
+    for name in NATIVE:  # the fused layers: their partial outputs summed in fp32, as the eager ones'
+        cfg, params = model(name)
+        kernels = kernels_for(cfg, torch.device("cpu"), BS, params=params)
+        ref = steps(cfg, params, allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"), kernels.layer_fns,
+                    kernels.attention)
+        exact = steps(cfg, dequantized(params), allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
+        one, two = (ref - exact).abs().max().item(), (got[name + "-native"] - exact).abs().max().item()
         assert 0 < two <= 2 * one, name
 
 
