@@ -19,6 +19,7 @@ from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.loaders.quantize import quantize_params
 from nanoinfer.model import forward
 from nanoinfer.quantized import BlockWeight
 from nanoinfer.sampling_params import SamplingParams
@@ -112,13 +113,16 @@ def run_steps(params, cfg, steps, block=4, blocks=8):
 SEQS = [[5, 20, 33, 9, 60, 64, 1, 17, 8, 41, 2, 2, 50, 12, 3], [7, 7, 30, 44, 9, 1, 61, 13, 26, 5, 40, 38]]
 
 
+@pytest.mark.parametrize("form", ["blocks", "int8"])
 @pytest.mark.parametrize("arch", [dict(), dict(architecture="qwen3", qk_norm=True), dict(sliding_window=3)],
                          ids=["llama", "qwen3", "window"])
-def test_a_token_scores_the_same_in_any_chunking(native, arch):
+def test_a_token_scores_the_same_in_any_chunking(native, arch, form):
     """Each sequence whole, in sevens, prefill then decodes (and several rows at once, as a
-    verification), and both sequences interleaved in one batch: bit-equal logits per token."""
+    verification), and both sequences interleaved in one batch: bit-equal logits per token,
+    with block matmuls (int8 activations) or torch's per-row int8 kernel."""
     cfg = tiny_config(intermediate_size=64, **arch)
-    params = block_params(random_params(cfg, seed=3))
+    dense = random_params(cfg, seed=3)
+    params = block_params(dense) if form == "blocks" else quantize_params(dense, "int8")
     n0, n1 = len(SEQS[0]), len(SEQS[1])
     alone = run_steps(params, cfg, [[(0, 0, n0)], [(1, 0, n1)]])
     variants = {
