@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoinfer import quantized
+from nanoinfer import cpu_native, quantized
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
@@ -48,15 +48,21 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
 
     def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                                  linear=None, reduce=EAGER.all_reduce) -> torch.Tensor:
-        def summed(y: torch.Tensor) -> torch.Tensor:
-            # Tensor-parallel ranks' partial outputs add in fp32: each rounds to bf16 once (as
-            # `linear`'s do), not their sum again. Alone, the bf16 output goes on as it is.
-            return y if reduce is EAGER.all_reduce else reduce(y.float())
+        def row_parallel(rows: torch.Tensor, w) -> torch.Tensor:
+            if reduce is EAGER.all_reduce:  # (one rank)
+                return quantized.packed_matmul(rows, w)
+            # Tensor-parallel ranks add their partial outputs in fp32 (block matmuls: unrounded),
+            # then round the sum to bf16 once, as one rank rounds its whole output.
+            if isinstance(w, quantized.BlockWeight):
+                part = cpu_native.block_matmul(rows, w, native.lib, torch.float32)
+            else:
+                part = quantized.packed_matmul(rows, w).float()
+            return reduce(part).to(torch.bfloat16)
 
-        o = summed(quantized.packed_matmul(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj))
+        o = row_parallel(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj)
         x, h = native.add_rms_norm_bf16(x, o.contiguous(), lp.mlp_norm, cfg.rms_norm_eps)
         gate_up = quantized.packed_matmul(h, lp.gate_up_proj).contiguous()
-        return x.add_(summed(quantized.packed_matmul(native.silu_mul_bf16(gate_up), lp.down_proj)))
+        return x.add_(row_parallel(native.silu_mul_bf16(gate_up), lp.down_proj))
 
     return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_projection=qkv_projection,
                           rope_and_write=rope_and_write, rope_tables=rope_cos_sin)

@@ -64,15 +64,11 @@ void rms_norm_bf16(const float *x, const float *w, uint16_t *out, int rows, int 
     }
 }
 
-/* x_out = x + y (y a matmul's output: bf16, or fp32 (y_bf16 0) where tensor-parallel ranks
- * summed it); h = bf16 rms_norm(x_out): residual and norm. */
-void add_rms_norm_bf16(const float *x, const void *y, int y_bf16, const float *w, float *x_out, uint16_t *h, int rows,
+/* x_out = x + y (y the bf16 output of a matmul); h = bf16 rms_norm(x_out): residual and norm. */
+void add_rms_norm_bf16(const float *x, const uint16_t *y, const float *w, float *x_out, uint16_t *h, int rows,
                        int dim, float eps) {
-    for (int64_t r = 0; r < rows; r++, x += dim, x_out += dim, h += dim) {
-        if (y_bf16)
-            for (int i = 0; i < dim; i++) x_out[i] = x[i] + bf16_to_f32(((const uint16_t *)y)[r * dim + i]);
-        else
-            for (int i = 0; i < dim; i++) x_out[i] = x[i] + ((const float *)y)[r * dim + i];
+    for (int r = 0; r < rows; r++, x += dim, y += dim, x_out += dim, h += dim) {
+        for (int i = 0; i < dim; i++) x_out[i] = x[i] + bf16_to_f32(y[i]);
         float inv = 1.0f / sqrtf(sum_squares(x_out, dim) / dim + eps);
         for (int i = 0; i < dim; i++) h[i] = f32_to_bf16(w[i] * (x_out[i] * inv));
     }
@@ -165,12 +161,12 @@ static inline void dot8(const float *q, const float *const k[8], int d, float sc
     _mm256_storeu_ps(scores, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
-/* o[c0 .. c0 + W) = sum over j, in order, of p[j] * ig * v_j: W / 8 accumulators kept in
- * registers across the keys (W a constant where it is inlined). */
+/* o[0 .. W) += sum over j, in order, of p[j] * ig * v_j: W / 8 accumulators kept in registers
+ * across the keys (W a constant where it is inlined). */
 static inline void weighted_sum(const float *p, float ig, const float *v_pool, const int64_t *s, int64_t keys,
                                 int64_t stride, int64_t offset, int W, float *o) {
     __m256 a[8];
-    for (int i = 0; i < W / 8; i++) a[i] = _mm256_setzero_ps();
+    for (int i = 0; i < W / 8; i++) a[i] = _mm256_loadu_ps(o + 8 * i);
     for (int64_t j = 0; j < keys; j++) {
         const float *v = v_pool + s[j] * stride + offset;
         __m256 pj = _mm256_set1_ps(p[j] * ig);
@@ -182,66 +178,98 @@ static inline void weighted_sum(const float *p, float ig, const float *v_pool, c
 #define KEYS_AT_ONCE 1
 #endif
 
-/* One query row q [heads, d] attends to the `keys` pool slots s (k_pool, v_pool
- * [slots, kv_heads, d]); out [heads, d]. The heads sharing a KV head go together, so each
- * key and value row is read once. scores: scratch of (heads / kv_heads) * keys floats. */
-static void attend(const float *q, const float *k_pool, const float *v_pool, const int64_t *s, int64_t keys,
+/* Keys a block of rows takes at a time in P V: their values are read once for the block. */
+#define KEY_BLOCK 64
+
+/* Rows i < n of one sequence, at consecutive positions: row i of q [n, heads, d] attends to the
+ * first c0 + i of the pool slots s (k_pool, v_pool [slots, kv_heads, d]); out like q. Each
+ * row's arithmetic is the same whatever n: its scores 8 keys at a time from its first key and
+ * the rest one by one, its softmax, P V summed key by key in order. A block only shares the
+ * reads of the keys, which a long chunk would otherwise bring from memory once per row. The
+ * heads sharing a KV head go together too. scores: scratch of n * (heads / kv_heads) *
+ * (c0 + n - 1) floats. */
+static void attend(const float *q, int n, int64_t c0, const float *k_pool, const float *v_pool, const int64_t *s,
                    int heads, int kv_heads, int d, float scale, float *scores, float *out) {
-    int group = heads / kv_heads;
-    float inv[group];
+    int group = heads / kv_heads, by8 = KEYS_AT_ONCE > 1 && d % 8 == 0;
+    int64_t width = c0 + n - 1, hd = (int64_t)heads * d;
+    float inv[n * group];
     for (int kvh = 0; kvh < kv_heads; kvh++) {
         const float *qg = q + (int64_t)kvh * group * d;
         float *og = out + (int64_t)kvh * group * d;
         int64_t j = 0;
 #if KEYS_AT_ONCE > 1
-        if (d % 8 == 0)
-            for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) {
+        for (; by8 && j + KEYS_AT_ONCE <= c0; j += KEYS_AT_ONCE) { /* the key groups every row has */
+            const float *k[KEYS_AT_ONCE];
+            for (int e = 0; e < KEYS_AT_ONCE; e++) k[e] = k_pool + (s[j + e] * kv_heads + kvh) * d;
+            for (int i = 0; i < n; i++)
+                for (int g = 0; g < group; g++)
+                    dot8(qg + i * hd + g * d, k, d, scale, scores + (int64_t)(i * group + g) * width + j);
+        }
+#endif
+        for (int i = 0; i < n; i++) {
+            int64_t keys = c0 + i, jj = j;
+            float *sc = scores + (int64_t)i * group * width;
+            const float *qi = qg + i * hd;
+#if KEYS_AT_ONCE > 1
+            for (; by8 && jj + KEYS_AT_ONCE <= keys; jj += KEYS_AT_ONCE) {
                 const float *k[KEYS_AT_ONCE];
-                for (int i = 0; i < KEYS_AT_ONCE; i++) k[i] = k_pool + (s[j + i] * kv_heads + kvh) * d;
-                for (int g = 0; g < group; g++) dot8(qg + g * d, k, d, scale, scores + g * keys + j);
+                for (int e = 0; e < KEYS_AT_ONCE; e++) k[e] = k_pool + (s[jj + e] * kv_heads + kvh) * d;
+                for (int g = 0; g < group; g++) dot8(qi + g * d, k, d, scale, sc + g * width + jj);
             }
 #endif
-        for (; j < keys; j++) { /* (the last keys, fewer than KEYS_AT_ONCE: always the same ones for a row) */
-            const float *k = k_pool + (s[j] * kv_heads + kvh) * d;
-            for (int g = 0; g < group; g++) scores[g * keys + j] = dot(qg + g * d, k, d) * scale;
-        }
-        for (int g = 0; g < group; g++) {
-            float *sc = scores + g * keys, m = -INFINITY, total = 0.0f;
+            for (; jj < keys; jj++) { /* (the last keys, fewer than KEYS_AT_ONCE) */
+                const float *k = k_pool + (s[jj] * kv_heads + kvh) * d;
+                for (int g = 0; g < group; g++) sc[g * width + jj] = dot(qi + g * d, k, d) * scale;
+            }
+            for (int g = 0; g < group; g++) {
+                float *row = sc + g * width, m = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : m)
-            for (int64_t j = 0; j < keys; j++) m = sc[j] > m ? sc[j] : m;
+                for (int64_t t = 0; t < keys; t++) m = row[t] > m ? row[t] : m;
 #pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < keys; j++) total += sc[j] = exp_approx(sc[j] - m);
-            inv[g] = 1.0f / total;
+                for (int64_t t = 0; t < keys; t++) total += row[t] = exp_approx(row[t] - m);
+                inv[i * group + g] = 1.0f / total;
+            }
+            for (int g = 0; g < group; g++) memset(og + i * hd + g * d, 0, sizeof(float) * d);
         }
 #if KEYS_AT_ONCE > 1
-        if (d % 8 == 0) {
-            for (int g = 0; g < group; g++) {
-                int c = 0;
-                for (; c + 64 <= d; c += 64)
-                    weighted_sum(scores + g * keys, inv[g], v_pool, s, keys, (int64_t)kv_heads * d, (int64_t)kvh * d + c,
-                                 64, og + g * d + c);
-                for (; c < d; c += 8)
-                    weighted_sum(scores + g * keys, inv[g], v_pool, s, keys, (int64_t)kv_heads * d, (int64_t)kvh * d + c,
-                                 8, og + g * d + c);
-            }
+        if (by8) {
+            for (int64_t jb = 0; jb < width; jb += KEY_BLOCK)
+                for (int i = 0; i < n; i++) {
+                    int64_t end = c0 + i < jb + KEY_BLOCK ? c0 + i : jb + KEY_BLOCK;
+                    for (int g = 0; end > jb && g < group; g++) {
+                        const float *p = scores + (int64_t)(i * group + g) * width + jb;
+                        float *o = og + i * hd + g * d, ig = inv[i * group + g];
+                        int c = 0;
+                        for (; c + 64 <= d; c += 64)
+                            weighted_sum(p, ig, v_pool, s + jb, end - jb, (int64_t)kv_heads * d,
+                                         (int64_t)kvh * d + c, 64, o + c);
+                        for (; c < d; c += 8)
+                            weighted_sum(p, ig, v_pool, s + jb, end - jb, (int64_t)kv_heads * d,
+                                         (int64_t)kvh * d + c, 8, o + c);
+                    }
+                }
             continue;
         }
 #endif
-        memset(og, 0, sizeof(float) * group * d);
-        for (int64_t j = 0; j < keys; j++) {
-            const float *v = v_pool + (s[j] * kv_heads + kvh) * d;
-            for (int g = 0; g < group; g++) {
-                float p = scores[g * keys + j] * inv[g], *o = og + g * d;
+        for (int i = 0; i < n; i++)
+            for (int64_t t = 0; t < c0 + i; t++) {
+                const float *v = v_pool + (s[t] * kv_heads + kvh) * d;
+                for (int g = 0; g < group; g++) {
+                    float p = scores[(int64_t)(i * group + g) * width + t] * inv[i * group + g];
+                    float *o = og + i * hd + g * d;
 #pragma omp simd
-                for (int c = 0; c < d; c++) o[c] += p * v[c];
+                    for (int c = 0; c < d; c++) o[c] += p * v[c];
+                }
             }
-        }
     }
 }
 
 /* Attention work (multiply-adds) below which a call stays on one thread: a thread hand-off
  * costs more than a decode step's few rows. */
 #define ATTENTION_PARALLEL_WORK (1 << 18)
+/* Rows of a chunk attended together (`attend`): enough to share the keys' reads, few enough to
+ * spread a chunk over the threads. */
+#define ROW_BLOCK 16
 
 /* Every query row of a step, each by `attend` over its own keys: sequence s owns rows
  * query_start[s] .. query_start[s + 1], its newest tokens, the last at position lens[s] - 1;
@@ -268,39 +296,44 @@ int paged_attention(const float *q, int tokens, const float *k_pool, const float
     if (tokens > query_start[seqs]) memset(out + (int64_t)query_start[seqs] * heads * d, 0,
                                            sizeof(float) * (tokens - query_start[seqs]) * heads * d);
     if (rows <= 0) return 0;
+    /* work items: up to ROW_BLOCK consecutive rows of a sequence that see the same first key
+     * (without a window: all of a chunk's), or single rows */
     int64_t *slots = malloc(sizeof(int64_t) * (total + 1)), *base = malloc(sizeof(int64_t) * seqs);
-    int *row_seq = malloc(sizeof(int) * rows);
-    int failed = !slots || !base || !row_seq;
+    int *item_seq = malloc(sizeof(int) * rows), *item_row = malloc(sizeof(int) * rows), items = 0;
+    int failed = !slots || !base || !item_seq || !item_row;
     if (!failed)
         for (int64_t s = 0, offset = 0; s < seqs; offset += lens[s], s++) { /* each context's slots once */
             const int32_t *table = tables + s * table_stride;
             base[s] = offset;
             for (int64_t p = 0; p < lens[s]; p++)
                 slots[offset + p] = (int64_t)table[p / block_size] * block_size + p % block_size;
-            for (int r = query_start[s]; r < query_start[s + 1]; r++) row_seq[r - query_start[0]] = s;
+            for (int r = query_start[s]; r < query_start[s + 1]; r += window > 0 ? 1 : ROW_BLOCK)
+                item_seq[items] = s, item_row[items++] = r;
         }
     int group = heads / kv_heads, parallel = threads > 1 && work * heads * d > ATTENTION_PARALLEL_WORK;
+    int block = window > 0 ? 1 : ROW_BLOCK;
     if (!failed) {
 #pragma omp parallel num_threads(threads) if (parallel)
         {
-            float *scores = malloc(sizeof(float) * group * (max_keys + 1));
+            float *scores = malloc(sizeof(float) * block * group * (max_keys + block));
             if (!scores) {
 #pragma omp atomic write
                 failed = 1;
             }
-#pragma omp for schedule(dynamic, 4)
-            for (int i = 0; i < rows; i++) {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < items; i++) {
                 if (!scores) continue;
-                int s = row_seq[i], row = query_start[0] + i;
-                int64_t p = lens[s] - (query_start[s + 1] - row); /* this row's position */
+                int s = item_seq[i], row = item_row[i];
+                int n = query_start[s + 1] - row < block ? query_start[s + 1] - row : block;
+                int64_t p = lens[s] - (query_start[s + 1] - row); /* the first row's position */
                 int64_t lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
-                attend(q + (int64_t)row * heads * d, k_pool, v_pool, slots + base[s] + lo, p + 1 - lo, heads,
+                attend(q + (int64_t)row * heads * d, n, p + 1 - lo, k_pool, v_pool, slots + base[s] + lo, heads,
                        kv_heads, d, scale, scores, out + (int64_t)row * heads * d);
             }
             free(scores);
         }
     }
-    free(slots), free(base), free(row_seq);
+    free(slots), free(base), free(item_seq), free(item_row);
     return failed ? -1 : 0;
 }
 
@@ -446,10 +479,11 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
         }
 }
 
-/* y [rows, n] bf16 = x [rows, k] bf16 @ w.T, w [n, k] as above. Returns 0, or -1 when
- * there was no memory for the quantized x (rows * k * 5 / 4 bytes). */
+/* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above: bf16, or fp32 where y_f32 (a
+ * tensor-parallel rank's partial sum, rounded only once the ranks' parts are added). Returns
+ * 0, or -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes). */
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
-                 int n, uint16_t *y, int threads) {
+                 int n, void *y, int y_f32, int threads) {
 #if BLOCK_DOT
     int groups = k / 32;
     int64_t row_bytes = (int64_t)k * bits / 8;
@@ -459,11 +493,14 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
     quantize_groups_q8(x, rows, k, xq, xd, xs);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; r++)
-        for (int t = 0; t < rows; t++)
-            y[(int64_t)t * n + r] = f32_to_bf16(row_dot(q + r * row_bytes, d + (int64_t)r * groups,
-                                                        m + (int64_t)r * groups, xq + (int64_t)t * k,
-                                                        xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups,
-                                                        bits));
+        for (int t = 0; t < rows; t++) {
+            float v = row_dot(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
+                              xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits);
+            if (y_f32)
+                ((float *)y)[(int64_t)t * n + r] = v;
+            else
+                ((uint16_t *)y)[(int64_t)t * n + r] = f32_to_bf16(v);
+        }
     free(xq);
 #endif
     return 0;

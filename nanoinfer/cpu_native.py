@@ -36,11 +36,11 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "rms_norm_bf16": (_P, _P, _P, _I, _I, _F),
-    "add_rms_norm_bf16": (_P, _P, _I, _P, _P, _P, _I, _I, _F),
+    "add_rms_norm_bf16": (_P, _P, _P, _P, _P, _I, _I, _F),
     "silu_mul_bf16": (_P, _P, _I, _I),
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
     "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
-    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I),
+    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
 }
 
 
@@ -105,19 +105,23 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.block_dot_isa() > 0
 
 
-def block_matmul(rows: torch.Tensor, w: BlockWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, the rows rounded to int8 per group
-    of 32 (`reference_block_matmul` is the same in torch ops)."""
+def block_matmul(rows: torch.Tensor, w: BlockWeight, lib: ctypes.CDLL | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """rows [tokens, in] bf16 @ w.T -> [tokens, out] in `out_dtype` (bf16, or fp32: a
+    tensor-parallel rank's partial sum), the rows rounded to int8 per group of 32
+    (`reference_block_matmul` is the same in torch ops)."""
     lib = lib or library()
     if not has_block_matmul(lib):
         raise RuntimeError("a BlockWeight needs cpu_native's block_matmul, which this machine did not build")
     if rows.dtype != torch.bfloat16 or rows.shape[-1] != w.shape[1]:
         raise TypeError(f"block_matmul takes bf16 rows of {w.shape[1]}, not {rows.dtype} {tuple(rows.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"block_matmul writes bf16 or fp32, not {out_dtype}")
     rows = rows.contiguous()
     (tokens, cols), out_features = rows.shape, w.q.shape[0]
-    out = torch.empty(tokens, out_features, dtype=torch.bfloat16)
+    out = torch.empty(tokens, out_features, dtype=out_dtype)
     if lib.block_matmul(rows.data_ptr(), tokens, cols, w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits,
-                        out_features, out.data_ptr(), torch.get_num_threads()):
+                        out_features, out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
         raise MemoryError(f"block_matmul: no memory to quantize {tokens} x {cols} activations")
     return out
 
@@ -146,10 +150,8 @@ class CpuNative:
     def add_rms_norm_bf16(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         x_out, h = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16)
-        """y: bf16, or fp32 (a sum over tensor-parallel ranks)."""
-        assert y.dtype in (torch.bfloat16, torch.float32)
-        self.lib.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), y.dtype == torch.bfloat16, w.data_ptr(), x_out.data_ptr(),
-                                   h.data_ptr(), x.shape[0], x.shape[-1], eps)
+        self.lib.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), w.data_ptr(), x_out.data_ptr(), h.data_ptr(),
+                                   x.shape[0], x.shape[-1], eps)
         return x_out, h
 
     def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -312,8 +312,9 @@ def test_engine_tensor_parallel_errors_are_named(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["exact", "packed"])
 def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtype):
-    """The offline facade, SmolLM2-135M split 3 + 6 heads: the same greedy text as one rank, in
-    fp32 and with its Q4_1 matrices packed for the CPU's fused layers (the default)."""
+    """The offline facade, SmolLM2-135M split 3 + 6 heads: the same greedy text as one rank in
+    fp32; with its Q4_1 matrices packed for the CPU's fused layers (the default), parting from
+    it only at a near-tie."""
     from nanoinfer import LLM
     from nanoinfer.sampling import SamplingParams
 
@@ -322,16 +323,20 @@ def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtyp
     for size in (1, 2):
         with LLM(smollm2_gguf, device="cpu", dtype=dtype, progress=False, num_blocks=64,
                  tensor_parallel_size=size) as llm:
-            runs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16),
-                                                            use_tqdm=False)])
+            runs.append([o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                                                     logprobs=2), use_tqdm=False)])
     if dtype == "float32":
-        assert runs[0] == runs[1]
+        assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
         return
-    # Packed, each rank rounds its partial sums to bf16 (one rank rounds the whole sum once):
-    # a near-tie may flip late in a generation, never early.
+    # Packed, the ranks' partial sums add in fp32 in another order than one rank's sum, and the
+    # int8 rounding of the activations can turn that into another token where the model
+    # hesitates: texts may part only at a near-tie of the same two candidates.
     for one, two in zip(*runs):
-        same = next((i for i, (a, b) in enumerate(zip(one, two)) if a != b), len(one))
-        assert same >= len(one) // 2, (one, two)
+        i = next((i for i, (a, b) in enumerate(zip(one.token_ids, two.token_ids)) if a != b), None)
+        if i is None:
+            continue
+        (a, la), (b, lb) = one.logprobs[i].top
+        assert {a, b} == {t for t, _ in two.logprobs[i].top} and la - lb < 0.25, (i, one.logprobs[i], two.logprobs[i])
 
 
 def test_server_streams_over_two_ranks(tiny_chat_model):
