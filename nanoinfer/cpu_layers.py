@@ -24,7 +24,7 @@ from nanoinfer import cpu_native, quantized
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.cpu_native import CpuNative
+from nanoinfer.cpu_native import CpuNative, check_attention_tables
 from nanoinfer.layers import rope_cos_sin
 from nanoinfer.model import EAGER, LayerFunctions, LayerParams, Params
 
@@ -88,6 +88,7 @@ class NativeAttention:
         self.native = native
 
     def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> NativeAttentionMetadata:
+        check_attention_tables(batch.block_tables, batch.seq_lens, batch.query_start_loc)
         return NativeAttentionMetadata(batch.block_tables, batch.seq_lens, batch.query_start_loc, window,
                                        cfg.head_dim**-0.5)
 
@@ -95,5 +96,5 @@ class NativeAttention:
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: NativeAttentionMetadata) -> torch.Tensor:
-        return self.native.paged_attention(q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        return self.native.paged_attention(q.contiguous(), kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                            meta.window, meta.scale)

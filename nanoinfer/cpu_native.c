@@ -313,7 +313,7 @@ int paged_attention(const float *q, int tokens, const float *k_pool, const float
     int group = heads / kv_heads, parallel = threads > 1 && work * heads * d > ATTENTION_PARALLEL_WORK;
     int block = window > 0 ? 1 : ROW_BLOCK;
     if (!failed) {
-#pragma omp parallel num_threads(threads) if (parallel)
+#pragma omp parallel num_threads(parallel ? threads : 1) if (parallel)
         {
             float *scores = malloc(sizeof(float) * block * group * (max_keys + block));
             if (!scores) {

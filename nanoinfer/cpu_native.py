@@ -136,6 +136,15 @@ def _kv_ptrs(kv_layer: torch.Tensor) -> tuple[int, int]:
     return base, base + kv_layer.stride(0) * kv_layer.element_size()
 
 
+def check_attention_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """What `CpuNative.paged_attention` reads through raw pointers: int32, rows contiguous."""
+    tables = (block_tables, seq_lens, query_start_loc)
+    if any(t.dtype != torch.int32 for t in tables) or block_tables.stride(1) != 1 or not (
+            seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+        raise TypeError(f"paged_attention takes int32 tables with contiguous rows, not "
+                        f"{[(t.dtype, t.stride()) for t in tables]}")
+
+
 class CpuNative:
     """Tensor-level calls into the library. Inputs must be contiguous; rows are dim 0."""
 
@@ -173,12 +182,10 @@ class CpuNative:
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, window: int | None,
                         scale: float) -> torch.Tensor:
         """Every row of q [tokens, heads, d] attends causally to its sequence's context, as in a
-        Batch (block_tables [seqs, width], seq_lens [seqs], query_start_loc [seqs + 1], int32),
-        each row by the same arithmetic whatever shares the call; rows past the last sequence's
-        are zero."""
+        Batch (block_tables [seqs, width], seq_lens [seqs], query_start_loc [seqs + 1], int32;
+        `check_attention_tables` once a step), each row by the same arithmetic whatever shares
+        the call; rows past the last sequence's are zero. q: contiguous."""
         heads, d = q.shape[1:]
-        assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
-        assert q.is_contiguous() and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
         seqs = seq_lens.shape[0]
         out = torch.empty_like(q)
         if self.lib.paged_attention(q.data_ptr(), q.shape[0], *_kv_ptrs(kv_layer), block_tables.data_ptr(),
