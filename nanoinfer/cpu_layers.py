@@ -96,5 +96,5 @@ class NativeAttention:
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: NativeAttentionMetadata) -> torch.Tensor:
-        return self.native.paged_attention(q.contiguous(), kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                           meta.window, meta.scale)
+        return self.native.paged_attention(q.contiguous(), kv_layer, meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, meta.window, meta.scale)

@@ -67,8 +67,9 @@ def test_a_query_row_attends_the_same_in_any_batch(native, window, heads, kv_hea
                             for i in range(tokens)])
     assert torch.equal(whole, one_by_one)
     # sevens, and the chunk between a decode and a prefill of other sequences
-    sevens = torch.cat([attend(native, q[i:i + 7], pool, [SeqChunk(list(range(i, min(i + 7, tokens))), i, blocks, True)],
-                               block, cfg, window)[0] for i in range(0, tokens, 7)])
+    sevens = torch.cat([attend(native, q[i:i + 7], pool, [SeqChunk(list(range(i, min(i + 7, tokens))), i, blocks,
+                                                                   True)], block, cfg, window)[0]
+                        for i in range(0, tokens, 7)])
     assert torch.equal(whole, sevens)
     others = [SeqChunk([1], 8, [3, 10, 5], True), SeqChunk([1, 2, 3], 2, [11, 1], True)]
     beside = torch.cat((randn(1, heads, head_dim, seed=8), q, randn(3, heads, head_dim, seed=9)))
@@ -126,7 +127,8 @@ def test_a_token_scores_the_same_in_any_chunking(native, arch, form):
     n0, n1 = len(SEQS[0]), len(SEQS[1])
     alone = run_steps(params, cfg, [[(0, 0, n0)], [(1, 0, n1)]])
     variants = {
-        "sevens": [[(0, a, min(a + 7, n0))] for a in range(0, n0, 7)] + [[(1, a, min(a + 7, n1))] for a in range(0, n1, 7)],
+        "sevens": [[(0, a, min(a + 7, n0))] for a in range(0, n0, 7)]
+                  + [[(1, a, min(a + 7, n1))] for a in range(0, n1, 7)],
         "decodes": [[(0, 0, 4)]] + [[(0, t, t + 1)] for t in range(4, n0)] + [[(1, 0, 1)]]
                    + [[(1, t, t + 1)] for t in range(1, n1)],
         "verify": [[(0, 0, 3), (1, 0, 5)], [(0, 3, 8), (1, 5, 6)], [(0, 8, 9), (1, 6, 10)], [(1, 10, n1), (0, 9, n0)]],
