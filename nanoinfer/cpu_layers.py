@@ -2,11 +2,16 @@
 
 A decode step of the default model (SmolLM2-135M, Q4_1) in torch ops is ~1,900 ops of 2–5 µs
 around 121 packed matmuls; here a layer is four matmuls and five calls into cpu_native.c
-(norm, RoPE + KV write, decode attention, residual + norm, SwiGLU), whose bf16 outputs feed
+(norm, RoPE + KV write, attention, residual + norm, SwiGLU), whose bf16 outputs feed
 the matmuls directly. Activations between layers stay fp32, the KV pool fp32: the same
 arithmetic as the torch path (`rope_write_cpu` with `TorchPagedAttention`), which stays the
 reference (tests/test_cpu_native.py holds the two together) and which runs whatever this
-does not take: dense weights, another KV dtype, prefill chunks' attention, no C compiler.
+does not take: dense weights, another KV dtype, no C compiler.
+
+Every call here computes a row by the same arithmetic whatever rows share it (a prefill
+chunk, a decode step, a verification's rows; tests/test_cpu_determinism.py): the matmuls
+round activations to int8 per group, which turns any last-bit difference into another
+rounding step, and so greedy text would depend on how a token was scheduled.
 """
 
 from __future__ import annotations
@@ -15,14 +20,13 @@ from typing import NamedTuple
 
 import torch
 
-from nanoinfer import quantized
+from nanoinfer import cpu_native, quantized
 from nanoinfer.attention.reference import REFERENCE
-from nanoinfer.attention.torch_paged import TorchPagedAttention
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.cpu_native import CpuNative
+from nanoinfer.cpu_native import CpuNative, check_attention_tables
 from nanoinfer.layers import rope_cos_sin
-from nanoinfer.model import LayerFunctions, LayerParams, Params
+from nanoinfer.model import EAGER, LayerFunctions, LayerParams, Params
 
 
 def takes(params: Params, kv_dtype: torch.dtype) -> bool:
@@ -43,58 +47,54 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
                                  kv_layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
-                                 linear=None, reduce=lambda t: t) -> torch.Tensor:
-        o = reduce(quantized.packed_matmul(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj))
+                                 linear=None, reduce=EAGER.all_reduce) -> torch.Tensor:
+        def row_parallel(rows: torch.Tensor, w) -> torch.Tensor:
+            if reduce is EAGER.all_reduce:  # (one rank)
+                return quantized.packed_matmul(rows, w)
+            # Tensor-parallel ranks add their partial outputs in fp32 (block matmuls: unrounded),
+            # then round the sum to bf16 once, as one rank rounds its whole output.
+            if isinstance(w, quantized.BlockWeight):
+                part = cpu_native.block_matmul(rows, w, native.lib, torch.float32)
+            else:
+                part = quantized.packed_matmul(rows, w).float()
+            return reduce(part).to(torch.bfloat16)
+
+        o = row_parallel(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj)
         x, h = native.add_rms_norm_bf16(x, o.contiguous(), lp.mlp_norm, cfg.rms_norm_eps)
         gate_up = quantized.packed_matmul(h, lp.gate_up_proj).contiguous()
-        return x.add_(reduce(quantized.packed_matmul(native.silu_mul_bf16(gate_up), lp.down_proj)))
+        return x.add_(row_parallel(native.silu_mul_bf16(gate_up), lp.down_proj))
 
     return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_projection=qkv_projection,
                           rope_and_write=rope_and_write, rope_tables=rope_cos_sin)
 
 
-class NativeDecodes(NamedTuple):
-    """A step whose every row is a decode: the C kernel reads the batch's own tables."""
+class NativeAttentionMetadata(NamedTuple):
+    """What the C kernel reads of a step: the batch's own tables."""
 
     block_tables: torch.Tensor  # [seqs, width] int32
     seq_lens: torch.Tensor  # [seqs] int32
+    query_start_loc: torch.Tensor  # [seqs + 1] int32
     window: int | None
     scale: float
 
 
-class NativeDecodeAttention(TorchPagedAttention):
-    """Decode rows attend in one C call per layer. A step of decodes only needs no metadata
-    but the batch's block tables; a step with prefill chunks takes TorchPagedAttention's
-    (its decode rows' slots; the chunks go through the reference)."""
+class NativeAttention:
+    """Every query row of a step, prefill chunks' and decodes' alike, in one C call per layer
+    (cpu_native.c's paged_attention), by one routine per row: a token's attention output, and
+    so the int8 rounding of the matmuls after it, is the same bits in any chunk or batch."""
 
     def __init__(self, block_size: int, native: CpuNative):
-        super().__init__(block_size)
+        self.block_size = block_size
         self.native = native
-        # scratch for the longest context seen: its slots, and one KV head's scores
-        self.slots, self.scores = torch.empty(0, dtype=torch.int64), torch.empty(0)
 
-    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None):
-        if batch.num_tokens != batch.num_seqs:  # (every sequence has a token: then one each)
-            return super().prepare(batch, cfg, window)
-        keys = batch.block_tables.shape[1] * self.block_size
-        if self.slots.numel() < keys:
-            self.slots = torch.empty(2 * keys, dtype=torch.int64)
-        self._scores_for(cfg.num_heads // cfg.num_kv_heads * keys)
-        return NativeDecodes(batch.block_tables, batch.seq_lens, window, cfg.head_dim**-0.5)
+    def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> NativeAttentionMetadata:
+        check_attention_tables(batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        return NativeAttentionMetadata(batch.block_tables, batch.seq_lens, batch.query_start_loc, window,
+                                       cfg.head_dim**-0.5)
 
-    def _scores_for(self, need: int) -> torch.Tensor:
-        if self.scores.numel() < need:
-            self.scores = torch.empty(2 * need)
-        return self.scores
+    def write_kv(self, kv_layer, k, v, slot_mapping) -> None:  # (the layers write with `rope_and_write`)
+        REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
 
-    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta) -> torch.Tensor:
-        if isinstance(meta, NativeDecodes):
-            return self.native.decode_attention_paged(q, kv_layer, meta.block_tables, meta.seq_lens, meta.window,
-                                                      meta.scale, self.slots, self.scores)
-        group = meta.decodes
-        if group is None:
-            return REFERENCE.attention(q, kv_layer, meta.prefills)
-        out = torch.empty_like(q) if group.rows is None else REFERENCE.attention(q, kv_layer, meta.prefills)
-        scores = self._scores_for(q.shape[1] // kv_layer.shape[-2] * group.slots.shape[1])
-        self.native.decode_attention(q, kv_layer, group.slots, group.counts, group.rows, meta.scale, scores, out)
-        return out
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: NativeAttentionMetadata) -> torch.Tensor:
+        return self.native.paged_attention(q.contiguous(), kv_layer, meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, meta.window, meta.scale)

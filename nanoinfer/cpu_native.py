@@ -39,9 +39,8 @@ SIGNATURES = {
     "add_rms_norm_bf16": (_P, _P, _P, _P, _P, _I, _I, _F),
     "silu_mul_bf16": (_P, _P, _I, _I),
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
-    "decode_attention": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
-    "decode_attention_paged": (_P, _P, _P, _P, ctypes.c_int64, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P),
-    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I),
+    "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
+    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
 }
 
 
@@ -90,7 +89,7 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    lib.block_dot_isa.restype = lib.block_matmul.restype = ctypes.c_int
+    lib.block_dot_isa.restype = lib.block_matmul.restype = lib.paged_attention.restype = ctypes.c_int
     return lib
 
 
@@ -106,19 +105,23 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.block_dot_isa() > 0
 
 
-def block_matmul(rows: torch.Tensor, w: BlockWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, the rows rounded to int8 per group
-    of 32 (`reference_block_matmul` is the same in torch ops)."""
+def block_matmul(rows: torch.Tensor, w: BlockWeight, lib: ctypes.CDLL | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """rows [tokens, in] bf16 @ w.T -> [tokens, out] in `out_dtype` (bf16, or fp32: a
+    tensor-parallel rank's partial sum), the rows rounded to int8 per group of 32
+    (`reference_block_matmul` is the same in torch ops)."""
     lib = lib or library()
     if not has_block_matmul(lib):
         raise RuntimeError("a BlockWeight needs cpu_native's block_matmul, which this machine did not build")
     if rows.dtype != torch.bfloat16 or rows.shape[-1] != w.shape[1]:
         raise TypeError(f"block_matmul takes bf16 rows of {w.shape[1]}, not {rows.dtype} {tuple(rows.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"block_matmul writes bf16 or fp32, not {out_dtype}")
     rows = rows.contiguous()
     (tokens, cols), out_features = rows.shape, w.q.shape[0]
-    out = torch.empty(tokens, out_features, dtype=torch.bfloat16)
+    out = torch.empty(tokens, out_features, dtype=out_dtype)
     if lib.block_matmul(rows.data_ptr(), tokens, cols, w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits,
-                        out_features, out.data_ptr(), torch.get_num_threads()):
+                        out_features, out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
         raise MemoryError(f"block_matmul: no memory to quantize {tokens} x {cols} activations")
     return out
 
@@ -131,6 +134,15 @@ def _kv_ptrs(kv_layer: torch.Tensor) -> tuple[int, int]:
     """The K and V halves of a layer's pool [2, ...] (pointer arithmetic: indexing costs a view)."""
     base = kv_layer.data_ptr()
     return base, base + kv_layer.stride(0) * kv_layer.element_size()
+
+
+def check_attention_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """What `CpuNative.paged_attention` reads through raw pointers: int32, rows contiguous."""
+    tables = (block_tables, seq_lens, query_start_loc)
+    if any(t.dtype != torch.int32 for t in tables) or block_tables.stride(1) != 1 or not (
+            seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+        raise TypeError(f"paged_attention takes int32 tables with contiguous rows, not "
+                        f"{[(t.dtype, t.stride()) for t in tables]}")
 
 
 class CpuNative:
@@ -166,32 +178,21 @@ class CpuNative:
                             *_kv_ptrs(kv_layer), q.data_ptr())
         return q
 
-    def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                         rows: torch.Tensor | None, scale: float, scores: torch.Tensor, out: torch.Tensor) -> None:
-        """Into `out`'s rows `rows` (None: all); `scores`: fp32 scratch of heads // kv_heads * keys."""
+    def paged_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, window: int | None,
+                        scale: float) -> torch.Tensor:
+        """Every row of q [tokens, heads, d] attends causally to its sequence's context, as in a
+        Batch (block_tables [seqs, width], seq_lens [seqs], query_start_loc [seqs + 1], int32;
+        `check_attention_tables` once a step), each row by the same arithmetic whatever shares
+        the call; rows past the last sequence's are zero. q: contiguous."""
         heads, d = q.shape[1:]
-        n, keys = slots.shape
-        assert scores.numel() >= heads // kv_layer.shape[-2] * keys
-        self.lib.decode_attention(q.data_ptr(), *_kv_ptrs(kv_layer), slots.data_ptr(),
-                                  counts.data_ptr(), _ptr(rows), n, keys, heads, kv_layer.shape[-2], d, scale,
-                                  scores.data_ptr(), out.data_ptr())
-
-    def decode_attention_paged(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, window: int | None, scale: float, slot_scratch: torch.Tensor,
-                               scores: torch.Tensor) -> torch.Tensor:
-        """Every row of q a decode: row i is sequence i's newest token (block_tables [n, width]
-        and seq_lens [n] int32, as in a Batch). Scratch: int64 and fp32 for the longest context
-        (fp32 times heads // kv_heads)."""
-        heads, d = q.shape[1:]
-        n, width = block_tables.shape
-        block_size = kv_layer.shape[2]
-        assert slot_scratch.numel() >= width * block_size and scores.numel() >= heads // kv_layer.shape[-2] * width * block_size
+        seqs = seq_lens.shape[0]
         out = torch.empty_like(q)
-        assert block_tables.stride(1) == 1 and seq_lens.stride(0) == 1  # (rows of a wider table are fine)
-        self.lib.decode_attention_paged(q.data_ptr(), *_kv_ptrs(kv_layer), block_tables.data_ptr(),
-                                        block_tables.stride(0), seq_lens.data_ptr(), n, block_size, window or 0, heads,
-                                        kv_layer.shape[-2], d, scale, slot_scratch.data_ptr(), scores.data_ptr(),
-                                        out.data_ptr())
+        if self.lib.paged_attention(q.data_ptr(), q.shape[0], *_kv_ptrs(kv_layer), block_tables.data_ptr(),
+                                    block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), seqs,
+                                    kv_layer.shape[2], window or 0, heads, kv_layer.shape[-2], d, scale,
+                                    torch.get_num_threads(), out.data_ptr()):
+            raise MemoryError(f"paged_attention: no memory for the scratch of {int(seq_lens.sum())} keys")
         return out
 
 

@@ -54,7 +54,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
             lib = cpu_native.library()
         if lib is not None:
             native = cpu_native.CpuNative(lib)
-            return Kernels(cpu_layers.NativeDecodeAttention(block_size, native), cpu_layers.layer_functions(native),
+            return Kernels(cpu_layers.NativeAttention(block_size, native), cpu_layers.layer_functions(native),
                            False)
         return Kernels(attention, LayerFunctions(rope_and_write=rope_write_cpu.rope_and_write,
                                                  rope_tables=rope_write_cpu.rope_tables), False)

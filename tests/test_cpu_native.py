@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nanoinfer import cpu_layers, cpu_native, rope_write_cpu
+from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.attention.torch_paged import TorchPagedAttention
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.kernels import kernels_for
@@ -63,8 +64,12 @@ def test_block_matmul_equals_its_reference(block_lib, bits, out, cols, tokens):
     want = cpu_native.reference_block_matmul(x, blocks)
     # The same integer dot products; fp32 sums in another order, then one bf16 rounding.
     torch.testing.assert_close(got.float(), want, rtol=BF16_ULP, atol=1e-5 * float(want.abs().max()))
+    # fp32 out (a tensor-parallel rank's part): the same sums before their bf16 rounding
+    assert torch.equal(cpu_native.block_matmul(x, blocks, block_lib, torch.float32).to(torch.bfloat16), got)
     with pytest.raises(TypeError, match="bf16 rows of"):
         cpu_native.block_matmul(x.float(), blocks, block_lib)
+    with pytest.raises(TypeError, match="bf16 or fp32, not torch.float16"):
+        cpu_native.block_matmul(x, blocks, block_lib, torch.float16)
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 32), (2, 100)])
@@ -105,30 +110,48 @@ def test_rope_write_equals_the_torch_path(native, qk_norm, qkv_dtype):
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 8)])
-def test_decode_attention_equals_torch_paged(native, window, heads, kv_heads, head_dim):
+def test_native_attention_equals_torch_paged(native, window, heads, kv_heads, head_dim):
     cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
     block = 4
     pool = randn(2, 12, block, kv_heads, head_dim, seed=6)
-    # A prefill chunk among decodes (the reference takes it), contexts of 1 to 23 keys, and
-    # blocks out of order.
+    # A prefill chunk among decodes, contexts of 1 to 23 keys, and blocks out of order.
     chunks = [SeqChunk([1], 22, [7, 2, 9, 0, 11, 4], True), SeqChunk([5, 6, 7], 2, [3, 10], True),
               SeqChunk([2], 0, [5], True), SeqChunk([8], 9, [1, 6, 8], True)]
     batch = build_batch(chunks, block)
     q = randn(batch.num_tokens, heads, head_dim, seed=7)
-    torch_paged, ours = TorchPagedAttention(block), cpu_layers.NativeDecodeAttention(block, native)
+    torch_paged, ours = TorchPagedAttention(block), cpu_layers.NativeAttention(block, native)
     want = torch_paged.attention(q, pool, torch_paged.prepare(batch, cfg, window))
     got = ours.attention(q, pool, ours.prepare(batch, cfg, window))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # Every row a decode: the kernel reads the batch's block tables (here rows of a wider
-    # table, as the runner's are).
+    # Rows of a wider block table (as the runner's are), and padding rows past the last
+    # sequence's, which come out zero.
     decodes = build_batch([chunks[0], chunks[2], chunks[3]], block)
     wide = torch.cat((decodes.block_tables, torch.full((3, 5), 99, dtype=torch.int32)), dim=1)
     decodes = decodes._replace(block_tables=wide[:, :decodes.block_tables.shape[1]])
-    meta = ours.prepare(decodes, cfg, window)
-    assert isinstance(meta, cpu_layers.NativeDecodes)
-    q = q[[0, 4, 5]]
-    torch.testing.assert_close(ours.attention(q, pool, meta),
-                               torch_paged.attention(q, pool, torch_paged.prepare(decodes, cfg, window)),
+    q = torch.cat((q[[0, 4, 5]], randn(2, heads, head_dim, seed=8)))
+    got = ours.attention(q, pool, ours.prepare(decodes, cfg, window))
+    torch.testing.assert_close(got[:3], torch_paged.attention(q[:3], pool, torch_paged.prepare(decodes, cfg, window)),
+                               atol=1e-5, rtol=1e-5)
+    assert not got[3:].any()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_chunks_attention_is_the_same_on_any_threads(native, threads):
+    """A chunk large enough for the rows to go to threads: the same bits as on one."""
+    cfg = tiny_config(num_heads=9, num_kv_heads=3, head_dim=64)
+    pool = randn(2, 20, 16, 3, 64, seed=2)
+    batch = build_batch([SeqChunk(list(range(300)), 0, list(range(19, -1, -1)), True)], 16)
+    q = randn(300, 9, 64, seed=3)
+    ours = cpu_layers.NativeAttention(16, native)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = ours.attention(q, pool, ours.prepare(batch, cfg, None))
+        torch.set_num_threads(1)
+        assert torch.equal(got, ours.attention(q, pool, ours.prepare(batch, cfg, None)))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, REFERENCE.attention(q, pool, REFERENCE.prepare(batch, cfg, None)),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -157,14 +180,35 @@ def test_packed_model_layers_equal_the_torch_path(native, arch, form):
     kv_want, kv_got = kv.clone(), kv.clone()
     torch_path = kernels_for(cfg, torch.device("cpu"), 4, eager=True, params=params)
     ours = kernels_for(cfg, torch.device("cpu"), 4, params=params)
-    assert isinstance(ours.attention, cpu_layers.NativeDecodeAttention)
-    assert not isinstance(torch_path.attention, cpu_layers.NativeDecodeAttention)
+    assert isinstance(ours.attention, cpu_layers.NativeAttention)
+    assert not isinstance(torch_path.attention, cpu_layers.NativeAttention)
     want = forward(params, kv_want, batch, cfg, torch_path.attention, torch_path.layer_fns)
     got = forward(params, kv_got, batch, cfg, ours.attention, ours.layer_fns)
     # The same bf16 matmuls; norms summed in another order may flip a bf16 rounding between them.
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(kv_got, kv_want, atol=1e-2, rtol=1e-2)
+
+
+def test_tensor_parallel_ranks_sum_the_packed_layers_outputs_in_fp32(native):
+    """The row-parallel projections' partial outputs reach the all-reduce in fp32, unrounded (a
+    bf16 sum would round again at every rank's add), and their sum rounds to bf16 once: one
+    rank's output."""
+    cfg = tiny_config(intermediate_size=64)
+    if not cpu_native.has_block_matmul(native.lib):
+        pytest.skip("no block_matmul on this CPU")
+    lp = block_params(random_params(cfg, seed=3)).layers[0]
+    fns = cpu_layers.layer_functions(native)
+    x, attn = randn(3, cfg.hidden_size, seed=1), randn(3, cfg.num_heads, cfg.head_dim, seed=2)
+    summed = []
+
+    def all_reduce(t):  # one rank: the sum is the rank's own part
+        summed.append(t.dtype)
+        return t
+
+    alone = fns.attention_output_and_mlp(x, attn, lp, cfg)
+    assert torch.equal(fns.attention_output_and_mlp(x, attn, lp, cfg, None, all_reduce), alone)
+    assert summed == [torch.float32, torch.float32]
 
 
 def test_the_fused_layers_take_only_packed_fp32_models(native):
@@ -174,7 +218,7 @@ def test_the_fused_layers_take_only_packed_fp32_models(native):
     cpu = torch.device("cpu")
 
     def fused(**kw):
-        return isinstance(kernels_for(cfg, cpu, 4, **kw).attention, cpu_layers.NativeDecodeAttention)
+        return isinstance(kernels_for(cfg, cpu, 4, **kw).attention, cpu_layers.NativeAttention)
 
     assert fused(params=packed) and fused(params=packed, kv_dtype=torch.float32)
     assert not fused(params=dense)  # the exact path stays exact
@@ -192,7 +236,7 @@ def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, c
     params = quantize_params(random_params(tiny_config()), "int8")
     kernels = kernels_for(tiny_config(), torch.device("cpu"), 4, params=params)
     assert isinstance(kernels.attention, TorchPagedAttention)
-    assert not isinstance(kernels.attention, cpu_layers.NativeDecodeAttention)
+    assert not isinstance(kernels.attention, cpu_layers.NativeAttention)
     assert kernels.layer_fns.rope_and_write is rope_write_cpu.rope_and_write
 
 
@@ -223,7 +267,7 @@ def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf, monk
     outputs = []
     for eager in (True, False):
         engine = EngineCore(model, engine_config(num_blocks=32, enforce_eager=eager))
-        assert isinstance(engine.runner.attention, cpu_layers.NativeDecodeAttention) is not eager
+        assert isinstance(engine.runner.attention, cpu_layers.NativeAttention) is not eager
         seqs = [engine.add_request(model.tokenizer.encode(p), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
                 for p in ("The capital of France is", "Write a haiku about the sea")]
         while engine.has_unfinished():

@@ -437,9 +437,9 @@ COPY_PROMPTS = [
 
 
 def test_default_model_greedy_equals_no_speculation(smollm2_gguf):
-    """In fp32 (the exact path: the packed path's int8 activations could turn the verify
-    batch's other summation order into another token at a near-tie), n-gram lookup and the
-    model drafting for itself, through the offline facade; stop strings cut multi-token steps."""
+    """In fp32 (the exact path; the packed path is held to the same in
+    tests/test_cpu_determinism.py), n-gram lookup and the model drafting for itself, through the
+    offline facade; stop strings cut multi-token steps."""
     from nanoinfer import LLM
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kernels import kernels_for
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.quantize import PROJECTIONS, quantize_params
@@ -35,20 +37,21 @@ CASES = {
 }
 BS = 4
 DENSE = [name for name in CASES if not name.endswith(("int8", "blocks"))]
+NATIVE = [name for name in CASES if name.endswith("blocks")]
 
 
-def steps(cfg, params, kv, layer_fns=EAGER):
+def steps(cfg, params, kv, layer_fns=EAGER, backend=REFERENCE):
     """A prefill of two prompts (5 and 7 tokens), then two decode steps: every logits row."""
     tables = [[0, 1, 2], [3, 4, 5]]
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
     out = []
     batch = build_batch([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables)], BS)
-    logits = forward(params, kv, batch, cfg, layer_fns=layer_fns)
+    logits = forward(params, kv, batch, cfg, backend, layer_fns)
     out.append(logits)
     lens = [len(p) for p in prompts]
     for nxt in ([7, 8], [9, 10]):  # (fixed tokens: a near-tie argmax would otherwise fork the runs)
         batch = build_batch([SeqChunk([t], n, table, True) for t, n, table in zip(nxt, lens, tables)], BS)
-        logits = forward(params, kv, batch, cfg, layer_fns=layer_fns)
+        logits = forward(params, kv, batch, cfg, backend, layer_fns)
         out.append(logits)
         lens = [n + 1 for n in lens]
     return torch.cat(out)
@@ -89,6 +92,13 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
                            layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
             if rank == 0:  # (by value: a shared tensor's memory goes with this process, which may exit first)
                 results.put((name, logits.float().numpy()))
+            if name in NATIVE:  # the CPU's fused packed layers (cpu_layers), as the engine runs them
+                sharded = shard_params(params, cfg, rank, size)
+                kernels = kernels_for(local, torch.device("cpu"), BS, params=sharded)
+                logits = steps(local, sharded, allocate_kv_pool(local, 8, BS, torch.float32, "cpu"),
+                               layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size), kernels.attention)
+                if rank == 0:
+                    results.put((name + "-native", logits.float().numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -99,7 +109,8 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
     ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
     for p in ranks:
         p.start()
-    got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120) for _ in CASES)}
+    got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120)
+                                                               for _ in range(len(CASES) + len(NATIVE)))}
     for p in ranks:
         p.join(60)
         assert p.exitcode == 0
@@ -115,6 +126,14 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
         # as close to the exact model (its weights dequantized, fp32) as one is.
         exact = steps(cfg, dequantized(params), allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
         one, two = (ref - exact).abs().max().item(), (got[name] - exact).abs().max().item()
+        assert 0 < two <= 2 * one, name
+    for name in NATIVE:  # the fused layers: their partial outputs summed in fp32, as the eager ones'
+        cfg, params = model(name)
+        kernels = kernels_for(cfg, torch.device("cpu"), BS, params=params)
+        ref = steps(cfg, params, allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"), kernels.layer_fns,
+                    kernels.attention)
+        exact = steps(cfg, dequantized(params), allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
+        one, two = (ref - exact).abs().max().item(), (got[name + "-native"] - exact).abs().max().item()
         assert 0 < two <= 2 * one, name
 
 
@@ -293,8 +312,9 @@ def test_engine_tensor_parallel_errors_are_named(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["exact", "packed"])
 def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtype):
-    """The offline facade, SmolLM2-135M split 3 + 6 heads: the same greedy text as one rank, in
-    fp32 and with its Q4_1 matrices packed for the CPU's fused layers (the default)."""
+    """The offline facade, SmolLM2-135M split 3 + 6 heads: the same greedy text as one rank in
+    fp32; with its Q4_1 matrices packed for the CPU's fused layers (the default), parting from
+    it only at a near-tie."""
     from nanoinfer import LLM
     from nanoinfer.sampling import SamplingParams
 
@@ -303,16 +323,20 @@ def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtyp
     for size in (1, 2):
         with LLM(smollm2_gguf, device="cpu", dtype=dtype, progress=False, num_blocks=64,
                  tensor_parallel_size=size) as llm:
-            runs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16),
-                                                            use_tqdm=False)])
+            runs.append([o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                                                     logprobs=2), use_tqdm=False)])
     if dtype == "float32":
-        assert runs[0] == runs[1]
+        assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
         return
-    # Packed, each rank rounds its partial sums to bf16 (one rank rounds the whole sum once):
-    # a near-tie may flip late in a generation, never early.
+    # Packed, the ranks' partial sums add in fp32 in another order than one rank's sum, and the
+    # int8 rounding of the activations can turn that into another token where the model
+    # hesitates: texts may part only at a near-tie of the same two candidates.
     for one, two in zip(*runs):
-        same = next((i for i, (a, b) in enumerate(zip(one, two)) if a != b), len(one))
-        assert same >= len(one) // 2, (one, two)
+        i = next((i for i, (a, b) in enumerate(zip(one.token_ids, two.token_ids)) if a != b), None)
+        if i is None:
+            continue
+        (a, la), (b, lb) = one.logprobs[i].top
+        assert {a, b} == {t for t, _ in two.logprobs[i].top} and la - lb < 0.25, (i, one.logprobs[i], two.logprobs[i])
 
 
 def test_server_streams_over_two_ranks(tiny_chat_model):
