@@ -162,10 +162,8 @@ def forward(
     slots the batch owns, and nowhere else. Returning a fresh pool instead would copy the
     whole cache every step (see DESIGN.md §2); `forward_out_of_place` is that mode for tests.
     """
-    if cfg.architecture == "nanochat":  # (a dataflow of its own)
-        from nanoinfer import nanochat
-
-        return nanochat.forward(params, kv, batch, cfg, backend, layer_fns, logits_dtype)
+    if cfg.architecture == "nanochat":  # (a dataflow of its own: nanoinfer.families.forward_of picks it)
+        raise ValueError("a nanochat model runs nanoinfer.nanochat.forward (see nanoinfer.families.forward_of)")
     windows = cfg.layer_windows
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}

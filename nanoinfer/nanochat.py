@@ -33,7 +33,8 @@ from nanoinfer.attention import AttentionBackend
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.layers import apply_rope, rope_cos_sin
-from nanoinfer.model import LayerFunctions, LayerParams, Params
+from nanoinfer.attention.reference import REFERENCE
+from nanoinfer.model import EAGER, LayerFunctions, LayerParams, Params
 from nanoinfer.quantized import Weight, embedding
 
 SOFTCAP = 15.0
@@ -92,10 +93,12 @@ def _smear(x: torch.Tensor, kv: torch.Tensor, batch: Batch, params: NanochatPara
     return x + gate * previous * (batch.positions > 0)[:, None].to(x.dtype)
 
 
-def forward(params: NanochatParams, kv: torch.Tensor, batch: Batch, cfg: ModelConfig, backend: AttentionBackend,
-            layer_fns: LayerFunctions, logits_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """nanoinfer.model.forward for a nanochat model (it dispatches here): logits of the
-    batch's sampling rows; writes the batch's keys, values and normed embeddings at its slots."""
+def forward(params: NanochatParams, kv: torch.Tensor, batch: Batch, cfg: ModelConfig,
+            backend: AttentionBackend = REFERENCE, layer_fns: LayerFunctions = EAGER,
+            logits_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """nanoinfer.model.forward's counterpart for a nanochat model (nanoinfer.families.forward_of
+    picks it): logits of the batch's sampling rows; writes the batch's keys, values and normed
+    embeddings at its slots."""
     linear = layer_fns.linear
     eps, tokens = cfg.rms_norm_eps, batch.input_ids.shape[0]
     windows = cfg.layer_windows

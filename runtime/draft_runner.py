@@ -33,7 +33,7 @@ from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import forward
+from nanoinfer.families import forward_of
 from nanoinfer.sampling import greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.input_batch import InputBatch
@@ -122,7 +122,7 @@ class DraftRunner:
         """The logits of the batch's logits rows, and their argmax (a greedy draft's proposal,
         inside the graph: its pass needs no other launch)."""
         k = self.kernels
-        logits = forward(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
+        logits = forward_of(self.cfg)(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
         return logits, greedy_tokens(logits)
 
     def _logits(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None

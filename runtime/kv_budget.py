@@ -12,7 +12,7 @@ from nanoinfer.attention import AttentionBackend
 from nanoinfer.batch import Batch
 from nanoinfer.kv_cache import allocate_kv_pool, kv_dtype
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import forward
+from nanoinfer.families import forward_of
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from nanoinfer.sampling_params import MAX_LOGPROBS
 from runtime.scheduler import PROMPT_LOGPROB_ROWS
@@ -79,7 +79,7 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
                             presence_penalty=0.5, logit_bias={0: 1.0}, min_tokens=1, logprobs=MAX_LOGPROBS)
     rows = min(tokens, len(lens) * per_sampler)
     with torch.inference_mode():
-        logits = forward(model.params, scratch, batch, cfg, backend)
+        logits = forward_of(cfg)(model.params, scratch, batch, cfg, backend)
         st = SamplingTensors.build([costly] * rows, [0] * rows, cfg.vocab_size, dev, prompts=[[0]] * rows,
                                    outputs=[[]] * rows, eos_token_ids=cfg.eos_token_ids)
         sampled = sample(logits[:rows], st)

@@ -18,7 +18,7 @@ from typing import Sequence, Union
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import EngineConfig, engine_config, load_and_engine_configs
+from runtime.engine_config import EngineConfig, load_and_engine_configs
 from runtime.engine_core import EngineCore, EngineDead
 from runtime.faults import RequestFailed
 from runtime.outputs import RequestOutput

@@ -22,7 +22,7 @@ from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import forward
+from nanoinfer.families import forward_of
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from nanoinfer.speculative import draft_history, verify
 from nanoinfer.structured import Grammars, allocate_bitmask, apply_bitmask
@@ -254,7 +254,7 @@ class ModelRunner:
 
     def _eager_forward(self, batch: Batch) -> ForwardOutput:
         k = self.kernels
-        logits = forward(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
+        logits = forward_of(self.cfg)(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
         return ForwardOutput(logits, *greedy_and_finite(logits))
 
     def _forward(self, batch: Batch) -> ForwardOutput:

@@ -38,11 +38,11 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from nanoinfer.errors import RequestError
 from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params, completion_prompts,
                                  param_of)
 from runtime import protocol as api
-from runtime.engine import AsyncEngine, EngineError, RequestHandle
+from runtime.engine import AsyncEngine, RequestHandle
+from runtime.http_errors import HTTPError, error_response
 from runtime.metrics import ServerMetrics
 from runtime.websocket import ChatSocket, refuse
 
@@ -59,32 +59,6 @@ OPENAI_ROUTES_NOT_SERVED = ("/v1/embeddings", "/v1/responses", "/v1/audio", "/v1
                             "/v1/vector_stores", "/v1/edits", "/v1/uploads", "/v1/realtime")
 ROUTES_SERVED = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{id}",
                  "WebSocket /v1/chat/ws")
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        self.status, self.body, self.headers = status, api.ErrorBody(message, type_, param, code), headers
-        super().__init__(message)
-
-    @classmethod
-    def of(cls, exc: BaseException, healthy: bool) -> "HTTPError":
-        """The response for an exception from the engine or our own code."""
-        if isinstance(exc, HTTPError):
-            return exc
-        cause = exc.__cause__ if isinstance(exc, EngineError) else exc
-        if isinstance(cause, HTTPError):  # (the server ended the request: a shutdown)
-            return cause
-        if isinstance(cause, RequestError):  # the request cannot be served as asked
-            return cls(400, str(cause), param=cause.param)
-        if not healthy:
-            return cls(503, f"the engine is unhealthy and must be restarted: {exc}", type_="server_error")
-        return cls(500, str(exc), type_="server_error")
-
-
-def _error_response(err: HTTPError) -> Response:
-    return Response(_encode(api.ErrorResponse(err.body)), err.status, headers=err.headers,
-                    media_type="application/json")
 
 
 def _sse(item) -> bytes:
@@ -406,7 +380,7 @@ class _Server:
                     log.exception("error serving %s", request.url.path)
                 elif not getattr(request.state, "logged", False):  # (refused before any work: its one line)
                     log.info("%s %s: %d, %s", request.method, request.url.path, err.status, err.body.message)
-                return _error_response(err)
+                return error_response(err)
         return endpoint
 
     async def log_throughput(self, every: float) -> None:
@@ -439,7 +413,7 @@ class _HostCheck:
                 if scope["type"] == "websocket":
                     await refuse(WebSocket(scope, receive, send), err.status, _encode(api.ErrorResponse(err.body)))
                 else:
-                    await _error_response(err)(scope, receive, send)
+                    await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -480,10 +454,10 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
         allowed = exc.headers or None
         path = request.url.path
         if exc.status_code == 404 and path.startswith(OPENAI_ROUTES_NOT_SERVED):
-            return _error_response(HTTPError(404, f"{request.method} {path}: this OpenAI endpoint is not supported by "
+            return error_response(HTTPError(404, f"{request.method} {path}: this OpenAI endpoint is not supported by "
                                                   f"this server (it serves {', '.join(ROUTES_SERVED)})",
                                              code="unsupported_endpoint"))
-        return _error_response(HTTPError(exc.status_code, f"{request.method} {path}: {exc.detail}",
+        return error_response(HTTPError(exc.status_code, f"{request.method} {path}: {exc.detail}",
                                          code="not_found" if exc.status_code == 404 else "method_not_allowed",
                                          headers=allowed))
 

@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from runtime import protocol as api
+from runtime.http_errors import HTTPError
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
@@ -67,16 +68,12 @@ class ChatSocket:
             await self.websocket.send_text(_encode(message).decode())
 
     async def error(self, request_id: str | None, exc: BaseException) -> None:
-        from runtime.server import HTTPError
-
         err = HTTPError.of(exc, self.srv.engine.healthy)
         if err.status == 500:
             log.error("websocket request %s failed: %r", request_id, exc)
         await self.send(api.WsServerMessage("error", request_id, error=err.body))
 
     async def serve(self) -> None:
-        from runtime.server import HTTPError
-
         try:
             self.srv.check_access(self.websocket)
             origin = self.websocket.headers.get("origin")
@@ -116,8 +113,6 @@ class ChatSocket:
     def read(self, frame: dict) -> api.WsClientMessage:
         """The message a frame holds, or HTTPError saying why it cannot be read: checked before
         it is decoded, as an HTTP body is."""
-        from runtime.server import HTTPError
-
         text, limit = frame.get("text"), self.srv.max_body_bytes
         if text is None:
             raise HTTPError(400, "binary frames are not read: send each message as JSON in a text frame")
@@ -133,8 +128,6 @@ class ChatSocket:
             raise HTTPError(400, "invalid message: it nests JSON too deeply") from exc
 
     def handle(self, message: api.WsClientMessage) -> None:
-        from runtime.server import HTTPError
-
         if message.type == "cancel":
             task = self.running.get(message.id)
             if task is None:
@@ -148,8 +141,6 @@ class ChatSocket:
 
     async def run(self, request_id: str, body: dict | None) -> None:
         """One chat completion, streamed as chunk messages."""
-        from runtime.server import HTTPError
-
         handles, status = [], 499
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:

@@ -106,7 +106,7 @@ def test_nanochat_logits_equal_the_reference_implementation(tmp_path):
     from nanoinfer.batch import SeqChunk, build_batch
     from nanoinfer.kv_cache import allocate_kv_pool
     from nanoinfer.loaders import load_model
-    from nanoinfer.model import forward
+    from nanoinfer.families import forward_of
 
     sd = nanochat_state()
     write_checkpoint(tmp_path / "base_checkpoints" / "d4", sd, compiled=True)
@@ -116,7 +116,7 @@ def test_nanochat_logits_equal_the_reference_implementation(tmp_path):
         ("nanochat", 2, 129, (True, True, True, False))
     ids = prompt(180)
     batch = build_batch([SeqChunk(ids, 0, list(range(12)), True)], 16, logits_rows=range(len(ids)))
-    ours = forward(model.params, allocate_kv_pool(cfg, 12, 16, torch.float32, "cpu"), batch, cfg)
+    ours = forward_of(cfg)(model.params, allocate_kv_pool(cfg, 12, 16, torch.float32, "cpu"), batch, cfg)
     ref = reference_logits(sd, ids)
     assert ours.shape == ref.shape
     assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
