@@ -36,9 +36,9 @@ def one(model: str, load_format: str, device: str) -> dict:
 
     from nanoinfer import SamplingParams
     from nanoinfer.loaders import load_model
-    from runtime import model_runner
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.executor import model_runner
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     clock = mark("imports", clock)
     model = load_model(model, device=device, load_format=load_format, progress=False)

@@ -107,7 +107,7 @@ def memory_child(quantization: str, threads: int) -> None:
     """Run in a fresh process: print the resident set before and after loading, as JSON."""
     torch.set_num_threads(threads)
     from nanoinfer.loaders import load_model
-    from runtime.engine_core import EngineConfig, EngineCore
+    from runtime.engine.engine_core import EngineConfig, EngineCore
 
     before = rss_mib()
     model = load_model(None, device="cpu", progress=False, quantization=quantization)
@@ -132,7 +132,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     from nanoinfer.loaders import load_model
-    from runtime.engine_core import EngineConfig, EngineCore
+    from runtime.engine.engine_core import EngineConfig, EngineCore
 
     engines = []  # (name, timing function, engine)
     for quantization in ("gguf", "none"):

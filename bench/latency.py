@@ -31,7 +31,7 @@ import torch
 
 def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1):
     from nanoinfer.sampling import SamplingParams
-    from runtime.engine_core import EngineConfig, EngineCore
+    from runtime.engine.engine_core import EngineConfig, EngineCore
 
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
                                             enforce_eager=enforce_eager, async_scheduling=async_scheduling,

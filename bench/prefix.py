@@ -42,7 +42,7 @@ async def conversation(engine, system, args, rng, vocab, ttfts):
 
 async def run(model, engine_args, args):
     from nanoinfer import AsyncEngine
-    from runtime.engine import engine_config
+    from runtime.async_engine import engine_config
 
     vocab = model.config.vocab_size
     system = [random.Random(0).randrange(vocab) for _ in range(args.system_tokens)]

@@ -21,8 +21,8 @@ import torch
 
 def profile(model, batch, context, steps, rows):
     from nanoinfer.sampling import SamplingParams
-    from runtime.engine_core import EngineConfig, EngineCore
-    from runtime.scheduler import SchedulerConfig
+    from runtime.engine.engine_core import EngineConfig, EngineCore
+    from runtime.engine.scheduler import SchedulerConfig
 
     engine = EngineCore(model, EngineConfig(block_size=16, max_model_len=max(2048, context + 4 * steps + 64),
                                             gpu_memory_utilization=0.8,

@@ -57,8 +57,8 @@ def perplexity(model, ids: list[int], kv_cache_dtype: str) -> float:
 
 def greedy(model, prompt_ids: list[int], tokens: int, kv_cache_dtype: str) -> list[int]:
     from nanoinfer.sampling_params import SamplingParams
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     engine = EngineCore(model, engine_config(num_blocks=64, kv_cache_dtype=kv_cache_dtype))
     seq = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))

@@ -79,9 +79,9 @@ def gpu(args):
     from bench.shapes import random_model
     from nanoinfer.sampling import SamplingParams
     from nanoinfer.speculative import Verified
-    from runtime import model_runner
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.executor import model_runner
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     target = random_model(args.shape, device=args.device)
     draft = random_model(args.draft_shape, device=args.device)

@@ -31,8 +31,8 @@ def measure(batch: int, context: int, steps: int) -> float:
     import nanoinfer.model
     from nanoinfer import SamplingParams
     from nanoinfer.loaders import LoadedModel
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
     from tests.tiny import random_params, tiny_config
 
     real = nanoinfer.model.forward

@@ -69,7 +69,7 @@ def main():
     from nanoinfer import LLM, SamplingParams
 
     from nanoinfer.structured import Grammars
-    from runtime.model_runner import ModelRunner
+    from runtime.executor.model_runner import ModelRunner
 
     mask_time, fill_time = timed(ModelRunner, "_grammar_masks"), timed(Grammars, "fill")
     consume_time = timed(Grammars, "consume")

@@ -10,8 +10,8 @@ from nanoinfer.sampling import SamplingParams
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineError",
            "CheckpointError", "ModelFetchError", "NanoInferError", "RequestError"]
 
-_RUNTIME_EXPORTS = {"LLM": "runtime.llm", "AsyncEngine": "runtime.engine", "EngineError": "runtime.engine",
-                    "RequestOutput": "runtime.outputs", "CompletionOutput": "runtime.outputs"}
+_RUNTIME_EXPORTS = {"LLM": "runtime.llm", "AsyncEngine": "runtime.async_engine", "EngineError": "runtime.async_engine",
+                    "RequestOutput": "runtime.engine.outputs", "CompletionOutput": "runtime.engine.outputs"}
 
 
 def __getattr__(name):

@@ -2,7 +2,7 @@
 
 CUDA copies from pageable host memory to the GPU first wait for the stream to drain, so
 every `torch.tensor(list).to("cuda", non_blocking=True)` in a step would stall the host until
-the step before it finishes, undoing the overlap of host and GPU work (runtime/inflight.py).
+the step before it finishes, undoing the overlap of host and GPU work (runtime/executor/inflight.py).
 Staging through pinned memory makes the copy truly asynchronous; PyTorch's caching host
 allocator recycles the pinned buffers and reuses one only once its copy has completed.
 """

@@ -7,7 +7,7 @@ bench/RESULTS.md). A sequence's `Constraint` fills its rows of a packed bitmask 
 bit t of word t // 32 set: token t allowed) on the host while the device runs the step's
 forward; the rows go to the device in one copy and `apply_bitmask` turns the disallowed
 logits to -inf there, so the sampler needs no per-row round trip. After a token is resolved,
-`consume` advances the grammar (runtime/engine_core.py), which is why a step that masked
+`consume` advances the grammar (runtime/engine/engine_core.py), which is why a step that masked
 some row is waited for before the next one is planned (async scheduling's overlap is lost
 while constrained sequences run, not their masks' host time).
 

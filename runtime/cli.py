@@ -19,9 +19,9 @@ from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadConfig
 from nanoinfer.loaders.hub import DEFAULT_MODEL
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
-from runtime.engine_core import EngineConfig
-from runtime.scheduler import SchedulerConfig
-from runtime.serving import ServerConfig
+from runtime.engine.engine_core import EngineConfig
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.serve.serving import ServerConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -197,8 +197,8 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from runtime.engine import AsyncEngine
-    from runtime.serving import check_port_free, serve
+    from runtime.async_engine import AsyncEngine
+    from runtime.serve.serving import check_port_free, serve
 
     config = ServerConfig(**from_namespace(ServerConfig, args))
     check_port_free(config.host, config.port)
@@ -261,7 +261,7 @@ def _eval_speed(args) -> int:
     import asyncio
     import json
 
-    from runtime.engine import AsyncEngine
+    from runtime.async_engine import AsyncEngine
     from runtime.eval.speed import measure, plot
 
     engine = AsyncEngine.from_model(args.model, **_load_kwargs(args), **_engine_kwargs(args))
@@ -332,11 +332,11 @@ def _chat(args) -> int:
 
 def _tensor_parallel_rank(args) -> int:
     """A rank other than 0 of a torchrun launch: the same command line, but this process only
-    computes its shard of each step that rank 0 (the engine) sends (runtime/tensor_parallel.py)."""
+    computes its shard of each step that rank 0 (the engine) sends (runtime/executor/tensor_parallel.py)."""
     import torch
 
     from nanoinfer.loaders import load_model
-    from runtime.tensor_parallel import serve_rank
+    from runtime.executor.tensor_parallel import serve_rank
 
     kwargs = _load_kwargs(args)
     if kwargs["device"] in ("auto", "cuda") and torch.cuda.is_available():

@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import engine_config, load_and_engine_configs
-from runtime.llm_engine import LLMEngine, Prompt, failed
-from runtime.outputs import RequestOutput
-from runtime.request_state import RequestState
+from runtime.engine.engine_config import engine_config, load_and_engine_configs
+from runtime.engine.llm_engine import LLMEngine, Prompt, failed
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.request_state import RequestState
 
 
 class LLM:
@@ -137,10 +137,10 @@ class LLM:
         """Render `messages` with the chat template and generate the assistant's reply. As in
         vLLM, `tools` (OpenAI's function objects) are rendered for the model (through the
         template, or in its system message where the template has none) and the reply comes
-        back as text; the server parses calls out of it (runtime/tool_calls.py)."""
+        back as text; the server parses calls out of it (runtime/serve/tool_calls.py)."""
         kwargs = dict(chat_template_kwargs or {})
         if tools:
-            from runtime.tool_calls import tool_setup
+            from runtime.serve.tool_calls import tool_setup
 
             setup = tool_setup(tools, "auto", list(messages), self.tokenizer.chat_template if self.tokenizer else None)
             messages, kwargs = setup.messages, {**kwargs, **setup.template_kwargs}

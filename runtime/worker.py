@@ -12,9 +12,9 @@ import queue
 import threading
 from typing import Callable, NamedTuple
 
-from runtime.llm_engine import LLMEngine
-from runtime.outputs import RequestOutput
-from runtime.request_state import RequestState
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.request_state import RequestState
 
 log = logging.getLogger("nanoinfer.engine")
 

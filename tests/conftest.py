@@ -64,7 +64,7 @@ def tensor_parallel_path(request, monkeypatch):
         return
     import torch.distributed as dist
 
-    from runtime import model_runner
+    from runtime.executor import model_runner
 
     monkeypatch.setattr(model_runner, "uses_ranks", lambda config: True)
     # Compiled layer parts then guard on two reductions (the tests' direct forwards keep the

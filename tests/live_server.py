@@ -14,8 +14,8 @@ import uvicorn
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.gguf import open_gguf
 from nanoinfer.tokenizer import Tokenizer
-from runtime.engine import AsyncEngine, engine_config
-from runtime.server import create_app
+from runtime.async_engine import AsyncEngine, engine_config
+from runtime.serve.server import create_app
 from tests.tiny import random_params, tiny_config
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from nanoinfer import SamplingParams
 from nanoinfer.loaders import LoadedModel
-from runtime.engine import engine_config
-from runtime.engine_core import EngineCore
+from runtime.async_engine import engine_config
+from runtime.engine.engine_core import EngineCore
 from tests.tiny import random_params, tiny_config
 
 CFG = tiny_config(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -12,8 +12,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanoinfer.sampling import SamplingParams
-from runtime.block_manager import BlockManager, PoolExhausted
-from runtime.sequence import Sequence
+from runtime.engine.block_manager import BlockManager, PoolExhausted
+from runtime.engine.sequence import Sequence
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS = 12, 4, 8
 GARBAGE = "garbage"  # what a slot holds before anything is written or copied into it

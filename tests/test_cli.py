@@ -111,7 +111,7 @@ def test_chat_keeps_history_stops_on_ctrl_c_and_resets(smollm2_gguf):
 
 def test_async_scheduling_flag_reaches_the_engine_config():
     from runtime.cli import _engine_kwargs, _parser
-    from runtime.engine import engine_config
+    from runtime.async_engine import engine_config
 
     for flag, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         args = _parser().parse_args(["serve", *flag])
@@ -138,7 +138,7 @@ def test_generate_reads_the_prompt_from_stdin(smollm2_gguf):
 
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     from runtime.cli import _engine_kwargs, parse_args
-    from runtime.engine import engine_config
+    from runtime.async_engine import engine_config
 
     config = tmp_path / "serve.yaml"
     config.write_text("max-num-seqs: 8\nswap_space: 1GiB\npreemption-mode: swap\nmax-n: 4\n")

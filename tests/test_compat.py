@@ -111,7 +111,7 @@ def test_required_tool_call_with_defs_refs_is_forced_and_valid(client):
 
 
 def test_required_tools_schema_keeps_each_tools_defs(live_server):
-    from runtime.tool_calls import tool_setup
+    from runtime.serve.tool_calls import tool_setup
 
     setup = tool_setup([WEATHER, CLOCK], "required", list(MESSAGES), None)
     schema = setup.grammar.schema

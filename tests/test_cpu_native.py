@@ -258,8 +258,8 @@ def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf, monk
     """With torch's int4 kernel for the matmuls (the same bf16 products either way), the fused
     layers' greedy text is the torch path's, token for token."""
     from nanoinfer.loaders import load_model
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     monkeypatch.setattr(cpu_native, "has_block_matmul", lambda lib: False)
     model = load_model(smollm2_gguf, device="cpu", progress=False)

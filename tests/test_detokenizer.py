@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from nanoinfer.loaders.gguf import open_gguf
 from nanoinfer.tokenizer import Tokenizer
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40) | st.sampled_from(
     ["héllo wörld 😀👍🏽 日本語のテキスト", "emoji 🧑‍🚀 zwj and ñ", "  spaces\n\nand\ttabs 123456"])

@@ -11,7 +11,7 @@ import pytest
 
 from nanoinfer import AsyncEngine, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
-from runtime.engine import engine_config
+from runtime.async_engine import engine_config
 from tests.tiny import random_params, tiny_config
 
 CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -255,9 +255,9 @@ def test_abort_by_request_id():
 
 
 def test_the_profiling_step_runs_the_costliest_path():
-    """What sizes the GPU's KV pool (runtime/kv_budget.py) is a real step: forward, the sampler's
+    """What sizes the GPU's KV pool (runtime/executor/kv_budget.py) is a real step: forward, the sampler's
     sort, penalties and logprobs for every row. It runs anywhere; here on the CPU."""
-    from runtime.kv_budget import run_peak_step
+    from runtime.executor.kv_budget import run_peak_step
 
     run_peak_step(MODEL, engine_config(max_num_batched_tokens=64, max_num_seqs=8), make_engine().core.runner.attention)
 

@@ -217,7 +217,7 @@ def test_speed_records_every_request_and_token():
     from pathlib import Path
 
     from nanoinfer.loaders import LoadedModel
-    from runtime.engine import AsyncEngine, engine_config
+    from runtime.async_engine import AsyncEngine, engine_config
     from runtime.eval.speed import measure
     from tests.tiny import random_params, tiny_config
 

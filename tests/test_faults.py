@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime.engine_core as engine_core
-import runtime.model_runner as model_runner
-from runtime.input_batch import InputBatch
+import runtime.engine.engine_core as engine_core
+import runtime.executor.model_runner as model_runner
+from runtime.executor.input_batch import InputBatch
 from nanoinfer import EngineError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
-from runtime.engine import AsyncEngine, engine_config
+from runtime.async_engine import AsyncEngine, engine_config
 from tests.tiny import patch_forward, random_params, tiny_config
 
 CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -361,7 +361,7 @@ def test_a_failure_while_preparing_a_step_fails_that_request_and_the_loop_lives_
 
 
 def test_the_token_cap_never_exceeds_the_budget():
-    from runtime.faults import Fault, Isolation
+    from runtime.engine.faults import Fault, Isolation
 
     isolation = Isolation(8)
     seqs = [engine_core.Sequence(i, [1, 2], SamplingParams(), 10) for i in range(2)]

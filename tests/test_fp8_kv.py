@@ -14,8 +14,8 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import LayerFunctions
 from nanoinfer.rope_write_cpu import rope_and_write, rope_tables
 from nanoinfer.sampling_params import SamplingParams
-from runtime.engine import engine_config
-from runtime.engine_core import EngineCore
+from runtime.async_engine import engine_config
+from runtime.engine.engine_core import EngineCore
 from tests.tiny import random_params, tiny_config
 
 

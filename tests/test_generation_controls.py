@@ -16,8 +16,8 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config
 from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling import SamplingTensors, sample
-from runtime.engine import engine_config
-from runtime.engine_core import EngineConfig, EngineCore
+from runtime.async_engine import engine_config
+from runtime.engine.engine_core import EngineConfig, EngineCore
 from tests.tiny import patch_forward, random_params, tiny_config
 
 V = 16

@@ -13,7 +13,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
 from nanoinfer.model import forward
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_core import EngineConfig, EngineCore
+from runtime.engine.engine_core import EngineConfig, EngineCore
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253],  # short, starts with <|im_start|>

@@ -24,8 +24,8 @@ from nanoinfer.loaders import LoadedModel  # noqa: E402
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config  # noqa: E402
 from nanoinfer.model import compiled_layer_functions, forward, map_params  # noqa: E402
 from nanoinfer.sampling import SamplingParams  # noqa: E402
-from runtime.engine import engine_config  # noqa: E402
-from runtime.engine_core import EngineConfig, EngineCore  # noqa: E402
+from runtime.async_engine import engine_config  # noqa: E402
+from runtime.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +345,7 @@ def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
 def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
     """Issue 10 on the GPU path (async scheduling, CUDA graphs): an out-of-memory forward is
     retried, a request whose logits turn NaN fails alone, the others run to their length."""
-    from runtime.faults import RequestFailed
+    from runtime.engine.faults import RequestFailed
     from tests.tiny import patch_forward
 
     _, model = hf_and_ours
@@ -457,7 +457,7 @@ def test_quantized_engine_serves_mixed_batches(hf_and_ours, form):
 
     _, model = hf_and_ours
     quant = dataclasses.replace(model, params=quantize_params(model.params, form), quantization=form)
-    from runtime.engine import engine_config
+    from runtime.async_engine import engine_config
 
     engine = EngineCore(quant, engine_config(block_size=16, num_blocks=512, max_model_len=1024,
                                              max_num_batched_tokens=96))
@@ -539,7 +539,7 @@ def test_tensor_parallel_world_of_one_over_nccl():
     from nanoinfer.batch import SeqChunk, build_batch
     from nanoinfer.kv_cache import allocate_kv_pool
     from nanoinfer.model import EAGER, forward, map_params
-    from runtime.tensor_parallel import RankSetup, TensorParallelRanks
+    from runtime.executor.tensor_parallel import RankSetup, TensorParallelRanks
     from tests.tiny import random_params, tiny_config
 
     cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72)
@@ -565,7 +565,7 @@ def test_nanochat_on_cuda_with_graphs_agrees_with_the_reference(tmp_path):
     """The nanochat forward captured in CUDA graphs (decode and mixed steps), fp32: greedy tokens
     equal the CPU reference's up to near-ties, with chunked prefills and a cached prefix."""
     from nanoinfer.loaders import load_model
-    from runtime.engine import engine_config
+    from runtime.async_engine import engine_config
     from tests.nanochat_files import nanochat_state, prompt, reference_logits, write_checkpoint
 
     sd = nanochat_state()

@@ -13,7 +13,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config
 from nanoinfer.model import forward
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_core import EngineConfig, EngineCore
+from runtime.engine.engine_core import EngineConfig, EngineCore
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
               initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)

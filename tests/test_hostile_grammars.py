@@ -301,7 +301,7 @@ def test_two_thousand_tools_leave_health_answering(server):
 
 def test_the_grammar_of_two_thousand_tools_is_answered(server):
     """The same grammar, as a response format: a call of one of the tools."""
-    from runtime.tool_calls import tool_setup
+    from runtime.serve.tool_calls import tool_setup
 
     grammar = tool_setup(tools(2000), "required", [{"role": "user", "content": "x"}], None, True).grammar
     out = answered(server, "/v1/completions", completion({"guided_json": json.loads(grammar.value), "max_tokens": 24}))

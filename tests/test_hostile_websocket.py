@@ -170,8 +170,8 @@ def test_serve_reads_no_websocket_message_over_the_limit(tiny_chat_model):
     import threading
     from types import SimpleNamespace
 
-    from runtime.engine import AsyncEngine, engine_config
-    from runtime.serving import ServerConfig, build_server
+    from runtime.async_engine import AsyncEngine, engine_config
+    from runtime.serve.serving import ServerConfig, build_server
     from tests.live_server import start_in_thread
 
     engine = AsyncEngine(tiny_chat_model, engine_config(num_blocks=256, block_size=16))

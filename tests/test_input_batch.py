@@ -1,4 +1,4 @@
-"""The input batch (runtime/input_batch.py) against its reference: per-row state kept between
+"""The input batch (runtime/executor/input_batch.py) against its reference: per-row state kept between
 steps and updated incrementally gives exactly what SamplingTensors.build and the sequences'
 own block tables give when rebuilt from scratch."""
 
@@ -10,8 +10,8 @@ import torch
 
 from nanoinfer.penalties import apply_penalties
 from nanoinfer.sampling import SamplingParams, SamplingTensors
-from runtime.input_batch import InputBatch
-from runtime.sequence import Sequence
+from runtime.executor.input_batch import InputBatch
+from runtime.engine.sequence import Sequence
 
 VOCAB, EOS = 50, (2,)
 

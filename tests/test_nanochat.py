@@ -128,8 +128,8 @@ def test_nanochat_engine_greedy_equals_the_reference(tmp_path):
     request reusing the first's cached prefix blocks, and contexts past the short window."""
     from nanoinfer.loaders import load_model
     from nanoinfer.sampling import SamplingParams
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     sd = nanochat_state()
     write_checkpoint(tmp_path / "d4", sd)

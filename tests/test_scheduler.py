@@ -1,6 +1,6 @@
 """Scheduler policy: plan() on random situations, and plan + apply + fake sampling run for many steps.
 
-The tests check plans against what the docstring of runtime/scheduler.py promises, with an
+The tests check plans against what the docstring of runtime/engine/scheduler.py promises, with an
 independent model of the queues and of the KV pools' contents: every position a sequence has
 computed holds that sequence's token, read back through its table after any preemption, swap
 or copy-on-write. `Sim.apply` carries out a plan the way EngineCore._apply does, and
@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
-from runtime.block_manager import BlockManager
-from runtime.scheduler import SchedulerConfig, WaitingQueue, plan, rank
-from runtime.sequence import Sequence, SequenceStatus
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.scheduler import SchedulerConfig, WaitingQueue, plan, rank
+from runtime.engine.sequence import Sequence, SequenceStatus
 
 WAITING, RUNNING, SWAPPED, FINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED,
                                        SequenceStatus.FINISHED)
@@ -630,7 +630,7 @@ def test_random_workloads_finish(workload):
 def test_prompt_logprob_rows_per_step_are_bounded():
     """Each prompt token whose logprobs are asked for costs a [vocab] row of logits: a step
     computes at most PROMPT_LOGPROB_ROWS of them, however large the token budget."""
-    from runtime.scheduler import PROMPT_LOGPROB_ROWS
+    from runtime.engine.scheduler import PROMPT_LOGPROB_ROWS
 
     config = SchedulerConfig(max_num_batched_tokens=4096)
     sim = Sim(512, 16, 0, config)

@@ -215,7 +215,7 @@ def test_full_queue_is_503_with_retry_after(tiny_chat_model):
 
 
 def test_unhealthy_engine_is_503(tiny_chat_model, monkeypatch):
-    from runtime.engine_core import EngineDead
+    from runtime.engine.engine_core import EngineDead
 
     with LiveServer(tiny_chat_model) as server:
         def broken_step():
@@ -332,7 +332,7 @@ def test_the_host_check_covers_every_route_and_parses_the_header_strictly(tiny_c
 
 def test_allowed_hosts_names_what_a_server_on_other_addresses_answers(tiny_chat_model):
     """Issue 31: binding a non-loopback address turned the check off, with no way to list names."""
-    from runtime.serving import ServerConfig, allowed_hosts
+    from runtime.serve.serving import ServerConfig, allowed_hosts
 
     assert allowed_hosts(ServerConfig()) == ("localhost", "127.0.0.1", "[::1]", "::1")
     assert allowed_hosts(ServerConfig(host="0.0.0.0")) is None  # (any, as before: say which with --allowed-hosts)
@@ -404,7 +404,7 @@ def test_slow_and_oversized_request_heads_are_cut_off(tiny_chat_model):
     connection for ever (serving.py adds one), and a head over the limit is refused."""
     import socket
 
-    from runtime.serving import _protocol
+    from runtime.serve.serving import _protocol
 
     with LiveServer(tiny_chat_model, uvicorn_kw={"http": _protocol(0.5), "h11_max_incomplete_event_size": 4096}) \
             as server:
@@ -456,8 +456,8 @@ def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from runtime.engine import AsyncEngine, engine_config
-    from runtime.serving import ServerConfig, build_server
+    from runtime.async_engine import AsyncEngine, engine_config
+    from runtime.serve.serving import ServerConfig, build_server
     from tests.live_server import start_in_thread
 
     ws_client = pytest.importorskip("websockets.sync.client")

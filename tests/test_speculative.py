@@ -16,8 +16,8 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.ngram import propose_ngram
 from nanoinfer.sampling import SamplingTensors
 from nanoinfer.speculative import draft_sample, target_distribution, verify
-from runtime.engine import engine_config
-from runtime.engine_core import EngineCore
+from runtime.async_engine import engine_config
+from runtime.engine.engine_core import EngineCore
 from tests.tiny import random_params, tiny_config
 
 CFG = tiny_config(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -246,7 +246,7 @@ def test_draft_model_must_share_the_vocabulary():
 
 
 def test_policy_switches_speculation_off_while_it_is_slower():
-    from runtime.speculative import SpeculationPolicy
+    from runtime.engine.speculative import SpeculationPolicy
 
     policy = SpeculationPolicy(explore_every=4, window=4)
     choices = []

@@ -16,9 +16,9 @@ from nanoinfer import SamplingParams  # noqa: E402
 from nanoinfer.errors import RequestError  # noqa: E402
 from nanoinfer.sampling import greedy_and_finite  # noqa: E402
 from nanoinfer.structured import GrammarSpec, Grammars, allocate_bitmask, unpack_bitmask  # noqa: E402
-from runtime.engine import engine_config  # noqa: E402
-from runtime.engine_core import EngineCore  # noqa: E402
-from runtime.model_runner import ForwardOutput  # noqa: E402
+from runtime.async_engine import engine_config  # noqa: E402
+from runtime.engine.engine_core import EngineCore  # noqa: E402
+from runtime.executor.model_runner import ForwardOutput  # noqa: E402
 from tests.test_structured import random_schema  # noqa: E402
 from tests.tiny import patch_forward  # noqa: E402
 

@@ -234,13 +234,13 @@ def test_default_model_over_two_ranks(smollm2_gguf, tmp_path):
     assert 0 < two <= 1.5 * one
 
 
-# -- the engine over two ranks (runtime/tensor_parallel.py) ---------------------------------------
+# -- the engine over two ranks (runtime/executor/tensor_parallel.py) ---------------------------------------
 
 def engine_outputs(model, prompts, params, draft_model=None, **config):
     """Every sequence's tokens, greedy, from an EngineCore with `config`; its ranks are gone
     after close."""
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     core = EngineCore(model, engine_config(**config), draft_model=draft_model)
     try:
@@ -292,8 +292,8 @@ def test_engine_over_two_ranks_emits_what_one_rank_does(case):
 
 def test_engine_tensor_parallel_errors_are_named(tmp_path):
     from nanoinfer.loaders import LoadedModel
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     cfg = tiny_config()
     model = LoadedModel(cfg, random_params(cfg), None, Path("tiny"))
@@ -365,8 +365,8 @@ def tiny_split_model():
 
 def test_a_lost_rank_fails_the_engine_with_a_clear_error():
     from nanoinfer.sampling import SamplingParams
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore, EngineDead
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore, EngineDead
 
     core = EngineCore(tiny_split_model(), engine_config(num_blocks=32, block_size=4, tensor_parallel_size=2))
     try:
@@ -386,8 +386,8 @@ ORPHAN_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 from tests.test_tensor_parallel import tiny_split_model
-from runtime.engine import engine_config
-from runtime.engine_core import EngineCore
+from runtime.async_engine import engine_config
+from runtime.engine.engine_core import EngineCore
 if __name__ == "__main__":
     core = EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
     print(*(p.pid for p in core.runner.tp.procs), flush=True)
@@ -449,9 +449,10 @@ def test_torchrun_starts_the_ranks(smollm2_gguf):
 def test_a_failed_start_stops_the_ranks_cleanly(monkeypatch):
     """Rank 0 failing after the ranks started (here: its KV pool) stops them before their setup:
     they exit 0, and the error is rank 0's own."""
-    from runtime import model_runner, tensor_parallel
-    from runtime.engine import engine_config
-    from runtime.engine_core import EngineCore
+    from runtime.executor import model_runner
+    from runtime.executor import tensor_parallel
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
 
     started = []
     monkeypatch.setattr(tensor_parallel.TensorParallelRanks, "setup", lambda self, setup: started.append(self))

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from nanoinfer.errors import RequestError
-from runtime.tool_calls import Call, ToolCallParser, parse_json, parse_tags, template_style, tool_setup
+from runtime.serve.tool_calls import Call, ToolCallParser, parse_json, parse_tags, template_style, tool_setup
 
 jsonschema = pytest.importorskip("jsonschema")
 

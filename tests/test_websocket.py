@@ -1,4 +1,4 @@
-"""The chat WebSocket endpoint (runtime/websocket.py) with a real WebSocket client against the
+"""The chat WebSocket endpoint (runtime/serve/websocket.py) with a real WebSocket client against the
 live server: several requests on one connection, the SSE stream's chunk objects, cancel,
 bad messages answered without closing, and a closed connection aborting its requests."""
 

@@ -63,7 +63,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Param
 def patch_forward(monkeypatch, fn) -> None:
     """Every ModelRunner's eager forward (graph replays aside) becomes `fn(batch, real)`, where
     `real(batch)` runs the forward it replaced: how tests inject faults into a step."""
-    from runtime.model_runner import ModelRunner
+    from runtime.executor.model_runner import ModelRunner
 
     real = ModelRunner._forward
     monkeypatch.setattr(ModelRunner, "_forward", lambda self, batch: fn(batch, lambda b: real(self, b)))

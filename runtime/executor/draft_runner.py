@@ -36,8 +36,8 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.families import forward_of
 from nanoinfer.sampling import greedy_tokens
 from nanoinfer.speculative import draft_sample
-from runtime.input_batch import InputBatch
-from runtime.sequence import Sequence
+from runtime.executor.input_batch import InputBatch
+from runtime.engine.sequence import Sequence
 
 
 class Proposal(NamedTuple):

@@ -1,6 +1,6 @@
 """AsyncEngine: asyncio front of the worker — `async for out in engine.stream(prompt, params)`.
 
-The worker thread runs the LLMEngine's step (runtime/llm_engine.py); this side hands each
+The worker thread runs the LLMEngine's step (runtime/engine/llm_engine.py); this side hands each
 request's outputs to its consumer, merging them while the consumer is slow.
 """
 
@@ -14,10 +14,10 @@ from typing import AsyncIterator, Sequence
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import EngineConfig, engine_config, load_and_engine_configs
-from runtime.llm_engine import EngineError, LLMEngine, Prompt, failed
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.request_state import RequestState, merge
+from runtime.engine.engine_config import EngineConfig, engine_config, load_and_engine_configs
+from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt, failed
+from runtime.engine.outputs import CompletionOutput, RequestOutput
+from runtime.engine.request_state import RequestState, merge
 from runtime.worker import Abort, StepReport, Submit, Worker
 
 __all__ = ["AsyncEngine", "EngineError", "Prompt", "RequestHandle", "engine_config"]

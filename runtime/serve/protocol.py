@@ -53,7 +53,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    # Tool calling (runtime/tool_calls.py; chat completions only: `unsupported` on completions)
+    # Tool calling (runtime/serve/tool_calls.py; chat completions only: `unsupported` on completions)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call (what `required` forces)
@@ -299,7 +299,7 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorBody
 
 
-# -- the WebSocket endpoint's messages (runtime/websocket.py) ----------------------------------
+# -- the WebSocket endpoint's messages (runtime/serve/websocket.py) ----------------------------------
 
 
 class WsClientMessage(msgspec.Struct, forbid_unknown_fields=True):

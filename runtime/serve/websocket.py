@@ -25,8 +25,8 @@ import msgspec
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from runtime import protocol as api
-from runtime.http_errors import HTTPError
+from runtime.serve import protocol as api
+from runtime.serve.http_errors import HTTPError
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode

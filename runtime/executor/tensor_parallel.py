@@ -47,7 +47,7 @@ from nanoinfer.kernels import kernels_for, mark_weights_static
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
-from runtime.faults import RankLost
+from runtime.engine.faults import RankLost
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 
 from nanoinfer.sampling import SamplingParams
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine_core import TokenOutput
-from runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.engine_core import TokenOutput
+from runtime.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 class _Completion:

@@ -3,7 +3,7 @@
 Each step, before the plan, every decoding sequence is given up to `num_speculative_tokens`
 draft tokens to verify after its pending one (fewer near its length limit). N-gram lookup
 proposes them on the host right away; a draft model proposes them on the device once the plan
-has given the sequence its slots (runtime/draft_runner.py). The target then computes the
+has given the sequence its slots (runtime/executor/draft_runner.py). The target then computes the
 pending token and the drafts in one forward, and verification (nanoinfer/speculative.py)
 keeps the leading drafts it accepts plus one token of its own.
 
@@ -26,7 +26,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.loaders import QUANTIZATIONS
 from nanoinfer.ngram import propose_ngram
 from nanoinfer.settings import check_settings, json_object, setting, setting_names
-from runtime.sequence import Sequence
+from runtime.engine.sequence import Sequence
 
 METHODS = ("ngram", "draft_model")
 

@@ -3,7 +3,7 @@
 `serve(engine, config)` binds, prints the URL and serves until SIGINT/SIGTERM; then it drains:
 new requests get 503 while those in flight have --shutdown-timeout seconds to finish, and what
 is left ends with an error (a 503, an SSE `error` event, a WebSocket `error` per id) before
-connections close. The HTTP app itself is runtime/server.py.
+connections close. The HTTP app itself is runtime/serve/server.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from nanoinfer.errors import NanoInferError
 from nanoinfer.settings import check_settings, setting
-from runtime.engine import AsyncEngine
-from runtime.server import LOOPBACK_HOSTS, create_app
+from runtime.async_engine import AsyncEngine
+from runtime.serve.server import LOOPBACK_HOSTS, create_app
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

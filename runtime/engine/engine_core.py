@@ -1,11 +1,11 @@
 """EngineCore: the requests — queues, the plan and how it is applied, forks, finishing.
 
 One instance is driven by one thread (the worker). It decides each step's work and hands it
-to the ModelRunner (runtime/model_runner.py), which owns everything on the device. It knows
+to the ModelRunner (runtime/executor/model_runner.py), which owns everything on the device. It knows
 tokens, not text: detokenization and stop strings happen on the consumer side, which calls
 `abort_request` when a stop string ends a request early. On CUDA a step launches its work and
-returns the tokens of the step before (async scheduling, runtime/inflight.py), so host work
-overlaps the device's. A failed step is contained (runtime/faults.py).
+returns the tokens of the step before (async scheduling, runtime/executor/inflight.py), so host work
+overlaps the device's. A failed step is contained (runtime/engine/faults.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
-from runtime.block_manager import BlockManager
-from runtime.draft_runner import check_draft
-from runtime.engine_config import EngineConfig
-from runtime.faults import Fault, Isolation, RequestFailed, classify
-from runtime.inflight import InFlightStep, PromptLogprobRows
-from runtime.model_runner import Chunk, ModelRunner, StepInput
-from runtime.outputs import TokenLogprob
-from runtime.scheduler import Plan, WaitingQueue, decode_plan, plan
-from runtime.sequence import Sequence, SequenceStatus
-from runtime.speculative import Speculator
+from runtime.engine.block_manager import BlockManager
+from runtime.executor.draft_runner import check_draft
+from runtime.engine.engine_config import EngineConfig
+from runtime.engine.faults import Fault, Isolation, RequestFailed, classify
+from runtime.executor.inflight import InFlightStep, PromptLogprobRows
+from runtime.executor.model_runner import Chunk, ModelRunner, StepInput
+from runtime.engine.outputs import TokenLogprob
+from runtime.engine.scheduler import Plan, WaitingQueue, decode_plan, plan
+from runtime.engine.sequence import Sequence, SequenceStatus
+from runtime.engine.speculative import Speculator
 
 __all__ = ["EngineConfig", "EngineCore", "EngineDead", "TokenOutput"]
 
@@ -91,10 +91,10 @@ class EngineCore:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self._next_id = 0
         self._seed_source = random.Random()
-        # Speculative decoding (runtime/speculative.py): the drafts of the step being planned.
+        # Speculative decoding (runtime/engine/speculative.py): the drafts of the step being planned.
         self.speculator = Speculator(config.speculative_config) if config.speculative_config else None
         self._drafts: dict[Sequence, list[int]] = {}
-        # Overlap host and device where the device runs asynchronously (see runtime/inflight.py).
+        # Overlap host and device where the device runs asynchronously (see runtime/executor/inflight.py).
         # A step that verifies drafts is resolved at once (the next one's drafts depend on it).
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -304,7 +304,7 @@ class EngineCore:
     def step(self) -> list[TokenOutput]:
         """Plan and launch one forward over the scheduled sequences; return the tokens sampled
         by the step before it (async scheduling) or by this one (synchronous), and the
-        sequences failed meanwhile. A failed launch is contained (runtime/faults.py); only a
+        sequences failed meanwhile. A failed launch is contained (runtime/engine/faults.py); only a
         fatal device error raises (EngineDead)."""
         clock = start = time.perf_counter()
         self._nvtx_next("schedule")
@@ -330,7 +330,7 @@ class EngineCore:
                 try:
                     self._in_flight = self._launch(p, clock)
                     self.isolation.succeeded()
-                except Exception as exc:  # noqa: BLE001 - contained, see runtime/faults.py
+                except Exception as exc:  # noqa: BLE001 - contained, see runtime/engine/faults.py
                     outputs += self._launch_failed(p, exc, previous)
                 clock = time.perf_counter()
         finally:
@@ -370,7 +370,7 @@ class EngineCore:
 
     def _launch_failed(self, p: Plan, exc: Exception, previous: InFlightStep | None) -> list[TokenOutput]:
         """Contain a failed launch: nothing of it was committed, so its sequences simply run
-        again, narrowed down until the failure is placed (see runtime/faults.py)."""
+        again, narrowed down until the failure is placed (see runtime/engine/faults.py)."""
         kind = classify(exc)
         if kind is Fault.FATAL:
             raise EngineDead(f"the device failed: {exc!r}") from exc

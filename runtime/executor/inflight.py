@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence as Seq
 
 import torch
 
-from runtime.sequence import Sequence
+from runtime.engine.sequence import Sequence
 
 
 class DeviceToHost:
@@ -77,5 +77,5 @@ class InFlightStep(NamedTuple):
     # row: accepted, token, finite, and chosen/top ids/top values when any asked for logprobs.
     transfer: DeviceToHost
     verified: tuple[VerifiedRows, ...] = ()
-    constrained: bool = False  # some row was masked by its sequence's grammar (runtime/engine_core.py waits
+    constrained: bool = False  # some row was masked by its sequence's grammar (runtime/engine/engine_core.py waits
     # for such a step before the next is planned: the grammar must see its tokens first)

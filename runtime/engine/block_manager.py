@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from runtime.sequence import Sequence
+from runtime.engine.sequence import Sequence
 
 BlockCopy = tuple[int, int]  # (source block, destination block)
 

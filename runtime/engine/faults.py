@@ -22,7 +22,7 @@ from typing import NamedTuple, Sequence as Seq
 import torch
 
 from nanoinfer.errors import RequestError
-from runtime.sequence import Sequence
+from runtime.engine.sequence import Sequence
 
 MIN_CHUNK = 16  # the smallest prefill chunk tried before a request is declared too big to run
 RELAX_AFTER = 8  # successful steps before a halved token budget is doubled again

@@ -8,8 +8,8 @@ from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import KV_CACHE_DTYPES
 from nanoinfer.loaders import LoadConfig
 from nanoinfer.settings import check_settings, setting, split_kwargs
-from runtime.scheduler import SchedulerConfig
-from runtime.speculative import SpeculativeConfig
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.engine.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)

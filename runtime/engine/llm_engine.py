@@ -1,8 +1,8 @@
 """LLMEngine: the engine on the caller's thread — `add_request`, `step() -> [RequestOutput]`,
 `abort_request`, as in vLLM and nano-vllm.
 
-It is the engine core (requests, plan, device; runtime/engine_core.py) plus what turns its
-tokens into outputs (runtime/request_state.py): prompts rendered and tokenized, text
+It is the engine core (requests, plan, device; runtime/engine/engine_core.py) plus what turns its
+tokens into outputs (runtime/engine/request_state.py): prompts rendered and tokenized, text
 detokenized, stop strings matched, n completions gathered. `LLM` runs it on the caller's
 thread; `AsyncEngine`'s worker thread runs the same `step`.
 """
@@ -18,11 +18,11 @@ from typing import Sequence, Union
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine_config import EngineConfig, load_and_engine_configs
-from runtime.engine_core import EngineCore, EngineDead
-from runtime.faults import RequestFailed
-from runtime.outputs import RequestOutput
-from runtime.request_state import RequestState
+from runtime.engine.engine_config import EngineConfig, load_and_engine_configs
+from runtime.engine.engine_core import EngineCore, EngineDead
+from runtime.engine.faults import RequestFailed
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.request_state import RequestState
 
 log = logging.getLogger("nanoinfer.engine")
 

@@ -1,5 +1,5 @@
 """Between OpenAI's API and the engine: requests to prompts and SamplingParams, the engine's
-outputs to choices, whole responses and stream chunks (types in runtime/protocol.py)."""
+outputs to choices, whole responses and stream chunks (types in runtime/serve/protocol.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 from nanoinfer.sampling_params import MAX_LOGPROBS
 from nanoinfer.structured import GrammarSpec
-from runtime.tool_calls import ToolCallParser, ToolSetup, new_call_id, parse_reply, tool_setup
-from runtime.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from runtime.serve.tool_calls import ToolCallParser, ToolSetup, new_call_id, parse_reply, tool_setup
+from runtime.serve.protocol import (ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, FunctionCall, FunctionDelta, PromptLogprob, PromptTokensDetails,

@@ -39,7 +39,7 @@ class Sequence:
     arrival: int = 0  # the engine step at which it was submitted
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_unresolved: int = 0  # sampled on the device, not yet read back (see runtime/inflight.py)
+    num_unresolved: int = 0  # sampled on the device, not yet read back (see runtime/executor/inflight.py)
     block_table: list[int] = field(default_factory=list)  # device blocks
     cpu_block_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING
@@ -53,13 +53,13 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)
     prompt_logprobs: list | None = None  # collected over the prefill chunks, when asked for
     prompt_logprobs_done: bool = False  # the last prompt chunk asked for them has been launched
-    # The prefix cache (runtime/block_manager.py): keys of the leading full blocks (a function
+    # The prefix cache (runtime/engine/block_manager.py): keys of the leading full blocks (a function
     # of the tokens), how many of the table's blocks are registered, and the prompt tokens the
     # first admission found cached (the usage's cached_tokens).
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
-    # Speculative decoding (runtime/speculative.py): draft tokens the next step may verify
+    # Speculative decoding (runtime/engine/speculative.py): draft tokens the next step may verify
     # after the pending one (set before each plan, for decoding sequences only), and how many
     # leading tokens the draft model's own KV pool holds.
     num_lookahead: int = 0

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
 from nanoinfer.settings import check_settings, setting
-from runtime.block_manager import NO_HIT, BlockManager
-from runtime.sequence import Sequence
+from runtime.engine.block_manager import NO_HIT, BlockManager
+from runtime.engine.sequence import Sequence
 
 POLICIES = ("fcfs", "priority")
 # Prompt tokens per step whose logprobs are computed: each needs a [vocab] row of logits, so a
 # whole 4,096-token chunk at a 152k vocabulary would hold 2.5 GB of them at once. The pool
-# sizing (runtime/kv_budget.py) reserves room for this many rows.
+# sizing (runtime/executor/kv_budget.py) reserves room for this many rows.
 PROMPT_LOGPROB_ROWS = 512
 PREEMPTION_MODES = ("recompute", "swap")
 

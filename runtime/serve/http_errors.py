@@ -6,8 +6,8 @@ import msgspec
 from starlette.responses import Response
 
 from nanoinfer.errors import RequestError
-from runtime import protocol as api
-from runtime.engine import EngineError
+from runtime.serve import protocol as api
+from runtime.async_engine import EngineError
 
 _encode = msgspec.json.Encoder().encode
 

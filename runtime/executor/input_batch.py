@@ -23,7 +23,7 @@ from nanoinfer.host_copy import to_device_packed
 from nanoinfer.penalties import Penalties
 from nanoinfer.sampling import SamplingTensors
 from nanoinfer.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from runtime.engine.sequence import Sequence
 
 
 class _PenaltyState(NamedTuple):

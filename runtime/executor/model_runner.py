@@ -1,8 +1,8 @@
 """ModelRunner: everything on the device — the KV pools, the input batch, the kernels, the graphs,
 and the launch of a step (forward and sampling) whose results come back later.
 
-EngineCore (runtime/engine_core.py) decides what runs; the runner makes it run. It keeps each
-running sequence's state in the input batch (runtime/input_batch.py) so a step sends only
+EngineCore (runtime/engine/engine_core.py) decides what runs; the runner makes it run. It keeps each
+running sequence's state in the input batch (runtime/executor/input_batch.py) so a step sends only
 what changed, builds the step's index tensors from it with numpy, launches the forward (a
 CUDA graph for decode steps where it can) and the sampler, and starts copying the results to
 the host without waiting: `InFlightStep.transfer.wait()` is the only place a step blocks.
@@ -26,11 +26,11 @@ from nanoinfer.families import forward_of
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from nanoinfer.speculative import draft_history, verify
 from nanoinfer.structured import Grammars, allocate_bitmask, apply_bitmask
-from runtime.draft_runner import DraftRunner, draft_bytes_per_block
-from runtime.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow, VerifiedRows
-from runtime.input_batch import InputBatch
-from runtime.kv_budget import kv_blocks_for_memory
-from runtime.sequence import Sequence
+from runtime.executor.draft_runner import DraftRunner, draft_bytes_per_block
+from runtime.executor.inflight import DeviceToHost, InFlightStep, PromptLogprobRows, SampledRow, VerifiedRows
+from runtime.executor.input_batch import InputBatch
+from runtime.executor.kv_budget import kv_blocks_for_memory
+from runtime.engine.sequence import Sequence
 
 
 class Chunk(NamedTuple):
@@ -91,12 +91,12 @@ def lookahead(config) -> int:
 class ModelRunner:
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
         """`config` is an EngineConfig; `draft` the draft model of speculative decoding, if any
-        (its KV pool takes its share of the memory: runtime/draft_runner.py)."""
+        (its KV pool takes its share of the memory: runtime/executor/draft_runner.py)."""
         self.tp = None
         self.grammars = Grammars(model.tokenizer, model.config.vocab_size)  # structured output's masks
         self.constrained: set[int] = set()  # ids of the sequences with rows that a grammar constrains
-        if uses_ranks(config):  # (the other ranks start now: runtime/tensor_parallel.py)
-            from runtime.tensor_parallel import TensorParallelRanks
+        if uses_ranks(config):  # (the other ranks start now: runtime/executor/tensor_parallel.py)
+            from runtime.executor.tensor_parallel import TensorParallelRanks
 
             self.tp = TensorParallelRanks(model.config, model.params, config.tensor_parallel_size)
         try:
@@ -133,7 +133,7 @@ class ModelRunner:
             # in one pass (no reduce kernel).
             widths=(self.attention.partition_size // config.block_size,), rows_per_seq=1 + lookahead(config))
         if self.tp is not None:  # (the ranks capture their graphs now, in step with ours below)
-            from runtime.tensor_parallel import RankSetup
+            from runtime.executor.tensor_parallel import RankSetup
 
             self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, config.block_size, dtype,
                                     config.enforce_eager, graph_sizes))

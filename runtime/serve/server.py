@@ -7,8 +7,8 @@ serving: a bad request is a 4xx naming the field, a request the engine fails end
 A client that disconnects, streaming or not, aborts its requests. A Host header the server
 does not answer is refused before any route (DNS rebinding); a shutdown drains (_Server.drain).
 
-The API's types are in runtime/protocol.py and their mapping to the engine's SamplingParams
-and outputs in runtime/api_mapping.py; this file is the HTTP side: reading, checking,
+The API's types are in runtime/serve/protocol.py and their mapping to the engine's SamplingParams
+and outputs in runtime/serve/api_mapping.py; this file is the HTTP side: reading, checking,
 routing, streaming.
 """
 
@@ -38,13 +38,13 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from runtime.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params, completion_prompts,
+from runtime.serve.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params, completion_prompts,
                                  param_of)
-from runtime import protocol as api
-from runtime.engine import AsyncEngine, RequestHandle
-from runtime.http_errors import HTTPError, error_response
-from runtime.metrics import ServerMetrics
-from runtime.websocket import ChatSocket, refuse
+from runtime.serve import protocol as api
+from runtime.async_engine import AsyncEngine, RequestHandle
+from runtime.serve.http_errors import HTTPError, error_response
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.websocket import ChatSocket, refuse
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
@@ -365,7 +365,7 @@ class _Server:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def chat_page(self, request: Request) -> Response:
-        page = resources.files("runtime").joinpath("static/chat.html").read_text(encoding="utf-8")
+        page = resources.files("runtime.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
         return HTMLResponse(page.replace("{{MODEL}}", html.escape(self.model_name)))
 
     def guarded(self, handler):
@@ -471,7 +471,7 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
               Route("/", g(srv.chat_page), methods=["GET"]),
               WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve()),
               # The chat page's vendored libraries (runtime/static/vendor/VENDOR.md): no CDN.
-              Mount("/static", StaticFiles(packages=[("runtime", "static")]), name="static")]
+              Mount("/static", StaticFiles(packages=[("runtime.serve", "static")]), name="static")]
     middleware = [Middleware(_HostCheck, srv=srv)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
