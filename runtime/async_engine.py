@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.loaders import LoadedModel, load_model
+from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
-from runtime.engine.engine_config import EngineConfig, engine_config, load_and_engine_configs
+from runtime.engine.engine_config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt, failed
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.request_state import RequestState, merge
@@ -51,9 +51,10 @@ class RequestHandle:
 class AsyncEngine:
     """Continuous batching behind an async API. Use as `async with engine:` (start/stop)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), *, engine: LLMEngine | None = None):
+        """The async front of `engine`, or of a new LLMEngine over `model` and `config`."""
         self.model = model
-        self.engine = LLMEngine(model, config)
+        self.engine = engine if engine is not None else LLMEngine(model, config)
         self.core = self.engine.core
         self._requests: dict[str, RequestHandle] = {}  # by request id, until retired
         self._num_seqs = 0  # sequences of the requests in `_requests`
@@ -64,10 +65,9 @@ class AsyncEngine:
 
     @classmethod
     def from_model(cls, model: str | Path | None = None, **kwargs) -> "AsyncEngine":
-        """Load `model` (a short name, HF directory, .gguf or Hub id; None = the default model);
-        the keywords are the settings of LoadConfig, EngineConfig and SchedulerConfig."""
-        load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
-        return cls(load_model(model, load), config)
+        """Load `model` as `LLMEngine.from_model` does (the same keywords)."""
+        engine = LLMEngine.from_model(model, **kwargs)
+        return cls(engine.model, engine=engine)
 
     @property
     def tokenizer(self):
@@ -243,6 +243,14 @@ class AsyncEngine:
         the last has `finish_reason` set. Leaving the loop early, or `aclose()`, aborts it."""
         request = self.submit(prompt, params, request_id, priority)
         try:
+            async for out in self._outputs(request):
+                yield out
+        finally:  # (closing this generator does not close the inner one: release now, not at its collection)
+            self.release(request)
+
+    async def _outputs(self, request: RequestHandle) -> AsyncIterator[RequestOutput]:
+        """`request`'s outputs as they arrive, until its last; released however the loop ends."""
+        try:
             while not request.final_seen:
                 await request.wakeup.wait()
                 request.wakeup.clear()
@@ -280,16 +288,7 @@ class AsyncEngine:
     async def collect(self, request: RequestHandle) -> RequestOutput:
         """Wait for a submitted request's end; the whole text, ids and logprobs of each
         completion. Cancelling the wait aborts the request."""
-        parts = []
-        try:
-            while not request.final_seen:
-                await request.wakeup.wait()
-                request.wakeup.clear()
-                out = self._take(request)
-                if out is not None:
-                    parts.append(out)
-        finally:
-            self.release(request)
+        parts = [out async for out in self._outputs(request)]
         whole = merge(parts)
         n = request.params.n
         if len(whole.outputs) < n:  # (every completion, even one that produced nothing)
