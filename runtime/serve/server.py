@@ -470,7 +470,7 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
               Route("/metrics", g(srv.render_metrics), methods=["GET"]),
               Route("/", g(srv.chat_page), methods=["GET"]),
               WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve()),
-              # The chat page's vendored libraries (runtime/static/vendor/VENDOR.md): no CDN.
+              # The chat page's vendored libraries (runtime/serve/static/vendor/VENDOR.md): no CDN.
               Mount("/static", StaticFiles(packages=[("runtime.serve", "static")]), name="static")]
     middleware = [Middleware(_HostCheck, srv=srv)]
     if cors_origins:
