@@ -8,7 +8,6 @@ under every chunking, and the default model through the offline facade (prefix c
 prefill, batching, speculation), greedy tokens and logprobs.
 """
 
-import dataclasses
 import shutil
 
 import pytest
@@ -23,7 +22,8 @@ from nanoinfer.loaders.quantize import quantize_params
 from nanoinfer.model import forward
 from nanoinfer.quantized import BlockWeight
 from nanoinfer.sampling_params import SamplingParams
-from tests.tiny import grouped, random_params, tiny_config
+from tests.test_cpu_native import block_params
+from tests.tiny import random_params, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +79,6 @@ def test_a_query_row_attends_the_same_in_any_batch(native, window, heads, kv_hea
 
 
 # -- a tiny packed model ---------------------------------------------------------------------
-
-
-def block_params(params):
-    """Every projection and the LM head as 4-bit BlockWeights (the CPU's form of a GGUF file)."""
-    def blocks(w):
-        return BlockWeight.from_groups(grouped(w, 4))
-
-    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    layers = tuple(dataclasses.replace(lp, **{n: blocks(getattr(lp, n)) for n in names}) for lp in params.layers)
-    return dataclasses.replace(params, layers=layers, lm_head=blocks(params.lm_head))
 
 
 def run_steps(params, cfg, steps, block=4, blocks=8):
