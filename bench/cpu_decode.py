@@ -112,7 +112,7 @@ def memory_child(quantization: str, threads: int) -> None:
     before = rss_mib()
     model = load_model(None, device="cpu", progress=False, quantization=quantization)
     engine = EngineCore(model, EngineConfig(num_blocks=64, block_size=16))
-    kv = engine.runner.kv
+    kv = engine.executor.kv
     kv_mib = kv.numel() * kv.element_size() / 2**20
     print(json.dumps(dict(before=before, after=rss_mib(), kv=kv_mib, file=os.path.getsize(model.path) / 2**20)))
 

@@ -43,12 +43,12 @@ def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, ten
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     engine.step()
     torch.cuda.synchronize()
-    engine.phase_times.clear()
+    engine.timer.phase_times.clear()
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     elapsed = time.perf_counter() - start
-    phases = {k: v / (new_tokens - 1) * 1e3 for k, v in engine.phase_times.items()}
+    phases = {k: v / (new_tokens - 1) * 1e3 for k, v in engine.timer.phase_times.items()}
     engine.close()
     del engine
     return (new_tokens - 1) / elapsed, phases

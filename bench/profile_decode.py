@@ -22,7 +22,7 @@ import torch
 def profile(model, batch, context, steps, rows):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine.engine_core import EngineConfig, EngineCore
-    from runtime.engine.scheduler import SchedulerConfig
+    from runtime.config import SchedulerConfig
 
     engine = EngineCore(model, EngineConfig(block_size=16, max_model_len=max(2048, context + 4 * steps + 64),
                                             gpu_memory_utilization=0.8,
@@ -32,12 +32,12 @@ def profile(model, batch, context, steps, rows):
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 10000) for _ in range(context)],
                            SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True))
-    while any(seq.num_output_tokens == 0 for seq in engine.running) or engine.waiting:
+    while any(seq.num_output_tokens == 0 for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
-    engine.phase_times.clear()
+    engine.timer.phase_times.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -47,7 +47,7 @@ def profile(model, batch, context, steps, rows):
         wall = (time.perf_counter() - start) / steps * 1e3
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu = sum(e.self_device_time_total for e in kernels) / steps / 1e3
-    phases = "  ".join(f"{k} {v / steps * 1e3:.3f}" for k, v in engine.phase_times.items())
+    phases = "  ".join(f"{k} {v / steps * 1e3:.3f}" for k, v in engine.timer.phase_times.items())
     print(f"\n== batch {batch}  context {context}: wall {wall:.3f} ms/step  GPU kernels {gpu:.3f} ms/step  "
           f"host phases (ms/step): {phases}")
     print(f"{'kernel':<90}{'calls/step':>11}{'us/step':>10}{'us/call':>9}")

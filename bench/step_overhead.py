@@ -51,7 +51,7 @@ def measure(batch: int, context: int, steps: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
         core.add_request([1 + (i + j) % 60 for j in range(context)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in core.running) or core.waiting:
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill everything first: only decode steps are timed
     times = []
     for _ in range(steps):

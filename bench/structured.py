@@ -88,12 +88,12 @@ def main():
                 """Host ms per step in each of the engine's phases since `before`."""
                 times, steps = before
                 n = max(1, core.step_count - steps)
-                return {k: round(1e3 * (v - times.get(k, 0.0)) / n, 2) for k, v in core.phase_times.items()}
+                return {k: round(1e3 * (v - times.get(k, 0.0)) / n, 2) for k, v in core.timer.phase_times.items()}
 
             for _ in range(args.repeat):
                 if name == "async":
                     before, fill_before, consume_before = mask_time[0], fill_time[0], consume_time[0]
-                    mark = (dict(core.phase_times), core.step_count)
+                    mark = (dict(core.timer.phase_times), core.step_count)
                     start = time.perf_counter()
                     outs = llm.generate(prompts, constrained, use_tqdm=False)
                     elapsed = time.perf_counter() - start
@@ -105,7 +105,7 @@ def main():
                          consume_time[0] - consume_before))
                 free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True)
                         for i, n in enumerate(lengths)]
-                mark = (dict(core.phase_times), core.step_count)
+                mark = (dict(core.timer.phase_times), core.step_count)
                 start = time.perf_counter()
                 llm.generate(prompts, free, use_tqdm=False)
                 phases[f"free-{name}"] = phases_since(mark)

@@ -98,7 +98,7 @@ def main():
     rows = [("nanoinfer", ours, total / ours)]
     core = llm.engine.core
     steps = max(1, core.step_count)
-    phases = "  ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in core.phase_times.items())
+    phases = "  ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in core.timer.phase_times.items())
     del core  # (it holds the KV pool, most of the GPU: the baseline needs it back)
     model_path, dtype, device = llm.model.path, llm.model.params.dtype, llm.model.params.device
     llm.close()  # give the GPU back (the KV pool takes most of it) before the baseline loads

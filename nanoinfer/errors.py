@@ -27,3 +27,8 @@ class RequestError(NanoInferError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         self.param = param
         super().__init__(message)
+
+
+class DeviceLost(NanoInferError, RuntimeError):
+    """A device the engine runs on is gone (a tensor-parallel rank's process exited): nothing
+    on it can run again; the engine fails every request and stops."""

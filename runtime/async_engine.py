@@ -14,7 +14,7 @@ from typing import AsyncIterator, Sequence
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
-from runtime.engine.engine_config import EngineConfig, engine_config
+from runtime.config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt, failed
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.request_state import RequestState, merge

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine.engine_config import engine_config, load_and_engine_configs
+from runtime.config import engine_config, load_and_engine_configs
 from runtime.engine.llm_engine import LLMEngine, Prompt, failed
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState

@@ -57,16 +57,16 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True)
 def tensor_parallel_path(request, monkeypatch):
-    """With --tensor-parallel-path, ModelRunner takes the ranks' path whatever the size; a
+    """With --tensor-parallel-path, the engine takes the ranks' executor whatever the size; a
     test that failed before closing its engine leaves no process group to the next."""
     if not request.config.getoption("--tensor-parallel-path"):
         yield
         return
     import torch.distributed as dist
 
-    from runtime.executor import model_runner
+    from runtime.executor import executor
 
-    monkeypatch.setattr(model_runner, "uses_ranks", lambda config: True)
+    monkeypatch.setattr(executor, "uses_ranks", lambda config: True)
     # Compiled layer parts then guard on two reductions (the tests' direct forwards keep the
     # plain one) for every weight form: more variants than Dynamo's default limit of 8.
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)

@@ -67,15 +67,15 @@ def run(async_scheduling, abort_after=None, **engine_args):
         steps += 1
         if abort_after is not None and steps == abort_after:
             for key in [k for k in seqs if k[0] % 4 == 1]:
-                core.abort(seqs[key], "abort")
+                core.abort_request(seqs[key].request, "abort")
                 results[key][1] = results[key][1] or "abort"
     for key, seq in seqs.items():
         assert seq.num_unresolved == 0
         assert seq.is_finished
         if results[key][1] != "abort":
             assert seq.output_token_ids == results[key][0]
-    assert core.blocks.num_free_blocks == core.blocks.num_blocks
-    assert core.blocks.num_free_cpu_blocks == core.blocks.host.size
+    assert core.scheduler.blocks.num_free_blocks == core.scheduler.blocks.num_blocks
+    assert core.scheduler.blocks.num_free_cpu_blocks == core.scheduler.blocks.host.size
     return {k: (tuple(v[0]), v[1], tuple(v[2]), v[3]) for k, v in results.items()}, core
 
 
@@ -115,7 +115,7 @@ def test_async_equals_sync(engine_args):
     reasons = {v[1] for v in sync.values()}
     assert {"length", "stop"} <= reasons, "the workload must end requests both ways"
     if engine_args["num_blocks"] == 40:
-        assert core.num_preemptions > 0
+        assert core.scheduler.num_preemptions > 0
 
 
 def test_aborts_while_a_step_is_in_flight():
@@ -143,7 +143,7 @@ def test_outputs_lag_one_step_and_the_next_input_comes_from_the_device():
     assert [o.token_id for o in first] == [seq.token_ids[3]] and seq.num_unresolved == 1
     core.step()
     assert core.has_unfinished()  # the last token is in flight; nothing left to compute
-    assert core.plan().chunks == ()
+    assert core.scheduler.plan(core.step_count).chunks == ()
     last = core.step()
     assert last[0].finished and seq.finish_reason == "length" and not core.has_unfinished()
     assert len(seq.output_token_ids) == 3 and seq.num_unresolved == 0

@@ -267,7 +267,7 @@ def test_default_model_greedy_text_is_the_torch_paths(native, smollm2_gguf, monk
     outputs = []
     for eager in (True, False):
         engine = EngineCore(model, engine_config(num_blocks=32, enforce_eager=eager))
-        assert isinstance(engine.runner.attention, cpu_layers.NativeAttention) is not eager
+        assert isinstance(engine.executor.attention, cpu_layers.NativeAttention) is not eager
         seqs = [engine.add_request(model.tokenizer.encode(p), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
                 for p in ("The capital of France is", "Write a haiku about the sea")]
         while engine.has_unfinished():

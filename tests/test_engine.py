@@ -259,7 +259,7 @@ def test_the_profiling_step_runs_the_costliest_path():
     sort, penalties and logprobs for every row. It runs anywhere; here on the CPU."""
     from runtime.executor.kv_budget import run_peak_step
 
-    run_peak_step(MODEL, engine_config(max_num_batched_tokens=64, max_num_seqs=8), make_engine().core.runner.attention)
+    run_peak_step(MODEL, engine_config(max_num_batched_tokens=64, max_num_seqs=8), make_engine().core.executor.attention)
 
 
 def test_a_slow_consumer_gets_the_stop_reason_and_no_tokens_past_the_stop(tiny_chat_model):

@@ -145,7 +145,7 @@ def test_an_out_of_memory_forward_is_retried_and_changes_nothing(monkeypatch, un
     async def go():
         async with make_engine() as engine:
             results = await run_all(engine, [(p, params(i)) for i, p in enumerate(PROMPTS)])
-            return results, await idle_stats(engine), engine.core.isolation.token_cap
+            return results, await idle_stats(engine), engine.core.scheduler.isolation.token_cap
     results, stats, cap = asyncio.run(go())
     check_others(results, undisturbed, culprit=None)
     assert calls["n"] > 4
@@ -191,14 +191,14 @@ def test_a_transient_error_fails_nobody(monkeypatch, undisturbed):
 def test_an_error_outside_any_request_fails_those_in_flight_and_the_engine_keeps_serving(monkeypatch, undisturbed):
     async def go():
         engine = make_engine()
-        real_plan, calls = engine.core.plan, {"n": 0}
+        real_plan, calls = engine.core.scheduler.plan, {"n": 0}
 
-        def plan():
+        def plan(now):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("boom in the scheduler")
-            return real_plan()
-        monkeypatch.setattr(engine.core, "plan", plan)
+            return real_plan(now)
+        monkeypatch.setattr(engine.core.scheduler, "plan", plan)
         async with engine:
             results = await run_all(engine, [(p, params(i)) for i, p in enumerate(PROMPTS[:4])])
             stats = await idle_stats(engine)

@@ -66,8 +66,8 @@ def test_engine_with_an_fp8_cache_holds_twice_the_blocks_and_decodes_like_fp32()
     outs = {}
     for kv_cache_dtype in ("auto", "fp8"):
         engine = EngineCore(model, engine_config(kv_cache_memory=2**20, kv_cache_dtype=kv_cache_dtype))
-        assert engine.runner.kv.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
-        outs[kv_cache_dtype] = engine.runner.num_blocks
+        assert engine.executor.kv.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
+        outs[kv_cache_dtype] = engine.executor.num_blocks
         seqs = [engine.add_request([5 + i, 9, 2, 7, 1, 8][: 3 + i], SamplingParams(temperature=0, max_tokens=10,
                                                                                 ignore_eos=True)) for i in range(3)]
         while engine.has_unfinished():

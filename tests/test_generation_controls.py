@@ -154,14 +154,14 @@ def test_n4_shares_one_prefill(monkeypatch):
     core.step()
     tables = [s.block_table for s in (parent, *forks)]
     assert all(t[:5] == tables[0][:5] for t in tables)  # the prompt's full blocks, shared
-    assert all(core.blocks.ref_counts[b] == 4 for b in tables[0][:5])
+    assert all(core.scheduler.blocks.ref_counts[b] == 4 for b in tables[0][:5])
     while core.has_unfinished():
         core.step()
     assert computed[0] == 22, "one prefill of the prompt, not four"
     assert sum(computed) == 22 + 4 * 5  # then each completion decodes its own tokens
     outs = [s.output_token_ids for s in (parent, *forks)]
     assert all(len(o) == 6 for o in outs) and len({tuple(o) for o in outs}) > 1
-    assert core.blocks.num_free_blocks == 64
+    assert core.scheduler.blocks.num_free_blocks == 64
 
 
 @pytest.fixture(scope="module")

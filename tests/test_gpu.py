@@ -189,8 +189,8 @@ def test_engine_on_cuda_with_nvtx_ranges_and_phase_times(hf_and_ours):
     while engine.has_unfinished():
         engine.step()
     engine.close()
-    assert len(seq.output_token_ids) == 4 and not engine._nvtx_open
-    assert set(engine.phase_times) == {"schedule", "batch", "forward", "sample", "resolve"}
+    assert len(seq.output_token_ids) == 4 and engine.timer._phase is None
+    assert set(engine.timer.phase_times) == {"schedule", "batch", "forward", "sample", "resolve"}
 
 
 def test_compiled_random_draw_equals_eager():
@@ -338,7 +338,7 @@ def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
             engine.step()
         engine.close()
         outs.append([s.output_token_ids for s in seqs])
-        assert engine.blocks.num_free_blocks == 512
+        assert engine.scheduler.blocks.num_free_blocks == 512
     assert outs[0] == outs[1]
 
 
@@ -373,7 +373,7 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
     assert calls["n"] >= 3 and bad.finish_reason == "error" and isinstance(bad.error, RequestFailed)
     assert "non-finite" in str(bad.error)
     assert all(s.finish_reason == "length" and len(s.output_token_ids) == 12 for s in good)
-    assert engine.blocks.num_free_blocks == 512
+    assert engine.scheduler.blocks.num_free_blocks == 512
 
 
 # --- quantized weights (issue 12) ---------------------------------------------------------------
@@ -468,7 +468,7 @@ def test_quantized_engine_serves_mixed_batches(hf_and_ours, form):
         engine.step()
     engine.close()
     assert [len(s.output_token_ids) for s in seqs] == [3 + 4 * i for i in range(6)]
-    assert engine.blocks.num_free_blocks == 512
+    assert engine.scheduler.blocks.num_free_blocks == 512
 
 
 def test_rope_and_write_into_an_fp8_pool():
@@ -513,11 +513,11 @@ def test_speculative_decoding_on_cuda_agrees_up_to_near_ties(hf_and_ours, method
                             draft_model=model if config and "model" in config else None)
         seqs, logprobs = greedy_with_logprobs(engine, prompts, 40)
         engine.close()
-        assert engine.blocks.num_free_blocks == 512
+        assert engine.scheduler.blocks.num_free_blocks == 512
         runs.append(([s.output_token_ids for s in seqs], [logprobs[s] for s in seqs], engine.stats()))
     if config is not None and "model" in config:
-        assert engine.runner.draft.graphs is not None
-    assert engine.runner.graphs.token_buckets[0] < 16  # verification steps have graphs
+        assert engine.executor.draft.graphs is not None
+    assert engine.executor.graphs.token_buckets[0] < 16  # verification steps have graphs
     stats = runs[1][2]
     if method == "self-draft":  # (n-gram lookup drafts only where a random model's output repeats)
         # Nearly all: a random model's logits are full of near-ties, which the verify step and
@@ -573,7 +573,7 @@ def test_nanochat_on_cuda_with_graphs_agrees_with_the_reference(tmp_path):
     model = load_model(tmp_path / "d4", device="cuda", dtype="float32", progress=False)
     engine = EngineCore(model, engine_config(block_size=16, num_blocks=64, max_num_batched_tokens=48,
                                              max_model_len=256))
-    assert engine.runner.graphs is not None
+    assert engine.executor.graphs is not None
     first = prompt(140, seed=2)
     prompts = [first, first[:70] + prompt(9, seed=3)]
     outs = []
@@ -621,7 +621,7 @@ def test_structured_output_with_graphs_async_scheduling_and_speculation(hf_and_o
         while engine.has_unfinished():
             engine.step()
         engine.close()
-        assert engine.blocks.num_free_blocks == 512
+        assert engine.scheduler.blocks.num_free_blocks == 512
         texts = [model.tokenizer.decode(s.output_token_ids) for s in seqs]
         for i, (s, text) in enumerate(zip(seqs[:6], texts)):
             assert s.finish_reason == "stop", (i, text)

@@ -93,7 +93,7 @@ def test_greedy_continuation_matches_transformers_generate(checkpoint):
                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):]
         assert seq.output_token_ids == expected.tolist()
         assert seq.finish_reason == "length"
-    assert engine.blocks.num_free_blocks == 64
+    assert engine.scheduler.blocks.num_free_blocks == 64
 
 
 QWEN_JSON = dict(architectures=["Qwen2ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,

@@ -48,7 +48,7 @@ def run(waves, params, caching, **engine_args):
         seqs = []
         for prompt in wave:
             first = core.add_request(prompt, params)
-            seqs += core.requests[first.request]
+            seqs += core.scheduler.requests[first.request]
         for _ in range(1000):  # (a sequence the scheduler never admits would loop forever)
             if not core.has_unfinished():
                 break
@@ -57,7 +57,7 @@ def run(waves, params, caching, **engine_args):
                     logprobs.setdefault(out.seq.seq_id, []).append(out.logprob)
         assert not core.has_unfinished()
         results += [(s.output_token_ids, s.num_cached_tokens, s, logprobs.get(s.seq_id)) for s in seqs]
-    assert core.blocks.num_free_blocks == core.blocks.num_blocks  # nothing leaked; the cache only evictable
+    assert core.scheduler.blocks.num_free_blocks == core.scheduler.blocks.num_blocks  # nothing leaked; the cache only evictable
     return results, core
 
 
@@ -107,7 +107,7 @@ def test_outputs_equal_without_the_cache_under_pressure(engine_args):
     assert_same_outputs(cached, plain)
     assert core.stats()["prefix_cache_hits"] > 0
     if "num_blocks" in engine_args:
-        assert core.num_preemptions > 0
+        assert core.scheduler.num_preemptions > 0
 
 
 def test_forks_and_sampling_with_seeds_are_unchanged():
@@ -168,7 +168,7 @@ def test_an_aborted_request_leaves_only_computed_blocks_in_the_cache(steps_befor
         seqs = [core.add_request(p, greedy(8)) for p in PROMPTS]
         while core.has_unfinished():
             core.step()
-        assert core.blocks.num_free_blocks == core.blocks.num_blocks
+        assert core.scheduler.blocks.num_free_blocks == core.scheduler.blocks.num_blocks
         outputs.append([s.output_token_ids for s in seqs])
         if caching:
             assert core.stats()["prefix_cache_hits"] > 0

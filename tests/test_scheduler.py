@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 from runtime.engine.block_manager import BlockManager
-from runtime.engine.scheduler import SchedulerConfig, WaitingQueue, plan, rank
+from runtime.config import SchedulerConfig
+from runtime.engine.policy import WaitingQueue, plan, rank
 from runtime.engine.sequence import Sequence, SequenceStatus
 
 WAITING, RUNNING, SWAPPED, FINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED,
@@ -158,7 +159,7 @@ class Sim:
             self.running.append(seq)
             self.num_swap_ins += 1
         self._forget_free_blocks()
-        for seq, n, _ in p.chunks:
+        for seq, _, n, *_ in p.chunks:
             if seq.status is WAITING:
                 self.waiting.remove(seq)
                 seq.status = RUNNING
@@ -172,13 +173,15 @@ class Sim:
 
     def forward(self, p) -> None:
         """Check each scheduled sequence's context, write its chunk, sample, finish at max length."""
-        for seq, n, _ in p.chunks:
+        for seq, planned_start, n, num_drafts, _ in p.chunks:
             start = seq.num_computed_tokens
+            assert planned_start == start, "a chunk's start is where its sequence's computed tokens end"
+            assert num_drafts == 0  # (no speculation here)
             assert self.read(seq, start) == seq.token_ids[:start], f"seq {seq.seq_id} lost its KV"
             self._write(seq, start, n)
-        for seq, n, _ in p.chunks:
+        for seq, _, n, *_ in p.chunks:
             seq.num_computed_tokens += n
-        samplers = [seq for seq, _, _ in p.chunks if seq.num_computed_tokens == seq.num_tokens]
+        samplers = [seq for seq, *_ in p.chunks if seq.num_computed_tokens == seq.num_tokens]
         for seq in list(samplers):  # a finished prefill: the other completions share its blocks
             for child in seq.forks:
                 self.blocks.fork(seq, child)
@@ -242,7 +245,7 @@ def check_plan(before: Snapshot, p) -> None:
 
     # Token budget and chunk sizes.
     assert p.num_tokens <= config.max_num_batched_tokens
-    for seq, n, _ in p.chunks:
+    for seq, _, n, *_ in p.chunks:
         assert 1 <= n <= before.pending[seq], (seq.seq_id, n, before.pending[seq])
 
     # Membership.
@@ -311,17 +314,17 @@ def check_applied(before: Snapshot, p, sim: Sim) -> None:
     bs = sim.block_size
     # Forks of an n > 1 request join the running ones outside the plan; the plan itself starts
     # nothing (swap in, admit) that takes the running sequences past max_num_seqs.
-    if p.swap_in or any(any(s is w for w in before.waiting) for s, _, _ in p.chunks):
+    if p.swap_in or any(any(s is w for w in before.waiting) for s, *_ in p.chunks):
         assert len(sim.running) <= sim.config.max_num_seqs
     assert len(sim.running) <= max(sim.config.max_num_seqs, len(before.running))
-    for seq, n, _ in p.chunks:
+    for seq, _, n, *_ in p.chunks:
         assert seq.status is RUNNING and seq.cpu_block_table == []
         end = seq.num_computed_tokens + n
         assert len(seq.block_table) == -(-end // bs), "the chunk has no slots (or too many)"
         for i in range(seq.num_computed_tokens // bs, len(seq.block_table)):
             block = seq.block_table[i]
             assert sim.holders(block) == 1, f"block {block} is writable by two sequences"
-    check_state(sim, {id(seq): n for seq, n, _ in p.chunks})
+    check_state(sim, {id(seq): n for seq, _, n, *_ in p.chunks})
 
 
 def check_state(sim: Sim, scheduled: dict | None = None) -> None:
@@ -630,7 +633,7 @@ def test_random_workloads_finish(workload):
 def test_prompt_logprob_rows_per_step_are_bounded():
     """Each prompt token whose logprobs are asked for costs a [vocab] row of logits: a step
     computes at most PROMPT_LOGPROB_ROWS of them, however large the token budget."""
-    from runtime.engine.scheduler import PROMPT_LOGPROB_ROWS
+    from runtime.config import PROMPT_LOGPROB_ROWS
 
     config = SchedulerConfig(max_num_batched_tokens=4096)
     sim = Sim(512, 16, 0, config)

@@ -215,7 +215,7 @@ def test_full_queue_is_503_with_retry_after(tiny_chat_model):
 
 
 def test_unhealthy_engine_is_503(tiny_chat_model, monkeypatch):
-    from runtime.engine.engine_core import EngineDead
+    from runtime.engine.faults import EngineDead
 
     with LiveServer(tiny_chat_model) as server:
         def broken_step():

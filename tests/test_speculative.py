@@ -63,18 +63,18 @@ def run(spec, params, prompts=PROMPTS, draft=None, setup=lambda core: None, **en
     seqs, logprobs = [], {}
     for prompt in prompts:
         first = core.add_request(prompt, params)
-        seqs += core.requests[first.request]
+        seqs += core.scheduler.requests[first.request]
     for _ in range(2000):
         if not core.has_unfinished():
             break
         for out in core.step():
             if out.logprob is not None:
                 logprobs.setdefault(out.seq.seq_id, []).append(out.logprob)
-        for seq in core.running:  # rejected drafts' slots were given back: a table holds its computed tokens
-            assert len(seq.block_table) == core.blocks.blocks_for(seq.num_computed_tokens)
+        for seq in core.scheduler.running:  # rejected drafts' slots were given back: a table holds its computed tokens
+            assert len(seq.block_table) == core.scheduler.blocks.blocks_for(seq.num_computed_tokens)
             assert seq.num_computed_tokens < seq.num_tokens
     assert not core.has_unfinished()
-    assert core.blocks.num_free_blocks == core.blocks.num_blocks  # rejected drafts' blocks came back
+    assert core.scheduler.blocks.num_free_blocks == core.scheduler.blocks.num_blocks  # rejected drafts' blocks came back
     return [(s.output_token_ids, logprobs.get(s.seq_id)) for s in seqs], core.stats()
 
 
@@ -182,10 +182,10 @@ def prelaunching(drafts: list, on: bool = True, when: float | None = None):
     """A `run` setup: the catch-up queued behind each verification on or off (on the CPU too),
     optionally after every fully accepted step (`when` 0); the draft runners go to `drafts`."""
     def setup(core):
-        core.runner.draft.prelaunches = on
+        core.executor.draft.prelaunches = on
         if when is not None:
-            core.runner.draft.prelaunch_when = when
-        drafts.append(core.runner.draft)
+            core.executor.draft.prelaunch_when = when
+        drafts.append(core.executor.draft)
     return setup
 
 

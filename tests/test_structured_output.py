@@ -36,13 +36,13 @@ def run(model, requests, stats=None, **engine_args):
     seqs = []
     for prompt, params in requests:
         first = core.add_request(prompt, params)
-        seqs += core.requests[first.request]
+        seqs += core.scheduler.requests[first.request]
     for _ in range(5000):
         if not core.has_unfinished():
             break
         core.step()
     assert not core.has_unfinished()
-    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+    assert core.scheduler.blocks.num_free_blocks == core.scheduler.blocks.num_blocks
     if stats is not None:
         stats.update(core.stats())
     return [(s.output_token_ids, s.finish_reason, s.error) for s in seqs]

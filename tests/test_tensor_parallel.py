@@ -253,7 +253,7 @@ def engine_outputs(model, prompts, params, draft_model=None, **config):
         stats = core.stats()
     finally:
         core.close()
-    procs = core.runner.tp.procs if core.runner.tp is not None else []
+    procs = core.executor.tp.procs if hasattr(core.executor, "tp") else []
     assert not any(p.is_alive() for p in procs)
     return sorted(outs.items()), stats
 
@@ -366,13 +366,14 @@ def tiny_split_model():
 def test_a_lost_rank_fails_the_engine_with_a_clear_error():
     from nanoinfer.sampling import SamplingParams
     from runtime.async_engine import engine_config
-    from runtime.engine.engine_core import EngineCore, EngineDead
+    from runtime.engine.engine_core import EngineCore
+    from runtime.engine.faults import EngineDead
 
     core = EngineCore(tiny_split_model(), engine_config(num_blocks=32, block_size=4, tensor_parallel_size=2))
     try:
         core.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         core.step()
-        rank1 = core.runner.tp.procs[0]
+        rank1 = core.executor.tp.procs[0]
         rank1.kill()
         rank1.join()
         with pytest.raises(EngineDead, match="tensor-parallel rank 1 exited"):
@@ -390,7 +391,7 @@ from runtime.async_engine import engine_config
 from runtime.engine.engine_core import EngineCore
 if __name__ == "__main__":
     core = EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
-    print(*(p.pid for p in core.runner.tp.procs), flush=True)
+    print(*(p.pid for p in core.executor.tp.procs), flush=True)
     time.sleep(600)
 """
 

@@ -11,18 +11,26 @@ step's token budget (a long prompt then prefills in smaller chunks); a single se
 cannot run even at the smallest chunk fails with an error that says so. Only an error that
 leaves the device unusable (an illegal memory access, a lost device) is fatal: the engine
 is then unhealthy and a supervisor should restart the process.
+
+Nothing here runs until something fails: the scheduler and the engine core import this module
+in their `except` clauses, and a step with no failure behind it pays nothing for it.
 """
 
 from __future__ import annotations
 
 import enum
+import dataclasses
+import logging
 from collections import deque
 from typing import NamedTuple, Sequence as Seq
 
 import torch
 
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import DeviceLost, RequestError
+from runtime.engine.policy import Plan
 from runtime.engine.sequence import Sequence
+
+log = logging.getLogger("nanoinfer.engine")
 
 MIN_CHUNK = 16  # the smallest prefill chunk tried before a request is declared too big to run
 RELAX_AFTER = 8  # successful steps before a halved token budget is doubled again
@@ -34,12 +42,12 @@ class Fault(enum.Enum):
     ERROR = "error"  # anything else: a bug, or bad data one request brought
 
 
-class RankLost(RuntimeError):
-    """A tensor-parallel rank's process is gone: the model is incomplete, nothing can run."""
+class EngineDead(RuntimeError):
+    """The device failed in a way nothing on it survives: every request fails, the engine stops."""
 
 
 def classify(exc: BaseException) -> Fault:
-    if isinstance(exc, RankLost):
+    if isinstance(exc, DeviceLost):
         return Fault.FATAL
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return Fault.OUT_OF_MEMORY
@@ -84,6 +92,21 @@ class Isolation:
     @property
     def active(self) -> bool:
         return bool(self.groups)
+
+    @property
+    def done(self) -> bool:
+        """Nothing left to narrow down, the token budget whole again: steps run as usual."""
+        return not self.groups and self.token_cap is None
+
+    def narrow(self, config, running: list[Sequence], num_idle: int) -> tuple:
+        """The scheduler's config, running sequences and idle count for the next step's plan,
+        and whether only those may run (nothing new starts while a culprit is sought)."""
+        if self.token_cap is not None:
+            config = dataclasses.replace(config, max_num_batched_tokens=self.token_cap)
+        if not self.groups:
+            return config, running, num_idle, False
+        allowed = self.restrict(running)
+        return config, allowed, num_idle + len(running) - len(allowed), True
 
     def restrict(self, running: Seq[Sequence]) -> list[Sequence]:
         """The running sequences the next step may schedule."""
@@ -135,3 +158,42 @@ class Isolation:
         self.groups.appendleft(Suspects(list(seqs[half:]), 0))
         self.groups.appendleft(Suspects(list(seqs[:half]), 0))
         return None
+
+
+def fatal_or(exc: BaseException) -> Fault:
+    """The kind of failure `exc` is; EngineDead (from it) if the device cannot go on."""
+    kind = classify(exc)
+    if kind is Fault.FATAL:
+        raise EngineDead(f"the device failed: {exc!r}") from exc
+    return kind
+
+
+def prepare_failed(seq: Sequence, exc: Exception) -> RequestFailed:
+    """Applying a plan failed at `seq` (a copy of its blocks): its request's error."""
+    fatal_or(exc)
+    log.warning("preparing a step failed at sequence %d (%r): failing its request", seq.seq_id, exc)
+    return RequestFailed.because("internal error while preparing this request's step", exc)
+
+
+def launch_failed(scheduler, p: Plan, exc: Exception, previous, device: torch.device) -> list:
+    """Contain a failed launch: nothing of it was committed, so its sequences simply run
+    again, narrowed down (the scheduler's `isolation`) until the failure is placed; the
+    outputs of a request found to be the culprit. `previous`: the step in flight before it."""
+    kind = fatal_or(exc)
+    if previous is not None:
+        previous.transfer.wait()  # (its tokens are still read: it ran before the failure)
+    if kind is Fault.OUT_OF_MEMORY and device.type == "cuda":
+        torch.cuda.empty_cache()  # the allocator's cached, fragmented blocks go first
+    if scheduler.isolation is None:
+        scheduler.isolation = Isolation(scheduler.config.max_num_batched_tokens)
+    seqs = [c.seq for c in p.chunks]
+    culprit = scheduler.isolation.failed(seqs, p.num_tokens, exc, kind)
+    log.warning("a step of %d tokens over %d sequences failed (%r): %s", p.num_tokens, len(seqs), exc,
+                "failing the request it belongs to" if culprit else
+                f"retrying its sequences in smaller steps (token budget {scheduler.isolation.step_budget()})")
+    return [] if culprit is None else scheduler.fail(*culprit)
+
+
+def non_finite() -> RequestFailed:
+    return RequestFailed("the model produced non-finite logits (NaN or inf) for this request: its output would "
+                         "be garbage, so it was stopped")

@@ -18,9 +18,8 @@ from typing import Sequence, Union
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
-from runtime.engine.engine_config import EngineConfig, load_and_engine_configs
-from runtime.engine.engine_core import EngineCore, EngineDead
-from runtime.engine.faults import RequestFailed
+from runtime.config import EngineConfig, load_and_engine_configs
+from runtime.engine.engine_core import EngineCore
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState
 
@@ -169,10 +168,13 @@ class LLMEngine:
 
     def _fail_all(self, exc: Exception) -> list:
         log.exception("the engine step failed; failing every request in flight")
+        from runtime.engine.faults import EngineDead, RequestFailed
+
         outputs = self.core.fail_all(exc if isinstance(exc, EngineDead) else RequestFailed.because(
             "the engine step failed outside any one request", exc))
         # A dead device, or books that no longer balance, cannot serve anything again.
-        if isinstance(exc, EngineDead) or self.core.blocks.num_free_blocks != self.core.blocks.num_blocks:
+        blocks = self.core.scheduler.blocks
+        if isinstance(exc, EngineDead) or blocks.num_free_blocks != blocks.num_blocks:
             self.fatal = exc
         return outputs
 

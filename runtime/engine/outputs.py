@@ -1,9 +1,13 @@
-"""What a request returns: RequestOutput with one CompletionOutput per sample (vLLM's shape)."""
+"""What the engine returns: per step, a TokenOutput per sequence; per request, RequestOutput with
+one CompletionOutput per sample (vLLM's shape)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from runtime.engine.sequence import Sequence
 
 
 class TokenLogprob(NamedTuple):
@@ -13,6 +17,17 @@ class TokenLogprob(NamedTuple):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+class TokenOutput(NamedTuple):
+    """One sequence's progress in one step: the token it sampled, and whether it is done. A
+    sequence the engine failed reports once with no token and `seq.error` set."""
+
+    seq: Sequence
+    token_id: int | None
+    finished: bool
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: tuple | None = None  # with a sequence's first token, when asked for
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import time
 
 from nanoinfer.sampling import SamplingParams
 from runtime.engine.detokenizer import IncrementalDetokenizer
-from runtime.engine.engine_core import TokenOutput
+from runtime.engine.outputs import TokenOutput
 from runtime.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 

@@ -1,246 +1,242 @@
-"""The scheduler policy: plan(...) -> Plan, which sequences run this step and how far.
+"""Scheduler: the sequences' queues, each step's plan (runtime/engine/policy.py) and how it is applied.
 
-A pure function of the queues and the block manager's counts: it changes nothing, so the
-step loop applies the plan (preempt, swap, allocate, run) and tests can check plans alone.
-
-Per step, in order: running decodes, running prefills (chunked to the token budget), swapped
-sequences coming back, then waiting ones. Under the "priority" policy a lower `priority`
-runs sooner and every `aging_steps` steps of waiting lowers the value by one, so no request
-waits forever; ties, and the "fcfs" policy, go by arrival. When the pool runs dry, the
-lowest-ranked running sequences are preempted: by recompute (blocks freed, prefilled again
-later) or by swap (blocks copied to the host pool, copied back later).
+It owns where each sequence is — waiting, running, swapped out — and its blocks (the block
+manager), and tells the executor when a sequence takes or gives up a row and which blocks to
+copy or swap. A step goes plan → apply (preemptions, swaps, allocations: what can fail) →
+`step_input` (the rows the executor computes) → launch → `commit`, the one place a launched
+step changes its sequences, once nothing can fail. `finish` is the one way a sequence ends.
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
-from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
+import time
+from typing import Hashable
 
-from nanoinfer.settings import check_settings, setting
-from runtime.engine.block_manager import NO_HIT, BlockManager
-from runtime.engine.sequence import Sequence
+from runtime.config import SchedulerConfig
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.outputs import TokenOutput
+from runtime.engine.policy import Plan, WaitingQueue, decode_plan, plan
+from runtime.engine.sequence import Sequence, SequenceStatus
+from runtime.executor.step import InFlightStep, PromptLogprobRows, StepInput, VerifiedRows
 
-POLICIES = ("fcfs", "priority")
-# Prompt tokens per step whose logprobs are computed: each needs a [vocab] row of logits, so a
-# whole 4,096-token chunk at a 152k vocabulary would hold 2.5 GB of them at once. The pool
-# sizing (runtime/executor/kv_budget.py) reserves room for this many rows.
-PROMPT_LOGPROB_ROWS = 512
-PREEMPTION_MODES = ("recompute", "swap")
+NOTHING = Plan((), (), (), ())
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = setting(256, "sequences in the batch at once (a request with n completions counts n)",
-                                minimum=1)
-    max_num_batched_tokens: int = setting(4096, "tokens per step; longer prompts prefill in chunks", minimum=1)
-    scheduling_policy: str = setting("fcfs", "fcfs, or priority (lower `priority` runs sooner, with aging)",
-                                     choices=POLICIES)
-    preemption_mode: str = setting("recompute", "how a sequence makes room when the KV pool runs dry",
-                                   choices=PREEMPTION_MODES)
-    aging_steps: int = setting(64, "steps of waiting that raise a request's priority by one", minimum=1)
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, executor):
+        """`executor`: where the rows and the KV pools are (runtime/executor/executor.py)."""
+        self.config, self.blocks, self.executor = config, blocks, executor
+        self.waiting = WaitingQueue(config)
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.requests: dict[Hashable, list[Sequence]] = {}  # request key -> its n sequences, until all finish
+        self.isolation = None  # a failure being narrowed down (runtime/engine/faults.py), once a step failed
+        self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
 
-    def __post_init__(self):
-        check_settings(self)
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue a request's n sequences (the first runs; the others fork off its prefill)."""
+        seqs[0].forks = seqs[1:]
+        self.requests[seqs[0].request] = seqs
+        self.waiting.add(seqs[0])
 
+    def plan(self, now: int) -> Plan:
+        # A sequence whose last token (still in flight) reaches its length limit has nothing
+        # left to compute; it only waits for that token (and keeps its place in the batch).
+        running = [s for s in self.running if s.num_tokens < s.max_total_tokens]
+        num_idle = len(self.running) - len(running)
+        config = self.config
+        if self.isolation is not None:  # narrowing a failure down (runtime/engine/faults.py)
+            config, running, num_idle, only = self.isolation.narrow(config, running, num_idle)
+            if only:
+                return plan((), running, (), self.blocks, config, now, num_idle)
+        if not self.waiting and not self.swapped and (p := decode_plan(running, self.blocks, config)) is not None:
+            return p
+        return plan(self.waiting.in_rank_order(now), running, self.swapped, self.blocks, config, now, num_idle)
 
-class ScheduledChunk(NamedTuple):
-    seq: Sequence
-    num_tokens: int  # computed this step, from seq.num_computed_tokens on (after `cached`)
-    cached: tuple[int, ...] = ()  # a new sequence's cached prefix blocks, attached before the step
-
-
-class Plan(NamedTuple):
-    chunks: tuple[ScheduledChunk, ...]  # batch order: decodes, prefills, swapped-in, admitted
-    preempt: tuple[Sequence, ...]  # running sequences to preempt first, in this order
-    swap_out: tuple[Sequence, ...]  # the subset of `preempt` to swap rather than recompute
-    swap_in: tuple[Sequence, ...]  # swapped sequences to bring back before the step
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
-def rank(seq: Sequence, config: SchedulerConfig, now: int) -> tuple:
-    """Sort key: smaller runs sooner."""
-    if config.scheduling_policy == "priority":
-        return (seq.priority - (now - seq.arrival) // config.aging_steps, seq.arrival, seq.seq_id)
-    return (seq.arrival, seq.seq_id)
-
-
-def num_slots(seq: Sequence) -> int:
-    """Places in the batch a sequence will take: itself and the completions that fork off it
-    when its prefill ends (n > 1)."""
-    return 1 + len(seq.forks)
-
-
-class WaitingQueue:
-    """The waiting sequences, kept in the policy's order so that a step reads only the head of
-    the line: its cost grows with what it admits, not with how many wait (a request of
-    thousands of sequences must not slow every step down).
-
-    One list per priority value (one list under fcfs), each sorted by arrival. Aging moves a
-    whole priority level at once, so within a list the rank order is the arrival order and the
-    global order is a merge of the lists' heads.
-    """
-
-    def __init__(self, config: SchedulerConfig):
-        self.config = config
-        self._levels: dict[int, list[Sequence]] = {}
-
-    def _level(self, seq: Sequence) -> list[Sequence]:
-        return self._levels.setdefault(seq.priority if self.config.scheduling_policy == "priority" else 0, [])
-
-    def add(self, seq: Sequence) -> None:
-        # New requests arrive last (an append); a preempted one goes back to its place.
-        bisect.insort(self._level(seq), seq, key=lambda s: (s.arrival, s.seq_id))
-
-    def remove(self, seq: Sequence) -> None:
-        self._level(seq).remove(seq)  # admitted sequences sit at the head: a short scan
-
-    def discard(self, seq: Sequence) -> None:
-        """Remove `seq` if it is here (a completion not yet forked off never was)."""
-        level = self._level(seq)
-        if seq in level:
-            level.remove(seq)
-
-    def __len__(self) -> int:
-        return sum(len(level) for level in self._levels.values())
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return (seq for level in self._levels.values() for seq in level)
-
-    def in_rank_order(self, now: int) -> Iterator[Sequence]:
-        """Lazily, best first (see `rank`)."""
-        levels = [level for level in self._levels.values() if level]
-        if len(levels) == 1:
-            return iter(levels[0])
-        return heapq.merge(*levels, key=lambda s: rank(s, self.config, now))
-
-
-def wants_prompt_logprobs(seq: Sequence) -> bool:
-    return seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done
-
-
-def decode_plan(running: Seq[Sequence], blocks: BlockManager, config: SchedulerConfig) -> Plan | None:
-    """The steady state planned in one cheap pass: every running sequence decodes its one
-    token and the pool has the blocks for it. (The caller checks that nothing waits or is
-    swapped out.) None when that is not the case: then `plan` decides. The plan is the one
-    `plan` would make, but for the batch order, which changes no sequence's result."""
-    if len(running) > config.max_num_batched_tokens:
-        return None
-    bs, refs, need = blocks.block_size, blocks.ref_counts, 0
-    for seq in running:
-        computed, table = seq.num_computed_tokens, seq.block_table
-        if seq.num_tokens - computed != 1 or seq.num_lookahead or seq.forks or (seq.params.prompt_logprobs is not None
-                                                            and not seq.prompt_logprobs_done):
-            return None
-        i = computed // bs
-        if i >= len(table) or refs[table[i]] > 1:  # a new block, or a shared one to copy first
-            need += 1
-    if need > blocks.num_free_blocks:
-        return None
-    return Plan(tuple(ScheduledChunk(seq, 1) for seq in running), (), (), ())
-
-
-def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Sequence], blocks: BlockManager,
-         config: SchedulerConfig, now: int, num_idle: int = 0) -> Plan:
-    """`waiting` in rank order (WaitingQueue.in_rank_order), read only as far as it admits.
-    `num_idle` running sequences are left out of `running` (nothing to compute this step) but
-    still hold their places under max_num_seqs."""
-    key = lambda s: rank(s, config, now)  # noqa: E731
-    budget = config.max_num_batched_tokens
-    logprob_rows = PROMPT_LOGPROB_ROWS
-
-    def tokens_for(seq: Sequence) -> int:
-        """What `seq` may compute this step: its pending tokens, within the budgets."""
-        take = min(seq.num_wanted_tokens, budget)
-        return min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
-    free = blocks.num_free_blocks
-    free_cpu = blocks.num_free_cpu_blocks
-    chunks: list[ScheduledChunk] = []
-    preempt: list[Sequence] = []
-    preempted: set[int] = set()  # seq ids, for O(1) membership: the search stays linear
-    swap_out: list[Sequence] = []
-
-    # Running sequences best-first, decodes before prefills; victims come off the far end.
-    ordered = sorted(running, key=key)
-    queue = [s for s in ordered if s.num_pending_tokens == 1] + [s for s in ordered if s.num_pending_tokens > 1]
-    victims = list(reversed(ordered))
-    next_victim = 0  # victims[:next_victim] are preempted or kept: never looked at again
-    kept: set[int] = set()
-    # Device block -> references the victims so far give up. Completions of one request share
-    # blocks: a block comes free only when its last holder goes, and a block whose other holders
-    # all go needs no copy-on-write.
-    dropped: dict[int, int] = {}
-    for seq in queue:
-        if seq.seq_id in preempted:
-            continue
-        take = tokens_for(seq)
-        if budget == 0:
-            break
-        if take == 0:
-            continue  # no prompt-logprob rows left this step
-        need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
-        while need > free:
-            while next_victim < len(victims) and victims[next_victim].seq_id in kept:
-                next_victim += 1
-            if next_victim == len(victims):
-                break
-            victim = victims[next_victim]
-            next_victim += 1
-            preempt.append(victim)
-            preempted.add(victim.seq_id)
-            if config.preemption_mode == "swap" and len(victim.block_table) <= free_cpu:
-                swap_out.append(victim)
-                free_cpu -= len(victim.block_table)
-            for block in victim.block_table:
-                dropped[block] = dropped.get(block, 0) + 1
-                if dropped[block] == blocks.ref_counts[block]:
-                    free += 1
-            if victim is seq:
-                break
-            need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
-        if seq.seq_id in preempted:  # it was the lowest-ranked left: it waits instead
-            continue
-        kept.add(seq.seq_id)
-        chunks.append(ScheduledChunk(seq, take))
-        free -= need
-        budget -= take
-        logprob_rows -= take if wants_prompt_logprobs(seq) else 0
-
-    # Nothing new starts in a step that had to preempt: the pool is under pressure. A sequence
-    # with forks to come counts for all of them, so the batch stays within max_num_seqs once
-    # they join.
-    swap_in: list[Sequence] = []
-    num_running = num_idle + sum(num_slots(s) for s in running if s.seq_id not in preempted)
-    if not preempt:
-        for seq in sorted(swapped, key=key):
-            take = tokens_for(seq)
-            held = len(seq.cpu_block_table)  # comes back into as many device blocks
-            need = held + max(0, blocks.blocks_for(seq.num_computed_tokens + take) - held)
-            if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
-                break
-            swap_in.append(seq)
-            chunks.append(ScheduledChunk(seq, take))
-            free -= need
-            budget -= take
-            logprob_rows -= take if wants_prompt_logprobs(seq) else 0
-            num_running += num_slots(seq)
-        if len(swap_in) == len(swapped):  # swapped sequences go before new ones
-            for seq in waiting:
-                # A cached prefix is not computed again (prompt logprobs need its logits: no hit).
-                hit = NO_HIT if wants_prompt_logprobs(seq) else blocks.prefix_hit(seq)
-                start = len(hit.blocks) * blocks.block_size
-                take = min(seq.num_tokens - start, budget)
-                take = min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
-                need = blocks.blocks_for(start + take) - len(hit.blocks) + hit.evictable
-                if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
+    def apply(self, p: Plan) -> tuple[Plan, list[TokenOutput]]:
+        """Carry out the plan's preemptions, swaps and allocations, in that order; the part of
+        the plan that was carried out. A sequence whose part fails (a copy of its blocks) fails
+        its request; the rest of the plan then waits for the next step, where it is planned
+        again from what did happen (runtime/engine/faults.py)."""
+        seq = None  # the one being worked on, when something fails
+        try:
+            for seq in p.preempt:
+                self._preempt(seq, seq in p.swap_out)
+            # Cached prefixes first: once held, no allocation below can evict them. (Admitted
+            # sequences come last in a plan: the loop reads only them, not every running one.)
+            for seq, _, _, _, cached in reversed(p.chunks) if self.blocks.prefix_caching else ():
+                if seq.status is not SequenceStatus.WAITING:
                     break
-                chunks.append(ScheduledChunk(seq, take, hit.blocks))
-                free -= need
-                budget -= take
-                logprob_rows -= take if wants_prompt_logprobs(seq) else 0
-                num_running += num_slots(seq)
-    return Plan(tuple(chunks), tuple(preempt), tuple(swap_out), tuple(swap_in))
+                self.blocks.attach(seq, cached)
+                seq.num_draft_computed = seq.num_computed_tokens  # (a draft model's pool was written with it)
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed_tokens
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+            for seq in p.swap_in:
+                self.swapped.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self.executor.swap_in(self.blocks.swap_in(seq))
+                self.executor.add(seq)
+            blocks, executor, rows = self.blocks, self.executor, self.executor.row_of  # (every sequence, every step)
+            for seq, start, n, _, _ in p.chunks:
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.append(seq)
+                    if seq.scheduled_at is None:
+                        seq.scheduled_at = time.monotonic()
+                if blocks.needs_slots(seq, start + n):
+                    executor.copy_blocks(blocks.append_slots(seq, start + n))
+                    executor.table_changed(seq)
+                if seq.seq_id not in rows:
+                    executor.add(seq)
+                if seq.forks and start + n == seq.num_tokens:  # the n - 1 other completions sample from
+                    for fork in seq.forks:                     # its last row: each needs a row of its own
+                        if not fork.is_finished:
+                            executor.add(fork)
+        except Exception as exc:  # noqa: BLE001 - contained: the sequence it happened to fails
+            from runtime.engine.faults import prepare_failed
+
+            return NOTHING, self.fail(seq, prepare_failed(seq, exc))
+        return p, []
+
+    def _preempt(self, seq: Sequence, swap: bool) -> None:
+        self.running.remove(seq)
+        self.executor.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if swap:
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.executor.swap_out(self.blocks.swap_out(seq))
+        else:
+            self.blocks.free(seq)
+            seq.num_computed_tokens = seq.num_draft_computed = 0  # prefilled again, output and all
+            seq.status = SequenceStatus.WAITING
+            self.waiting.add(seq)
+
+    @staticmethod
+    def step_input(p: Plan, host_drafts: dict[Sequence, list[int]]) -> StepInput:
+        """What the executor computes for an applied plan: the rows whose logits are wanted, and
+        which of them sample (a sequence at its last token, and forks at their parent's), score
+        prompt tokens (prompt logprobs) or verify drafts. `host_drafts`: n-gram drafts."""
+        logits_rows, samplers, prompt_rows, verifiers, drafts = [], [], [], [], []
+        row = 0
+        for chunk in p.chunks:  # (every sequence, every step: kept lean)
+            seq, start, n, j, _ = chunk
+            if j:  # its pending token, then drafts to verify
+                if seq in host_drafts:
+                    drafts += host_drafts[seq][:j]
+                verifiers.append(VerifiedRows(seq, len(logits_rows), j, seq.params.logprobs))
+                logits_rows.extend(range(row, row + n))
+                row += n
+                continue
+            end = start + n
+            if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                # Row j (position start + j) predicts token start + j + 1 of the prompt; the list
+                # is complete once the chunk reaches the prompt's end, where the sequence samples
+                # its first token: it goes out with that token.
+                last = min(end, seq.num_prompt_tokens - 1)
+                prompt_rows.append(PromptLogprobRows(seq, len(logits_rows), start,
+                                                     seq.prompt_token_ids[start + 1:last + 1],
+                                                     end >= seq.num_prompt_tokens))
+                logits_rows.extend(range(row, row + max(0, last - start)))
+            if end == seq.num_tokens:
+                samplers.append((seq, len(logits_rows)))
+                if seq.forks:  # (they share its blocks and sample their first token from its row)
+                    samplers.extend((fork, len(logits_rows)) for fork in seq.forks if not fork.is_finished)
+                logits_rows.append(row + n - 1)
+            row += n
+        return StepInput(p.chunks, tuple(logits_rows), tuple(samplers), tuple(prompt_rows), tuple(verifiers),
+                         tuple(drafts))
+
+    def commit(self, inp: StepInput, step: InFlightStep) -> None:
+        """The launched step's effect on its sequences (nothing here can fail)."""
+        for seq, position in step.draft_computed:  # (a draft model's cache, caught up by the step)
+            seq.num_draft_computed = position
+        # A block just filled goes into the prefix cache (a decode fills one every block_size steps).
+        register, bs = self.blocks.register, (self.blocks.block_size if self.blocks.prefix_caching else 1 << 62)
+        for chunk in inp.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                register(seq)
+            if seq.forks and seq.num_computed_tokens >= seq.num_tokens:
+                self._fork(seq)
+        for entry in inp.prompt_rows:
+            entry.seq.prompt_logprobs_done = entry.final  # (a recompute won't redo them)
+        for seq, _ in inp.samplers:
+            seq.num_unresolved += 1  # known once this step is resolved
+
+    def _fork(self, seq: Sequence) -> None:
+        """`seq`'s prefill is done: its pending completions join the batch, sharing its blocks."""
+        for fork in seq.forks:
+            if fork.is_finished:
+                continue
+            self.blocks.fork(seq, fork)
+            fork.num_draft_computed = seq.num_draft_computed
+            self.executor.table_changed(fork)
+            fork.status = SequenceStatus.RUNNING
+            fork.prompt_logprobs_done = True  # the request's prompt logprobs come with the first completion
+            self.running.append(fork)
+        seq.forks = []
+
+    def abort(self, request: Hashable, reason: str = "abort", index: int | None = None) -> None:
+        """Finish a request's sequences now (all, or completion `index`: its stop string
+        matched) and free their blocks; completions not yet forked off end with the first.
+        Unknown or finished requests are ignored."""
+        for seq in list(self.requests.get(request, ())):
+            if index is None or seq.index == index:
+                for fork in seq.forks:
+                    self.finish(fork, reason)
+                seq.forks = []
+                if not seq.is_finished:
+                    self.finish(seq, reason)
+
+    def fail(self, seq: Sequence, error: Exception) -> list[TokenOutput]:
+        """Fail `seq`'s whole request with `error`: every completion ends ("error"), its blocks
+        are freed; one output per completion that was still unfinished."""
+        outputs = []
+        for other in list(self.requests.get(seq.request, (seq,))):
+            if not other.is_finished:
+                self.blocks.uncache(other)  # (what its steps wrote is not to be shared)
+                other.error = error
+                self.finish(other, "error")
+                outputs.append(TokenOutput(other, None, True))
+        return outputs
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """The one way a sequence ends: out of its queue, blocks and row freed, its request
+        forgotten once all its completions have ended. (`apply` keeps a sequence's status and
+        queue in step even when it fails half way.)"""
+        if seq.status is SequenceStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED and seq in self.swapped:
+            self.swapped.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.discard(seq)  # (a completion not yet forked off was never queued)
+        self.blocks.free(seq)
+        self.executor.remove(seq)
+        seq.num_unresolved = 0  # (tokens of a step still in flight are dropped when it resolves)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seqs = self.requests.get(seq.request)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[seq.request]
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "swapped": len(self.swapped),
+            "free_blocks": self.blocks.num_free_blocks,
+            "total_blocks": self.blocks.num_blocks,
+            "num_preemptions": self.num_preemptions,
+            # prefix cache: prompt tokens new sequences looked up, and those found computed
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "cached_blocks": self.blocks.num_cached_blocks,
+        }

@@ -39,7 +39,7 @@ class Sequence:
     arrival: int = 0  # the engine step at which it was submitted
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_unresolved: int = 0  # sampled on the device, not yet read back (see runtime/executor/inflight.py)
+    num_unresolved: int = 0  # sampled on the device, not yet read back (see runtime/executor/step.py)
     block_table: list[int] = field(default_factory=list)  # device blocks
     cpu_block_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING

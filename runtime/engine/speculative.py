@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine: its configuration, and how many drafts each sequence gets.
+"""Speculative decoding in the engine: how many drafts each sequence gets, and the policy that decides when to draft.
 
 Each step, before the plan, every decoding sequence is given up to `num_speculative_tokens`
 draft tokens to verify after its pending one (fewer near its length limit). N-gram lookup
@@ -17,74 +17,15 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-from nanoinfer.errors import RequestError
-from nanoinfer.loaders import QUANTIZATIONS
 from nanoinfer.ngram import propose_ngram
-from nanoinfer.settings import check_settings, json_object, setting, setting_names
+from runtime.config import SpeculativeConfig
 from runtime.engine.sequence import Sequence
-
-METHODS = ("ngram", "draft_model")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4} or {"model": PATH, "num_speculative_tokens": 4}."""
-
-    num_speculative_tokens: int = setting(None, "draft tokens verified per step", minimum=1, maximum=64)
-    method: str | None = setting(None, "ngram, or draft_model (the default when `model` is given)", choices=METHODS,
-                                 optional=True)
-    model: str | None = setting(None, "the draft model (a path or short name, loaded like the target; it must "
-                                      "share the target's tokenizer)", optional=True)
-    prompt_lookup_max: int | None = setting(None, "ngram: the longest n-gram matched (default: "
-                                                  "prompt_lookup_min, or 4)", minimum=1, optional=True)
-    prompt_lookup_min: int | None = setting(None, "ngram: the shortest n-gram matched (default: 1)", minimum=1,
-                                            optional=True)
-    quantization: str = setting("auto", "the draft model's weights, as the engine's `quantization` (int8: a "
-                                        "cheaper draft, its proposals still verified exactly)", choices=QUANTIZATIONS)
-    adaptive: bool = setting(True, "speculate only while it emits tokens faster than decoding without it "
-                                   "(measured; a draft the target keeps rejecting switches it off)")
-
-    def __post_init__(self):
-        check_settings(self)
-        method = self.method or ("draft_model" if self.model is not None else "ngram")
-        object.__setattr__(self, "method", method)
-        if method == "draft_model" and self.model is None:
-            raise RequestError("speculative_config: method 'draft_model' needs a 'model' (the draft's path)",
-                               param="speculative_config")
-        if method == "ngram" and self.quantization != "auto":
-            raise RequestError(f"speculative_config: quantization={self.quantization!r} applies to a draft model, "
-                               f"not to n-gram lookup", param="speculative_config")
-        if method == "ngram":
-            high = self.prompt_lookup_max or self.prompt_lookup_min or 4
-            low = self.prompt_lookup_min or 1
-            if low > high:
-                raise RequestError(f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}",
-                                   param="speculative_config")
-            object.__setattr__(self, "prompt_lookup_max", high)
-            object.__setattr__(self, "prompt_lookup_min", low)
-
-    @classmethod
-    def parse(cls, name: str, value) -> "SpeculativeConfig | None":
-        """From a mapping, a JSON object (the CLI flag) or a SpeculativeConfig; RequestError
-        naming what is wrong."""
-        if value is None or isinstance(value, cls):
-            return value
-        value = json_object(value, name, 'a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}')
-        unknown = sorted(set(value) - set(setting_names(cls)))
-        if unknown:
-            raise RequestError(f"{name}: unknown key {unknown[0]!r}: expected some of {setting_names(cls)}",
-                               param=name)
-        try:
-            return cls(**value)
-        except RequestError as exc:
-            message = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
-            raise RequestError(message, param=name) from exc
+from runtime.executor.step import InFlightStep, VerifiedRows, VerifiedTensors
 
 
 class SpeculationPolicy:
@@ -127,12 +68,15 @@ class SpeculationPolicy:
 
 
 class Speculator:
-    """Decides each step's lookahead and, for n-gram lookup, the drafts themselves."""
+    """Decides each step's lookahead and, for n-gram lookup, the drafts themselves; applies the
+    verified drafts; times the steps for the policy. The engine core calls it at three points
+    of a step: `begin_step`, `end_step`, and (through the Resolver) `apply_verified`."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.policy = SpeculationPolicy(config.adaptive)
         self.num_proposed = self.num_accepted = 0  # draft tokens verified, and accepted (stats)
+        self._timed: tuple | None = None  # (speculated, tokens, start, end) of the step before, for the policy
         # n-gram lookup: each running sequence's tokens as an array, grown as they are (a
         # conversion of the whole list every step would cost batch x context).
         self._arrays: dict[Sequence, np.ndarray] = {}
@@ -167,3 +111,82 @@ class Speculator:
             if seq.num_lookahead:
                 drafts[seq] = ids
         return drafts
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def begin_step(self, running: list[Sequence], previous: InFlightStep | None, resolver, start: float):
+        """Before the plan: whether this step speculates, and if so each decoding sequence's
+        lookahead. Drafts come from the tokens so far, all on the host: the step before is
+        resolved first. Returns (its outputs, the step still in flight, the step's start, the
+        drafts by sequence)."""
+        speculate = self.policy.choose()
+        outputs = []
+        if speculate and previous is not None:
+            outputs, previous = resolver.resolve(previous), None
+            start = time.perf_counter()  # (the step before ends here, not when this one began)
+        self._note_step_time(start)
+        return outputs, previous, start, (self.lookahead(running) if speculate else {})
+
+    @staticmethod
+    def forget(drafts: dict[Sequence, list[int]]) -> None:
+        for seq in drafts:  # (a lookahead holds for the step it was planned for only)
+            seq.num_lookahead = 0
+
+    def end_step(self, chunks, step: InFlightStep | None, tokens: int, start: float) -> None:
+        """After the step: remember how fast it emitted `tokens`, if it only decoded (a prefill
+        chunk's time says nothing about decoding)."""
+        decode_only = bool(chunks) and all(c.num_tokens == 1 or c.seq.num_pending_tokens == 1 for c in chunks)
+        if decode_only and step is not None:
+            self._timed = (bool(step.verified), tokens, start, time.perf_counter())
+
+    def _note_step_time(self, now: float) -> None:
+        """Tell the policy how fast the step before emitted tokens: from its start to this
+        one's (async, a step's call waits for the step before it). Not when something else
+        came between its call and this one (an idle engine, a slow consumer)."""
+        if self._timed is not None:
+            speculated, tokens, began, ended = self._timed
+            if now - ended <= ended - began:
+                self.policy.record(speculated, tokens, now - began)
+            self._timed = None
+
+    def apply_verified(self, verified: tuple[VerifiedRows, ...], host: VerifiedTensors, resolver) -> list:
+        """Apply a step's verifications: each sequence takes its accepted drafts and the token
+        after them, one by one as a sampled token is taken (a stop or the length limit ends it
+        there); the KV slots of its rejected drafts are given back."""
+        from runtime.engine.resolve import token_logprobs
+
+        scheduler = resolver.scheduler
+        accepted, tokens, finite = host.accepted.tolist(), host.tokens.tolist(), host.finite.tolist()
+        logprobs = [None] * len(tokens) if host.logprobs is None else token_logprobs(
+            host.logprobs, tokens, [v.logprobs for v in verified for _ in range(v.num_drafts + 1)])
+        outputs, first = [], 0
+        for seq, _, j, _ in verified:
+            row = first
+            first += j + 1
+            if seq.is_finished:
+                continue
+            if not all(finite[row:row + j + 1]):
+                outputs += resolver.fail_row(seq, tokens[row], False)
+                continue
+            a = 0
+            while a < j and accepted[row + a]:
+                a += 1
+            self.num_proposed += j
+            self.num_accepted += a
+            seq.num_computed_tokens -= j - a  # the rejected drafts' keys and values are garbage
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            emitted = tokens[row:row + a + 1]  # (an accepted row's token is its draft)
+            scheduler.executor.emitted(seq, emitted)
+            for i, token in enumerate(emitted):
+                if seq.constraint is not None and not seq.constraint.consume(token):
+                    outputs += resolver.fail_row(seq, token, True)
+                    break
+                outputs.append(resolver.take(seq, token, logprobs[row + i]))
+                if seq.is_finished:  # (a stop token or the length limit among the drafts)
+                    break
+            if not seq.is_finished:
+                blocks = scheduler.blocks
+                blocks.trim(seq, seq.num_computed_tokens)
+                if seq.num_computed_tokens // blocks.block_size > seq.num_registered_blocks:
+                    blocks.register(seq)
+        return outputs

@@ -41,10 +41,13 @@ from runtime.engine.sequence import Sequence
 
 
 class Proposal(NamedTuple):
-    """A step's drafts, on the device, in the order of its verifying sequences (each its own)."""
+    """A step's drafts, on the device, in the order of its verifying sequences (each its own),
+    and how far each sequence's draft cache holds once the step runs (the engine's commit
+    records it: `Sequence.num_draft_computed`)."""
 
     tokens: torch.Tensor | None  # [drafts] int64 (None: nothing to verify)
     probs: torch.Tensor | None  # [drafts, vocab]: q of each draft (None: every row greedy)
+    computed: tuple[tuple[Sequence, int], ...] = ()
 
 
 class Prelaunched(NamedTuple):
@@ -149,6 +152,7 @@ class DraftRunner:
         """Catch the draft's cache up with the step's `(seq, start, num_tokens)` chunks, and
         propose `num_tokens - 1` drafts for each chunk that is one pending token and drafts."""
         catch_up, verifying = [], []
+        computed: dict[Sequence, int] = {}  # (the sequences' draft positions as the passes go)
         for seq, start, n in step:
             j = n - seq.num_pending_tokens
             if j <= 0 and n == 1:
@@ -156,14 +160,14 @@ class DraftRunner:
             end = start + (1 if j > 0 else n)
             first = min(seq.num_draft_computed, start)
             catch_up.append(SeqChunk(seq.token_ids[first:end], first, seq.block_table, j > 0))
-            seq.num_draft_computed = end
+            computed[seq] = end
             if j > 0:
                 verifying.append((seq, j))
         prelaunched, self._prelaunched = self._prelaunched, None
         if not verifying:
             if catch_up:
                 self._logits(catch_up)  # (prefill chunks: the draft's prefill, bounded as the target's)
-            return Proposal(None, None)
+            return Proposal(None, None, tuple(computed.items()))
         # Every sequence accepted all its drafts (its catch-up: the last draft and the bonus token).
         all_accepted = len(catch_up) == len(verifying) and all(len(c.token_ids) == 2 for c in catch_up)
         if self._all_accepted:
@@ -187,9 +191,9 @@ class DraftRunner:
                     previous = drawn[-1] if len(still) == len(drawn[-1]) else drawn[-1].index_select(
                         0, to_device_packed([still], torch.int64, self.device)[0])
                     logits, greedy = self._logits(
-                        [SeqChunk([0], s.num_draft_computed, s.block_table, True) for s in seqs], previous)
+                        [SeqChunk([0], computed[s], s.block_table, True) for s in seqs], previous)
                     for s in seqs:
-                        s.num_draft_computed += 1
+                        computed[s] += 1
                 tokens, q = self._sample(seqs, [i] * len(seqs), logits, greedy)
             for r, s in enumerate(seqs):
                 row_of[s.seq_id, i] = sum(len(t) for t in drawn) + r
@@ -199,11 +203,11 @@ class DraftRunner:
                                     self.device)
         tokens = torch.cat(drawn).index_select(0, index)  # (no wait: the target's input takes them as they are)
         if all(p.shape[1] == 0 for p in probs):
-            return Proposal(tokens, None)
+            return Proposal(tokens, None, tuple(computed.items()))
         # (a pass of greedy rows only has no q: zeros, which verification never reads for them)
         vocab = max(p.shape[1] for p in probs)
         probs = [p if p.shape[1] else p.new_zeros(p.shape[0], vocab) for p in probs]
-        return Proposal(tokens, torch.cat(probs).index_select(0, index))
+        return Proposal(tokens, torch.cat(probs).index_select(0, index), tuple(computed.items()))
 
     def prelaunch(self, verifiers: Seq[tuple[Sequence, int, int]], draft_tokens: torch.Tensor,
                   verified_tokens: torch.Tensor) -> None:

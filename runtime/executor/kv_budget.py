@@ -15,7 +15,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.families import forward_of
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from nanoinfer.sampling_params import MAX_LOGPROBS
-from runtime.engine.scheduler import PROMPT_LOGPROB_ROWS
+from runtime.config import PROMPT_LOGPROB_ROWS
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 

@@ -27,6 +27,7 @@ replays: the decision follows from the batch, which every rank has.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -41,18 +42,29 @@ import torch.multiprocessing as mp
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import DeviceLost, RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.kernels import kernels_for, mark_weights_static
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
+from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import Params, forward, map_params
-from nanoinfer.tensor_parallel import Shard, check_shardable, layer_functions, shard_config, shard_params
-from runtime.engine.faults import RankLost
+from nanoinfer.tensor_parallel import (
+    Shard,
+    check_shardable,
+    layer_functions,
+    shard_config,
+    shard_params,
+)
+from runtime.executor.model_runner import ModelRunner
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
 
 # Long enough for the slowest step (a long CPU prefill); a rank that died ends the others then.
 TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class RankLost(DeviceLost):
+    """A tensor-parallel rank's process is gone: the model is incomplete, nothing can run."""
 
 
 class RankSetup(NamedTuple):
@@ -168,6 +180,41 @@ class TensorParallelRanks:
                 raise RankLost(f"tensor-parallel rank {rank} exited (code {p.exitcode}): the engine cannot "
                                f"run the model without it")
 
+
+
+class TensorParallelRunner(ModelRunner):
+    """The executor over `tensor_parallel_size` ranks: rank 0 is this ModelRunner with its shard
+    of the model; the other ranks follow its forwards and its block copies."""
+
+    def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
+        self.tp = TensorParallelRanks(model.config, model.params, config.tensor_parallel_size)
+        try:
+            local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units
+            super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
+                             max_model_len, draft)
+            self.followers.append(self.tp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _layer_functions(self, kernels):
+        """Rank 0's layers, with the collectives that join the ranks."""
+        return kernels._replace(layer_fns=self.tp.layer_functions(kernels.layer_fns))
+
+    def _before_pools(self, kv_dtype: torch.dtype) -> None:
+        """The ranks size their pools, and capture their graphs now, in step with rank 0's."""
+        c = self.config
+        self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, c.block_size, kv_dtype, c.enforce_eager,
+                                self._graph_sizes() if self.kernels.graphs else None))
+
+    def _forward(self, batch: Batch):
+        """The other ranks receive the batch first and decide alike (graph or eager)."""
+        self.tp.forward(batch)
+        return super()._forward(batch)
+
+    def close(self) -> None:
+        """Stop the other ranks (idempotent)."""
+        self.tp.close()
 
 # Every order starts with a fixed header of int64s over the control group: its kind and, for a
 # forward (every step), each batch tensor's rows, columns (-1: 1-D) and dtype, so that the

@@ -186,7 +186,7 @@ class _Server:
         `stream`, each request's output comes once, at its end."""
         self.check_open()
         if params.structured_outputs is not None:
-            await asyncio.wrap_future(self.engine.core.grammars.compile(params.structured_outputs))
+            await asyncio.wrap_future(self.engine.core.executor.grammars.compile(params.structured_outputs))
         wanted = len(prompts) * params.n
         if wanted > self.max_pending:
             raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
@@ -438,7 +438,7 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
             engine.start()
         # Structured output's token tables, built (on the grammars' thread) while the server waits
         # for its first request.
-        engine.core.grammars.prepare()
+        engine.core.executor.grammars.prepare()
         # What startup made lives as long as the server: out of the collector's way, or every full
         # collection walks it (~0.2 s with a vocabulary's objects, holding the GIL: /health waits).
         gc.freeze()

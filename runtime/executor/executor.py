@@ -1,0 +1,85 @@
+"""Executor: the one interface between the engine and the devices, and the choice of which one runs.
+
+The engine core (runtime/engine/) talks to an executor only through `Executor`: rows come and
+go as sequences start and stop running, blocks are copied or swapped as the block manager says,
+a step is launched and its results come back later. `ModelRunner` runs the model on one device;
+`TensorParallelRunner` (runtime/executor/tensor_parallel.py) is the same runner over ranks that
+each hold a shard. Other ways of running a model — more GPUs, more hosts — are executors too, and
+nothing above this file changes for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from nanoinfer.errors import RequestError
+from nanoinfer.loaders import LoadedModel
+from runtime.config import EngineConfig
+from runtime.executor.step import InFlightStep, StepInput
+
+if TYPE_CHECKING:
+    from runtime.engine.sequence import Sequence
+
+
+class Executor(Protocol):
+    num_blocks: int  # device KV blocks (the block manager's pool)
+    num_cpu_blocks: int  # host blocks for swapped-out sequences
+    row_of: dict[int, int]  # seq_id -> its row, for the sequences that have one
+
+    def add(self, seq: Sequence) -> None:
+        """`seq` starts running: give it a row."""
+
+    def remove(self, seq: Sequence) -> None:
+        """`seq` stopped running (finished, preempted): free its row (none: nothing to do)."""
+
+    def table_changed(self, seq: Sequence) -> None:
+        """`seq`'s block table grew, or a block in its write range was replaced (copy-on-write)."""
+
+    def copy_blocks(self, copies) -> None: ...
+
+    def swap_out(self, copies) -> None: ...
+
+    def swap_in(self, copies) -> None: ...
+
+    def launch(self, inp: StepInput, forward_done: Callable[[], None]) -> InFlightStep:
+        """Queue the step's forward and sampling and start copying the results to the host;
+        returns without waiting for the device, and changes no sequence."""
+
+    def emitted(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Tokens a verification emitted for `seq` (speculative decoding)."""
+
+    def close(self) -> None:
+        """Release what outlives the engine (idempotent)."""
+
+
+def uses_ranks(config: EngineConfig) -> bool:
+    """Whether the model runs over torch.distributed ranks (tensor parallelism). Tests force
+    it at one rank, so that a one-GPU machine runs that path (tests/conftest.py)."""
+    return config.tensor_parallel_size > 1
+
+
+def make_executor(model: LoadedModel, config: EngineConfig, max_model_len: int,
+                  draft_model: LoadedModel | None = None) -> Executor:
+    """The executor `config` asks for, with speculative decoding's draft model when it has one
+    (`draft_model`, or loaded from `config.speculative_config.model`)."""
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        from runtime.executor.draft_runner import check_draft
+
+        if draft_model is None:
+            from nanoinfer.loaders import load_model
+
+            draft_model = load_model(spec.model, device=str(model.params.device), progress=False,
+                                     dtype=str(model.params.dtype).removeprefix("torch."),
+                                     quantization=spec.quantization)
+        check_draft(model, draft_model)
+    elif draft_model is not None:
+        raise RequestError("a draft model was given but speculative_config does not ask for one: expected "
+                           "method 'draft_model'", param="speculative_config")
+    if uses_ranks(config):
+        from runtime.executor.tensor_parallel import TensorParallelRunner
+
+        return TensorParallelRunner(model, config, max_model_len, draft_model)
+    from runtime.executor.model_runner import ModelRunner
+
+    return ModelRunner(model, config, max_model_len, draft_model)
