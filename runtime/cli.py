@@ -21,7 +21,7 @@ from nanoinfer.loaders.hub import DEFAULT_MODEL
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
 from runtime.engine.engine_core import EngineConfig
 from runtime.engine.scheduler import SchedulerConfig
-from runtime.serve.serving import ServerConfig
+from runtime.serve.config import ServerConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
