@@ -127,7 +127,7 @@ class ModelRunner:
         self.num_cpu_blocks = config.swap_space // per_block
         max_blocks = -(-max_model_len // config.block_size)
         graph_sizes = None if not kernels.graphs else GraphSizes(
-            max_batch=min(config.scheduler.max_num_seqs, 512), max_blocks=max_blocks,
+            max_batch=StepGraphs.batch_cap(config.scheduler.max_num_seqs), max_blocks=max_blocks,
             max_tokens=config.scheduler.max_num_batched_tokens,
             # Steps whose contexts fit one split-K partition get graphs whose attention runs
             # in one pass (no reduce kernel).
