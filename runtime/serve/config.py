@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanoinfer.sampling_params import MAX_N
 from nanoinfer.settings import check_settings, setting
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
@@ -27,7 +28,7 @@ class ServerConfig:
                                              repeated=True)
     max_pending: int = setting(1024, "sequences (prompts x n) in flight, waiting or running, before new "
                                      "requests get 503", minimum=1)
-    max_n: int = setting(16, "largest n (completions per prompt) a request may ask for", minimum=1, maximum=128)
+    max_n: int = setting(16, "largest n (completions per prompt) a request may ask for", minimum=1, maximum=MAX_N)
     max_body_bytes: int = setting(1 << 20, "largest request body (and WebSocket message)", minimum=1, size=True)
     log_level: str = setting("info", "info: a line per request and a throughput line; warning: quiet",
                              choices=LOG_LEVELS)
