@@ -69,6 +69,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from runtime.eval.choice import DELIMITER, SHOTS, TASK_TYPES
+
     parser = argparse.ArgumentParser(prog="nanoinfer", description="From checkpoint to conversation.",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -107,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     choice = tasks.add_parser("choice", help="accuracy on a CORE-format task (JSONL) by continuation likelihood",
                               formatter_class=_HelpFormatter)
     choice.add_argument("task_file", help="JSONL, one item per line (runtime/eval/choice.py says the fields)")
-    choice.add_argument("--task-type", default="multiple_choice", help="multiple_choice, schema or language_modeling")
-    choice.add_argument("--shots", type=int, default=0, help="few-shot examples before each item")
-    choice.add_argument("--delimiter", default=" ", help="between a context and its continuation")
+    choice.add_argument("--task-type", default=TASK_TYPES[0], help=f"one of {', '.join(TASK_TYPES)}")
+    choice.add_argument("--shots", type=int, default=SHOTS, help="few-shot examples before each item")
+    choice.add_argument("--delimiter", default=DELIMITER, help="between a context and its continuation")
     choice.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
     _model_args(choice)
     _engine_args(choice)
