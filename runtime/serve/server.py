@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: create_app(engine) -> a Starlette app with SSE streaming.
+"""The OpenAI-compatible HTTP server: create_app(engine, config) -> a Starlette app with SSE streaming.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
 GET /metrics, GET / (the chat page). Every error is OpenAI-shaped JSON and the server keeps
