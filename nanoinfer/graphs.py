@@ -143,6 +143,12 @@ class StepGraphs:
     than one that splits every sequence's keys for the longest context the model allows.
     """
 
+    @staticmethod
+    def batch_cap(max_num_seqs: int) -> int:
+        """The `max_batch` a runner captures for: the scheduler's `max_num_seqs`, up to the
+        largest decode bucket (a step of more sequences runs eagerly)."""
+        return min(max_num_seqs, DEFAULT_BUCKETS[-1])
+
     def __init__(self, step: Callable[[Batch], Sequence[torch.Tensor]], device: torch.device, max_batch: int,
                  max_blocks: int, buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
                  token_buckets=DEFAULT_TOKEN_BUCKETS, rows_per_seq: int = 1):

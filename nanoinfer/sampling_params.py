@@ -10,13 +10,14 @@ from nanoinfer.settings import check_settings, float32_in, setting
 from nanoinfer.structured import GrammarSpec
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # completions per prompt
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Field names and defaults follow vLLM (and so map one-to-one onto OpenAI's)."""
 
-    n: int = setting(1, "completions per prompt; they share the prompt's KV blocks", minimum=1, maximum=128)
+    n: int = setting(1, "completions per prompt; they share the prompt's KV blocks", minimum=1, maximum=MAX_N)
     max_tokens: int | None = setting(16, "most tokens to generate (None: up to the model's context length)",
                                      minimum=1, optional=True)
     min_tokens: int = setting(0, "EOS and stop_token_ids are masked until this many tokens exist", minimum=0)

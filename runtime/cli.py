@@ -19,9 +19,8 @@ from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadConfig
 from nanoinfer.loaders.hub import DEFAULT_MODEL
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
-from runtime.engine.engine_core import EngineConfig
-from runtime.config import SchedulerConfig
-from runtime.serve.serving import ServerConfig
+from runtime.config import EngineConfig, SchedulerConfig
+from runtime.serve.config import ServerConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +68,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from runtime.eval.choice import DELIMITER, SHOTS, TASK_TYPES
+
     parser = argparse.ArgumentParser(prog="nanoinfer", description="From checkpoint to conversation.",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -107,9 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     choice = tasks.add_parser("choice", help="accuracy on a CORE-format task (JSONL) by continuation likelihood",
                               formatter_class=_HelpFormatter)
     choice.add_argument("task_file", help="JSONL, one item per line (runtime/eval/choice.py says the fields)")
-    choice.add_argument("--task-type", default="multiple_choice", help="multiple_choice, schema or language_modeling")
-    choice.add_argument("--shots", type=int, default=0, help="few-shot examples before each item")
-    choice.add_argument("--delimiter", default=" ", help="between a context and its continuation")
+    choice.add_argument("--task-type", default=TASK_TYPES[0], help=f"one of {', '.join(TASK_TYPES)}")
+    choice.add_argument("--shots", type=int, default=SHOTS, help="few-shot examples before each item")
+    choice.add_argument("--delimiter", default=DELIMITER, help="between a context and its continuation")
     choice.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
     _model_args(choice)
     _engine_args(choice)

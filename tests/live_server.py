@@ -15,6 +15,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.gguf import open_gguf
 from nanoinfer.tokenizer import Tokenizer
 from runtime.async_engine import AsyncEngine, engine_config
+from runtime.serve.config import ServerConfig
 from runtime.serve.server import create_app
 from tests.tiny import random_params, tiny_config
 
@@ -39,12 +40,15 @@ def start_in_thread(server: uvicorn.Server, thread: threading.Thread) -> str:
 
 
 class LiveServer:
-    def __init__(self, model: LoadedModel, **app_kw):
-        engine_kw = app_kw.pop("engine_kw", {})
-        uvicorn_kw = app_kw.pop("uvicorn_kw", {})
-        self.engine = AsyncEngine(model, engine_config(**{"num_blocks": 2048, "block_size": 16, **engine_kw}))
-        self.app = create_app(self.engine, model_name="tiny-chat", **app_kw)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", **uvicorn_kw)
+    """`settings`: the ServerConfig fields a test changes (the app sees them as `nanoinfer
+    serve` would; uvicorn here binds 127.0.0.1 on a free port whatever `host` says)."""
+
+    def __init__(self, model: LoadedModel, engine_kw: dict | None = None, uvicorn_kw: dict | None = None,
+                 **settings):
+        self.engine = AsyncEngine(model, engine_config(**{"num_blocks": 2048, "block_size": 16, **(engine_kw or {})}))
+        self.app = create_app(self.engine, ServerConfig(**{"served_model_name": "tiny-chat", **settings}))
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                                **(uvicorn_kw or {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

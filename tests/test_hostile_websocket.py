@@ -70,7 +70,7 @@ def refused(server, **connect_kw) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):
-    with LiveServer(tiny_chat_model, cors_origins=["http://app.example"]) as live:  # (--max-body-bytes: 1 MiB)
+    with LiveServer(tiny_chat_model, cors_origin=("http://app.example",)) as live:  # (--max-body-bytes: 1 MiB)
         yield live
 
 
@@ -171,7 +171,8 @@ def test_serve_reads_no_websocket_message_over_the_limit(tiny_chat_model):
     from types import SimpleNamespace
 
     from runtime.async_engine import AsyncEngine, engine_config
-    from runtime.serve.serving import ServerConfig, build_server
+    from runtime.serve.config import ServerConfig
+    from runtime.serve.serving import build_server
     from tests.live_server import start_in_thread
 
     engine = AsyncEngine(tiny_chat_model, engine_config(num_blocks=256, block_size=16))

@@ -299,7 +299,7 @@ def test_only_json_bodies_are_read(live_server):
 
 
 def test_a_loopback_server_answers_only_loopback_host_names(tiny_chat_model):
-    with LiveServer(tiny_chat_model, allowed_hosts=("localhost", "127.0.0.1", "[::1]")) as server:
+    with LiveServer(tiny_chat_model) as server:
         body = {"prompt": "hi", "max_tokens": 2}
         evil = httpx.post(server.url + "/v1/completions", json=body, headers={"host": "evil.example:8000"})
         assert evil.status_code == 400 and evil.json()["error"]["param"] == "host"
@@ -313,7 +313,7 @@ def test_a_loopback_server_answers_only_loopback_host_names(tiny_chat_model):
 def test_the_host_check_covers_every_route_and_parses_the_header_strictly(tiny_chat_model):
     """Issue 31: /static/* and 404 answers took any Host, `127.0.0.1:PORT@evil.example` passed
     (the name was what came before the last colon), and the WebSocket took any."""
-    with LiveServer(tiny_chat_model, allowed_hosts=("localhost", "127.0.0.1", "[::1]")) as server:
+    with LiveServer(tiny_chat_model) as server:
         port = server.url.rsplit(":", 1)[1]
         for path in ("/static/vendor/VENDOR.md", "/v1/nowhere", "/nowhere", "/health"):
             r = httpx.get(server.url + path, headers={"host": "evil.example"})
@@ -332,15 +332,14 @@ def test_the_host_check_covers_every_route_and_parses_the_header_strictly(tiny_c
 
 def test_allowed_hosts_names_what_a_server_on_other_addresses_answers(tiny_chat_model):
     """Issue 31: binding a non-loopback address turned the check off, with no way to list names."""
-    from runtime.serve.serving import ServerConfig, allowed_hosts
+    from runtime.serve.config import ServerConfig, allowed_hosts
 
     assert allowed_hosts(ServerConfig()) == ("localhost", "127.0.0.1", "[::1]", "::1")
     assert allowed_hosts(ServerConfig(host="0.0.0.0")) is None  # (any, as before: say which with --allowed-hosts)
     assert allowed_hosts(ServerConfig(host="0.0.0.0", allowed_hosts=("*",))) is None
     assert allowed_hosts(ServerConfig(host="10.1.2.3", allowed_hosts=("llm.lan",))) == (
         "localhost", "127.0.0.1", "[::1]", "::1", "10.1.2.3", "llm.lan")
-    with LiveServer(tiny_chat_model, allowed_hosts=allowed_hosts(ServerConfig(host="0.0.0.0",
-                                                                            allowed_hosts=("llm.lan",)))) as server:
+    with LiveServer(tiny_chat_model, host="0.0.0.0", allowed_hosts=("llm.lan",)) as server:
         assert httpx.get(server.url + "/health", headers={"host": "llm.lan:8000"}).status_code == 200
         assert httpx.get(server.url + "/health", headers={"host": "LLM.lan"}).status_code == 200
         r = httpx.get(server.url + "/health", headers={"host": "evil.example"})
@@ -457,7 +456,8 @@ def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
     from concurrent.futures import ThreadPoolExecutor
 
     from runtime.async_engine import AsyncEngine, engine_config
-    from runtime.serve.serving import ServerConfig, build_server
+    from runtime.serve.config import ServerConfig
+    from runtime.serve.serving import build_server
     from tests.live_server import start_in_thread
 
     ws_client = pytest.importorskip("websockets.sync.client")

@@ -23,6 +23,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+DELIMITER, SHOTS = " ", 0  # nanochat's defaults: a space before the continuation, no examples
 FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
           "language_modeling": ("context", "continuation")}
 
@@ -99,14 +100,15 @@ def score_spans(tokens: list[list[int]], task_type: str) -> Scored:
     return Scored([with_], [(len(without), len(with_))])
 
 
-def prepare(items: Sequence[dict], task_type: str, encode, *, delimiter: str = " ", shots: int = 0) -> list[Scored]:
+def prepare(items: Sequence[dict], task_type: str, encode, *, delimiter: str = DELIMITER,
+            shots: int = SHOTS) -> list[Scored]:
     """Every item's prompts tokenized (`encode(text) -> ids`, with the model's BOS) and spans."""
     check_items(items, task_type)
     return [score_spans([encode(p) for p in render(item, task_type, delimiter, fewshot(items, i, shots))], task_type)
             for i, item in enumerate(items)]
 
 
-def evaluate(llm, items: Sequence[dict], task_type: str, *, delimiter: str = " ", shots: int = 0,
+def evaluate(llm, items: Sequence[dict], task_type: str, *, delimiter: str = DELIMITER, shots: int = SHOTS,
              use_tqdm: bool = False) -> tuple[Accuracy, list[bool]]:
     """The accuracy of `llm`'s model on the task, and whether each item was answered right."""
     scored = prepare(items, task_type, lambda text: llm.tokenizer.encode(text, add_special_tokens=True),

@@ -93,7 +93,8 @@ class DraftRunner:
         if self.kernels.graphs:  # (its passes are decode steps, and a catch-up step of 1-2 tokens each)
             from nanoinfer.graphs import StepGraphs
 
-            self.graphs = StepGraphs(self._eager_forward, self.device, max_batch=min(config.scheduler.max_num_seqs, 512),
+            self.graphs = StepGraphs(self._eager_forward, self.device,
+                                     max_batch=StepGraphs.batch_cap(config.scheduler.max_num_seqs),
                                      max_blocks=batch.max_blocks, max_tokens=config.scheduler.max_num_batched_tokens,
                                      widths=(self.kernels.attention.partition_size // config.block_size,),
                                      rows_per_seq=2)

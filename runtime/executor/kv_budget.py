@@ -51,7 +51,7 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
     """The most memory one step can take: `max_num_batched_tokens` tokens over `max_num_seqs`
     sequences, logits for every sequence and for a step's worth of prompt-logprob rows, and
     every row through the sampler's costliest path (top-k/top-p sort, min-p, penalties with
-    their dense [rows, vocab] tables) and 20 logprobs. `config` is an EngineConfig."""
+    their dense [rows, vocab] tables) and MAX_LOGPROBS logprobs. `config` is an EngineConfig."""
     cfg, sched, dev = model.config, config.scheduler, model.params.device
     tokens = sched.max_num_batched_tokens
     seqs = max(1, min(sched.max_num_seqs, tokens))

@@ -90,11 +90,11 @@ class ModelRunner:
             self.graphs.capture()
 
     def _graph_sizes(self):
-        from nanoinfer.graphs import GraphSizes
+        from nanoinfer.graphs import GraphSizes, StepGraphs
 
         spec, c = self.config.speculative_config, self.config
         return GraphSizes(
-            max_batch=min(c.scheduler.max_num_seqs, 512), max_blocks=self.max_blocks,
+            max_batch=StepGraphs.batch_cap(c.scheduler.max_num_seqs), max_blocks=self.max_blocks,
             max_tokens=c.scheduler.max_num_batched_tokens,
             # Steps whose contexts fit one split-K partition get graphs whose attention runs
             # in one pass (no reduce kernel).

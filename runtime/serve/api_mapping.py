@@ -105,7 +105,7 @@ def completion_prompts(req: CompletionRequest) -> list:
     return prompts
 
 
-DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # (16, as OpenAI has it for completions; chat has none)
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # (OpenAI's for completions too; chat has none)
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:

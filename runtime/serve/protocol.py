@@ -13,6 +13,8 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from nanoinfer.sampling_params import SamplingParams
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -21,17 +23,21 @@ class StreamOptions(msgspec.Struct):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
+    """The fields both endpoints share. A sampling field's default is SamplingParams': named
+    here (`SamplingParams.n`), or None for one passed on only when given (temperature, top_p,
+    top_k, min_p, repetition_penalty)."""
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = SamplingParams.n
     stop: Union[str, list[str], None] = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = SamplingParams.presence_penalty
+    frequency_penalty: float = SamplingParams.frequency_penalty
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     user: str | None = None
     # vLLM's: each prompt token's logprob and this many alternatives (the first token has none);
@@ -41,11 +47,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: int = SamplingParams.min_tokens
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    ignore_eos: bool = SamplingParams.ignore_eos
+    skip_special_tokens: bool = SamplingParams.skip_special_tokens
+    include_stop_str_in_output: bool = SamplingParams.include_stop_str_in_output
     # Structured output (runtime/api_mapping.grammar_spec): OpenAI's, and vLLM's extensions.
     response_format: Any = None
     structured_outputs: Any = None

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: create_app(engine) -> a Starlette app with SSE streaming.
+"""The OpenAI-compatible HTTP server: create_app(engine, config) -> a Starlette app with SSE streaming.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
 GET /metrics, GET / (the chat page). Every error is OpenAI-shaped JSON and the server keeps
@@ -38,17 +38,17 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from runtime.serve.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params, completion_prompts,
-                                 param_of)
+from runtime.serve.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params,
+                                       completion_prompts, param_of)
 from runtime.serve import protocol as api
 from runtime.async_engine import AsyncEngine, RequestHandle
+from runtime.serve.config import ServerConfig, allowed_hosts
 from runtime.serve.http_errors import HTTPError, error_response
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.websocket import ChatSocket, refuse
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 # A Host header as RFC 9110 has it: a name or IPv4 address, or an IPv6 address in brackets, then
 # an optional numeric port. Anything else (`127.0.0.1:80@evil.example`) is refused, not guessed at.
 _HOST = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::[0-9]{1,5})?")
@@ -81,17 +81,15 @@ async def _disconnected(request: Request) -> None:
 
 
 class _Server:
-    """The state one app serves from: the engine, its name, limits and metrics."""
+    """The state one app serves from: the engine, its name, settings (limits) and metrics."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_body_bytes: int,
-                 max_pending: int, max_n: int, allowed_hosts: Sequence[str] | None, cors_origins: Sequence[str] = (),
-                 timeout_body: float = 30.0):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
-        self.max_body_bytes, self.max_pending, self.max_n = max_body_bytes, max_pending, max_n
-        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else \
-            {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, allowed_hosts)}
-        self.cors_origins = frozenset(o.lower() for o in cors_origins)
-        self.timeout_body = timeout_body
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine, self.config = engine, config
+        self.model_name = config.served_model_name or engine.model.model_id
+        hosts = allowed_hosts(config)
+        self.allowed_hosts = None if hosts is None else \
+            {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, hosts)}
+        self.cors_origins = frozenset(o.lower() for o in config.cors_origin)
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self._unknown_fields_logged: set[str] = set()
@@ -116,9 +114,9 @@ class _Server:
                                  f"{sorted(self.allowed_hosts)} (--allowed-hosts adds names)", param="host")
 
     def check_access(self, request: Request) -> None:
-        if self.api_key is not None and request.url.path.startswith("/v1/"):
+        if self.config.api_key is not None and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
                 raise HTTPError(401, "missing or wrong API key (expected `Authorization: Bearer <key>`)",
                                 type_="authentication_error", code="invalid_api_key")
 
@@ -127,21 +125,21 @@ class _Server:
         if content_type.split(";")[0].strip().lower() != "application/json":
             raise HTTPError(415, f"content type {content_type or '(none)'!r} is not supported: expected "
                                  f"application/json", code="unsupported_media_type")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
+        length, limit = request.headers.get("content-length"), self.config.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {limit}")
         body = bytearray()
 
         async def receive() -> None:
             async for chunk in request.stream():
                 body.extend(chunk)
-                if len(body) > self.max_body_bytes:
-                    raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+                if len(body) > limit:
+                    raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
         try:  # (a body trickling in would hold a connection for ever)
-            await asyncio.wait_for(receive(), self.timeout_body)
+            await asyncio.wait_for(receive(), self.config.timeout_body)
         except asyncio.TimeoutError as exc:
-            raise HTTPError(408, f"the request body did not arrive within {self.timeout_body:g} s ({len(body)} of "
-                                 f"{length or 'unknown'} bytes came; --timeout-body)", code="request_timeout",
+            raise HTTPError(408, f"the request body did not arrive within {self.config.timeout_body:g} s ({len(body)} "
+                                 f"of {length or 'unknown'} bytes came; --timeout-body)", code="request_timeout",
                             headers={"Connection": "close"}) from exc
         except ClientDisconnect as exc:
             raise HTTPError(499, f"the client closed the connection while sending the body ({len(body)} of "
@@ -175,8 +173,8 @@ class _Server:
                             param="model", code="model_not_found")
         if (name := api.unsupported(req)) is not None:
             raise HTTPError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-        if req.n > self.max_n:
-            raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {self.max_n}", param="n")
+        if req.n > (max_n := self.config.max_n):
+            raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {max_n}", param="n")
         return req
 
     async def submit_all(self, rid: str, prompts: Sequence, params, chat_template_kwargs: dict | None = None,
@@ -187,17 +185,17 @@ class _Server:
         self.check_open()
         if params.structured_outputs is not None:
             await asyncio.wrap_future(self.engine.core.executor.grammars.compile(params.structured_outputs))
-        wanted = len(prompts) * params.n
-        if wanted > self.max_pending:
+        wanted, most = len(prompts) * params.n, self.config.max_pending
+        if wanted > most:
             raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
-                                 f"more than this server admits at once ({self.max_pending})", param="n")
+                                 f"more than this server admits at once ({most})", param="n")
         # Rendered and tokenized off the event loop, every prompt checked before any is queued.
         states = [await self.engine.prepare(prompt, params, rid if len(prompts) == 1 else f"{rid}-{i}",
                                             chat_template_kwargs=chat_template_kwargs, stream=stream)
                   for i, prompt in enumerate(prompts)]
         self.check_open()
-        if self.engine.num_seqs_in_flight + wanted > self.max_pending:
-            raise HTTPError(503, f"the server is at its limit of {self.max_pending} queued sequences; retry later",
+        if self.engine.num_seqs_in_flight + wanted > most:
+            raise HTTPError(503, f"the server is at its limit of {most} queued sequences; retry later",
                             type_="overloaded_error", headers={"Retry-After": "1"})
         handles = []
         try:
@@ -418,19 +416,14 @@ class _HostCheck:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: str | None = None,
-               cors_origins: Sequence[str] = (), max_body_bytes: int = 1 << 20, max_pending: int = 1024,
-               max_n: int = 16, allowed_hosts: Sequence[str] | None = None, timeout_body: float = 30.0,
-               log_interval: float = 10.0, manage_engine: bool = True) -> Starlette:
-    """The app serving `engine`. `max_pending` bounds the sequences (prompts x n) queued at
-    once; `allowed_hosts` (None or "*": any) the Host headers answered; `cors_origins` the
-    other sites' pages that may call it (and open its WebSocket); `timeout_body` the seconds a
-    request body may take to arrive. With `manage_engine`, the app's lifespan starts the
-    engine in the server's event loop and shuts it down (aborting what is in flight) on exit.
-    `app.state.drain(grace)` is the graceful stop (see _Server.drain), for the server process
-    to await before it closes connections."""
-    srv = _Server(engine, model_name or engine.model.model_id, api_key, max_body_bytes, max_pending, max_n,
-                  allowed_hosts, cors_origins, timeout_body)
+def create_app(engine: AsyncEngine, config: ServerConfig = ServerConfig(), *, manage_engine: bool = True) -> Starlette:
+    """The app serving `engine` with `config`'s name, access rules, limits and timeouts (the
+    binding and the connection timeouts are the server process's: runtime/serve/serving.py).
+    With `manage_engine`, the app's lifespan starts the engine in the server's event loop and
+    shuts it down (aborting what is in flight) on exit. `app.state.drain(grace)` is the
+    graceful stop (see _Server.drain), for the server process to await before it closes
+    connections; `app.state.model_name` the model id it serves."""
+    srv = _Server(engine, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -442,7 +435,7 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
         # What startup made lives as long as the server: out of the collector's way, or every full
         # collection walks it (~0.2 s with a vocabulary's objects, holding the GIL: /health waits).
         gc.freeze()
-        ticker = asyncio.create_task(srv.log_throughput(log_interval))
+        ticker = asyncio.create_task(srv.log_throughput(config.log_interval))
         try:
             yield
         finally:
@@ -473,10 +466,10 @@ def create_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: s
               # The chat page's vendored libraries (runtime/serve/static/vendor/VENDOR.md): no CDN.
               Mount("/static", StaticFiles(packages=[("runtime.serve", "static")]), name="static")]
     middleware = [Middleware(_HostCheck, srv=srv)]
-    if cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+    if config.cors_origin:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origin), allow_methods=["*"],
                                      allow_headers=["*"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found})
-    app.state.drain = srv.drain
+    app.state.drain, app.state.model_name = srv.drain, srv.model_name
     return app

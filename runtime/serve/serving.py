@@ -1,4 +1,4 @@
-"""Running the server process: its settings, uvicorn with limits for slow clients, clean stops.
+"""Running the server process: uvicorn with limits for slow clients, clean stops (its settings: config.py).
 
 `serve(engine, config)` binds, prints the URL and serves until SIGINT/SIGTERM; then it drains:
 new requests get 503 while those in flight have --shutdown-timeout seconds to finish, and what
@@ -12,7 +12,6 @@ import asyncio
 import errno
 import logging
 import socket
-from dataclasses import dataclass
 
 import h11
 import uvicorn
@@ -20,41 +19,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from nanoinfer.errors import NanoInferError
-from nanoinfer.settings import check_settings, setting
 from runtime.async_engine import AsyncEngine
-from runtime.serve.server import LOOPBACK_HOSTS, create_app
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = setting("127.0.0.1", "address to bind (loopback only unless you say otherwise)")
-    port: int = setting(8000, "port to bind (0 picks a free one)", minimum=0, maximum=65535)
-    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*", optional=True)
-    served_model_name: str | None = setting(None, "the model id clients use (default: the model's short name or "
-                                                  "file stem)", optional=True)
-    cors_origin: tuple[str, ...] = setting((), "allow this origin (repeatable; CORS is off without it): its pages "
-                                               "may call the API and open the WebSocket", repeated=True)
-    allowed_hosts: tuple[str, ...] = setting((), "also answer this Host name (repeatable; '*': any). Without it a "
-                                                 "loopback server answers only loopback names, another any name",
-                                             repeated=True)
-    max_pending: int = setting(1024, "sequences (prompts x n) in flight, waiting or running, before new "
-                                     "requests get 503", minimum=1)
-    max_n: int = setting(16, "largest n (completions per prompt) a request may ask for", minimum=1, maximum=128)
-    max_body_bytes: int = setting(1 << 20, "largest request body (and WebSocket message)", minimum=1, size=True)
-    log_level: str = setting("info", "info: a line per request and a throughput line; warning: quiet",
-                             choices=LOG_LEVELS)
-    timeout_keep_alive: int = setting(5, "seconds an idle keep-alive connection stays open", minimum=1)
-    timeout_headers: float = setting(10.0, "seconds a client may take to send a request's headers", above=0)
-    timeout_body: float = setting(30.0, "seconds a client may take to send a request's body (then 408)", above=0)
-    shutdown_timeout: float = setting(20.0, "seconds SIGINT/SIGTERM lets requests in flight finish (new ones get "
-                                            "503) before ending the rest with an error", minimum=0)
-    max_header_bytes: int = setting(16384, "largest request head (line and headers) held while it arrives",
-                                    minimum=1024, size=True)
-
-    def __post_init__(self):
-        check_settings(self)
+from runtime.serve.config import ServerConfig, allowed_hosts
+from runtime.serve.server import create_app
 
 
 def _protocol(header_timeout: float):
@@ -105,15 +72,6 @@ class _WebSocketProtocol(WebSocketsSansIOProtocol):
             self.handshake_complete = True
 
 
-def allowed_hosts(config: ServerConfig) -> tuple[str, ...] | None:
-    """The Host names the server answers (None: any). A loopback server answers loopback names;
-    with --allowed-hosts, those too, and the address it is bound to."""
-    if "*" in config.allowed_hosts or (config.host not in LOOPBACK_HOSTS and not config.allowed_hosts):
-        return None
-    bound = () if config.host in LOOPBACK_HOSTS or config.host in ("0.0.0.0", "::", "") else (config.host,)
-    return (*LOOPBACK_HOSTS, *bound, *config.allowed_hosts)
-
-
 def check_port_free(host: str, port: int) -> None:
     """Fail before loading a model for minutes, not after."""
     if port == 0:
@@ -140,18 +98,15 @@ def serve(engine: AsyncEngine, config: ServerConfig) -> None:
 def build_server(engine: AsyncEngine, config: ServerConfig) -> uvicorn.Server:
     """The uvicorn server `serve` runs: SIGINT/SIGTERM set its `should_exit` (a test running it
     in a thread sets that itself), and its shutdown drains before closing connections."""
-    name = config.served_model_name or engine.model.model_id
-    app = create_app(engine, model_name=name, api_key=config.api_key, cors_origins=config.cors_origin,
-                     max_pending=config.max_pending, max_n=config.max_n, max_body_bytes=config.max_body_bytes,
-                     allowed_hosts=allowed_hosts(config), timeout_body=config.timeout_body)
+    app = create_app(engine, config)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
                 port = self.servers[0].sockets[0].getsockname()[1]
-                print(f"nanoinfer: serving {name} at http://{config.host}:{port}  (chat page at /, API at /v1)",
-                      flush=True)
+                print(f"nanoinfer: serving {app.state.model_name} at http://{config.host}:{port}  (chat page at /, "
+                      f"API at /v1)", flush=True)
 
         async def shutdown(self, sockets=None):
             # SIGINT/SIGTERM: drain while still listening (new requests get a 503, not a refused

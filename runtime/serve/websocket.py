@@ -113,7 +113,7 @@ class ChatSocket:
     def read(self, frame: dict) -> api.WsClientMessage:
         """The message a frame holds, or HTTPError saying why it cannot be read: checked before
         it is decoded, as an HTTP body is."""
-        text, limit = frame.get("text"), self.srv.max_body_bytes
+        text, limit = frame.get("text"), self.srv.config.max_body_bytes
         if text is None:
             raise HTTPError(400, "binary frames are not read: send each message as JSON in a text frame")
         size = len(text) if len(text) > limit or len(text) * 4 <= limit else len(text.encode())  # (UTF-8: 1-4 bytes)
