@@ -85,7 +85,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_before = self.blocks.num_free_blocks
         table_before = list(seq.block_table)
         assert self.blocks.blocks_needed(seq, new) == need
-        assert self.blocks.can_append(seq, new) == (need <= free_before)
+        assert (self.blocks.blocks_needed(seq, new) <= self.blocks.num_free_blocks) == (need <= free_before)
         if need > free_before:
             with pytest.raises(PoolExhausted):
                 self.blocks.append_slots(seq, new)
@@ -155,7 +155,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         held = list(seq.block_table)
         cpu_free_before = self.blocks.num_free_cpu_blocks
         fits = len(held) <= cpu_free_before
-        assert self.blocks.can_swap_out(seq) == fits
+        assert (len(seq.block_table) <= self.blocks.num_free_cpu_blocks) == fits
         if not fits:
             with pytest.raises(PoolExhausted):
                 self.blocks.swap_out(seq)
@@ -180,7 +180,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         held = list(seq.cpu_block_table)
         free_before = self.blocks.num_free_blocks
         fits = len(held) <= free_before
-        assert self.blocks.can_swap_in(seq) == fits
+        assert (len(seq.cpu_block_table) <= self.blocks.num_free_blocks) == fits
         if not fits:
             with pytest.raises(PoolExhausted):
                 self.blocks.swap_in(seq)
@@ -291,8 +291,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 f"block {block} written while shared or cached"
             self.device_data.setdefault(block, [GARBAGE] * BLOCK_SIZE)[pos % BLOCK_SIZE] = tuple(seq.token_ids[:pos + 1])
         seq.num_computed_tokens = end
-        self.blocks.register(seq)
-        keys = self.blocks._keys(seq, end // BLOCK_SIZE)
+        self.blocks.cache.register(seq)
+        keys = self.blocks.cache._keys(seq, end // BLOCK_SIZE)
         for i, key in enumerate(keys[:end // BLOCK_SIZE]):
             assert self.prefix_of.setdefault(key, tuple(seq.token_ids[:(i + 1) * BLOCK_SIZE])) == \
                 tuple(seq.token_ids[:(i + 1) * BLOCK_SIZE]), "two prefixes under one key"
@@ -302,14 +302,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def admit(self, tokens):
         seq = Sequence(self.next_id, tokens, SamplingParams(), 1 << 20)
         self.next_id += 1
-        hit = self.blocks.prefix_hit(seq)
+        hit = self.blocks.cache.prefix_hit(seq)
         assert len(hit.blocks) * BLOCK_SIZE <= len(tokens) - 1  # the last token is always computed
         assert hit.evictable == sum(1 for b in hit.blocks if self.blocks.ref_counts[b] == 0)
         need = self.blocks.blocks_for(len(tokens)) - len(hit.blocks) + hit.evictable
         if need > self.blocks.num_free_blocks:
             return
         free_before = self.blocks.num_free_blocks
-        self.blocks.attach(seq, hit.blocks)
+        self.blocks.cache.attach(seq, hit.blocks)
         assert self.blocks.num_free_blocks == free_before - hit.evictable
         self.live.append(seq)
         assert self._compute(seq)
@@ -344,7 +344,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         seq = self._pick(data, self._running())
-        if not self.blocks.can_swap_out(seq):
+        if not (len(seq.block_table) <= self.blocks.num_free_cpu_blocks):
             return
         for device_block, host_block in self.blocks.swap_out(seq):
             self.host_data[host_block] = list(self.device_data[device_block])
@@ -354,7 +354,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         seq = self._pick(data, [s for s in self.live if s.seq_id in self.swapped])
-        if not self.blocks.can_swap_in(seq):
+        if not (len(seq.cpu_block_table) <= self.blocks.num_free_blocks):
             return
         for host_block, device_block in self.blocks.swap_in(seq):
             self.device_data[device_block] = list(self.host_data[host_block])
@@ -380,7 +380,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert set(pool.evictable) == {b for b in pool.key_of if pool.ref_counts[b] == 0}
         assert not set(pool.free) & set(pool.key_of) and not set(pool.free) & held
         assert len(pool.free) + len(pool.evictable) + len(held) == NUM_BLOCKS == \
-            self.blocks.num_free_blocks + self.blocks.num_used_blocks
+            self.blocks.num_free_blocks + (self.blocks.num_blocks - self.blocks.device.num_free)
 
     @invariant()
     def sequences_read_their_prefixes(self):

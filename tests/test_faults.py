@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import runtime.engine.engine_core as engine_core
-import runtime.executor.model_runner as model_runner
+import runtime.executor.kv_pools as kv_pools
 from runtime.executor.input_batch import InputBatch
 from nanoinfer import EngineError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
@@ -339,7 +339,7 @@ def test_a_lone_request_survives_a_one_off_fault(monkeypatch):
 
 def test_a_failure_while_preparing_a_step_fails_that_request_and_the_loop_lives_on(monkeypatch, undisturbed):
     """Review of issue 10: a swap that raised killed the worker thread (every request hung)."""
-    real_swap, calls = model_runner.swap_blocks, {"n": 0}
+    real_swap, calls = kv_pools.swap_blocks, {"n": 0}
 
     def swap_blocks(src, dst, copies):
         calls["n"] += 1
@@ -347,7 +347,7 @@ def test_a_failure_while_preparing_a_step_fails_that_request_and_the_loop_lives_
             raise RuntimeError("the copy engine hiccuped")
         return real_swap(src, dst, copies)
 
-    monkeypatch.setattr(model_runner, "swap_blocks", swap_blocks)
+    monkeypatch.setattr(kv_pools, "swap_blocks", swap_blocks)
 
     async def go():
         async with make_engine(num_blocks=24, preemption_mode="swap", swap_space=1 << 22) as engine:

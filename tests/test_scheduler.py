@@ -78,7 +78,7 @@ class Sim:
 
     def add_running(self, seq: Sequence, computed: int) -> bool:
         """Make `seq` running with `computed` tokens in the cache, as steps of chunks would have."""
-        if not self.blocks.can_append(seq, computed):
+        if self.blocks.blocks_needed(seq, computed) > self.blocks.num_free_blocks:
             return False
         self.blocks.append_slots(seq, computed)
         self._write(seq, 0, computed)
@@ -405,7 +405,7 @@ def situations(draw):
         if not sim.add_running(seq, computed):
             continue
         if kind == "swapped":
-            if sim.blocks.can_swap_out(seq) and not any(b for b in seq.block_table if sim.holders(b) > 1):
+            if len(seq.block_table) <= sim.blocks.num_free_cpu_blocks and not any(b for b in seq.block_table if sim.holders(b) > 1):
                 sim.swap_out(seq)
             else:
                 sim.running.remove(seq)

@@ -461,7 +461,7 @@ def test_a_failed_start_stops_the_ranks_cleanly(monkeypatch):
     def no_pool(*args, **kwargs):
         raise MemoryError("no KV pool for you")
 
-    monkeypatch.setattr(model_runner, "allocate_kv_pool", no_pool)
+    monkeypatch.setattr(kv_pools, "allocate_kv_pool", no_pool)
     with pytest.raises(MemoryError, match="no KV pool"):
         EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
     (ranks,) = started

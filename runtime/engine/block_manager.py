@@ -1,27 +1,21 @@
-"""BlockManager: the host-side allocator of the paged KV pools (free lists, ref counts, tables, prefix cache).
+"""BlockManager: the host-side allocator of the paged KV pools (free lists, ref counts, tables).
 
 Two pools: the device pool the model reads, and an optional host pool that preempted
 sequences swap into. A block may be shared by several tables (a forked sequence shares its
 parent's prompt; requests share a cached prefix); it is copied on write before a sequence
 writes into it, so no block is ever writable by two sequences.
 
-The prefix cache (vLLM's automatic prefix caching, nano-vllm's block hashes): a full block
-whose keys and values are computed is registered under a key that chains its parent block's
-key with its token ids (BLAKE2b, 128 bits), and a hit is checked against the block's tokens.
-A new sequence takes the cached blocks of its longest cached prefix instead of computing it
-again. A registered block no table holds is *evictable*: it still counts as free and is
-taken only when the plain free list is empty, least recently freed first, and until then a
-sequence with that prefix can take it back.
+The prefix cache (runtime/engine/prefix_cache.py) registers full blocks in the device pool:
+a registered block no table holds is *evictable*: it still counts as free and is taken only
+when the plain free list is empty, least recently freed first, and until then a sequence with
+that prefix can take it back.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from typing import NamedTuple
-
+from runtime.engine.prefix_cache import PrefixCache
 from runtime.engine.sequence import Sequence
 
 BlockCopy = tuple[int, int]  # (source block, destination block)
@@ -30,22 +24,6 @@ BlockCopy = tuple[int, int]  # (source block, destination block)
 class PoolExhausted(RuntimeError):
     """More blocks asked for than are free: the scheduler's accounting is wrong (a bug; not an
     out-of-memory the step could recover from by shrinking)."""
-
-
-def block_key(parent: bytes, tokens) -> bytes:
-    """The prefix cache's key of a full block: its parent's key (b"" for the first) and its tokens."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-class PrefixHit(NamedTuple):
-    """A sequence's longest cached prefix: the blocks holding it and how many of them are
-    evictable (taking those back uses up free blocks; the others are in use already)."""
-
-    blocks: tuple[int, ...]
-    evictable: int
-
-
-NO_HIT = PrefixHit((), 0)
 
 
 class _Pool:
@@ -120,6 +98,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self.device = _Pool(num_blocks)
         self.host = _Pool(num_cpu_blocks)
+        self.cache = PrefixCache(self.device, block_size, prefix_caching)
 
     @property
     def num_blocks(self) -> int:
@@ -133,14 +112,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks a sequence may take: never used, or cached and evictable."""
         return self.device.num_free
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.device.size - self.device.num_free
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.device.key_of)
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -179,9 +150,6 @@ class BlockManager:
         if last - first == 1:  # (a decode: one block to check)
             return refs[table[first]] > 1
         return any(refs[table[i]] > 1 for i in range(first, last))
-
-    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[BlockCopy]:
         """Make `seq`'s table cover `num_tokens` tokens with every block it is about to write
@@ -230,72 +198,12 @@ class BlockManager:
         seq.block_table, seq.cpu_block_table = [], []
         seq.num_registered_blocks = 0
 
-    # -- the prefix cache -------------------------------------------------------------------
-
-    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
-        """The keys of `seq`'s first `count` full blocks (kept on the sequence: its tokens only grow)."""
-        keys, bs = seq.block_keys, self.block_size
-        while len(keys) < count:
-            i = len(keys)
-            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs:(i + 1) * bs]))
-        return keys
-
-    def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-
-    def prefix_hit(self, seq: Sequence) -> PrefixHit:
-        """The cached blocks a sequence with no blocks can start from. At least its last token
-        is left to compute (its logits are wanted), so a prompt that ends on a block boundary
-        computes its last block again rather than write into a cached one."""
-        if not self.prefix_caching or seq.block_table:
-            return NO_HIT
-        count = min(seq.num_tokens - 1, len(seq.token_ids)) // self.block_size
-        blocks = []
-        for i, key in enumerate(self._keys(seq, count)[:count]):
-            block = self.device.lookup(key, self._tokens(seq, i))
-            if block is None:
-                break
-            blocks.append(block)
-        refs = self.device.ref_counts
-        return PrefixHit(tuple(blocks), sum(1 for b in blocks if refs[b] == 0))
-
-    def attach(self, seq: Sequence, blocks: tuple[int, ...]) -> None:
-        """`seq` (holding no blocks) starts from the cached `blocks` (a `prefix_hit`'s)."""
-        if seq.block_table:
-            raise ValueError("attach a cached prefix to a sequence that already holds blocks")
-        for block in blocks:
-            self.device.hold(block)
-        seq.block_table = list(blocks)
-        seq.num_computed_tokens = seq.num_registered_blocks = len(blocks)
-        seq.num_computed_tokens *= self.block_size
-
-    def register(self, seq: Sequence) -> None:
-        """Put `seq`'s full blocks whose keys and values are computed (and whose tokens are
-        known here: an async step's sampled token is not yet) into the cache."""
-        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
-        if not self.prefix_caching or full <= seq.num_registered_blocks:
-            return
-        keys = self._keys(seq, full)
-        for i in range(seq.num_registered_blocks, full):
-            self.device.register(seq.block_table[i], keys[i], self._tokens(seq, i))
-        seq.num_registered_blocks = full
-
-    def uncache(self, seq: Sequence) -> None:
-        """Take `seq`'s registered blocks that no other table holds out of the cache (its
-        step failed: what it wrote may be garbage)."""
-        for block in seq.block_table:
-            if block in self.device.key_of and self.device.ref_counts[block] == 1:
-                self.device.unregister(block)
-
     # -- swapping --------------------------------------------------------------------------
-
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq: Sequence) -> list[BlockCopy]:
         """Move `seq` to host blocks; returns (device block, host block) copies to apply
         before the device blocks are reused."""
-        if not self.can_swap_out(seq):
+        if len(seq.block_table) > self.num_free_cpu_blocks:
             raise PoolExhausted(f"host pool exhausted: need {len(seq.block_table)} blocks, "
                               f"{self.num_free_cpu_blocks} free")
         mapping = [(block, self.host.take()) for block in seq.block_table]
@@ -304,15 +212,12 @@ class BlockManager:
         seq.block_table, seq.cpu_block_table = [], [h for _, h in mapping]
         return mapping
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        return len(seq.cpu_block_table) <= self.num_free_blocks
-
     def swap_in(self, seq: Sequence) -> list[BlockCopy]:
         """Move `seq` back to device blocks; returns (host block, device block) copies."""
-        if not self.can_swap_in(seq):
+        if len(seq.cpu_block_table) > self.num_free_blocks:
             raise PoolExhausted(f"KV pool exhausted: need {len(seq.cpu_block_table)} blocks to swap in, "
                               f"{self.num_free_blocks} free")
-        hit = self.prefix_hit(seq).blocks[:len(seq.cpu_block_table)]  # (still cached: no copy back)
+        hit = self.cache.prefix_hit(seq).blocks[:len(seq.cpu_block_table)]  # (still cached: no copy back)
         for block in hit:
             self.device.hold(block)
         mapping = [(block, self.device.take()) for block in seq.cpu_block_table[len(hit):]]

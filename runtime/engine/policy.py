@@ -19,7 +19,8 @@ import heapq
 from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
 from runtime.config import PROMPT_LOGPROB_ROWS, SchedulerConfig
-from runtime.engine.block_manager import NO_HIT, BlockManager
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.prefix_cache import NO_HIT
 from runtime.engine.sequence import Sequence
 from runtime.executor.step import Chunk
 
@@ -117,28 +118,56 @@ def decode_plan(running: Seq[Sequence], blocks: BlockManager, config: SchedulerC
     return Plan(tuple(Chunk(seq, seq.num_computed_tokens, 1) for seq in running), (), (), ())
 
 
+class _Room:
+    """What the step being planned still has room for: tokens, prompt-logprob rows, free device
+    and host blocks; and the chunks given so far."""
+
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig):
+        self.tokens = config.max_num_batched_tokens
+        self.logprob_rows = PROMPT_LOGPROB_ROWS
+        self.free, self.free_cpu = blocks.num_free_blocks, blocks.num_free_cpu_blocks
+        self.chunks: list[Chunk] = []
+
+    def tokens_for(self, seq: Sequence, start: int | None = None) -> int:
+        """What `seq` may compute this step from `start` (default: where it is): its pending
+        tokens (and drafts), within the budgets."""
+        take = min(seq.num_wanted_tokens if start is None else seq.num_tokens - start, self.tokens)
+        return min(take, self.logprob_rows) if wants_prompt_logprobs(seq) else take
+
+    def give(self, chunk: Chunk, need: int) -> None:
+        self.chunks.append(chunk)
+        self.free -= need
+        self.tokens -= chunk.num_tokens
+        self.logprob_rows -= chunk.num_tokens if wants_prompt_logprobs(chunk.seq) else 0
+
+
 def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Sequence], blocks: BlockManager,
          config: SchedulerConfig, now: int, num_idle: int = 0) -> Plan:
     """`waiting` in rank order (WaitingQueue.in_rank_order), read only as far as it admits.
     `num_idle` running sequences are left out of `running` (nothing to compute this step) but
     still hold their places under max_num_seqs."""
     key = lambda s: rank(s, config, now)  # noqa: E731
-    budget = config.max_num_batched_tokens
-    logprob_rows = PROMPT_LOGPROB_ROWS
+    room = _Room(blocks, config)
+    preempt, swap_out = _run(sorted(running, key=key), blocks, config, room)
+    # Nothing new starts in a step that had to preempt: the pool is under pressure. A sequence
+    # with forks to come counts for all of them, so the batch stays within max_num_seqs once
+    # they join.
+    swap_in: list[Sequence] = []
+    if not preempt:
+        num_running = num_idle + sum(num_slots(s) for s in running)
+        swap_in, num_running = _admit_swapped(sorted(swapped, key=key), blocks, config, room, num_running)
+        if len(swap_in) == len(swapped):  # swapped sequences go before new ones
+            _admit_waiting(waiting, blocks, config, room, num_running)
+    return Plan(tuple(room.chunks), tuple(preempt), tuple(swap_out), tuple(swap_in))
 
-    def tokens_for(seq: Sequence) -> int:
-        """What `seq` may compute this step: its pending tokens, within the budgets."""
-        take = min(seq.num_wanted_tokens, budget)
-        return min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
-    free = blocks.num_free_blocks
-    free_cpu = blocks.num_free_cpu_blocks
-    chunks: list[Chunk] = []
+
+def _run(ordered: list[Sequence], blocks: BlockManager, config: SchedulerConfig,
+         room: _Room) -> tuple[list[Sequence], list[Sequence]]:
+    """The running sequences' chunks, best-first, decodes before prefills; when the pool runs
+    dry, victims come off the far end. Returns the preempted, and those of them to swap."""
     preempt: list[Sequence] = []
     preempted: set[int] = set()  # seq ids, for O(1) membership: the search stays linear
     swap_out: list[Sequence] = []
-
-    # Running sequences best-first, decodes before prefills; victims come off the far end.
-    ordered = sorted(running, key=key)
     queue = [s for s in ordered if s.num_pending_tokens == 1] + [s for s in ordered if s.num_pending_tokens > 1]
     victims = list(reversed(ordered))
     next_victim = 0  # victims[:next_victim] are preempted or kept: never looked at again
@@ -150,13 +179,13 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
     for seq in queue:
         if seq.seq_id in preempted:
             continue
-        take = tokens_for(seq)
-        if budget == 0:
+        take = room.tokens_for(seq)
+        if room.tokens == 0:
             break
         if take == 0:
             continue  # no prompt-logprob rows left this step
         need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
-        while need > free:
+        while need > room.free:
             while next_victim < len(victims) and victims[next_victim].seq_id in kept:
                 next_victim += 1
             if next_victim == len(victims):
@@ -165,55 +194,49 @@ def plan(waiting: Iterable[Sequence], running: Seq[Sequence], swapped: Seq[Seque
             next_victim += 1
             preempt.append(victim)
             preempted.add(victim.seq_id)
-            if config.preemption_mode == "swap" and len(victim.block_table) <= free_cpu:
+            if config.preemption_mode == "swap" and len(victim.block_table) <= room.free_cpu:
                 swap_out.append(victim)
-                free_cpu -= len(victim.block_table)
+                room.free_cpu -= len(victim.block_table)
             for block in victim.block_table:
                 dropped[block] = dropped.get(block, 0) + 1
                 if dropped[block] == blocks.ref_counts[block]:
-                    free += 1
+                    room.free += 1
             if victim is seq:
                 break
             need = blocks.blocks_needed(seq, seq.num_computed_tokens + take, dropped)
         if seq.seq_id in preempted:  # it was the lowest-ranked left: it waits instead
             continue
         kept.add(seq.seq_id)
-        chunks.append(Chunk(seq, seq.num_computed_tokens, take, max(0, take - seq.num_pending_tokens)))
-        free -= need
-        budget -= take
-        logprob_rows -= take if wants_prompt_logprobs(seq) else 0
+        room.give(Chunk(seq, seq.num_computed_tokens, take, max(0, take - seq.num_pending_tokens)), need)
+    return preempt, swap_out
 
-    # Nothing new starts in a step that had to preempt: the pool is under pressure. A sequence
-    # with forks to come counts for all of them, so the batch stays within max_num_seqs once
-    # they join.
-    swap_in: list[Sequence] = []
-    num_running = num_idle + sum(num_slots(s) for s in running if s.seq_id not in preempted)
-    if not preempt:
-        for seq in sorted(swapped, key=key):
-            take = tokens_for(seq)
-            held = len(seq.cpu_block_table)  # comes back into as many device blocks
-            need = held + max(0, blocks.blocks_for(seq.num_computed_tokens + take) - held)
-            if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
-                break
-            swap_in.append(seq)
-            chunks.append(Chunk(seq, seq.num_computed_tokens, take))
-            free -= need
-            budget -= take
-            logprob_rows -= take if wants_prompt_logprobs(seq) else 0
-            num_running += num_slots(seq)
-        if len(swap_in) == len(swapped):  # swapped sequences go before new ones
-            for seq in waiting:
-                # A cached prefix is not computed again (prompt logprobs need its logits: no hit).
-                hit = NO_HIT if wants_prompt_logprobs(seq) else blocks.prefix_hit(seq)
-                start = len(hit.blocks) * blocks.block_size
-                take = min(seq.num_tokens - start, budget)
-                take = min(take, logprob_rows) if wants_prompt_logprobs(seq) else take
-                need = blocks.blocks_for(start + take) - len(hit.blocks) + hit.evictable
-                if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > free:
-                    break
-                chunks.append(Chunk(seq, start, take, 0, hit.blocks))
-                free -= need
-                budget -= take
-                logprob_rows -= take if wants_prompt_logprobs(seq) else 0
-                num_running += num_slots(seq)
-    return Plan(tuple(chunks), tuple(preempt), tuple(swap_out), tuple(swap_in))
+
+def _admit_swapped(ordered: list[Sequence], blocks: BlockManager, config: SchedulerConfig, room: _Room,
+                   num_running: int) -> tuple[list[Sequence], int]:
+    """Swapped sequences brought back, best first, while they fit."""
+    swap_in = []
+    for seq in ordered:
+        take = room.tokens_for(seq)
+        held = len(seq.cpu_block_table)  # comes back into as many device blocks
+        need = held + max(0, blocks.blocks_for(seq.num_computed_tokens + take) - held)
+        if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > room.free:
+            break
+        swap_in.append(seq)
+        room.give(Chunk(seq, seq.num_computed_tokens, take), need)
+        num_running += num_slots(seq)
+    return swap_in, num_running
+
+
+def _admit_waiting(waiting: Iterable[Sequence], blocks: BlockManager, config: SchedulerConfig, room: _Room,
+                   num_running: int) -> None:
+    """Waiting sequences admitted in rank order while they fit, each from its cached prefix."""
+    for seq in waiting:
+        # A cached prefix is not computed again (prompt logprobs need its logits: no hit).
+        hit = NO_HIT if wants_prompt_logprobs(seq) else blocks.cache.prefix_hit(seq)
+        start = len(hit.blocks) * blocks.block_size
+        take = room.tokens_for(seq, start)
+        need = blocks.blocks_for(start + take) - len(hit.blocks) + hit.evictable
+        if take == 0 or num_running + num_slots(seq) > config.max_num_seqs or need > room.free:
+            break
+        room.give(Chunk(seq, start, take, 0, hit.blocks), need)
+        num_running += num_slots(seq)

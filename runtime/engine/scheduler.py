@@ -68,7 +68,7 @@ class Scheduler:
             for seq, _, _, _, cached in reversed(p.chunks) if self.blocks.prefix_caching else ():
                 if seq.status is not SequenceStatus.WAITING:
                     break
-                self.blocks.attach(seq, cached)
+                self.blocks.cache.attach(seq, cached)
                 seq.num_draft_computed = seq.num_computed_tokens  # (a draft model's pool was written with it)
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += seq.num_computed_tokens
@@ -78,7 +78,7 @@ class Scheduler:
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                self.executor.swap_in(self.blocks.swap_in(seq))
+                self.executor.pools.swap_in(self.blocks.swap_in(seq))
                 self.executor.add(seq)
             blocks, executor, rows = self.blocks, self.executor, self.executor.row_of  # (every sequence, every step)
             for seq, start, n, _, _ in p.chunks:
@@ -89,7 +89,7 @@ class Scheduler:
                     if seq.scheduled_at is None:
                         seq.scheduled_at = time.monotonic()
                 if blocks.needs_slots(seq, start + n):
-                    executor.copy_blocks(blocks.append_slots(seq, start + n))
+                    executor.pools.copy_blocks(blocks.append_slots(seq, start + n))
                     executor.table_changed(seq)
                 if seq.seq_id not in rows:
                     executor.add(seq)
@@ -111,7 +111,7 @@ class Scheduler:
         if swap:
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
-            self.executor.swap_out(self.blocks.swap_out(seq))
+            self.executor.pools.swap_out(self.blocks.swap_out(seq))
         else:
             self.blocks.free(seq)
             seq.num_computed_tokens = seq.num_draft_computed = 0  # prefilled again, output and all
@@ -158,7 +158,7 @@ class Scheduler:
         for seq, position in step.draft_computed:  # (a draft model's cache, caught up by the step)
             seq.num_draft_computed = position
         # A block just filled goes into the prefix cache (a decode fills one every block_size steps).
-        register, bs = self.blocks.register, (self.blocks.block_size if self.blocks.prefix_caching else 1 << 62)
+        register, bs = self.blocks.cache.register, (self.blocks.block_size if self.blocks.prefix_caching else 1 << 62)
         for chunk in inp.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
@@ -202,7 +202,7 @@ class Scheduler:
         outputs = []
         for other in list(self.requests.get(seq.request, (seq,))):
             if not other.is_finished:
-                self.blocks.uncache(other)  # (what its steps wrote is not to be shared)
+                self.blocks.cache.uncache(other)  # (what its steps wrote is not to be shared)
                 other.error = error
                 self.finish(other, "error")
                 outputs.append(TokenOutput(other, None, True))
@@ -238,5 +238,5 @@ class Scheduler:
             # prefix cache: prompt tokens new sequences looked up, and those found computed
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
-            "cached_blocks": self.blocks.num_cached_blocks,
+            "cached_blocks": self.blocks.cache.num_blocks,
         }

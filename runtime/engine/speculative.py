@@ -188,5 +188,5 @@ class Speculator:
                 blocks = scheduler.blocks
                 blocks.trim(seq, seq.num_computed_tokens)
                 if seq.num_computed_tokens // blocks.block_size > seq.num_registered_blocks:
-                    blocks.register(seq)
+                    blocks.cache.register(seq)
         return outputs

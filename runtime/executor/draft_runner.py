@@ -31,12 +31,13 @@ from nanoinfer.batch import Batch, SeqChunk, host_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
-from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
+from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.families import forward_of
 from nanoinfer.sampling import greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.executor.input_batch import InputBatch
+from runtime.executor.kv_pools import KVPools
 from runtime.engine.sequence import Sequence
 
 
@@ -85,10 +86,8 @@ class DraftRunner:
         self.kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager,
                                    params=draft.params, kv_dtype=dtype)
         prepare(self.kernels, draft.params, cfg.vocab_size)
-        self.kv = allocate_kv_pool(cfg, num_blocks, config.block_size, dtype, self.device)
-        self.cpu_kv = allocate_kv_pool(cfg, num_cpu_blocks, config.block_size, dtype, "cpu")
-        if self.device.type == "cuda" and num_cpu_blocks:
-            self.cpu_kv = self.cpu_kv.pin_memory()
+        self.pools = KVPools(cfg, num_blocks, num_cpu_blocks, config.block_size, dtype, self.device)
+        self.kv = self.pools.kv
         self.graphs = None
         if self.kernels.graphs:  # (its passes are decode steps, and a catch-up step of 1-2 tokens each)
             from nanoinfer.graphs import StepGraphs
@@ -108,17 +107,6 @@ class DraftRunner:
         self._all_accepted = False  # the last step's verifying sequences all accepted every draft
         self._outcomes: deque[bool] = deque(maxlen=8)
         self.num_prelaunched = self.num_prelaunches_used = 0  # (stats, tests)
-
-    # -- the pool follows the target's -----------------------------------------------------
-
-    def copy_blocks(self, copies) -> None:
-        copy_blocks(self.kv, copies)
-
-    def swap_out(self, copies) -> None:
-        swap_blocks(self.kv, self.cpu_kv, copies)
-
-    def swap_in(self, copies) -> None:
-        swap_blocks(self.cpu_kv, self.kv, copies)
 
     # -- proposing ---------------------------------------------------------------------------
 

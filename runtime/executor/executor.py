@@ -1,7 +1,7 @@
 """Executor: the one interface between the engine and the devices, and the choice of which one runs.
 
 The engine core (runtime/engine/) talks to an executor only through `Executor`: rows come and
-go as sequences start and stop running, blocks are copied or swapped as the block manager says,
+go as sequences start and stop running, its KV pools copy and swap blocks as the block manager says,
 a step is launched and its results come back later. `ModelRunner` runs the model on one device;
 `TensorParallelRunner` (runtime/executor/tensor_parallel.py) is the same runner over ranks that
 each hold a shard. Other ways of running a model — more GPUs, more hosts — are executors too, and
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
 from runtime.config import EngineConfig
+from runtime.executor.kv_pools import KVPools
 from runtime.executor.step import InFlightStep, StepInput
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ class Executor(Protocol):
     num_blocks: int  # device KV blocks (the block manager's pool)
     num_cpu_blocks: int  # host blocks for swapped-out sequences
     row_of: dict[int, int]  # seq_id -> its row, for the sequences that have one
+    pools: KVPools  # the KV blocks: the block manager's copies and swaps are applied to them
 
     def add(self, seq: Sequence) -> None:
         """`seq` starts running: give it a row."""
@@ -34,12 +36,6 @@ class Executor(Protocol):
 
     def table_changed(self, seq: Sequence) -> None:
         """`seq`'s block table grew, or a block in its write range was replaced (copy-on-write)."""
-
-    def copy_blocks(self, copies) -> None: ...
-
-    def swap_out(self, copies) -> None: ...
-
-    def swap_in(self, copies) -> None: ...
 
     def launch(self, inp: StepInput, forward_done: Callable[[], None]) -> InFlightStep:
         """Queue the step's forward and sampling and start copying the results to the host;

@@ -23,12 +23,13 @@ from nanoinfer.batch import Batch
 from nanoinfer.families import forward_of
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import kernels_for, prepare
-from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
+from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from runtime.config import EngineConfig
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_budget import kv_blocks_for_memory
+from runtime.executor.kv_pools import KVPools
 from runtime.executor.step import DeviceToHost, InFlightStep, SampledRow, StepInput, StepTensors
 
 
@@ -64,22 +65,18 @@ class ModelRunner:
         self.num_cpu_blocks = config.swap_space // per_block
         self.max_blocks = -(-max_model_len // config.block_size)
         self._before_pools(dtype)
-        self.kv = allocate_kv_pool(cfg, self.num_blocks, config.block_size, dtype, self.device)
-        # Host blocks for swapped sequences; pinned on CUDA so the copies can run async.
-        self.cpu_kv = allocate_kv_pool(cfg, self.num_cpu_blocks, config.block_size, dtype, "cpu")
-        if self.device.type == "cuda" and self.num_cpu_blocks:
-            self.cpu_kv = self.cpu_kv.pin_memory()
+        self.pools = KVPools(cfg, self.num_blocks, self.num_cpu_blocks, config.block_size, dtype, self.device)
+        self.kv = self.pools.kv
         # (n - 1 forks may take rows in the step their parent's prefill ends, before it is planned)
         self.batch = InputBatch(config.scheduler.max_num_seqs + 8, self.max_blocks, cfg.vocab_size,
                                 cfg.eos_token_ids, self.device)
         self.row_of = self.batch.row_of
-        self.followers: list = []  # pools indexed by the same block tables: the draft's, the other ranks'
         self.draft = None
         if draft is not None:
             from runtime.executor.draft_runner import DraftRunner
 
             self.draft = DraftRunner(draft, config, self.num_blocks, self.num_cpu_blocks, self.batch)
-            self.followers.append(self.draft)
+            self.pools.followers.append(self.draft.pools)
         self.constrained: set[int] = set()  # ids of the sequences with rows that a grammar constrains
         self._grammars = None
         self.graphs = None
@@ -117,27 +114,10 @@ class ModelRunner:
             self._grammars = Grammars(self.model.tokenizer, self.cfg.vocab_size)
         return self._grammars
 
-    # -- the KV pools ----------------------------------------------------------------------
-
-    def copy_blocks(self, copies) -> None:
-        copy_blocks(self.kv, copies)
-        for other in self.followers:
-            other.copy_blocks(copies)
-
-    def swap_out(self, copies) -> None:
-        swap_blocks(self.kv, self.cpu_kv, copies)
-        for other in self.followers:
-            other.swap_out(copies)
-
-    def swap_in(self, copies) -> None:
-        swap_blocks(self.cpu_kv, self.kv, copies)
-        for other in self.followers:
-            other.swap_in(copies)
-
     def close(self) -> None:
         """Nothing outlives one device's runner (the tensor-parallel one stops its ranks)."""
 
-    # -- rows --------------------------------------------------------------------------------
+    # -- rows (the KV blocks' copies and swaps: self.pools) --------------------------------------------------------------------------------
 
     def add(self, seq) -> None:
         """`seq` starts running: give it a row."""

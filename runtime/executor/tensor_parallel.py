@@ -45,7 +45,6 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import DeviceLost, RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.kernels import kernels_for, mark_weights_static
-from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import (
@@ -55,6 +54,7 @@ from nanoinfer.tensor_parallel import (
     shard_config,
     shard_params,
 )
+from runtime.executor.kv_pools import KVPools
 from runtime.executor.model_runner import ModelRunner
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
@@ -192,7 +192,7 @@ class TensorParallelRunner(ModelRunner):
             local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units
             super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
                              max_model_len, draft)
-            self.followers.append(self.tp)
+            self.pools.followers.append(self.tp)
         except BaseException:
             self.close()
             raise
@@ -271,6 +271,20 @@ def serve_rank(cfg: ModelConfig, params: Params) -> None:
     _rank_main(rank, size, "env://", cfg, params, params.device, None)
 
 
+def _receive(device: torch.device, control):
+    """The next order: ("forward", Batch on this rank's device) or a pickled (kind, body)."""
+    header = torch.empty(HEADER, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=control)
+    if header[0] == FORWARD:
+        layout = _layout(header)
+        flat = torch.empty(sum(n for *_, n in layout), dtype=torch.int64, device=device)
+        dist.broadcast(flat, src=0)
+        return "forward", _unpack_batch(layout, flat)
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=control)
+    return message[0]
+
+
 def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params, device: torch.device,
                parent: int | None) -> None:
     """Rank `rank`'s process: its shard, its KV pool, then rank 0's orders until `stop`."""
@@ -281,26 +295,12 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
-
-    def receive():
-        """The next order: ("forward", Batch on this rank's device) or a pickled (kind, body)."""
-        header = torch.empty(HEADER, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=control)
-        if header[0] == FORWARD:
-            layout = _layout(header)
-            flat = torch.empty(sum(n for *_, n in layout), dtype=torch.int64, device=device)
-            dist.broadcast(flat, src=0)
-            return "forward", _unpack_batch(layout, flat)
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        return message[0]
-
     try:
         local = shard_config(cfg, rank, size)
         shard = shard_params(params, cfg, rank, size)
         del params  # (rank 0's whole weights: only the shard stays)
         shard = map_params(lambda t: t.to(device), shard)
-        kind, setup = receive()
+        kind, setup = _receive(device, control)
         if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
             return
         kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=shard,
@@ -308,11 +308,11 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
         fns = layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size)
         if kernels.graphs:
             mark_weights_static(shard)
-        kv = allocate_kv_pool(local, setup.num_blocks, setup.block_size, setup.kv_dtype, device)
-        cpu_kv = allocate_kv_pool(local, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, "cpu")
+        pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
+        orders = {"copy": pools.copy_blocks, "swap_out": pools.swap_out, "swap_in": pools.swap_in}
 
         def step(batch: Batch) -> tuple[torch.Tensor]:
-            return (forward(shard, kv, batch, local, kernels.attention, fns, logits_dtype=None),)
+            return (forward(shard, pools.kv, batch, local, kernels.attention, fns, logits_dtype=None),)
 
         graphs = None
         if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
@@ -320,20 +320,15 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
             graphs.capture()
         with torch.inference_mode():
             while True:
-                kind, body = receive()
+                kind, body = _receive(device, control)
                 if kind == "stop":
                     break
-                if kind == "forward":
-                    if graphs is not None and graphs.can_run(body):
-                        graphs.run(body)
-                    else:
-                        step(body)
-                elif kind == "copy":
-                    copy_blocks(kv, body)
-                elif kind == "swap_out":
-                    swap_blocks(kv, cpu_kv, body)
-                elif kind == "swap_in":
-                    swap_blocks(cpu_kv, kv, body)
+                if kind != "forward":
+                    orders[kind](body)
+                elif graphs is not None and graphs.can_run(body):
+                    graphs.run(body)
+                else:
+                    step(body)
     except Exception:  # noqa: BLE001 - reported; rank 0 sees this rank gone at its next message (RankLost)
         log.exception("tensor-parallel rank %d failed", rank)
         raise
