@@ -450,7 +450,7 @@ def test_torchrun_starts_the_ranks(smollm2_gguf):
 def test_a_failed_start_stops_the_ranks_cleanly(monkeypatch):
     """Rank 0 failing after the ranks started (here: its KV pool) stops them before their setup:
     they exit 0, and the error is rank 0's own."""
-    from runtime.executor import model_runner
+    from runtime.executor import kv_pools
     from runtime.executor import tensor_parallel
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
