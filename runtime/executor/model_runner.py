@@ -19,10 +19,9 @@ import torch
 from nanoinfer.batch import Batch
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kernels import kernels_for, prepare
+from nanoinfer.kernels import forward_of, kernels_for, prepare
 from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, kv_bytes_per_block, kv_dtype, swap_blocks
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.families import forward_of
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from nanoinfer.speculative import draft_history, verify
 from nanoinfer.structured import Grammars, allocate_bitmask, apply_bitmask
