@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from nanoinfer.hub import cache_dir
 from nanoinfer.layers import rms_norm, swiglu
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,6 @@ def _build(target: Path, flags: tuple[str, ...]) -> None:
 def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The bound library (built on first use), or None if it cannot be built here.
     `extra_flags` go to the compiler (the tests build the AVX2 path with `-mno-avx512vnni`)."""
-    from nanoinfer.loaders.hub import cache_dir
-
     flags = FLAGS + extra_flags
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_fingerprint().encode()).hexdigest()
     target = (cache or cache_dir() / "native") / f"cpu_native-{key[:16]}.so"

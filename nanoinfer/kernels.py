@@ -79,7 +79,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     if eager:
         return Kernels(attention, EAGER, False)
     from nanoinfer.gemv import linear
-    from nanoinfer.loaders.hub import cache_dir
+    from nanoinfer.hub import cache_dir
     from nanoinfer.rope_write import rope_and_write
 
     # Keep Inductor's compiled kernels beside the models, so a second start is fast.

@@ -16,7 +16,7 @@ import torch
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError, RequestError
-from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
+from nanoinfer.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 from nanoinfer.model import Params
 from nanoinfer.settings import check_settings, setting, split_kwargs
 
