@@ -20,7 +20,7 @@ def write(shape: str, out: Path) -> None:
 
     from bench.shapes import HF_CONFIGS
     from nanoinfer.loaders.gguf import open_gguf
-    from nanoinfer.loaders.hub import DEFAULT_MODEL, resolve_model_name
+    from nanoinfer.hub import DEFAULT_MODEL, resolve_model_name
     from nanoinfer.tokenizer import Tokenizer
 
     cls, fields = HF_CONFIGS[shape]

@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 
 from nanoinfer import cpu_native, quantized
-from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.cpu_native import CpuNative, check_attention_tables
@@ -93,6 +92,8 @@ class NativeAttention:
                                        cfg.head_dim**-0.5)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:  # (the layers write with `rope_and_write`)
+        from nanoinfer.attention.reference import REFERENCE
+
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: NativeAttentionMetadata) -> torch.Tensor:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from nanoinfer.hub import cache_dir
 from nanoinfer.layers import rms_norm, swiglu
-from nanoinfer.quantized import BlockWeight, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ def _build(target: Path, flags: tuple[str, ...]) -> None:
 def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The bound library (built on first use), or None if it cannot be built here.
     `extra_flags` go to the compiler (the tests build the AVX2 path with `-mno-avx512vnni`)."""
-    from nanoinfer.loaders.hub import cache_dir
-
     flags = FLAGS + extra_flags
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_fingerprint().encode()).hexdigest()
     target = (cache or cache_dir() / "native") / f"cpu_native-{key[:16]}.so"
@@ -105,11 +103,12 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.block_dot_isa() > 0
 
 
-def block_matmul(rows: torch.Tensor, w: BlockWeight, lib: ctypes.CDLL | None = None,
+def block_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """rows [tokens, in] bf16 @ w.T -> [tokens, out] in `out_dtype` (bf16, or fp32: a
-    tensor-parallel rank's partial sum), the rows rounded to int8 per group of 32
-    (`reference_block_matmul` is the same in torch ops)."""
+    tensor-parallel rank's partial sum), the rows rounded to int8 per group of 32. `w` is a
+    BlockWeight (its q, scale, min and bits in this library's order; named, not imported:
+    nanoinfer.quantized, which defines it, calls this, and holds its torch reference)."""
     lib = lib or library()
     if not has_block_matmul(lib):
         raise RuntimeError("a BlockWeight needs cpu_native's block_matmul, which this machine did not build")
@@ -210,11 +209,3 @@ def reference_add_rms_norm_bf16(x, y, w, eps):
 def reference_silu_mul_bf16(gate_up):
     return swiglu(gate_up.float()).to(torch.bfloat16)
 
-
-def reference_block_matmul(rows, w):
-    """fp32: the rows rounded as block_matmul rounds them (ggml's Q8_0: per group of 32,
-    127 at the largest magnitude, round half to even), times the dequantized weights."""
-    x = rows.float().unflatten(1, (-1, 32))
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, 0)
-    return ((torch.round(x * inv) * (amax / 127)).flatten(1)) @ dequantize(w).t()

@@ -1,6 +1,8 @@
-"""Which kernels run a model on a device: attention backend, layer functions, sampler draw.
+"""What runs a model: its family's forward (`forward_of`), and per device its kernels
+(`kernels_for`: attention backend, layer functions, sampler draw).
 
-The one place that decides, per device. On CUDA: the Triton paged-attention kernels, the
+The one place that decides, per family and per device. A family with a dataflow of its own
+(nanochat) has its module imported only for a model of that family. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections, the fused q/k-norm + RoPE + KV-write kernel, and
 torch.compile'd dense layer parts and the sampler's random draw (unless `eager`); CUDA
 graphs may then capture steps. On the CPU: a packed (quantized) model's layers run
@@ -15,14 +17,27 @@ the eager functions for the compiled ones), which stays the oracle.
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
-from nanoinfer.attention import AttentionBackend
 from nanoinfer.config import ModelConfig
-from nanoinfer.model import EAGER, LayerFunctions, Params, compiled_layer_functions, map_params
+from nanoinfer.model import EAGER, LayerFunctions, Params, compiled_layer_functions, forward, map_params
 from nanoinfer.sampling import random_draw
+
+if TYPE_CHECKING:
+    from nanoinfer.attention import AttentionBackend
+
+
+def forward_of(cfg: ModelConfig) -> Callable:
+    """`forward(params, kv, batch, cfg, backend, layer_fns, logits_dtype) -> logits` for `cfg`:
+    the shared decoder's (nanoinfer/model.py: Llama, Mistral, Qwen2, Qwen3) or a dataflow of
+    the family's own (nanochat)."""
+    if cfg.architecture == "nanochat":
+        from nanoinfer import nanochat
+
+        return nanochat.forward
+    return forward
 
 
 class Kernels(NamedTuple):
@@ -45,9 +60,8 @@ def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -
 def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False,
                 params: Params | None = None, kv_dtype: torch.dtype | None = None) -> Kernels:
     """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model."""
-    attention = attention_backend(cfg, device, block_size)
     if device.type != "cuda":
-        from nanoinfer import cpu_layers, cpu_native, rope_write_cpu
+        from nanoinfer import cpu_layers, cpu_native
 
         lib = None
         if not eager and params is not None and cpu_layers.takes(params, kv_dtype or params.dtype):
@@ -56,12 +70,16 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
             native = cpu_native.CpuNative(lib)
             return Kernels(cpu_layers.NativeAttention(block_size, native), cpu_layers.layer_functions(native),
                            False)
-        return Kernels(attention, LayerFunctions(rope_and_write=rope_write_cpu.rope_and_write,
-                                                 rope_tables=rope_write_cpu.rope_tables), False)
+        from nanoinfer import rope_write_cpu
+
+        return Kernels(attention_backend(cfg, device, block_size),
+                       LayerFunctions(rope_and_write=rope_write_cpu.rope_and_write,
+                                      rope_tables=rope_write_cpu.rope_tables), False)
+    attention = attention_backend(cfg, device, block_size)
     if eager:
         return Kernels(attention, EAGER, False)
     from nanoinfer.gemv import linear
-    from nanoinfer.loaders.hub import cache_dir
+    from nanoinfer.hub import cache_dir
     from nanoinfer.rope_write import rope_and_write
 
     # Keep Inductor's compiled kernels beside the models, so a second start is fast.

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
 from nanoinfer import quantized
-from nanoinfer.attention import AttentionBackend
-from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from nanoinfer.quantized import Weight, embedding, map_weight
+
+if TYPE_CHECKING:
+    from nanoinfer.attention import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -151,19 +152,24 @@ def forward(
     kv: torch.Tensor,
     batch: Batch,
     cfg: ModelConfig,
-    backend: AttentionBackend = REFERENCE,
+    backend: AttentionBackend | None = None,
     layer_fns: LayerFunctions = EAGER,
     logits_dtype: torch.dtype | None = torch.float32,
 ) -> torch.Tensor:
     """Logits [len(batch.logits_indices), vocab] for the batch's sampling rows, in
     `logits_dtype` (None: the model's own dtype, which a greedy step needs no more than).
+    `backend` None: the reference attention (nanoinfer/attention/reference.py).
 
     Side effect: writes this step's keys and values into `kv` at `batch.slot_mapping`, the
     slots the batch owns, and nowhere else. Returning a fresh pool instead would copy the
     whole cache every step (see DESIGN.md §2); `forward_out_of_place` is that mode for tests.
     """
-    if cfg.architecture == "nanochat":  # (a dataflow of its own: nanoinfer.families.forward_of picks it)
-        raise ValueError("a nanochat model runs nanoinfer.nanochat.forward (see nanoinfer.families.forward_of)")
+    if cfg.architecture == "nanochat":  # (a dataflow of its own: nanoinfer.kernels.forward_of picks it)
+        raise ValueError("a nanochat model runs nanoinfer.nanochat.forward (see nanoinfer.kernels.forward_of)")
+    if backend is None:
+        from nanoinfer.attention.reference import REFERENCE
+
+        backend = REFERENCE
     windows = cfg.layer_windows
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
@@ -185,7 +191,7 @@ def forward(
 
 
 def forward_out_of_place(
-    params: Params, kv: torch.Tensor, batch: Batch, cfg: ModelConfig, backend: AttentionBackend = REFERENCE
+    params: Params, kv: torch.Tensor, batch: Batch, cfg: ModelConfig, backend: AttentionBackend | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The purely functional reference mode: (logits, new_kv), `kv` left untouched.
     Copies the whole pool, so it is for tests only."""

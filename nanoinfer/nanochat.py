@@ -96,7 +96,7 @@ def _smear(x: torch.Tensor, kv: torch.Tensor, batch: Batch, params: NanochatPara
 def forward(params: NanochatParams, kv: torch.Tensor, batch: Batch, cfg: ModelConfig,
             backend: AttentionBackend = REFERENCE, layer_fns: LayerFunctions = EAGER,
             logits_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """nanoinfer.model.forward's counterpart for a nanochat model (nanoinfer.families.forward_of
+    """nanoinfer.model.forward's counterpart for a nanochat model (nanoinfer.kernels.forward_of
     picks it): logits of the batch's sampling rows; writes the batch's keys, values and normed
     embeddings at its slots."""
     linear = layer_fns.linear

@@ -37,6 +37,8 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
+from nanoinfer import cpu_native
+
 @dataclass(frozen=True)
 class GroupedWeight:
     """w[r, c] = scale[r, c // group] * q[r, c] + min[r, c // group], q in [0, 2**bits)."""
@@ -307,8 +309,6 @@ def packed_matmul(rows: torch.Tensor, w: Weight) -> torch.Tensor:
     """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, for the weights torch's packed CPU
     kernels take (int4 groups, split int8, per-row int8), or cpu_native's (BlockWeight)."""
     if isinstance(w, BlockWeight):
-        from nanoinfer import cpu_native
-
         return cpu_native.block_matmul(rows, w)
     if isinstance(w, Int4Weight):
         return w.matmul(rows)
@@ -319,6 +319,16 @@ def packed_matmul(rows: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, Int8Weight):  # (the kernel reads 16 inputs at a time: other widths crash it)
         return F.linear(rows, w.q.to(rows.dtype)) * w.scale
     raise TypeError(f"no matmul for a {type(w).__name__}: pack it first")
+
+
+def reference_block_matmul(rows: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    """What cpu_native's `block_matmul` computes, in torch ops, fp32: the rows rounded as it
+    rounds them (ggml's Q8_0: per group of 32, 127 at the largest magnitude, round half to
+    even), times the dequantized weights."""
+    x = rows.float().unflatten(1, (-1, 32))
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0)
+    return ((torch.round(x * inv) * (amax / 127)).flatten(1)) @ dequantize(w).t()
 
 
 def embedding(table: torch.Tensor | GroupedWeight | Int8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

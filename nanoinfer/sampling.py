@@ -9,13 +9,15 @@ requests share the batch, and no per-row generator state has to live anywhere.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.penalties import Penalties, apply_penalties
 from nanoinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (nanoinfer/penalties.py is imported only by a batch with a row that uses them)
+    from nanoinfer.penalties import Penalties
 
 __all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
            "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw", "greedy_and_finite",
@@ -50,6 +52,12 @@ class SamplingTensors(NamedTuple):
              [float(p.min_p) for p in params]], torch.float32, device)
         top_k_t, seeds, steps_t = to_device_packed(
             [top_k, [(p.seed or 0) & 0xFFFF_FFFF_FFFF for p in params], list(steps)], torch.int64, device)
+        penalties = None
+        if any(p.has_penalties for p in params):
+            from nanoinfer.penalties import Penalties
+
+            penalties = Penalties.build(params, prompts or [()] * len(params), outputs or [()] * len(params),
+                                        vocab_size, eos_token_ids, device)
         return cls(
             temperature=temperature,
             top_k=top_k_t,
@@ -60,8 +68,7 @@ class SamplingTensors(NamedTuple):
             all_greedy=all(p.greedy for p in params),
             needs_sort=any(not p.greedy and (k < vocab_size or p.top_p < 1) for p, k in zip(params, top_k)),
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
-            penalties=Penalties.build(params, prompts or [()] * len(params), outputs or [()] * len(params),
-                                      vocab_size, eos_token_ids, device),
+            penalties=penalties,
         )
 
 
@@ -159,6 +166,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_dr
     argmax where the caller has it already (penalties, which change it, make it recomputed).
     """
     if st.penalties is not None:
+        from nanoinfer.penalties import apply_penalties
+
         logits = apply_penalties(logits, st.penalties)
         greedy = None
     if greedy is None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanoinfer.errors import RequestError
 from nanoinfer.settings import check_settings, float32_in, setting
-from nanoinfer.structured import GrammarSpec
+
+if TYPE_CHECKING:  # (nanoinfer/structured.py is imported only by a request that constrains its output)
+    from nanoinfer.structured import GrammarSpec
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # completions per prompt
@@ -72,7 +75,10 @@ class SamplingParams:
         check(all(t >= 0 and float32_in(b, -100, 100) for t, b in bias), "logit_bias",
               "token ids >= 0 mapped to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
-        object.__setattr__(self, "structured_outputs", GrammarSpec.parse(self.structured_outputs))
+        if self.structured_outputs is not None:
+            from nanoinfer.structured import GrammarSpec
+
+            object.__setattr__(self, "structured_outputs", GrammarSpec.parse(self.structured_outputs))
         check(self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens", "an integer in [0, max_tokens]")
 
     @property

@@ -23,7 +23,6 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from nanoinfer.penalties import apply_penalties
 from nanoinfer.sampling import SamplingTensors, greedy_tokens, processed_probs, random_draw, uniform_noise
 
 ACCEPT_SALT = 0x5BD1_E995  # xor'd into a row's seed: the acceptance tests' stream
@@ -50,7 +49,9 @@ def verify(logits: torch.Tensor, st: SamplingTensors, draft_tokens: torch.Tensor
     [rows] int64, -1 on each sequence's last row; `draft_probs` [rows, vocab]: the distribution
     each draft was drawn from (None: deterministic proposals). A sequence emits its accepted
     leading drafts and then the token of its first row not accepted."""
-    if st.penalties is not None:
+    if st.penalties is not None:  # (penalties.py is imported by a batch that uses them, as in `sample`)
+        from nanoinfer.penalties import apply_penalties
+
         logits = apply_penalties(logits, st.penalties)
     greedy = greedy_tokens(logits)
     has_draft = draft_tokens >= 0

@@ -38,7 +38,6 @@ from typing import Any, Literal
 import torch
 
 from nanoinfer.errors import RequestError
-from nanoinfer.lark_check import unproductive_start
 from nanoinfer.settings import json_object
 
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -286,7 +285,11 @@ class Grammars:
                 raise RequestError(f"the {spec.kind} cannot constrain generation: no output satisfies it "
                                    f"(not even its first token)", param=spec.param)
             # (one that starts but never ends, `a: "x" a`, llguidance meets only once output started)
-            unproductive = unproductive_start(spec.value) if spec.kind == "grammar" else None
+            unproductive = None
+            if spec.kind == "grammar":  # (nanoinfer/lark_check.py: imported only when a Lark grammar comes)
+                from nanoinfer.lark_check import unproductive_start
+
+                unproductive = unproductive_start(spec.value)
             if unproductive:
                 raise RequestError(f"the grammar cannot constrain generation: no output satisfies it (no finite "
                                    f"string derives from rule {', '.join(unproductive[:5])})", param=spec.param)

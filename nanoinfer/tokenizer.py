@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import struct
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -279,10 +280,8 @@ class Tokenizer:
     @classmethod
     def from_llama2c(cls, path: str | Path, vocab_size: int) -> Tokenizer:
         """llama2.c's tokenizer.bin for a model of `vocab_size` tokens: SentencePiece pieces
-        and scores (nanoinfer/loaders/llama2c.py reads them), <unk> <s> </s> at 0, 1, 2, byte
-        tokens <0xNN>. Encodes as its run.c does: BOS, a dummy space prefix, merges by score."""
-        from nanoinfer.loaders.llama2c import read_llama2c_vocab
-
+        and scores (`read_llama2c_vocab`), <unk> <s> </s> at 0, 1, 2, byte tokens <0xNN>.
+        Encodes as its run.c does: BOS, a dummy space prefix, merges by score."""
         pieces, scores = read_llama2c_vocab(Path(path), vocab_size)
         pieces[:3] = ["<unk>", "<s>", "</s>"][:len(pieces)]  # (written as "\n<s>\n", "\n</s>\n")
         kinds = gguf.TokenType
@@ -298,6 +297,29 @@ class Tokenizer:
         special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
         return cls(_TokenizersBackend(backend), source=str(path), bos_token="<s>", eos_token="</s>",
                    special_tokens=special, chat_template=None)
+
+
+def read_llama2c_vocab(path: Path, vocab_size: int) -> tuple[list[str], list[float]]:
+    """tokenizer.bin's pieces ("▁" for space, as SentencePiece has them) and scores.
+
+    The file: int32 max_token_length, then per token: fp32 score, int32 length, its bytes
+    (SentencePiece pieces with "▁" written as a space; <s> and </s> written as "\\n<s>\\n" and
+    "\\n</s>\\n"). It is read into the same SentencePiece BPE as a GGUF's llama vocabulary."""
+    raw = path.read_bytes()
+    pieces, scores, at = [], [], 4
+    try:
+        for _ in range(vocab_size):
+            score, length = struct.unpack_from("<fi", raw, at)
+            piece = raw[at + 8:at + 8 + length]
+            if length < 0 or len(piece) != length:
+                raise struct.error("a token runs past the end of the file")
+            pieces.append(piece.decode("utf-8").replace(" ", "▁"))
+            scores.append(score)
+            at += 8 + length
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise CheckpointError(path, f"token {len(pieces)} of the {vocab_size} the model's header promises cannot be "
+                                    f"read ({exc}): expected llama2.c's tokenizer.bin for this model") from exc
+    return pieces, scores
 
 
 def _read_json(file: Path) -> dict:

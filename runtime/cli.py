@@ -16,8 +16,8 @@ from importlib import metadata
 from pathlib import Path
 
 from nanoinfer.errors import NanoInferError, RequestError
+from nanoinfer.hub import DEFAULT_MODEL
 from nanoinfer.loaders import LoadConfig
-from nanoinfer.loaders.hub import DEFAULT_MODEL
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
 from runtime.config import EngineConfig, SchedulerConfig
 from runtime.serve.config import ServerConfig

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoinfer.loaders.hub import DEFAULT_MODEL, resolve_model_name
+from nanoinfer.hub import DEFAULT_MODEL, resolve_model_name
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

@@ -106,7 +106,7 @@ def test_nanochat_logits_equal_the_reference_implementation(tmp_path):
     from nanoinfer.batch import SeqChunk, build_batch
     from nanoinfer.kv_cache import allocate_kv_pool
     from nanoinfer.loaders import load_model
-    from nanoinfer.families import forward_of
+    from nanoinfer.kernels import forward_of
 
     sd = nanochat_state()
     write_checkpoint(tmp_path / "base_checkpoints" / "d4", sd, compiled=True)

@@ -17,7 +17,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
-from nanoinfer.loaders.gguf_groups import grouped_weight
+from nanoinfer.loaders.gguf import grouped_weight
 from nanoinfer.model import EAGER, LayerFunctions, forward
 from nanoinfer.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
 from nanoinfer.rope_write_cpu import rope_and_write, rope_tables

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
+from nanoinfer.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 
 
 def tensor_types(path: Path) -> Counter:

@@ -1,28 +1,31 @@
-"""load_model: a short name, an HF directory or a .gguf path -> config, params, tokenizer."""
+"""load_model: a short name, an HF directory or a .gguf path -> config, params, tokenizer.
+
+Each format's loader (loaders/gguf.py, hf.py, llama2c.py, nanochat.py) is imported by the
+branch that reads that format, and the rest (Hub downloads, random weights, int8/fp8
+quantization) only when a load asks for them: loading one model imports one format's code.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError, RequestError
-from nanoinfer.loaders.dummy import dummy_params
-from nanoinfer.loaders.hf_hub import is_hub_id, resolve_hub_model
-from nanoinfer.loaders.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
+from nanoinfer.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 from nanoinfer.model import Params
-from nanoinfer.placement import DTYPES, resolve_device, resolve_dtype
 from nanoinfer.settings import check_settings, setting, split_kwargs
-from nanoinfer.loaders.quantize import quantize_params
 
 if TYPE_CHECKING:
     from nanoinfer.tokenizer import Tokenizer
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")
 # none: dequantize everything to `dtype` (the exact path); gguf: a quantized GGUF's matrices
 # stay packed (CPU); int8, fp8: per-row int8 or e4m3 matrices from any checkpoint (fp8 wants
@@ -79,81 +82,49 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
     random weights (vLLM's option).
 
     Raises CheckpointError naming the file for anything wrong with the checkpoint."""
-    from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
-    from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
-    from nanoinfer.tokenizer import Tokenizer
-
     if config is None:
         (args,) = split_kwargs(load_args, LoadConfig, what="load")
         config = LoadConfig(**args)
     elif load_args:
         raise RequestError(f"load_model got a LoadConfig and {sorted(load_args)}: expected one of them")
-    device, dtype, progress = config.device, config.dtype, config.progress
-    load_format, quantization, gguf_file = config.load_format, config.quantization, config.gguf_file
-    dummy = load_format == "dummy"
     name = DEFAULT_MODEL if model is None else str(model)
-    path = resolve_model_name(name, quiet=not progress) if name in KNOWN_MODELS else Path(name).expanduser()
+    path = resolve_model_name(name, quiet=not config.progress) if name in KNOWN_MODELS else Path(name).expanduser()
     hub_id = None
-    if not path.exists() and is_hub_id(name):  # org/name[@revision] on the Hugging Face Hub
-        path, hub_id = resolve_hub_model(name, gguf_file), name.partition("@")[0]
-    elif gguf_file is not None:  # (a local directory of GGUF files)
-        path = path / gguf_file
-    dev = resolve_device(device)
-    from nanoinfer.loaders import nanochat
+    if not path.exists():  # org/name[@revision] on the Hugging Face Hub?
+        from nanoinfer.loaders import hf_hub
 
-    nanochat_files = nanochat.checkpoint_files(path) if path.exists() else None
+        if hf_hub.is_hub_id(name):
+            path, hub_id = hf_hub.resolve_hub_model(name, config.gguf_file), name.partition("@")[0]
+    if hub_id is None and config.gguf_file is not None:  # (a local directory of GGUF files)
+        path = path / config.gguf_file
+    dev = resolve_device(config.device)
+    # A nanochat checkpoint is a model_<step>.pt, or a directory holding them (and perhaps HF files too).
+    nanochat_files = None
+    if path.is_dir() or (path.suffix == ".pt" and path.is_file()):
+        from nanoinfer.loaders import nanochat
+
+        nanochat_files = nanochat.checkpoint_files(path)
     if nanochat_files is not None:  # model_<step>.pt + meta_<step>.json, its tokenizer.pkl above
-        from nanoinfer.nanochat_tokenizer import nanochat_tokenizer
-
-        model_file, meta_file = nanochat_files
-        if dummy:
-            raise RequestError("load_format='dummy' makes Llama-family weights: a nanochat checkpoint loads "
-                               "with load_format='auto'", param="load_format")
-        cfg = nanochat.nanochat_config(meta_file)
-        torch_dtype = resolve_dtype(dtype, cfg, dev)
-        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False)
-        if quantization != "none":
-            raise RequestError(f"quantization={quantization!r}: a nanochat model runs unquantized (expected 'none' "
-                               "or 'auto')", param="quantization")
-        params = nanochat.load_nanochat_params(model_file, cfg, torch_dtype, dev)
-        vocab = nanochat.tokenizer_file(model_file)
-        tokenizer = nanochat_tokenizer(vocab) if vocab is not None else None
-        if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
-            raise CheckpointError(vocab, f"{tokenizer.vocab_size} tokens where the model's meta says vocab_size="
-                                         f"{cfg.vocab_size}: not this model's tokenizer")
+        loaded = _load_nanochat(*nanochat_files, config, dev)
     elif path.is_dir():
-        cfg = read_hf_config(path)
-        torch_dtype = resolve_dtype(dtype, cfg, dev)
-        fp8_file = not dummy and has_fp8_weights(path)
-        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False, fp8_file=fp8_file)
-        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_hf_params(
-            path, cfg, torch_dtype, dev, progress=progress, fp8=quantization == "fp8")
-        tokenizer = Tokenizer.from_hf_dir(path)
+        loaded = _load_hf(path, config, dev)
     elif path.suffix == ".bin" and path.is_file():  # llama2.c, its tokenizer.bin beside it (if there)
-        from nanoinfer.loaders.llama2c import llama2c_config, load_llama2c_params
-
-        cfg, offset, shared = llama2c_config(path)
-        torch_dtype = resolve_dtype(dtype, cfg, dev)
-        quantization = _resolve_quantization(quantization, dev, gguf=False, quantized_file=False)
-        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_llama2c_params(
-            path, cfg, offset, shared, torch_dtype, dev, progress=progress)
-        vocab = path.parent / "tokenizer.bin"
-        tokenizer = Tokenizer.from_llama2c(vocab, cfg.vocab_size) if vocab.is_file() and vocab != path else None
+        loaded = _load_llama2c(path, config, dev)
     elif path.suffix == ".gguf" or path.is_file():
-        reader = open_gguf(path)
-        cfg = gguf_config(reader, path)
-        torch_dtype = resolve_dtype(dtype, cfg, dev)
-        quantization = _resolve_quantization(quantization, dev, gguf=True, quantized_file=is_quantized(reader),
-                                             dtype_asked=dtype != "auto")
-        params = dummy_params(cfg, torch_dtype, dev) if dummy else load_gguf_params(
-            reader, cfg, torch_dtype, dev, path, progress=progress, packed=quantization == "gguf")
-        tokenizer = Tokenizer.from_gguf(reader, path)
+        loaded = _load_gguf(path, config, dev)
     else:
         raise CheckpointError(
             path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
                   "model directory, a .gguf file or a llama2.c .bin"
         )
+    cfg, params, tokenizer, quantization = loaded.config, loaded.params, loaded.tokenizer, loaded.quantization
+    if params is None:  # load_format="dummy"
+        from nanoinfer.loaders.dummy import dummy_params
+
+        params = dummy_params(cfg, loaded.dtype, dev)
     if quantization in ("int8", "fp8"):
+        from nanoinfer.loaders.quantize import quantize_params
+
         params = quantize_params(params, quantization)
     if tokenizer is not None:
         # Generation ends at any EOS either side declares (chat models often end turns with a
@@ -161,6 +132,108 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     return LoadedModel(cfg, params, tokenizer, path, hub_id or (name if name in KNOWN_MODELS else None), quantization)
+
+
+class _Loaded(NamedTuple):
+    """What a format's branch of `load_model` read: params None for load_format="dummy"."""
+
+    config: ModelConfig
+    dtype: torch.dtype  # the activations' (`dtype` resolved for this checkpoint and device)
+    params: Params | None
+    tokenizer: "Tokenizer | None"
+    quantization: str  # QUANTIZATIONS less "auto"
+
+
+def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
+    from nanoinfer.loaders import nanochat
+    from nanoinfer.nanochat_tokenizer import nanochat_tokenizer
+
+    if config.load_format == "dummy":
+        raise RequestError("load_format='dummy' makes Llama-family weights: a nanochat checkpoint loads "
+                           "with load_format='auto'", param="load_format")
+    cfg = nanochat.nanochat_config(meta_file)
+    torch_dtype = resolve_dtype(config.dtype, cfg, dev)
+    quantization = _resolve_quantization(config.quantization, dev, gguf=False, quantized_file=False)
+    if quantization != "none":
+        raise RequestError(f"quantization={quantization!r}: a nanochat model runs unquantized (expected 'none' "
+                           "or 'auto')", param="quantization")
+    params = nanochat.load_nanochat_params(model_file, cfg, torch_dtype, dev)
+    vocab = nanochat.tokenizer_file(model_file)
+    tokenizer = nanochat_tokenizer(vocab) if vocab is not None else None
+    if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
+        raise CheckpointError(vocab, f"{tokenizer.vocab_size} tokens where the model's meta says vocab_size="
+                                     f"{cfg.vocab_size}: not this model's tokenizer")
+    return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
+
+
+def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
+    from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
+    from nanoinfer.tokenizer import Tokenizer
+
+    dummy = config.load_format == "dummy"
+    cfg = read_hf_config(path)
+    torch_dtype = resolve_dtype(config.dtype, cfg, dev)
+    fp8_file = not dummy and has_fp8_weights(path)
+    quantization = _resolve_quantization(config.quantization, dev, gguf=False, quantized_file=False,
+                                         fp8_file=fp8_file)
+    params = None if dummy else load_hf_params(path, cfg, torch_dtype, dev, progress=config.progress,
+                                               fp8=quantization == "fp8")
+    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_hf_dir(path), quantization)
+
+
+def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
+    from nanoinfer.loaders.llama2c import llama2c_config, load_llama2c_params
+    from nanoinfer.tokenizer import Tokenizer
+
+    cfg, offset, shared = llama2c_config(path)
+    torch_dtype = resolve_dtype(config.dtype, cfg, dev)
+    quantization = _resolve_quantization(config.quantization, dev, gguf=False, quantized_file=False)
+    params = None if config.load_format == "dummy" else load_llama2c_params(
+        path, cfg, offset, shared, torch_dtype, dev, progress=config.progress)
+    vocab = path.parent / "tokenizer.bin"
+    tokenizer = Tokenizer.from_llama2c(vocab, cfg.vocab_size) if vocab.is_file() and vocab != path else None
+    return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
+
+
+def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
+    from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
+    from nanoinfer.tokenizer import Tokenizer
+
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    torch_dtype = resolve_dtype(config.dtype, cfg, dev)
+    quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(reader),
+                                         dtype_asked=config.dtype != "auto")
+    params = None if config.load_format == "dummy" else load_gguf_params(
+        reader, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
+    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(reader, path), quantization)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" picks CUDA when present, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise RequestError(f"device {device!r} is not a torch device (expected auto, cpu, cuda, cuda:N)") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RequestError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """"auto": fp32 on the CPU (exact, and bf16 matmuls are slow there); on a GPU the
+    checkpoint's half type, bf16 when it has none (quantized GGUF, fp32 checkpoints)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if cfg.torch_dtype in ("float16", "fp16") else torch.bfloat16
+    if dtype not in DTYPES:
+        raise RequestError(f"dtype {dtype!r} is not supported (expected auto or one of {sorted(DTYPES)})")
+    return DTYPES[dtype]
 
 
 def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool,

@@ -14,9 +14,7 @@ Two layouts, as llama2.c's export.py writes them:
 them, with Meta's rotary layout for wq/wk (each head's dimension pairs adjacent): we rotate
 halves as Hugging Face does, so their rows are regrouped once at load.
 
-tokenizer.bin: int32 max_token_length, then per token: fp32 score, int32 length, its bytes
-(SentencePiece pieces with "▁" written as a space; <s> and </s> written as "\\n<s>\\n" and
-"\\n</s>\\n"). It is read into the same SentencePiece BPE as a GGUF's llama vocabulary.
+The tokenizer.bin is read by nanoinfer/tokenizer.py (`Tokenizer.from_llama2c`).
 """
 
 from __future__ import annotations
@@ -110,22 +108,3 @@ def load_llama2c_params(path: Path, cfg: ModelConfig, offset: int, shared: bool,
                p + "mlp.gate_proj.weight": tensors["w1"][i], p + "mlp.down_proj.weight": tensors["w2"][i],
                p + "mlp.up_proj.weight": tensors["w3"][i]}
     return build_params(hf.get, cfg, dtype, device, path, progress=progress)
-
-
-def read_llama2c_vocab(path: Path, vocab_size: int) -> tuple[list[str], list[float]]:
-    """tokenizer.bin's pieces ("▁" for space, as SentencePiece has them) and scores."""
-    raw = path.read_bytes()
-    pieces, scores, at = [], [], 4
-    try:
-        for _ in range(vocab_size):
-            score, length = struct.unpack_from("<fi", raw, at)
-            piece = raw[at + 8:at + 8 + length]
-            if length < 0 or len(piece) != length:
-                raise struct.error("a token runs past the end of the file")
-            pieces.append(piece.decode("utf-8").replace(" ", "▁"))
-            scores.append(score)
-            at += 8 + length
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise CheckpointError(path, f"token {len(pieces)} of the {vocab_size} the model's header promises cannot be "
-                                    f"read ({exc}): expected llama2.c's tokenizer.bin for this model") from exc
-    return pieces, scores

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm.auto import tqdm
 
+from nanoinfer import cpu_native
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
@@ -63,8 +64,7 @@ def build_params(
     def matrix(w):
         if not isinstance(w, GroupedWeight):
             return w
-        from nanoinfer import cpu_native  # (builds the library on a machine's first packed load)
-
+        # (`library()` builds cpu_native.c on a machine's first packed load)
         return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
 
     def optional(name: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:

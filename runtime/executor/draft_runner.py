@@ -30,10 +30,9 @@ import torch
 from nanoinfer.batch import Batch, SeqChunk, host_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kernels import kernels_for, prepare
+from nanoinfer.kernels import forward_of, kernels_for, prepare
 from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.families import forward_of
 from nanoinfer.sampling import greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.executor.input_batch import InputBatch

@@ -4,18 +4,20 @@ logprobs)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from nanoinfer.attention import AttentionBackend
 from nanoinfer.batch import Batch
+from nanoinfer.kernels import forward_of
 from nanoinfer.kv_cache import allocate_kv_pool, kv_dtype
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.families import forward_of
 from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from nanoinfer.sampling_params import MAX_LOGPROBS
 from runtime.config import PROMPT_LOGPROB_ROWS
+
+if TYPE_CHECKING:
+    from nanoinfer.attention import AttentionBackend
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 

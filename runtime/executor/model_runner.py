@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from nanoinfer.batch import Batch
-from nanoinfer.families import forward_of
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kernels import kernels_for, prepare
+from nanoinfer.kernels import forward_of, kernels_for, prepare
 from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample

