@@ -14,26 +14,13 @@ device's in one packed copy per step (`flush`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.penalties import Penalties
+from nanoinfer.penalties import PenaltyRows
 from nanoinfer.sampling import SamplingColumns, SamplingTensors
-from nanoinfer.sampling_params import SamplingParams
 from runtime.engine.sequence import Sequence
-
-
-class _PenaltyState(NamedTuple):
-    """Dense per-row tables of the history-dependent processors (made on first use)."""
-
-    output_counts: torch.Tensor  # [rows, vocab] f32: times generated so far
-    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or the output
-    bias: torch.Tensor  # [rows, vocab] f32
-    stop_mask: torch.Tensor  # [rows, vocab] bool: EOS/stop ids, banned while short of min_tokens
-    scalars: torch.Tensor  # [rows, 4] f32: presence, frequency, repetition, min_tokens
 
 
 class InputBatch:
@@ -53,7 +40,7 @@ class InputBatch:
         self.columns = SamplingColumns.zeros(max_rows)
         self.floats_device = torch.zeros(self.columns.floats.shape, dtype=torch.float32, device=device)
         self.ints_device = torch.zeros(self.columns.ints.shape, dtype=torch.int64, device=device)
-        self.penalties: _PenaltyState | None = None
+        self.penalties: PenaltyRows | None = None  # (made when a row first uses penalties)
         self._table_updates: list[tuple[int, int, int]] = []  # (row, column, block)
         self._joined: list[tuple[int, Sequence]] = []  # rows whose parameters still go to the device
         self._emitted: list[tuple[int, int]] = []  # (row, token) verified on the host, not yet counted
@@ -120,37 +107,13 @@ class InputBatch:
             self._init_penalties(rows_t, [s for _, s in joined])
 
     def _init_penalties(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Reset the joined rows' penalty tables, and fill them for the rows that use them."""
+        """Fill the joined rows' penalty tables (neutral for the rows that use no penalties)."""
         if self.penalties is None:
-            shape = (self.table.shape[0], self.vocab_size)
-            dev = self.device
-            neutral = torch.tensor([0.0, 0.0, 1.0, 0.0], device=dev).repeat(shape[0], 1)  # (rows never filled)
-            self.penalties = _PenaltyState(torch.zeros(shape, device=dev),
-                                           torch.zeros(shape, dtype=torch.bool, device=dev),
-                                           torch.zeros(shape, device=dev),
-                                           torch.zeros(shape, dtype=torch.bool, device=dev), neutral)
-        ps = self.penalties
-        params = [s.params for s in seqs]
-        fresh = Penalties.build([p if p.has_penalties else SamplingParams() for p in params],
-                                [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                                self.vocab_size, self.eos_token_ids, self.device)
-        if fresh is None:  # none of them uses penalties: neutral rows
-            for table in (ps.output_counts, ps.seen, ps.bias, ps.stop_mask):
-                table[rows] = 0
-            ps.scalars[rows] = torch.tensor([0.0, 0.0, 1.0, 0.0], device=self.device)
-            return
-        ps.output_counts[rows] = fresh.output_counts
-        ps.seen[rows] = fresh.seen
-        ps.bias[rows] = fresh.bias
-        # The ban table holds every row's EOS/stop ids; the step bans them while short of min_tokens.
-        stop = torch.zeros(len(seqs), self.vocab_size, dtype=torch.bool)
-        for i, p in enumerate(params):
-            ids = [t for t in (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids) if t < self.vocab_size]
-            stop[i, ids] = True
-        ps.stop_mask[rows] = stop.to(self.device)
-        (scalars,) = to_device_packed([[[p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens]
-                                        for p in params]], torch.float32, self.device)
-        ps.scalars[rows] = scalars
+            self.penalties = PenaltyRows.neutral(self.table.shape[0], self.vocab_size, self.device)
+        fresh = PenaltyRows.build([s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                                  [s.output_token_ids for s in seqs], self.vocab_size, self.eos_token_ids, self.device)
+        for table, values in zip(self.penalties, fresh):
+            table[rows] = values
 
     def sampling(self, rows: np.ndarray, rows_device: torch.Tensor, steps: torch.Tensor) -> SamplingTensors:
         """The sampling tensors of the rows a step samples (in that order); `steps` [rows]:
@@ -158,11 +121,7 @@ class InputBatch:
         flags = self.columns.flags
         penalties = None
         if self.penalties is not None and flags[SamplingColumns.PENALIZED][rows].any():
-            ps = self.penalties
-            scalars = ps.scalars[rows_device]
-            banned = ps.stop_mask[rows_device] & (steps < scalars[:, 3])[:, None]
-            penalties = Penalties(ps.output_counts[rows_device], ps.seen[rows_device], scalars[:, 0], scalars[:, 1],
-                                  scalars[:, 2], ps.bias[rows_device], banned)
+            penalties = self.penalties.gather(rows_device, steps)
         return SamplingTensors.of_columns(self.floats_device[:, rows_device], self.ints_device[:, rows_device], steps,
                                           flags, rows, penalties)
 
