@@ -78,35 +78,59 @@ def build_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.devic
 
 def host_batch(chunks: Sequence[SeqChunk], block_size: int, logits_rows: Sequence[int] | None = None) -> HostBatch:
     """Lay out the chunks as one batch, on the host. `logits_rows` overrides the rows whose
-    logits are computed (default: the last row of each chunk that asks for them).
-
-    Built with numpy: a step at batch 256 has ~32k block-table entries, and Python lists of
-    them cost milliseconds.
-    """
+    logits are computed (default: the last row of each chunk that asks for them). The block
+    tables keep the chunks' own width (a graph is chosen by it: nanoinfer/graphs.py)."""
     num = len(chunks)
     lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num)
     starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num)
-    ends = starts + lens
     widths = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=num)
-    too_small = np.nonzero(widths * block_size < ends)[0]
+    too_small = np.nonzero(widths * block_size < starts + lens)[0]
     if too_small.size:
         c = chunks[too_small[0]]
         raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {c.start_pos + len(c.token_ids)} "
                          f"tokens at block size {block_size}")
-    max_blocks = int(widths.max()) if num else 0
-    block_tables = np.zeros((num, max_blocks), dtype=np.int32)
+    block_tables = np.zeros((num, int(widths.max()) if num else 0), dtype=np.int32)
     for i, c in enumerate(chunks):
         block_tables[i, : len(c.block_table)] = c.block_table
+    at = layout(starts, lens, block_tables, None, block_size)
+    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=at.positions.shape[0])
+    wants = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=num)
+    logits_indices = (at.query_start_loc[1:][wants].astype(np.int64) - 1 if logits_rows is None
+                      else np.asarray(logits_rows, dtype=np.int64).reshape(-1))
+    return HostBatch(input_ids, at.positions, at.slot_mapping, block_tables, at.seq_lens, at.query_start_loc,
+                     logits_indices)
+
+
+class Layout(NamedTuple):
+    """Where a step's tokens go: the index arrays of a Batch but its tokens and logits rows,
+    and which sequence each token belongs to."""
+
+    query_start_loc: np.ndarray  # [seqs + 1] int32
+    seq_of_token: np.ndarray  # [tokens] int64: the sequence (chunk) index of each token
+    positions: np.ndarray  # [tokens] int64
+    slot_mapping: np.ndarray  # [tokens] int64
+    seq_lens: np.ndarray  # [seqs] int32
+    num_blocks: int  # block-table entries the longest context spans (the table width it needs)
+
+
+def layout(starts: np.ndarray, lens: np.ndarray, tables: np.ndarray, rows: np.ndarray | None,
+           block_size: int) -> Layout:
+    """The layout of chunks of `lens` [seqs] tokens from positions `starts` [seqs] (int64), the
+    block table of chunk i being `tables[rows[i]]` (`tables[i]` when `rows` is None).
+
+    The one place a step's index arrays are computed (host_batch from SeqChunks, and the model
+    runner from its input batch's rows), with numpy and no loop over tokens: a step at batch 256
+    has ~32k block-table entries, and Python lists of them cost milliseconds.
+    """
+    num = starts.shape[0]
     query_start_loc = np.zeros(num + 1, dtype=np.int64)
     np.cumsum(lens, out=query_start_loc[1:])
     total = int(query_start_loc[-1])
+    ends = starts + lens
     # Per token: its sequence, and its position = the chunk's start + its offset in the chunk.
     seq_of_token = np.repeat(np.arange(num), lens)
-    positions = starts[seq_of_token] + (np.arange(total) - query_start_loc[:-1][seq_of_token])
-    slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
-    wants = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=num)
-    logits_indices = (query_start_loc[1:][wants] - 1 if logits_rows is None
-                      else np.asarray(logits_rows, dtype=np.int64).reshape(-1))
-    return HostBatch(input_ids, positions, slots, block_tables, ends.astype(np.int32),
-                     query_start_loc.astype(np.int32), logits_indices)
+    positions = np.arange(total) + (starts - query_start_loc[:-1])[seq_of_token]
+    table_rows = seq_of_token if rows is None else rows[seq_of_token]
+    slots = tables[table_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    num_blocks = int(-(-ends.max() // block_size)) if num else 0
+    return Layout(query_start_loc.astype(np.int32), seq_of_token, positions, slots, ends.astype(np.int32), num_blocks)

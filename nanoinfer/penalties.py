@@ -38,31 +38,62 @@ class Penalties(NamedTuple):
         """None when no row needs any of it (the common case costs nothing)."""
         if not any(p.has_penalties for p in params):
             return None
+        steps = to_device([len(out) for out in outputs], torch.int64, device)
+        return PenaltyRows.build(params, prompts, outputs, vocab, eos_token_ids, device).gather(slice(None), steps)
+
+
+class PenaltyRows(NamedTuple):
+    """Rows' penalty tables, from which a step's Penalties are gathered: all of them but the
+    min_tokens ban, which depends on the step. (The model runner's input batch keeps one for
+    its running rows and counts each sampled token into it on the device.)"""
+
+    output_counts: torch.Tensor  # [rows, vocab] f32: times generated so far
+    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or the output (rows with a repetition penalty)
+    bias: torch.Tensor  # [rows, vocab] f32
+    stop_mask: torch.Tensor  # [rows, vocab] bool: EOS/stop ids, banned while a row is short of min_tokens
+    scalars: torch.Tensor  # [rows, 4] f32: presence, frequency, repetition, min_tokens
+
+    @classmethod
+    def neutral(cls, rows: int, vocab: int, device) -> "PenaltyRows":
+        """Rows that change no logits."""
+        return cls(torch.zeros(rows, vocab, device=device), torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+                   torch.zeros(rows, vocab, device=device), torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+                   torch.tensor([0.0, 0.0, 1.0, 0.0], device=device).repeat(rows, 1))
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+              outputs: Sequence[Sequence[int]], vocab: int, eos_token_ids: Sequence[int], device) -> "PenaltyRows":
+        """The rows of `params`, each with its prompt and its output so far (a row without
+        penalties is a neutral one)."""
         rows = len(params)
         output_counts = _scatter_counts(outputs, vocab, device)
         needs_seen = [p.repetition_penalty != 1 for p in params]
         seen_lists = [list(pr) + list(out) if need else [] for pr, out, need in zip(prompts, outputs, needs_seen)]
         seen = _scatter_counts(seen_lists, vocab, device) > 0
-        # Sparse (row, token) entries gathered on the host as the batch is built, then one
-        # index_put each: the tables are dense, the work is proportional to the entries.
+        # Sparse (row, token) entries gathered on the host, then one index_put each: the
+        # tables are dense, the work is proportional to the entries.
         bias_entries = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
-        ban_entries = [(i, t) for i, (p, out) in enumerate(zip(params, outputs)) if len(out) < p.min_tokens
-                       for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < vocab]
+        stop_entries = [(i, t) for i, p in enumerate(params)
+                        for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < vocab]
         bias = torch.zeros(rows, vocab)
         if bias_entries:
             r, t, b = zip(*bias_entries)
             bias.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=torch.float32))
-        banned = torch.zeros(rows, vocab, dtype=torch.bool)
-        if ban_entries:
-            r, t = zip(*ban_entries)
-            banned[torch.tensor(r), torch.tensor(t)] = True
+        stop_mask = torch.zeros(rows, vocab, dtype=torch.bool)
+        if stop_entries:
+            r, t = zip(*stop_entries)
+            stop_mask[torch.tensor(r), torch.tensor(t)] = True
+        scalars = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens] for p in params]
+        return cls(output_counts, seen, to_device(bias, torch.float32, device),
+                   to_device(stop_mask, torch.bool, device), to_device(scalars, torch.float32, device).reshape(rows, 4))
 
-        def col(values):
-            return to_device(values, torch.float32, device)
-
-        return cls(output_counts, seen, col([p.presence_penalty for p in params]),
-                   col([p.frequency_penalty for p in params]), col([p.repetition_penalty for p in params]),
-                   to_device(bias, torch.float32, device), to_device(banned, torch.bool, device))
+    def gather(self, rows: torch.Tensor | slice, steps: torch.Tensor) -> Penalties:
+        """The Penalties of `rows` (indices, or slice(None) for all), each drawing the token at
+        index `steps` [rows] of its output (below min_tokens, its stop ids are banned)."""
+        scalars = self.scalars[rows]
+        banned = self.stop_mask[rows] & (steps < scalars[:, 3])[:, None]
+        return Penalties(self.output_counts[rows], self.seen[rows], scalars[:, 0], scalars[:, 1], scalars[:, 2],
+                         self.bias[rows], banned)
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from nanoinfer.host_copy import to_device_packed
@@ -19,9 +20,40 @@ from nanoinfer.sampling_params import SamplingParams
 if TYPE_CHECKING:  # (nanoinfer/penalties.py is imported only by a batch with a row that uses them)
     from nanoinfer.penalties import Penalties
 
-__all__ = ["SamplingParams", "SamplingTensors", "Logprobs", "compute_logprobs", "sample", "apply_top_k_top_p",
-           "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw", "greedy_and_finite",
-           "greedy_tokens", "processed_probs"]
+__all__ = ["SamplingParams", "SamplingColumns", "SamplingTensors", "Logprobs", "compute_logprobs", "sample",
+           "apply_top_k_top_p", "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw",
+           "greedy_and_finite", "greedy_tokens", "processed_probs"]
+
+
+class SamplingColumns(NamedTuple):
+    """Rows' sampling parameters as host columns: the layout SamplingTensors is cut from (each
+    matrix moves to the device in one copy), and per-row flags that let a step skip work."""
+
+    floats: np.ndarray  # [3, rows] f32: temperature, top_p, min_p
+    ints: np.ndarray  # [2, rows] i64: top_k (the vocabulary size when off), seed (its low 48 bits)
+    flags: np.ndarray  # [4, rows] bool: greedy, sorts (top-k or top-p), min-p, penalized (see SamplingParams)
+
+    GREEDY, SORTS, MIN_P, PENALIZED = range(4)  # (the rows of `flags`)
+
+    @classmethod
+    def zeros(cls, rows: int) -> "SamplingColumns":
+        return cls(np.zeros((3, rows), dtype=np.float32), np.zeros((2, rows), dtype=np.int64),
+                   np.zeros((4, rows), dtype=bool))
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SamplingColumns":
+        columns = cls.zeros(len(params))
+        for row, p in enumerate(params):
+            columns.set(row, p, vocab_size)
+        return columns
+
+    def set(self, row: int, p: SamplingParams, vocab_size: int) -> None:
+        """Row `row` takes the parameters `p`."""
+        top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+        self.floats[:, row] = (p.temperature, p.top_p, p.min_p)
+        self.ints[:, row] = (top_k, (p.seed or 0) & 0xFFFF_FFFF_FFFF)
+        self.flags[:, row] = (p.greedy, not p.greedy and (top_k < vocab_size or p.top_p < 1),
+                              not p.greedy and p.min_p > 0, p.has_penalties)
 
 
 class SamplingTensors(NamedTuple):
@@ -40,36 +72,32 @@ class SamplingTensors(NamedTuple):
     penalties: Penalties | None = None  # history-dependent processors, when a row uses any
 
     @classmethod
+    def of_columns(cls, floats: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, flags: np.ndarray,
+                   rows: np.ndarray | slice = slice(None), penalties: Penalties | None = None) -> "SamplingTensors":
+        """From a SamplingColumns' matrices of the rows on the device (`floats`, `ints`) and,
+        on the host, the `rows` of its `flags`. (The one constructor: `build`, and the model
+        runner's input batch, which keeps every running row's columns on the device, end here.)"""
+        c = SamplingColumns  # (each flag gathered on its own: faster than a gather of the [4, rows] matrix)
+        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], steps,
+                   all_greedy=bool(flags[c.GREEDY][rows].all()), needs_sort=bool(flags[c.SORTS][rows].any()),
+                   needs_min_p=bool(flags[c.MIN_P][rows].any()), penalties=penalties)
+
+    @classmethod
     def build(cls, params: Sequence[SamplingParams], steps: Sequence[int], vocab_size: int,
               device: torch.device | str, *, prompts: Sequence[Sequence[int]] = (),
               outputs: Sequence[Sequence[int]] = (), eos_token_ids: Sequence[int] = ()) -> "SamplingTensors":
         """`prompts` and `outputs` (each row's token history) are needed only by rows with
         penalties, logit bias or min_tokens."""
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        # Two copies: the float columns and the integer ones.
-        temperature, top_p, min_p = to_device_packed(
-            [[float(p.temperature) for p in params], [float(p.top_p) for p in params],
-             [float(p.min_p) for p in params]], torch.float32, device)
-        top_k_t, seeds, steps_t = to_device_packed(
-            [top_k, [(p.seed or 0) & 0xFFFF_FFFF_FFFF for p in params], list(steps)], torch.int64, device)
+        columns = SamplingColumns.of(params, vocab_size)
+        (floats,) = to_device_packed([columns.floats], torch.float32, device)
+        ints, steps_t = to_device_packed([columns.ints, list(steps)], torch.int64, device)
         penalties = None
         if any(p.has_penalties for p in params):
             from nanoinfer.penalties import Penalties
 
             penalties = Penalties.build(params, prompts or [()] * len(params), outputs or [()] * len(params),
                                         vocab_size, eos_token_ids, device)
-        return cls(
-            temperature=temperature,
-            top_k=top_k_t,
-            top_p=top_p,
-            min_p=min_p,
-            seeds=seeds,
-            steps=steps_t,
-            all_greedy=all(p.greedy for p in params),
-            needs_sort=any(not p.greedy and (k < vocab_size or p.top_p < 1) for p, k in zip(params, top_k)),
-            needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
-            penalties=penalties,
-        )
+        return cls.of_columns(floats, ints, steps_t, columns.flags, penalties=penalties)
 
 
 _MASK32 = 0xFFFF_FFFF

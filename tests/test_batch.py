@@ -89,3 +89,75 @@ def test_graph_inputs_are_written_alike_from_the_host_and_the_device(decode):
     assert not a.positions[t:].any() and (a.slot_mapping[t:] == -1).all() and not a.seq_lens[n:].any()
     if not decode:
         assert a.query_start_loc.tolist() == [0, 3, 4, 6, 8] and a.logits_indices.tolist() == [2, 3] + [0] * 6
+
+
+def reference_step_batch(inp, batch_rows, block_size):
+    """The Batch of a model runner's step spelled out one token at a time: each pending token
+    from its sequence on the host, or (sampled by the step in flight) its row's last token on
+    the device; then the chunk's drafts, in order; a block-table width of the longest context."""
+    ids, positions, slots, lens, qsl = [], [], [], [], [0]
+    drafts = iter(inp.draft_tokens.tolist() if inp.draft_tokens is not None else ())
+    for seq, start, n, num_drafts in inp.chunks:
+        for pos in range(start, start + n):
+            if pos >= start + n - num_drafts:
+                ids.append(next(drafts))
+            elif pos < len(seq.token_ids):
+                ids.append(seq.token_ids[pos])
+            else:
+                ids.append(batch_rows.last_token[batch_rows.row_of[seq.seq_id]].item())
+            positions.append(pos)
+            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        lens.append(start + n)
+        qsl.append(qsl[-1] + n)
+    width = max((-(-end // block_size) for end in lens), default=0)
+    tables = [(list(seq.block_table) + [0] * width)[:width] for seq, *_ in inp.chunks]
+    return (ids, positions, slots, tables, lens, qsl, list(inp.logits_rows))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_model_runners_step_batch_matches_per_token_reference(seed):
+    """ModelRunner._build lays out its input batch's rows with the layout host_batch uses
+    (nanoinfer.batch.layout): for a random mix of prefill chunks, decodes, decodes of a token
+    still in flight and verifications of drafts, every field equals the per-token reference."""
+    import random
+    import types
+
+    from nanoinfer.sampling import SamplingParams
+    from runtime.engine.sequence import Sequence
+    from runtime.executor.input_batch import InputBatch
+    from runtime.executor.model_runner import Chunk, ModelRunner, StepInput
+
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 3, 16])
+    rows = InputBatch(12, 64 // block_size + 4, 1000, (2,), torch.device("cpu"))
+    chunks, draft_tokens = [], []
+    for i in range(rng.randint(0, 8)):
+        seq = Sequence(i, [rng.randrange(1000) for _ in range(rng.randint(1, 40))], SamplingParams(), 64)
+        kind = rng.choice(["prefill", "decode", "in flight", "drafts"])
+        if kind == "prefill":
+            start = rng.randrange(seq.num_prompt_tokens)
+            n, num_drafts = rng.randint(1, seq.num_prompt_tokens - start), 0
+        else:
+            seq.token_ids += [rng.randrange(1000) for _ in range(rng.randint(1, 5))]
+            seq.num_unresolved = int(kind == "in flight")
+            start = seq.num_tokens - 1
+            num_drafts = rng.randint(1, 4) if kind == "drafts" else 0
+            n = 1 + num_drafts
+        seq.block_table = rng.sample(range(500), -(-(start + n) // block_size) + rng.randint(0, 2))
+        rows.add(seq)
+        draft_tokens += [rng.randrange(1000) for _ in range(num_drafts)]
+        chunks.append(Chunk(seq, start, n, num_drafts))
+    rows.flush()
+    rows.last_token.random_(0, 1000, generator=torch.Generator().manual_seed(seed))  # (the step in flight's samples)
+    total = sum(c.num_tokens for c in chunks)
+    logits_rows = tuple(sorted(rng.sample(range(total), rng.randint(0, total))))
+    samplers = tuple((c.seq, i) for i, c in enumerate(chunks))
+    inp = StepInput(tuple(chunks), logits_rows, samplers, (), draft_tokens=torch.tensor(draft_tokens, dtype=torch.int64))
+    runner = types.SimpleNamespace(batch=rows, block_size=block_size, device=torch.device("cpu"))  # (what _build reads)
+    batch, sampler_rows, (sampler_rows_t, steps_t) = ModelRunner._build(runner, inp)
+    for name, tensor, values, dtype in zip(Batch._fields, batch, reference_step_batch(inp, rows, block_size),
+                                           (torch.int64,) * 3 + (torch.int32,) * 3 + (torch.int64,)):
+        assert tensor.dtype == dtype, name
+        assert tensor.tolist() == values, name
+    assert sampler_rows.tolist() == sampler_rows_t.tolist() == [rows.row_of[c.seq.seq_id] for c in chunks]
+    assert steps_t.tolist() == [c.seq.num_tokens - c.seq.num_prompt_tokens for c in chunks]

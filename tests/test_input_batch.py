@@ -106,3 +106,35 @@ def test_block_tables_follow_the_sequences():
             row = batch.row_of[s.seq_id]
             assert batch.table_np[row, :len(s.block_table)].tolist() == s.block_table
             assert batch.table_device[row, :len(s.block_table)].tolist() == s.block_table
+
+
+def identical(a: SamplingTensors, b: SamplingTensors):
+    """Every field equal: values, dtypes, flags, and every penalty table."""
+    for name, x, y in zip(SamplingTensors._fields, a, b):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        elif name != "penalties":
+            assert x == y, name
+    assert (a.penalties is None) == (b.penalties is None)
+    for name, x, y in zip(*(() if a.penalties is None else (a.penalties._fields, a.penalties, b.penalties))):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_both_entry_points_give_the_same_sampling_tensors(seed):
+    """The rows a sequence joins with (InputBatch.sampling, the step's path) and a rebuild
+    from the parameters and histories (SamplingTensors.build) give the same tensors in every
+    field, penalties included, for a random mix of parameters."""
+    rng = random.Random(seed)
+    seqs = make_seqs(rng, rng.randint(1, 10))
+    batch = InputBatch(12, 8, VOCAB, EOS, torch.device("cpu"))
+    for seq in seqs:
+        batch.add(seq)
+    batch.flush()
+    picked = rng.sample(seqs, len(seqs))
+    rows = np.array([batch.row_of[s.seq_id] for s in picked])
+    steps = torch.tensor([s.num_output_tokens for s in picked])
+    identical(batch.sampling(rows, torch.from_numpy(rows), steps),
+              SamplingTensors.build([s.params for s in picked], steps.tolist(), VOCAB, "cpu",
+                                    prompts=[s.prompt_token_ids for s in picked],
+                                    outputs=[s.output_token_ids for s in picked], eos_token_ids=EOS))

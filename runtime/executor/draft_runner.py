@@ -33,7 +33,7 @@ from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import forward_of, kernels_for, prepare
 from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.sampling import greedy_tokens
+from nanoinfer.sampling import SamplingColumns, greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_pools import KVPools
@@ -130,8 +130,8 @@ class DraftRunner:
     def _sample(self, seqs: Seq[Sequence], offsets: Seq[int], logits: torch.Tensor, greedy: torch.Tensor):
         """Each sequence's draft token at its output index + offset, and q (None: all greedy)."""
         rows = np.array([self.batch.row_of[s.seq_id] for s in seqs], dtype=np.int64)
-        if self.batch.greedy[rows].all():  # (the argmax is all there is to it; copied out of the
-            return greedy.clone(), None  # graph's output, which its next replay overwrites)
+        if self.batch.columns.flags[SamplingColumns.GREEDY, rows].all():  # (the argmax is all there is to it;
+            return greedy.clone(), None  # copied out of the graph's output, which its next replay overwrites)
         steps = [len(s.token_ids) - s.num_prompt_tokens + o for s, o in zip(seqs, offsets)]
         rows_t, steps_t = to_device_packed([rows, steps], torch.int64, self.device)
         return draft_sample(logits, self.batch.sampling(rows, rows_t, steps_t), self.kernels.draw)

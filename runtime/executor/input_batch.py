@@ -14,26 +14,17 @@ device's in one packed copy per step (`flush`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.penalties import Penalties
-from nanoinfer.sampling import SamplingTensors
-from nanoinfer.sampling_params import SamplingParams
-from runtime.engine.sequence import Sequence
+from nanoinfer.sampling import SamplingColumns, SamplingTensors
 
-
-class _PenaltyState(NamedTuple):
-    """Dense per-row tables of the history-dependent processors (made on first use)."""
-
-    output_counts: torch.Tensor  # [rows, vocab] f32: times generated so far
-    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or the output
-    bias: torch.Tensor  # [rows, vocab] f32
-    stop_mask: torch.Tensor  # [rows, vocab] bool: EOS/stop ids, banned while short of min_tokens
-    scalars: torch.Tensor  # [rows, 4] f32: presence, frequency, repetition, min_tokens
+if TYPE_CHECKING:  # (penalties.py is imported by the first row that uses them; Sequence is the engine's)
+    from nanoinfer.penalties import PenaltyRows
+    from runtime.engine.sequence import Sequence
 
 
 class InputBatch:
@@ -50,15 +41,10 @@ class InputBatch:
         self.synced = np.zeros(max_rows, dtype=np.int64)  # entries of each row's table written so far
         self.last_token = torch.zeros(max_rows, dtype=torch.int64, device=device)  # each row's latest sample
         # Sampling parameters: host columns (flags are read there) and their device copies.
-        self.floats = np.zeros((3, max_rows), dtype=np.float32)  # temperature, top_p, min_p
-        self.ints = np.zeros((2, max_rows), dtype=np.int64)  # top_k, seed
-        self.floats_device = torch.zeros(3, max_rows, dtype=torch.float32, device=device)
-        self.ints_device = torch.zeros(2, max_rows, dtype=torch.int64, device=device)
-        self.greedy = np.ones(max_rows, dtype=bool)
-        self.sorts = np.zeros(max_rows, dtype=bool)  # top-k or top-p
-        self.min_ps = np.zeros(max_rows, dtype=bool)
-        self.penalized = np.zeros(max_rows, dtype=bool)
-        self.penalties: _PenaltyState | None = None
+        self.columns = SamplingColumns.zeros(max_rows)
+        self.floats_device = torch.zeros(self.columns.floats.shape, dtype=torch.float32, device=device)
+        self.ints_device = torch.zeros(self.columns.ints.shape, dtype=torch.int64, device=device)
+        self.penalties: PenaltyRows | None = None  # (made when a row first uses penalties)
         self._table_updates: list[tuple[int, int, int]] = []  # (row, column, block)
         self._joined: list[tuple[int, Sequence]] = []  # rows whose parameters still go to the device
         self._emitted: list[tuple[int, int]] = []  # (row, token) verified on the host, not yet counted
@@ -75,14 +61,7 @@ class InputBatch:
             raise RuntimeError("internal: more running sequences than the input batch has rows")
         row = self._free.pop()
         self.row_of[seq.seq_id] = row
-        p = seq.params
-        top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
-        self.floats[:, row] = (p.temperature, p.top_p, p.min_p)
-        self.ints[:, row] = (top_k, (p.seed or 0) & 0xFFFF_FFFF_FFFF)
-        self.greedy[row] = p.greedy
-        self.sorts[row] = not p.greedy and (top_k < self.vocab_size or p.top_p < 1)
-        self.min_ps[row] = not p.greedy and p.min_p > 0
-        self.penalized[row] = p.has_penalties
+        self.columns.set(row, seq.params, self.vocab_size)
         self.table_np[row, :len(seq.block_table)] = seq.block_table
         self._table_updates.extend((row, i, b) for i, b in enumerate(seq.block_table))
         self.synced[row] = len(seq.block_table)
@@ -122,9 +101,9 @@ class InputBatch:
         if not joined:
             return
         rows = [r for r, _ in joined]
-        rows_t, tokens, ints = to_device_packed([rows, [s.token_ids[-1] for _, s in joined], self.ints[:, rows]],
-                                                torch.int64, self.device)
-        (floats,) = to_device_packed([self.floats[:, rows]], torch.float32, self.device)
+        rows_t, tokens, ints = to_device_packed(
+            [rows, [s.token_ids[-1] for _, s in joined], self.columns.ints[:, rows]], torch.int64, self.device)
+        (floats,) = to_device_packed([self.columns.floats[:, rows]], torch.float32, self.device)
         self.floats_device[:, rows_t] = floats
         self.ints_device[:, rows_t] = ints
         self.last_token[rows_t] = tokens  # (a row's first step after a swap-in decodes this token)
@@ -132,53 +111,25 @@ class InputBatch:
             self._init_penalties(rows_t, [s for _, s in joined])
 
     def _init_penalties(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Reset the joined rows' penalty tables, and fill them for the rows that use them."""
+        """Fill the joined rows' penalty tables (neutral for the rows that use no penalties)."""
         if self.penalties is None:
-            shape = (self.table.shape[0], self.vocab_size)
-            dev = self.device
-            neutral = torch.tensor([0.0, 0.0, 1.0, 0.0], device=dev).repeat(shape[0], 1)  # (rows never filled)
-            self.penalties = _PenaltyState(torch.zeros(shape, device=dev),
-                                           torch.zeros(shape, dtype=torch.bool, device=dev),
-                                           torch.zeros(shape, device=dev),
-                                           torch.zeros(shape, dtype=torch.bool, device=dev), neutral)
-        ps = self.penalties
-        params = [s.params for s in seqs]
-        fresh = Penalties.build([p if p.has_penalties else SamplingParams() for p in params],
-                                [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                                self.vocab_size, self.eos_token_ids, self.device)
-        if fresh is None:  # none of them uses penalties: neutral rows
-            for table in (ps.output_counts, ps.seen, ps.bias, ps.stop_mask):
-                table[rows] = 0
-            ps.scalars[rows] = torch.tensor([0.0, 0.0, 1.0, 0.0], device=self.device)
-            return
-        ps.output_counts[rows] = fresh.output_counts
-        ps.seen[rows] = fresh.seen
-        ps.bias[rows] = fresh.bias
-        # The ban table holds every row's EOS/stop ids; the step bans them while short of min_tokens.
-        stop = torch.zeros(len(seqs), self.vocab_size, dtype=torch.bool)
-        for i, p in enumerate(params):
-            ids = [t for t in (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids) if t < self.vocab_size]
-            stop[i, ids] = True
-        ps.stop_mask[rows] = stop.to(self.device)
-        (scalars,) = to_device_packed([[[p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens]
-                                        for p in params]], torch.float32, self.device)
-        ps.scalars[rows] = scalars
+            from nanoinfer.penalties import PenaltyRows
+
+            self.penalties = PenaltyRows.neutral(self.table.shape[0], self.vocab_size, self.device)
+        fresh = PenaltyRows.build([s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                                  [s.output_token_ids for s in seqs], self.vocab_size, self.eos_token_ids, self.device)
+        for table, values in zip(self.penalties, fresh):
+            table[rows] = values
 
     def sampling(self, rows: np.ndarray, rows_device: torch.Tensor, steps: torch.Tensor) -> SamplingTensors:
         """The sampling tensors of the rows a step samples (in that order); `steps` [rows]:
         how many tokens each has produced (the index of the one being drawn)."""
-        floats = self.floats_device[:, rows_device]
-        ints = self.ints_device[:, rows_device]
+        flags = self.columns.flags
         penalties = None
-        if self.penalties is not None and self.penalized[rows].any():
-            ps = self.penalties
-            scalars = ps.scalars[rows_device]
-            banned = ps.stop_mask[rows_device] & (steps < scalars[:, 3])[:, None]
-            penalties = Penalties(ps.output_counts[rows_device], ps.seen[rows_device], scalars[:, 0], scalars[:, 1],
-                                  scalars[:, 2], ps.bias[rows_device], banned)
-        return SamplingTensors(floats[0], ints[0], floats[1], floats[2], ints[1], steps,
-                               all_greedy=bool(self.greedy[rows].all()), needs_sort=bool(self.sorts[rows].any()),
-                               needs_min_p=bool(self.min_ps[rows].any()), penalties=penalties)
+        if self.penalties is not None and flags[SamplingColumns.PENALIZED][rows].any():
+            penalties = self.penalties.gather(rows_device, steps)
+        return SamplingTensors.of_columns(self.floats_device[:, rows_device], self.ints_device[:, rows_device], steps,
+                                          flags, rows, penalties)
 
     def sampled(self, rows_device: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record a step's samples on the device: each row's last token, and its counts."""

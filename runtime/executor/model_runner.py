@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from nanoinfer.batch import Batch
+from nanoinfer.batch import Batch, layout
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.kernels import forward_of, kernels_for, prepare
 from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
@@ -164,35 +164,27 @@ class ModelRunner:
             meta += (rows_of[seq.seq_id], start, n, known)
             offset += n
         rows, starts, lens, known = np.array(meta, dtype=np.int64).reshape(-1, 4).T
-        num = len(rows)
-        ends = starts + lens
-        qsl = np.zeros(num + 1, dtype=np.int64)
-        np.cumsum(lens, out=qsl[1:])
-        total = int(qsl[-1])
-        seq_of_token = np.repeat(np.arange(num), lens)
-        offsets = np.arange(total) - qsl[:-1][seq_of_token]
-        positions = starts[seq_of_token] + offsets
-        slots = self.batch.table_np[rows[seq_of_token], positions // bs].astype(np.int64) * bs + positions % bs
+        at = layout(starts, lens, self.batch.table_np, rows, bs)
         # Tokens known on the host come from it; a chunk that ends at a token still on its way
         # (sampled by the step in flight) takes it from the device, where it already is.
-        from_host = offsets < known[seq_of_token]
-        input_ids = np.zeros(total, dtype=np.int64)
+        from_host = at.positions < (starts + known)[at.seq_of_token]
+        input_ids = np.zeros(at.positions.shape[0], dtype=np.int64)
         input_ids[from_host] = host_tokens
         fill_at = np.flatnonzero(~from_host)
-        fill_rows = rows[seq_of_token[fill_at]]
+        fill_rows = rows[at.seq_of_token[fill_at]]
         sampler_meta = [v for seq, _ in inp.samplers
                         for v in (rows_of[seq.seq_id], len(seq.token_ids) - seq.num_prompt_tokens + seq.num_unresolved)]
         sampler_rows, steps = np.array(sampler_meta, dtype=np.int64).reshape(-1, 2).T
         (input_ids_t, positions_t, slots_t, logits_t, rows_t, fill_at_t, fill_rows_t, sampler_rows_t,
-         steps_t, draft_at_t) = to_device_packed([input_ids, positions, slots, inp.logits_rows, rows, fill_at, fill_rows,
-                                                  sampler_rows, steps, draft_at], torch.int64, self.device)
-        seq_lens, qsl_t = to_device_packed([ends, qsl], torch.int32, self.device)
+         steps_t, draft_at_t) = to_device_packed([input_ids, at.positions, at.slot_mapping, inp.logits_rows, rows,
+                                                  fill_at, fill_rows, sampler_rows, steps, draft_at], torch.int64,
+                                                 self.device)
+        seq_lens, qsl_t = to_device_packed([at.seq_lens, at.query_start_loc], torch.int32, self.device)
         if len(fill_at):
             input_ids_t.index_copy_(0, fill_at_t, self.batch.last_token.index_select(0, fill_rows_t))
         if draft_at:
             input_ids_t.index_copy_(0, draft_at_t, draft_tokens)
-        width = int(-(-ends.max() // bs)) if num else 0
-        block_tables = self.batch.table_device.index_select(0, rows_t)[:, :width]
+        block_tables = self.batch.table_device.index_select(0, rows_t)[:, :at.num_blocks]
         batch = Batch(input_ids_t, positions_t, slots_t, block_tables, seq_lens, qsl_t, logits_t)
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
