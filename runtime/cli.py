@@ -68,8 +68,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from runtime.eval.choice import DELIMITER, SHOTS, TASK_TYPES
-
     parser = argparse.ArgumentParser(prog="nanoinfer", description="From checkpoint to conversation.",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -96,7 +94,16 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(chat)
 
     evaluate = commands.add_parser("eval", help="numbers about a model", formatter_class=_HelpFormatter)
-    tasks = evaluate.add_subparsers(dest="task", required=True)
+    # (parse_args finds each command's parser here, to check a --config file's keys against its flags)
+    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat,
+                          "eval": _eval_parsers(evaluate.add_subparsers(dest="task", required=True))}
+    return parser
+
+
+def _eval_parsers(tasks) -> dict[str, argparse.ArgumentParser]:
+    """`nanoinfer eval`'s tasks, by name."""
+    from runtime.eval.choice import DELIMITER, SHOTS, TASK_TYPES
+
     ppl = tasks.add_parser("perplexity", help="perplexity and bits per byte of a text file (sliding window)",
                            formatter_class=_HelpFormatter)
     ppl.add_argument("text_file", help="a UTF-8 text file")
@@ -131,9 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
     _model_args(speed)
     _engine_args(speed)
-    parser.subcommands = {"generate": gen, "serve": serve, "chat": chat,
-                          "eval": {"perplexity": ppl, "choice": choice, "generate": answers, "speed": speed}}
-    return parser
+    return {"perplexity": ppl, "choice": choice, "generate": answers, "speed": speed}
 
 
 def _version() -> str:

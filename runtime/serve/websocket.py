@@ -75,19 +75,19 @@ class ChatSocket:
 
     async def serve(self) -> None:
         try:
-            self.srv.check_access(self.websocket)
+            self.srv.admission.check_access(self.websocket)
             origin = self.websocket.headers.get("origin")
             if not origin_allowed(origin, self.websocket.headers.get("host"), self.srv.cors_origins):
                 raise HTTPError(403, f"Origin {origin!r} may not open this WebSocket: expected this server's own "
                                      f"origin or one given with --cors-origin", param="origin",
                                 code="origin_not_allowed")
-            self.srv.check_open()
+            self.srv.shutdown.check_open()
         except HTTPError as err:  # (before accepting: the handshake is refused)
             log.info("WebSocket %s: %d, %s", self.websocket.url.path, err.status, err.body.message)
             await refuse(self.websocket, err.status, _encode(api.ErrorResponse(err.body)))
             return
         await self.websocket.accept()
-        self.srv.sockets.add(self)
+        self.srv.shutdown.sockets.add(self)
         try:
             while True:
                 frame = await self.websocket.receive()
@@ -105,7 +105,7 @@ class ChatSocket:
         except WebSocketDisconnect:  # (a send while the client left)
             pass
         finally:  # (a closed connection aborts what it started: cancelling a stream releases its requests)
-            self.srv.sockets.discard(self)
+            self.srv.shutdown.sockets.discard(self)
             for task in self.running.values():
                 task.cancel()
             await asyncio.gather(*self.running.values(), return_exceptions=True)
@@ -144,8 +144,9 @@ class ChatSocket:
         handles, status = [], 499
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            req = msgspec.structs.replace(self.srv.parse(body, api.ChatCompletionRequest), stream=True)  # (always)
-            handles, out = await self.srv.submit_chat(rid, req)
+            req = self.srv.admission.parse(body, api.ChatCompletionRequest)
+            req = msgspec.structs.replace(req, stream=True)  # (always)
+            handles, out = await self.srv.admission.submit_chat(rid, req)
             for chunk in out.start():
                 await self.send(api.WsServerMessage("chunk", request_id, chunk))
             async for position, delta in self.srv.engine.merge(handles):
@@ -176,4 +177,4 @@ class ChatSocket:
             if handles:
                 for handle in handles:  # (a request refused before its stream began holds no slot)
                     self.srv.engine.release(handle)
-                self.srv.finished(rid, handles, status)
+                self.srv.responder.finished(rid, handles, status)

@@ -1,0 +1,190 @@
+"""RequestBook: the event loop's side of the requests in flight — a handle each, the one way one ends, and how
+its consumer reads its outputs.
+
+AsyncEngine (runtime/async_engine.py) is a RequestBook that a worker thread feeds: it admits requests
+(`_add`), and the worker's reports reach their consumers through `_deliver`. Everything here runs on the
+event loop; the worker is reached only through `_send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator, Callable, Sequence
+
+from nanoinfer.errors import RequestError
+from runtime.engine.llm_engine import failed
+from runtime.engine.outputs import CompletionOutput, RequestOutput
+from runtime.engine.request_state import RequestState, merge
+from runtime.worker import Abort, Submit
+
+
+class RequestHandle:
+    """The consumer's side of one request (see `AsyncEngine.submit`): the outputs the worker
+    delivered that it has not taken yet, and whether it has ended here. Its timings and
+    counts are the request's (`state`, kept by the engine thread)."""
+
+    def __init__(self, state: RequestState):
+        self.state = state
+        self.pending: list[RequestOutput] = []
+        self.wakeup = asyncio.Event()
+        self.ended: str | None = None  # ended on this side (an abort) before the engine said so
+        self.final_seen = False  # the request's last output has been taken
+        self.retired = False  # out of the engine's books: finished, failed or aborted
+
+    def __getattr__(self, name: str):  # request_id, prompt, prompt_ids, params, arrival, ...
+        return getattr(self.state, name)
+
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None or self.state.finished
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [r or self.ended for r in self.state.finish_reasons]
+
+    def take(self) -> RequestOutput | None:
+        """What arrived since the last call, as one output (None: nothing new). Raises
+        EngineError if the engine failed the request."""
+        if not self.pending:
+            return None
+        out, self.pending = merge(self.pending), []
+        self.final_seen = out.finished
+        if out.error is not None:
+            raise failed(out)
+        return out
+
+
+class RequestBook:
+    """The requests in flight by id, until each is retired (finished, failed or aborted)."""
+
+    def __init__(self):
+        self._requests: dict[str, RequestHandle] = {}  # by request id, until retired
+        self._num_seqs = 0  # sequences of the requests in `_requests`
+        self._send: Callable[[Submit | Abort], None] | None = None  # the worker's commands, while it runs
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished (waiting, running or swapped)."""
+        return len(self._requests)
+
+    @property
+    def num_seqs_in_flight(self) -> int:
+        """Their sequences: a request with n completions counts n."""
+        return self._num_seqs
+
+    def _check_free(self, request_id: str | None) -> None:
+        if request_id is not None and str(request_id) in self._requests:
+            raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
+
+    def _add(self, state: RequestState) -> RequestHandle:
+        """Book a checked request and hand it to the worker."""
+        while state.request_id in self._requests:  # (an automatic id that a caller's took)
+            state.request_id = f"{state.request_id}+"
+        request = RequestHandle(state)
+        state.owner = request
+        self._requests[state.request_id] = request
+        self._num_seqs += state.params.n
+        self._send(Submit(state))
+        return request
+
+    def _deliver(self, outputs) -> None:
+        """Hand each (state, output) the worker reported to its request's consumer and wake it."""
+        for state, out in outputs:
+            request: RequestHandle = state.owner
+            if request.ended is not None:
+                continue  # ended here already (an abort): nothing more reaches its consumer
+            request.pending.append(out)
+            if out.finished:
+                self._retire(request)
+            request.wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort" and its blocks are freed
+        at the worker's next command drain (within one step)."""
+        request = self._requests.get(str(request_id))
+        if request is not None:
+            self._end(request, "abort")
+
+    def abort_all(self, error: BaseException | None = None) -> None:
+        """Abort every request in flight (shutdown: their streams end at once). With `error`,
+        each consumer raises EngineError from it (a server ending what it could not finish)
+        instead of seeing finish_reason "abort"."""
+        for request in list(self._requests.values()):
+            self._end(request, "abort", error)
+
+    def release(self, request: RequestHandle) -> None:
+        """The consumer is gone: abort the request if it is still running (synchronously, so
+        its id is free again and its blocks are freed within a step)."""
+        if not request.finished:
+            self._end(request, "abort")
+        self._retire(request)
+
+    # -- the one way a request ends here ---------------------------------------------------------
+
+    def _end(self, request: RequestHandle, reason: str, error: BaseException | None = None) -> None:
+        """End `request` on this side now: its consumer sees `reason` (or raises from `error`)
+        at once, and the worker aborts it."""
+        if not request.finished and self._send is not None:
+            request.ended = reason
+            self._send(Abort(request.state))
+            outputs = tuple(CompletionOutput(i, "", (), reason) for i, r in enumerate(request.state.finish_reasons)
+                            if r is None)
+            request.pending.append(RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids),
+                                                 outputs, True, None, request.cached_tokens, error))
+        self._retire(request)
+        request.wakeup.set()
+
+    def _retire(self, request: RequestHandle) -> None:
+        if request.retired:
+            return
+        request.retired = True
+        self._num_seqs -= request.params.n
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+
+    # -- consuming ------------------------------------------------------------------------------
+
+    async def _outputs(self, request: RequestHandle) -> AsyncIterator[RequestOutput]:
+        """`request`'s outputs as they arrive, until its last; released however the loop ends."""
+        try:
+            while not request.final_seen:
+                await request.wakeup.wait()
+                request.wakeup.clear()
+                out = request.take()
+                if out is not None:
+                    yield out
+        finally:
+            self.release(request)
+
+    async def merge(self, requests: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(position in `requests`, delta) from several submitted requests as they progress;
+        leaving early aborts those still running (the server's multi-prompt streams)."""
+        wakeup = asyncio.Event()
+        for request in requests:  # one event for all: one wait covers every request
+            request.wakeup = wakeup
+        wakeup.set()  # (outputs may have arrived before this started)
+        try:
+            while not all(r.final_seen for r in requests):
+                await wakeup.wait()
+                wakeup.clear()
+                for i, request in enumerate(requests):
+                    out = request.take()
+                    if out is not None:
+                        yield i, out
+        finally:
+            for request in requests:
+                self.release(request)
+
+    async def collect(self, request: RequestHandle) -> RequestOutput:
+        """Wait for a submitted request's end; the whole text, ids and logprobs of each
+        completion. Cancelling the wait aborts the request."""
+        parts = [out async for out in self._outputs(request)]
+        whole = merge(parts)
+        n = request.params.n
+        if len(whole.outputs) < n:  # (every completion, even one that produced nothing)
+            have = {c.index for c in whole.outputs}
+            whole = dataclasses.replace(whole, outputs=tuple(sorted(
+                whole.outputs + tuple(CompletionOutput(i, "", (), None) for i in range(n) if i not in have),
+                key=lambda c: c.index)))
+        return dataclasses.replace(whole, finished=True)

@@ -1,0 +1,138 @@
+"""Admission: what a request passes before it runs — its API key, its body (size, time, JSON), its fields and
+the server's limits — and its prompts queued in the engine, all or none."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Sequence
+
+import msgspec
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
+
+from runtime.async_engine import AsyncEngine, RequestHandle
+from runtime.serve import protocol as api
+from runtime.serve.api_mapping import (ChatRenderer, CompletionRenderer, chat_inputs, completion_params,
+                                       completion_prompts, param_of)
+from runtime.serve.config import ServerConfig
+from runtime.serve.http_errors import HTTPError
+from runtime.serve.shutdown import Shutdown
+
+log = logging.getLogger("nanoinfer.server")
+MAX_UNKNOWN_FIELDS_LOGGED = 100
+
+
+class Admission:
+    """From an HTTP request (or a WebSocket message) to the handles of its requests in the engine."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str, shutdown: Shutdown):
+        self.engine, self.config, self.model_name, self.shutdown = engine, config, model_name, shutdown
+        self._unknown_fields_logged: set[str] = set()
+
+    def check_access(self, connection: HTTPConnection) -> None:
+        if self.config.api_key is not None and connection.url.path.startswith("/v1/"):
+            given = connection.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
+                raise HTTPError(401, "missing or wrong API key (expected `Authorization: Bearer <key>`)",
+                                type_="authentication_error", code="invalid_api_key")
+
+    async def read(self, request: Request, type_):
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise HTTPError(415, f"content type {content_type or '(none)'!r} is not supported: expected "
+                                 f"application/json", code="unsupported_media_type")
+        length, limit = request.headers.get("content-length"), self.config.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise HTTPError(413, f"request body of {length} bytes exceeds the limit of {limit}")
+        body = bytearray()
+
+        async def receive() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+        try:  # (a body trickling in would hold a connection for ever)
+            await asyncio.wait_for(receive(), self.config.timeout_body)
+        except asyncio.TimeoutError as exc:
+            raise HTTPError(408, f"the request body did not arrive within {self.config.timeout_body:g} s ({len(body)} "
+                                 f"of {length or 'unknown'} bytes came; --timeout-body)", code="request_timeout",
+                            headers={"Connection": "close"}) from exc
+        except ClientDisconnect as exc:
+            raise HTTPError(499, f"the client closed the connection while sending the body ({len(body)} of "
+                                 f"{length or 'unknown'} bytes came)", code="client_closed_request") from exc
+        try:
+            raw = msgspec.json.decode(bytes(body))
+        except msgspec.DecodeError as exc:
+            raise HTTPError(400, f"the body is not valid JSON: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise HTTPError(400, f"the body is not valid UTF-8: {exc}") from exc
+        except RecursionError as exc:
+            raise HTTPError(400, "the body nests JSON too deeply") from exc
+        return self.parse(raw, type_)
+
+    def parse(self, raw, type_):
+        """The request of type `type_` that decoded JSON `raw` holds, checked (an HTTP body or
+        a WebSocket message's)."""
+        if not isinstance(raw, dict):
+            raise HTTPError(400, f"the body must be a JSON object, got {type(raw).__name__}")
+        for name in set(raw) - api.known_fields(type_) - self._unknown_fields_logged:
+            if len(self._unknown_fields_logged) >= MAX_UNKNOWN_FIELDS_LOGGED:
+                break  # (clients choose these names: the set, and the log, must stay bounded)
+            self._unknown_fields_logged.add(name)
+            log.warning("ignoring unknown request field %r (logged once)", name)
+        try:
+            req = msgspec.convert(raw, type_)
+        except msgspec.ValidationError as exc:
+            raise HTTPError(400, f"invalid request: {exc}", param=param_of(str(exc))) from exc
+        if req.model is not None and req.model != self.model_name:
+            raise HTTPError(404, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
+                            param="model", code="model_not_found")
+        if (name := api.unsupported(req)) is not None:
+            raise HTTPError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if req.n > (max_n := self.config.max_n):
+            raise HTTPError(400, f"n={req.n} is more than this server allows: expected n <= {max_n}", param="n")
+        return req
+
+    async def submit_completion(self, rid: str, req: api.CompletionRequest
+                                ) -> tuple[list[RequestHandle], CompletionRenderer]:
+        """Submit a completion request; its handles and renderer."""
+        handles = await self.submit_all(rid, completion_prompts(req), completion_params(req), stream=req.stream)
+        return handles, CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)
+
+    async def submit_chat(self, rid: str, req: api.ChatCompletionRequest) -> tuple[list[RequestHandle], ChatRenderer]:
+        """Submit a chat completion request (HTTP's or a WebSocket's); its handles and renderer."""
+        inputs = chat_inputs(req, self.engine.tokenizer)
+        handles = await self.submit_all(rid, [inputs.messages], inputs.params,
+                                        chat_template_kwargs=inputs.template_kwargs, stream=req.stream)
+        return handles, ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, inputs.tools)
+
+    async def submit_all(self, rid: str, prompts: Sequence, params, chat_template_kwargs: dict | None = None,
+                         stream: bool = True) -> list[RequestHandle]:
+        """Submit every prompt now so that a bad one is a 400, not a broken stream. Its grammar
+        is compiled first, off the event loop (submit then finds it compiled). Without
+        `stream`, each request's output comes once, at its end."""
+        self.shutdown.check_open()
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.core.executor.grammars.compile(params.structured_outputs))
+        wanted, most = len(prompts) * params.n, self.config.max_pending
+        if wanted > most:
+            raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "
+                                 f"more than this server admits at once ({most})", param="n")
+        # Rendered and tokenized off the event loop, every prompt checked before any is queued.
+        states = [await self.engine.prepare(prompt, params, rid if len(prompts) == 1 else f"{rid}-{i}",
+                                            chat_template_kwargs=chat_template_kwargs, stream=stream)
+                  for i, prompt in enumerate(prompts)]
+        self.shutdown.check_open()
+        if self.engine.num_seqs_in_flight + wanted > most:
+            raise HTTPError(503, f"the server is at its limit of {most} queued sequences; retry later",
+                            type_="overloaded_error", headers={"Retry-After": "1"})
+        handles = []
+        try:
+            for state in states:
+                handles.append(self.engine.enqueue(state))
+        except BaseException:
+            for handle in handles:
+                self.engine.release(handle)
+            raise
+        return handles
