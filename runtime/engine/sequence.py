@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from nanoinfer.sampling import SamplingParams
-from nanoinfer.structured import Constraint
+
+if TYPE_CHECKING:  # (structured output is imported by the requests that use it)
+    from nanoinfer.structured import Constraint
 
 
 class SequenceStatus(enum.Enum):
