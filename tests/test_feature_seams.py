@@ -58,3 +58,30 @@ def test_a_default_step_imports_no_feature_it_does_not_use(smollm2_gguf):
     assert step["text"] == " Paris"
     unused = UNUSED + (REPLACED_BY_NATIVE if step["native"] else ())
     assert sorted(set(step["modules"]) & set(unused)) == []
+
+
+WHOLE_REQUEST = """
+import json, sys
+from nanoinfer import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], device="cpu", progress=False)
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+print(json.dumps({"text": out[0].outputs[0].text,
+                  "modules": sorted(m for m in sys.modules if m.startswith(("nanoinfer", "runtime")))}))
+"""
+
+# The engine's features: their code plugs in at the step's seams and is imported by the
+# request (or the failure) that needs it.
+UNUSED_IN_RUNTIME = ("runtime.engine.speculative", "runtime.engine.structured", "runtime.engine.faults",
+                     "runtime.executor.draft_runner", "runtime.executor.verify", "runtime.executor.grammar_masks",
+                     "runtime.executor.tensor_parallel", "runtime.serve", "runtime.async_engine", "runtime.worker")
+
+
+@pytest.mark.slow
+def test_a_default_request_runs_no_engine_feature_it_does_not_use(smollm2_gguf):
+    done = subprocess.run([sys.executable, "-c", WHOLE_REQUEST, str(smollm2_gguf)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    request = json.loads(done.stdout.splitlines()[-1])
+    assert request["text"].startswith(" Paris")
+    assert sorted(set(request["modules"]) & set(UNUSED + UNUSED_IN_RUNTIME)) == []

@@ -38,6 +38,28 @@ def unpermute_rotary_rows(w, num_heads: int):
     return take_rows(w, order)
 
 
+def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
+    """One decoder layer's params, its tensors named from prefix `p`."""
+    hidden, inter, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    projections = (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))
+    qkv = [load(p + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in projections]
+    qkv_bias = None
+    if cfg.qkv_bias:
+        qkv_bias = torch.cat([load(p + f"self_attn.{n}_proj.bias", (size,)) for n, size in projections])
+    return LayerParams(
+        attn_norm=load(p + "input_layernorm.weight", (hidden,)),
+        qkv_proj=matrix(concat_rows(qkv)),
+        qkv_bias=qkv_bias,
+        q_norm=load(p + "self_attn.q_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+        k_norm=load(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
+        o_proj=matrix(load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size))),
+        mlp_norm=load(p + "post_attention_layernorm.weight", (hidden,)),
+        gate_up_proj=matrix(concat_rows([load(p + "mlp.gate_proj.weight", (inter, hidden)),
+                                         load(p + "mlp.up_proj.weight", (inter, hidden))])),
+        down_proj=matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
+    )
+
+
 def build_params(
     get: TensorSource,
     cfg: ModelConfig,
@@ -67,32 +89,9 @@ def build_params(
         # (`library()` builds cpu_native.c on a machine's first packed load)
         return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
 
-    def optional(name: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
-        return load(name, shape) if wanted else None
-
-    hidden, inter, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    layers = []
+    hidden = cfg.hidden_size
     bar = tqdm(range(cfg.num_layers), desc=f"loading {path.name}", unit="layer", disable=not progress, leave=False)
-    for i in bar:
-        p = f"model.layers.{i}."
-        qkv = [load(p + f"self_attn.{n}_proj.weight", (size, hidden))
-               for n, size in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))]
-        qkv_bias = None
-        if cfg.qkv_bias:
-            qkv_bias = torch.cat([load(p + f"self_attn.{n}_proj.bias", (size,))
-                                  for n, size in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))])
-        layers.append(LayerParams(
-            attn_norm=load(p + "input_layernorm.weight", (hidden,)),
-            qkv_proj=matrix(concat_rows(qkv)),
-            qkv_bias=qkv_bias,
-            q_norm=optional(p + "self_attn.q_norm.weight", (head_dim,), cfg.qk_norm),
-            k_norm=optional(p + "self_attn.k_norm.weight", (head_dim,), cfg.qk_norm),
-            o_proj=matrix(load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size))),
-            mlp_norm=load(p + "post_attention_layernorm.weight", (hidden,)),
-            gate_up_proj=matrix(concat_rows([load(p + "mlp.gate_proj.weight", (inter, hidden)),
-                                             load(p + "mlp.up_proj.weight", (inter, hidden))])),
-            down_proj=matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
-        ))
+    layers = [_layer(f"model.layers.{i}.", cfg, load, matrix) for i in bar]
     embed = load("model.embed_tokens.weight", (cfg.vocab_size, hidden))
     lm_head = matrix(embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden)))
     if inv_freq is None:
