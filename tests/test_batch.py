@@ -91,13 +91,13 @@ def test_graph_inputs_are_written_alike_from_the_host_and_the_device(decode):
         assert a.query_start_loc.tolist() == [0, 3, 4, 6, 8] and a.logits_indices.tolist() == [2, 3] + [0] * 6
 
 
-def reference_step_batch(inp, batch_rows, block_size):
+def reference_step_batch(inp, draft_tokens, batch_rows, block_size):
     """The Batch of a model runner's step spelled out one token at a time: each pending token
     from its sequence on the host, or (sampled by the step in flight) its row's last token on
     the device; then the chunk's drafts, in order; a block-table width of the longest context."""
     ids, positions, slots, lens, qsl = [], [], [], [], [0]
-    drafts = iter(inp.draft_tokens.tolist() if inp.draft_tokens is not None else ())
-    for seq, start, n, num_drafts in inp.chunks:
+    drafts = iter(draft_tokens.tolist())
+    for seq, start, n, num_drafts, _ in inp.chunks:
         for pos in range(start, start + n):
             if pos >= start + n - num_drafts:
                 ids.append(next(drafts))
@@ -125,7 +125,8 @@ def test_the_model_runners_step_batch_matches_per_token_reference(seed):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine.sequence import Sequence
     from runtime.executor.input_batch import InputBatch
-    from runtime.executor.model_runner import Chunk, ModelRunner, StepInput
+    from runtime.executor.model_runner import ModelRunner
+    from runtime.executor.step import Chunk, StepInput
 
     rng = random.Random(seed)
     block_size = rng.choice([1, 3, 16])
@@ -152,10 +153,11 @@ def test_the_model_runners_step_batch_matches_per_token_reference(seed):
     total = sum(c.num_tokens for c in chunks)
     logits_rows = tuple(sorted(rng.sample(range(total), rng.randint(0, total))))
     samplers = tuple((c.seq, i) for i, c in enumerate(chunks))
-    inp = StepInput(tuple(chunks), logits_rows, samplers, (), draft_tokens=torch.tensor(draft_tokens, dtype=torch.int64))
+    inp = StepInput(tuple(chunks), logits_rows, samplers)
+    drafts = torch.tensor(draft_tokens, dtype=torch.int64)
     runner = types.SimpleNamespace(batch=rows, block_size=block_size, device=torch.device("cpu"))  # (what _build reads)
-    batch, sampler_rows, (sampler_rows_t, steps_t) = ModelRunner._build(runner, inp)
-    for name, tensor, values, dtype in zip(Batch._fields, batch, reference_step_batch(inp, rows, block_size),
+    batch, sampler_rows, (sampler_rows_t, steps_t) = ModelRunner._build(runner, inp, drafts)
+    for name, tensor, values, dtype in zip(Batch._fields, batch, reference_step_batch(inp, drafts, rows, block_size),
                                            (torch.int64,) * 3 + (torch.int32,) * 3 + (torch.int64,)):
         assert tensor.dtype == dtype, name
         assert tensor.tolist() == values, name

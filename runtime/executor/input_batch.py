@@ -22,7 +22,7 @@ import torch
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.sampling import SamplingColumns, SamplingTensors
 
-if TYPE_CHECKING:  # (penalties.py is imported by the first row that uses them; Sequence is the engine's)
+if TYPE_CHECKING:
     from nanoinfer.penalties import PenaltyRows
     from runtime.engine.sequence import Sequence
 
@@ -112,9 +112,9 @@ class InputBatch:
 
     def _init_penalties(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """Fill the joined rows' penalty tables (neutral for the rows that use no penalties)."""
-        if self.penalties is None:
-            from nanoinfer.penalties import PenaltyRows
+        from nanoinfer.penalties import PenaltyRows  # (the first row that uses penalties brings them)
 
+        if self.penalties is None:
             self.penalties = PenaltyRows.neutral(self.table.shape[0], self.vocab_size, self.device)
         fresh = PenaltyRows.build([s.params for s in seqs], [s.prompt_token_ids for s in seqs],
                                   [s.output_token_ids for s in seqs], self.vocab_size, self.eos_token_ids, self.device)
