@@ -22,7 +22,8 @@ what the draft's cache is known to hold) and the catch-up runs as usual.
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple, Sequence as Seq
+from typing import NamedTuple
+from typing import Sequence as Seq
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from nanoinfer.sampling import SamplingColumns, greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_pools import KVPools
-from runtime.engine.sequence import Sequence
+from runtime.executor.step import Sequence
 
 
 class Proposal(NamedTuple):

@@ -10,16 +10,13 @@ nothing above this file changes for them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
 from runtime.config import EngineConfig
 from runtime.executor.kv_pools import KVPools
-from runtime.executor.step import InFlightStep, StepInput
-
-if TYPE_CHECKING:
-    from runtime.engine.sequence import Sequence
+from runtime.executor.step import InFlightStep, Sequence, StepInput
 
 
 class Executor(Protocol):

@@ -11,7 +11,15 @@ import torch
 
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.structured import allocate_bitmask
-from runtime.executor.verify import offsets
+
+
+def offsets(counts) -> list[int]:
+    """Where each of consecutive runs of `counts` items starts."""
+    result, at = [], 0
+    for n in counts:
+        result.append(at)
+        at += n
+    return result
 
 
 def grammar_masks(runner, rows: list) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -21,10 +21,10 @@ import torch
 
 from nanoinfer.host_copy import to_device_packed
 from nanoinfer.sampling import SamplingColumns, SamplingTensors
+from runtime.executor.step import Sequence
 
 if TYPE_CHECKING:
     from nanoinfer.penalties import PenaltyRows
-    from runtime.engine.sequence import Sequence
 
 
 class InputBatch:
@@ -112,7 +112,9 @@ class InputBatch:
 
     def _init_penalties(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """Fill the joined rows' penalty tables (neutral for the rows that use no penalties)."""
-        from nanoinfer.penalties import PenaltyRows  # (the first row that uses penalties brings them)
+        from nanoinfer.penalties import (
+            PenaltyRows,  # (the first row that uses penalties brings them)
+        )
 
         if self.penalties is None:
             self.penalties = PenaltyRows.neutral(self.table.shape[0], self.vocab_size, self.device)

@@ -29,7 +29,13 @@ from runtime.config import EngineConfig
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_budget import kv_blocks_for_memory
 from runtime.executor.kv_pools import KVPools
-from runtime.executor.step import DeviceToHost, InFlightStep, SampledRow, StepInput, StepTensors
+from runtime.executor.step import (
+    DeviceToHost,
+    InFlightStep,
+    SampledRow,
+    StepInput,
+    StepTensors,
+)
 
 
 class ForwardOutput(NamedTuple):

@@ -18,14 +18,39 @@ and reads step N's tokens only afterwards. Meanwhile:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from nanoinfer.sampling import Logprobs
+from nanoinfer.sampling import Logprobs, SamplingParams
 
-if TYPE_CHECKING:  # (the engine's; the executor only reads it)
-    from runtime.engine.sequence import Sequence
+
+class Sequence(Protocol):
+    """What the executor reads of a sequence (the engine's runtime/engine/sequence.py, which
+    it never changes): its tokens as known on the host, its place in the KV pools, its
+    parameters."""
+
+    seq_id: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_unresolved: int  # sampled by a step still in flight
+    num_draft_computed: int  # how far a draft model's cache holds
+    block_table: list[int]
+    constraint: Any  # structured output's grammar state (nanoinfer/structured.py), or None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_pending_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 class Chunk(NamedTuple):

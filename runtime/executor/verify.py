@@ -17,15 +17,6 @@ from nanoinfer.speculative import draft_history, verify
 from runtime.executor.step import DeviceToHost, StepInput, VerifiedTensors
 
 
-def offsets(counts) -> list[int]:
-    """Where each of consecutive runs of `counts` items starts."""
-    result, at = [], 0
-    for n in counts:
-        result.append(at)
-        at += n
-    return result
-
-
 class Verification:
     def __init__(self, runner, inp: StepInput, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None):
         """Made before the step's forward is queued: a constrained sequence's masks follow its
@@ -41,7 +32,7 @@ class Verification:
     def _grammar_masks(self):
         if self._host_drafts is None:
             return None
-        from runtime.executor.grammar_masks import grammar_masks
+        from runtime.executor.grammar_masks import grammar_masks, offsets
 
         drafts, counts = self._host_drafts.wait()[0].tolist(), [v.num_drafts for v in self.inp.verifiers]
         # (a verifier's j + 1 rows follow the ones before it; so do its drafts)
