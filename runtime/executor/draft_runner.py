@@ -31,13 +31,12 @@ import torch
 from nanoinfer.batch import Batch, SeqChunk, host_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kernels import forward_of, kernels_for, prepare
 from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingColumns, greedy_tokens
 from nanoinfer.speculative import draft_sample
 from runtime.executor.input_batch import InputBatch
-from runtime.executor.kv_pools import KVPools
+from runtime.executor.device_model import DeviceModel
 from runtime.executor.step import Sequence
 
 
@@ -75,29 +74,19 @@ def draft_bytes_per_block(draft: LoadedModel, config) -> int:
     return kv_bytes_per_block(draft.config, config.block_size, kv_dtype(draft.params.dtype, config.kv_cache_dtype))
 
 
-class DraftRunner:
+class DraftRunner(DeviceModel):
     def __init__(self, draft: LoadedModel, config, num_blocks: int, num_cpu_blocks: int, batch: InputBatch):
         """`config` is the EngineConfig; `batch` the target's input batch (the rows' sampling
         parameters)."""
-        cfg, dtype = draft.config, kv_dtype(draft.params.dtype, config.kv_cache_dtype)
-        self.draft, self.cfg, self.batch = draft, cfg, batch
-        self.device = draft.params.device
-        self.block_size = config.block_size
-        self.kernels = kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager,
-                                   params=draft.params, kv_dtype=dtype)
-        prepare(self.kernels, draft.params, cfg.vocab_size)
-        self.pools = KVPools(cfg, num_blocks, num_cpu_blocks, config.block_size, dtype, self.device)
-        self.kv = self.pools.kv
-        self.graphs = None
+        super().__init__(draft, config)
+        self.batch = batch
+        self._allocate(num_blocks, num_cpu_blocks)
         if self.kernels.graphs:  # (its passes are decode steps, and a catch-up step of 1-2 tokens each)
             from nanoinfer.graphs import StepGraphs
 
-            self.graphs = StepGraphs(self._eager_forward, self.device,
-                                     max_batch=StepGraphs.batch_cap(config.scheduler.max_num_seqs),
-                                     max_blocks=batch.max_blocks, max_tokens=config.scheduler.max_num_batched_tokens,
-                                     widths=(self.kernels.attention.partition_size // config.block_size,),
-                                     rows_per_seq=2)
-            self.graphs.capture()
+            self._capture(max_batch=StepGraphs.batch_cap(config.scheduler.max_num_seqs), max_blocks=batch.max_blocks,
+                          max_tokens=config.scheduler.max_num_batched_tokens,
+                          widths=(self.kernels.attention.partition_size // config.block_size,), rows_per_seq=2)
         # Prelaunching pays where the device would wait for the host (not on the CPU), and
         # while a step that accepted everything is mostly followed by another (`_outcomes`:
         # whether it was, of late; a dropped pass costs more than a used one saves).
@@ -113,8 +102,7 @@ class DraftRunner:
     def _eager_forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits of the batch's logits rows, and their argmax (a greedy draft's proposal,
         inside the graph: its pass needs no other launch)."""
-        k = self.kernels
-        logits = forward_of(self.cfg)(self.draft.params, self.kv, batch, self.cfg, k.attention, k.layer_fns, logits_dtype=None)
+        logits = self._forward_logits(batch)
         return logits, greedy_tokens(logits)
 
     def _logits(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None

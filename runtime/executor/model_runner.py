@@ -21,14 +21,13 @@ import torch
 
 from nanoinfer.batch import Batch, layout
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kernels import forward_of, kernels_for, prepare
-from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
+from nanoinfer.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
 from runtime.config import EngineConfig
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_budget import kv_blocks_for_memory
-from runtime.executor.kv_pools import KVPools
+from runtime.executor.device_model import DeviceModel
 from runtime.executor.step import (
     DeviceToHost,
     InFlightStep,
@@ -47,19 +46,14 @@ class ForwardOutput(NamedTuple):
     finite: torch.Tensor  # [rows] bool: every logit finite
 
 
-class ModelRunner:
+class ModelRunner(DeviceModel):
     def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
                  draft: LoadedModel | None = None):
         """`draft`: the draft model of speculative decoding, if any (its KV pool takes its share
         of the memory: runtime/executor/draft_runner.py)."""
-        cfg, dtype = model.config, kv_dtype(model.params.dtype, config.kv_cache_dtype)
-        self.model, self.config, self.cfg = model, config, cfg
-        self.device = model.params.device
-        self.block_size = config.block_size
-        self.kernels = self._layer_functions(kernels_for(cfg, self.device, config.block_size, eager=config.enforce_eager,
-                                                         params=model.params, kv_dtype=dtype))
+        super().__init__(model, config)
+        cfg, dtype = self.cfg, self.kv_dtype
         self.attention = self.kernels.attention
-        prepare(self.kernels, model.params, cfg.vocab_size)
         per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
         if draft is not None:
             from runtime.executor.draft_runner import draft_bytes_per_block
@@ -70,8 +64,7 @@ class ModelRunner:
         self.num_cpu_blocks = config.swap_space // per_block
         self.max_blocks = -(-max_model_len // config.block_size)
         self._before_pools(dtype)
-        self.pools = KVPools(cfg, self.num_blocks, self.num_cpu_blocks, config.block_size, dtype, self.device)
-        self.kv = self.pools.kv
+        self._allocate(self.num_blocks, self.num_cpu_blocks)
         # (n - 1 forks may take rows in the step their parent's prefill ends, before it is planned)
         self.batch = InputBatch(config.scheduler.max_num_seqs + 8, self.max_blocks, cfg.vocab_size,
                                 cfg.eos_token_ids, self.device)
@@ -84,12 +77,8 @@ class ModelRunner:
             self.pools.followers.append(self.draft.pools)
         self.constrained: set[int] = set()  # ids of the sequences with rows that a grammar constrains
         self._grammars = None
-        self.graphs = None
         if self.kernels.graphs:
-            from nanoinfer.graphs import StepGraphs
-
-            self.graphs = StepGraphs(self._eager_forward, self.device, **self._graph_sizes()._asdict())
-            self.graphs.capture()
+            self._capture(**self._graph_sizes()._asdict())
 
     def _graph_sizes(self):
         from nanoinfer.graphs import GraphSizes, StepGraphs
@@ -103,12 +92,8 @@ class ModelRunner:
             widths=(self.attention.partition_size // c.block_size,),
             rows_per_seq=1 + (0 if spec is None else spec.num_speculative_tokens))
 
-    # (seams of tensor_parallel.py's subclass: the ranks' layer functions, their setup)
-    def _layer_functions(self, kernels):
-        return kernels
-
     def _before_pools(self, kv_dtype: torch.dtype) -> None:
-        pass
+        """(A seam of tensor_parallel.py's subclass: the ranks' setup.)"""
 
     @property
     def grammars(self):
@@ -195,9 +180,7 @@ class ModelRunner:
         return batch, sampler_rows, (sampler_rows_t, steps_t)
 
     def _eager_forward(self, batch: Batch) -> ForwardOutput:
-        k = self.kernels
-        logits = forward_of(self.cfg)(self.model.params, self.kv, batch, self.cfg, k.attention, k.layer_fns,
-                                      logits_dtype=None)
+        logits = self._forward_logits(batch)
         return ForwardOutput(logits, *greedy_and_finite(logits))
 
     def _forward(self, batch: Batch) -> ForwardOutput:
