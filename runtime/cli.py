@@ -20,6 +20,7 @@ from nanoinfer.hub import DEFAULT_MODEL
 from nanoinfer.loaders import LoadConfig
 from nanoinfer.settings import add_flags, from_namespace, parse_config_file
 from runtime.config import EngineConfig, SchedulerConfig
+from runtime.launch import LaunchConfig, LocalRanks, is_launched
 from runtime.serve.config import ServerConfig
 
 
@@ -54,6 +55,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     add_flags(group, EngineConfig)
     add_flags(group, SchedulerConfig)
+    add_flags(parser.add_argument_group("several machines (or torchrun's variables)"), LaunchConfig)
 
 
 def _engine_kwargs(args) -> dict:
@@ -354,9 +356,13 @@ def _tensor_parallel_rank(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     handlers = {"generate": _generate, "serve": _serve, "chat": _chat, "eval": _eval}
+    local = None
     try:
         args = parse_args(argv)
-        if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":  # torchrun's other ranks
+        launch = LaunchConfig(**from_namespace(LaunchConfig, args)) if hasattr(args, "nnodes") else None
+        if launch is not None and launch.nnodes > 1 and not is_launched():  # this node's ranks, started here
+            local = LocalRanks(launch, args.tensor_parallel_size, sys.argv[1:] if argv is None else list(argv))
+        if is_launched() and os.environ["RANK"] != "0":  # torchrun's (or LocalRanks') other ranks
             return _tensor_parallel_rank(args)
         return handlers[args.command](args)
     except NanoInferError as exc:
@@ -365,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        if local is not None:
+            local.close()
 
 
 if __name__ == "__main__":
