@@ -40,10 +40,10 @@ class LayerParams:
 
 @dataclass(frozen=True)
 class Params:
-    embed: Weight  # [vocab, hidden]: dense, or a quantized table rows are read from
+    embed: Weight | None  # [vocab, hidden]: dense, or a quantized table rows are read from (None: a later stage)
     layers: tuple[LayerParams, ...]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: Weight  # [vocab, hidden]; the same object as `embed` when tied and dense
+    lm_head: Weight | None  # [vocab, hidden]; the same object as `embed` when tied and dense (None: an earlier stage)
     rope_inv_freq: torch.Tensor  # [head_dim // 2] fp32, scaling applied
 
     @property
@@ -155,10 +155,15 @@ def forward(
     backend: AttentionBackend | None = None,
     layer_fns: LayerFunctions = EAGER,
     logits_dtype: torch.dtype | None = torch.float32,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits [len(batch.logits_indices), vocab] for the batch's sampling rows, in
     `logits_dtype` (None: the model's own dtype, which a greedy step needs no more than).
     `backend` None: the reference attention (nanoinfer/attention/reference.py).
+
+    A pipeline stage (nanoinfer/pipeline.py: params of some layers) takes the previous
+    stage's activations as `hidden` where it has no embedding, and returns its activations
+    [tokens, hidden] where it has no LM head.
 
     Side effect: writes this step's keys and values into `kv` at `batch.slot_mapping`, the
     slots the batch owns, and nowhere else. Returning a fresh pool instead would copy the
@@ -173,7 +178,7 @@ def forward(
     windows = cfg.layer_windows
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
-    x = layer_fns.embed(params.embed, batch.input_ids, params.dtype)  # [tokens, hidden]
+    x = layer_fns.embed(params.embed, batch.input_ids, params.dtype) if hidden is None else hidden  # [tokens, hidden]
     cos, sin = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
         if layer_fns.rope_and_write is None:
@@ -184,6 +189,8 @@ def forward(
             q = layer_fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv[layer_idx], batch.slot_mapping, cfg)
         attn = backend.attention(q, kv[layer_idx], meta[windows[layer_idx]])  # [tokens, heads, head_dim]
         x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear, layer_fns.all_reduce)
+    if params.lm_head is None:  # a stage before the last: its activations are the next stage's input
+        return x
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
     logits = layer_fns.gather_logits(layer_fns.linear(x, params.lm_head))

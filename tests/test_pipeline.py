@@ -1,0 +1,92 @@
+"""Pipeline stages compose to the whole model: the stages' forwards in a row, each over its own
+layers and its own KV pool, give the logits of one forward, and their pools are the whole
+pool's layers."""
+
+import pytest
+import torch
+
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.errors import RequestError
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model import forward
+from nanoinfer.pipeline import Stage, stage_config, stage_layers, stage_params
+from nanoinfer.tensor_parallel import shard_config, shard_params
+from tests.tiny import random_params, tiny_config
+
+
+@pytest.mark.parametrize("layers, size, expected", [
+    (4, 1, [range(0, 4)]),
+    (4, 2, [range(0, 2), range(2, 4)]),
+    (5, 2, [range(0, 3), range(3, 5)]),
+    (7, 3, [range(0, 3), range(3, 5), range(5, 7)]),
+    (3, 3, [range(0, 1), range(1, 2), range(2, 3)]),
+])
+def test_stages_hold_every_layer_once_the_first_ones_the_extra(layers, size, expected):
+    assert [stage_layers(layers, Stage(i, size)) for i in range(size)] == expected
+
+
+def test_more_stages_than_layers_is_named():
+    with pytest.raises(RequestError, match="pipeline_parallel_size=5 for a model of 4 layers"):
+        stage_layers(4, Stage(0, 5))
+
+
+def _steps(cfg, block_size=4):
+    """A prefill of two sequences, then a decode step of both (their blocks apart)."""
+    a, b = [5, 9, 2, 7, 1, 3], [8, 4, 6]
+    prefill = build_batch([SeqChunk(a, 0, [0, 1], True), SeqChunk(b, 0, [2], True)], block_size)
+    decode = build_batch([SeqChunk([11], len(a), [0, 1], True), SeqChunk([12], len(b), [2], True)], block_size)
+    return prefill, decode
+
+
+def _pipelined(params, cfg, size, steps, num_blocks=4, block_size=4):
+    stages = [Stage(i, size) for i in range(size)]
+    cfgs = [stage_config(cfg, s) for s in stages]
+    parts = [stage_params(params, cfg, s) for s in stages]
+    pools = [allocate_kv_pool(c, num_blocks, block_size, torch.float32, "cpu") for c in cfgs]
+    out = []
+    for batch in steps:
+        hidden = None
+        for p, c, kv in zip(parts, cfgs, pools):
+            hidden = forward(p, kv, batch, c, hidden=hidden)
+        out.append(hidden)
+    return out, pools
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("tied, windowed", [(False, None), (True, (True, False, True))])
+def test_stages_in_a_row_are_the_whole_forward(size, tied, windowed):
+    cfg = tiny_config(num_layers=3, tie_word_embeddings=tied, sliding_window=2 if windowed else None,
+                      windowed_layers=windowed)
+    params = random_params(cfg, seed=4)
+    kv = allocate_kv_pool(cfg, 4, 4, torch.float32, "cpu")
+    whole = [forward(params, kv, batch, cfg) for batch in _steps(cfg)]
+    staged, pools = _pipelined(params, cfg, size, _steps(cfg))
+    for w, s in zip(whole, staged):
+        assert torch.equal(w, s)
+    assert torch.equal(torch.cat(pools), kv)
+
+
+def test_a_stage_keeps_only_its_own_weights():
+    cfg = tiny_config(num_layers=4)
+    params = random_params(cfg, seed=1)
+    first, last = (stage_params(params, cfg, Stage(i, 2)) for i in range(2))
+    assert first.embed is params.embed and first.lm_head is None and first.layers == params.layers[:2]
+    assert last.embed is None and last.lm_head is params.lm_head and last.layers == params.layers[2:]
+
+
+def test_stages_of_tensor_parallel_shards_compose():
+    """TP x PP: a rank's stage of its shard holds that stage's layers of the shard."""
+    cfg = tiny_config(num_layers=4)
+    params = random_params(cfg, seed=2)
+    for rank in range(2):
+        shard_cfg, shard = shard_config(cfg, rank, 2), shard_params(params, cfg, rank, 2)
+        for i in range(2):
+            stage = Stage(i, 2)
+            assert stage_config(shard_cfg, stage).num_layers == 2
+            assert stage_params(shard, shard_cfg, stage).layers == shard.layers[2 * i:2 * i + 2]
+
+
+def test_nanochat_runs_whole():
+    cfg = tiny_config(architecture="nanochat")
+    with pytest.raises(RequestError, match="nanochat model runs whole"):
+        stage_config(cfg, Stage(0, 2))
