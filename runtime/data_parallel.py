@@ -20,6 +20,7 @@ data_parallel_size > 1 by name).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -135,7 +136,9 @@ class DataParallelEngine(RequestReader):
         replicas: list[AsyncEngine] = []
         try:
             for device in devices:
-                replicas.append(AsyncEngine(_on(model, device), one))
+                # (made with its device current: its streams, graphs and compiled kernels are that device's)
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    replicas.append(AsyncEngine(_on(model, device), one))
         except BaseException:
             for replica in replicas:  # (their other processes, if any, go now)
                 replica.engine.close()
