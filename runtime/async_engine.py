@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
 from runtime.config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
-from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState
 from runtime.request_book import RequestBook, RequestHandle
 from runtime.worker import StepReport, Worker
