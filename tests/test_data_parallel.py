@@ -170,7 +170,7 @@ def test_shutdown_closes_every_replica(monkeypatch):
         with pytest.raises(RuntimeError, match="not running"):
             engine.submit(prompts(1)[0], GREEDY)
     asyncio.run(go())
-    assert closed == [0, 1] and all(r._worker is None for r in engine.replicas)
+    assert sorted(closed) == [0, 1] and all(r._worker is None for r in engine.replicas)  # (closed concurrently)
 
 
 def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
