@@ -66,6 +66,8 @@ def main():
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 32))
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--load-format", default="auto", help="dummy: random weights (bench/dummy_checkpoint.py)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="the server's engine replicas (the "
+                                                                           "offline baseline runs one engine)")
     parser.add_argument("--idle-requests", type=int, default=10, help="one at a time, for the idle server's TTFT")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="the TTFT and ITL CDFs")
     args = parser.parse_args()
@@ -79,7 +81,8 @@ def main():
                                                                  args.load_format] + \
         (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
 
-    server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0", *common],
+    served = ["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else []
+    server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0", *common, *served],
                               stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", server.stdout.readline()).group(0)
@@ -106,7 +109,8 @@ def main():
 
     served_tps, offline_tps = tokens / elapsed, offline_tokens / offline
     ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
-    print(f"clients {args.clients}  input {args.input_len}  output {args.output_len}  device {args.device}")
+    print(f"clients {args.clients}  input {args.input_len}  output {args.output_len}  device {args.device}  "
+          f"data_parallel_size {args.data_parallel_size}")
     print(f"{'':<22}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}")
     print(f"{'server (SSE clients)':<22}{tokens:>8}{elapsed:>9.2f}{served_tps:>9.1f}"
           f"{ms(statistics.median(ttfts)) + '/' + ms(percentile(ttfts, 99)):>18}"

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import AsyncIterator
 
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import SamplingParams
 from runtime.config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
-from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState
 from runtime.request_book import RequestBook, RequestHandle
 from runtime.worker import StepReport, Worker
@@ -81,6 +79,12 @@ class AsyncEngine(RequestBook):
         """False once the device failed for good: restart the process."""
         return self._fatal is None
 
+    @property
+    def grammars(self):
+        """Structured output's compiler (nanoinfer/structured.py's Grammars, made on first use):
+        the server compiles a request's grammar there before queueing it."""
+        return self.core.executor.grammars
+
     def stats(self) -> dict:
         """Counts from the last step: running, waiting, swapped, free_blocks, total_blocks,
         num_preemptions, generated_tokens, steps; plus healthy."""
@@ -121,22 +125,3 @@ class AsyncEngine(RequestBook):
         if self._fatal is not None:
             raise EngineError(f"the engine is unhealthy (restart it): {self._fatal!r}") from self._fatal
         self._check_free(request_id)
-
-    # -- consuming ------------------------------------------------------------------------------
-
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-                     priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's progress as deltas: each item carries only the new text and ids;
-        the last has `finish_reason` set. Leaving the loop early, or `aclose()`, aborts it."""
-        request = self.submit(prompt, params, request_id, priority)
-        try:
-            async for out in self._outputs(request):
-                yield out
-        finally:  # (closing this generator does not close the inner one: release now, not at its collection)
-            self.release(request)
-
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-                       priority: int = 0, chat_template_kwargs: dict | None = None) -> RequestOutput:
-        """Run one request to completion; the whole text and ids."""
-        return await self.collect(self.submit(prompt, params, request_id, priority, chat_template_kwargs,
-                                              stream=False))

@@ -204,14 +204,25 @@ def _generate(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
+def _async_engine(args):
+    """The engine a server runs: an AsyncEngine, or with --data-parallel-size N > 1 that many replicas
+    behind one front (runtime/data_parallel.py)."""
+    kwargs = {**_load_kwargs(args), **_engine_kwargs(args)}
+    if kwargs.get("data_parallel_size", 1) > 1:
+        from runtime.data_parallel import DataParallelEngine
+
+        return DataParallelEngine.from_model(args.model, **kwargs)
     from runtime.async_engine import AsyncEngine
+
+    return AsyncEngine.from_model(args.model, **kwargs)
+
+
+def _serve(args) -> int:
     from runtime.serve.serving import check_port_free, serve
 
     config = ServerConfig(**from_namespace(ServerConfig, args))
     check_port_free(config.host, config.port)
-    engine = AsyncEngine.from_model(args.model, **_load_kwargs(args), **_engine_kwargs(args))
-    serve(engine, config)
+    serve(_async_engine(args), config)
     return 0
 
 
@@ -269,10 +280,9 @@ def _eval_speed(args) -> int:
     import asyncio
     import json
 
-    from runtime.async_engine import AsyncEngine
     from runtime.eval.speed import measure, plot
 
-    engine = AsyncEngine.from_model(args.model, **_load_kwargs(args), **_engine_kwargs(args))
+    engine = _async_engine(args)
 
     async def run():
         async with engine:

@@ -115,6 +115,10 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
     tensor_parallel_size: int = setting(1, "ranks the model's heads and units are split over, one process each "
                                            "(gloo on the CPU, NCCL over GPUs; steps run eagerly)", minimum=1)
+    data_parallel_size: int = setting(1, "engine replicas behind one server, each a whole engine on its own "
+                                         "GPU(s) (replica i from cuda:i*tensor_parallel_size); a request goes to the "
+                                         "replica holding the longest cached prefix of its prompt, else the least "
+                                         "loaded. A server setting: LLM runs one engine", minimum=1)
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
                                                   "CUDA)", optional=True)

@@ -1,5 +1,5 @@
 """RequestBook: the event loop's side of the requests in flight — a handle each, the one way one ends, and how
-its consumer reads its outputs.
+its consumer reads its outputs (RequestReader).
 
 AsyncEngine (runtime/async_engine.py) is a RequestBook that a worker thread feeds: it admits requests
 (`_add`), and the worker's reports reach their consumers through `_deliver`. Everything here runs on the
@@ -13,7 +13,8 @@ import dataclasses
 from typing import AsyncIterator, Callable, Sequence
 
 from nanoinfer.errors import RequestError
-from runtime.engine.llm_engine import failed
+from nanoinfer.sampling import SamplingParams
+from runtime.engine.llm_engine import Prompt, failed
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.request_state import RequestState, merge
 from runtime.worker import Abort, Submit
@@ -55,12 +56,89 @@ class RequestHandle:
         return out
 
 
-class RequestBook:
+class RequestReader:
+    """How a consumer reads submitted requests: as deltas (`stream`, `merge`) or whole
+    (`generate`, `collect`). The engine underneath provides `submit` and `release`: one
+    RequestBook (AsyncEngine), or the replicas' (runtime/data_parallel.py)."""
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True) -> RequestHandle:
+        raise NotImplementedError
+
+    def release(self, request: RequestHandle) -> None:
+        raise NotImplementedError
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                     priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's progress as deltas: each item carries only the new text and ids;
+        the last has `finish_reason` set. Leaving the loop early, or `aclose()`, aborts it."""
+        request = self.submit(prompt, params, request_id, priority)
+        try:
+            async for out in self._outputs(request):
+                yield out
+        finally:  # (closing this generator does not close the inner one: release now, not at its collection)
+            self.release(request)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                       priority: int = 0, chat_template_kwargs: dict | None = None) -> RequestOutput:
+        """Run one request to completion; the whole text and ids."""
+        return await self.collect(self.submit(prompt, params, request_id, priority, chat_template_kwargs,
+                                              stream=False))
+
+    # -- consuming ------------------------------------------------------------------------------
+
+    async def _outputs(self, request: RequestHandle) -> AsyncIterator[RequestOutput]:
+        """`request`'s outputs as they arrive, until its last; released however the loop ends."""
+        try:
+            while not request.final_seen:
+                await request.wakeup.wait()
+                request.wakeup.clear()
+                out = request.take()
+                if out is not None:
+                    yield out
+        finally:
+            self.release(request)
+
+    async def merge(self, requests: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(position in `requests`, delta) from several submitted requests as they progress;
+        leaving early aborts those still running (the server's multi-prompt streams)."""
+        wakeup = asyncio.Event()
+        for request in requests:  # one event for all: one wait covers every request
+            request.wakeup = wakeup
+        wakeup.set()  # (outputs may have arrived before this started)
+        try:
+            while not all(r.final_seen for r in requests):
+                await wakeup.wait()
+                wakeup.clear()
+                for i, request in enumerate(requests):
+                    out = request.take()
+                    if out is not None:
+                        yield i, out
+        finally:
+            for request in requests:
+                self.release(request)
+
+    async def collect(self, request: RequestHandle) -> RequestOutput:
+        """Wait for a submitted request's end; the whole text, ids and logprobs of each
+        completion. Cancelling the wait aborts the request."""
+        parts = [out async for out in self._outputs(request)]
+        whole = merge(parts)
+        n = request.params.n
+        if len(whole.outputs) < n:  # (every completion, even one that produced nothing)
+            have = {c.index for c in whole.outputs}
+            whole = dataclasses.replace(whole, outputs=tuple(sorted(
+                whole.outputs + tuple(CompletionOutput(i, "", (), None) for i in range(n) if i not in have),
+                key=lambda c: c.index)))
+        return dataclasses.replace(whole, finished=True)
+
+
+class RequestBook(RequestReader):
     """The requests in flight by id, until each is retired (finished, failed or aborted)."""
 
     def __init__(self):
         self._requests: dict[str, RequestHandle] = {}  # by request id, until retired
         self._num_seqs = 0  # sequences of the requests in `_requests`
+        self._num_prompt_tokens = 0  # their prompts' tokens
         self._send: Callable[[Submit | Abort], None] | None = None  # the worker's commands, while it runs
 
     @property
@@ -73,8 +151,17 @@ class RequestBook:
         """Their sequences: a request with n completions counts n."""
         return self._num_seqs
 
+    @property
+    def num_prompt_tokens_in_flight(self) -> int:
+        """Their prompts' tokens (a data-parallel router's measure of queued work)."""
+        return self._num_prompt_tokens
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request with this id is in flight here."""
+        return str(request_id) in self._requests
+
     def _check_free(self, request_id: str | None) -> None:
-        if request_id is not None and str(request_id) in self._requests:
+        if request_id is not None and self.holds(request_id):
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
 
     def _add(self, state: RequestState) -> RequestHandle:
@@ -85,6 +172,7 @@ class RequestBook:
         state.owner = request
         self._requests[state.request_id] = request
         self._num_seqs += state.params.n
+        self._num_prompt_tokens += len(state.prompt_ids)
         self._send(Submit(state))
         return request
 
@@ -140,51 +228,6 @@ class RequestBook:
             return
         request.retired = True
         self._num_seqs -= request.params.n
+        self._num_prompt_tokens -= len(request.prompt_ids)
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
-
-    # -- consuming ------------------------------------------------------------------------------
-
-    async def _outputs(self, request: RequestHandle) -> AsyncIterator[RequestOutput]:
-        """`request`'s outputs as they arrive, until its last; released however the loop ends."""
-        try:
-            while not request.final_seen:
-                await request.wakeup.wait()
-                request.wakeup.clear()
-                out = request.take()
-                if out is not None:
-                    yield out
-        finally:
-            self.release(request)
-
-    async def merge(self, requests: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(position in `requests`, delta) from several submitted requests as they progress;
-        leaving early aborts those still running (the server's multi-prompt streams)."""
-        wakeup = asyncio.Event()
-        for request in requests:  # one event for all: one wait covers every request
-            request.wakeup = wakeup
-        wakeup.set()  # (outputs may have arrived before this started)
-        try:
-            while not all(r.final_seen for r in requests):
-                await wakeup.wait()
-                wakeup.clear()
-                for i, request in enumerate(requests):
-                    out = request.take()
-                    if out is not None:
-                        yield i, out
-        finally:
-            for request in requests:
-                self.release(request)
-
-    async def collect(self, request: RequestHandle) -> RequestOutput:
-        """Wait for a submitted request's end; the whole text, ids and logprobs of each
-        completion. Cancelling the wait aborts the request."""
-        parts = [out async for out in self._outputs(request)]
-        whole = merge(parts)
-        n = request.params.n
-        if len(whole.outputs) < n:  # (every completion, even one that produced nothing)
-            have = {c.index for c in whole.outputs}
-            whole = dataclasses.replace(whole, outputs=tuple(sorted(
-                whole.outputs + tuple(CompletionOutput(i, "", (), None) for i in range(n) if i not in have),
-                key=lambda c: c.index)))
-        return dataclasses.replace(whole, finished=True)

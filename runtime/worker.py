@@ -12,6 +12,8 @@ import queue
 import threading
 from typing import Callable, NamedTuple
 
+import torch
+
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState
@@ -60,6 +62,9 @@ class Worker:
 
     def _run(self) -> None:
         engine = self.engine
+        device = engine.model.params.device
+        if device.type == "cuda":  # (a new thread's current device is cuda:0, where streams and kernels would go)
+            torch.cuda.set_device(device)
         try:
             self._loop()
         except Exception as exc:  # noqa: BLE001 - a bug in the loop itself: fail loudly, never hang

@@ -45,7 +45,13 @@ class LiveServer:
 
     def __init__(self, model: LoadedModel, engine_kw: dict | None = None, uvicorn_kw: dict | None = None,
                  **settings):
-        self.engine = AsyncEngine(model, engine_config(**{"num_blocks": 2048, "block_size": 16, **(engine_kw or {})}))
+        config = engine_config(**{"num_blocks": 2048, "block_size": 16, **(engine_kw or {})})
+        if config.data_parallel_size > 1:
+            from runtime.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine.from_loaded(model, config)
+        else:
+            self.engine = AsyncEngine(model, config)
         self.app = create_app(self.engine, ServerConfig(**{"served_model_name": "tiny-chat", **settings}))
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
                                 **(uvicorn_kw or {}))

@@ -41,10 +41,20 @@ def failed(out: RequestOutput) -> EngineError:
     return error
 
 
+def _check_one_replica(config: EngineConfig) -> None:
+    """An engine is one replica: several are the server's (runtime/data_parallel.py)."""
+    n = config.data_parallel_size
+    if n > 1:
+        raise RequestError(f"data_parallel_size={n} is a server setting (`nanoinfer serve --data-parallel-size {n}`, "
+                           f"or DataParallelEngine in runtime/data_parallel.py): LLM, LLMEngine and AsyncEngine run "
+                           f"one engine; offline, run one per process", param="data_parallel_size")
+
+
 class LLMEngine:
     """One model's engine, driven by whoever calls `step`."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig()):
+        _check_one_replica(config)
         self.model = model
         self.core = EngineCore(model, config)
         self.requests: dict[str, RequestState] = {}  # `add_request`'s, by id, until handed out or aborted
@@ -56,6 +66,7 @@ class LLMEngine:
         """Load `model` (a short name, HF directory, .gguf or Hub id; None = the default model);
         the keywords are the settings of LoadConfig, EngineConfig and SchedulerConfig."""
         load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
+        _check_one_replica(config)
         return cls(load_model(model, load), config)
 
     @property

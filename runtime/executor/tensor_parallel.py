@@ -83,7 +83,8 @@ def _backend(device: torch.device) -> str:
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """Rank `rank`'s device: the GPUs after rank 0's (`device`: cuda:k gives ranks cuda:k..k+size-1)."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
 class TensorParallelRanks:

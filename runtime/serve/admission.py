@@ -114,7 +114,7 @@ class Admission:
         `stream`, each request's output comes once, at its end."""
         self.shutdown.check_open()
         if params.structured_outputs is not None:
-            await asyncio.wrap_future(self.engine.core.executor.grammars.compile(params.structured_outputs))
+            await asyncio.wrap_future(self.engine.grammars.compile(params.structured_outputs))
         wanted, most = len(prompts) * params.n, self.config.max_pending
         if wanted > most:
             raise HTTPError(400, f"the request has {wanted} sequences ({len(prompts)} prompts x n={params.n}): "

@@ -13,34 +13,45 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+# (as vLLM's num_requests_*, the requests gauges count sequences: a request with n completions counts n)
+GAUGES = (("nanoinfer_requests_running", "Sequences holding KV blocks", lambda s: s["running"]),
+          ("nanoinfer_requests_waiting", "Sequences queued for a step", lambda s: s["waiting"]),
+          ("nanoinfer_requests_swapped", "Sequences preempted to host memory", lambda s: s["swapped"]),
+          ("nanoinfer_kv_blocks_used", "KV cache blocks in use", lambda s: s["total_blocks"] - s["free_blocks"]),
+          ("nanoinfer_kv_blocks_total", "KV cache blocks in the pool", lambda s: s["total_blocks"]),
+          ("nanoinfer_healthy", "1 while the engine is healthy", lambda s: int(s["healthy"])))
+COUNTERS = (("nanoinfer_preemptions", "Sequences preempted", "num_preemptions"),
+            ("nanoinfer_generated_tokens", "Tokens generated", "generated_tokens"),
+            ("nanoinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+            ("nanoinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+            ("nanoinfer_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
+             "spec_draft_tokens"),
+            ("nanoinfer_spec_decode_accepted_tokens", "Draft tokens accepted by verification (speculative decoding)",
+             "spec_accepted_tokens"))
+
+
 class _EngineCollector:
-    """Reads the engine's last reported counts on every scrape (nothing to keep in sync)."""
+    """Reads the engine's last reported counts on every scrape (nothing to keep in sync). With data
+    parallelism (stats() has `replicas`), each series once per replica, labelled replica="<i>"."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
     def collect(self):
         s = self.engine.stats()
-        # (as vLLM's num_requests_*, these count sequences: a request with n completions counts n)
-        gauges = [("nanoinfer_requests_running", "Sequences holding KV blocks", s["running"]),
-                  ("nanoinfer_requests_waiting", "Sequences queued for a step", s["waiting"]),
-                  ("nanoinfer_requests_swapped", "Sequences preempted to host memory", s["swapped"]),
-                  ("nanoinfer_kv_blocks_used", "KV cache blocks in use", s["total_blocks"] - s["free_blocks"]),
-                  ("nanoinfer_kv_blocks_total", "KV cache blocks in the pool", s["total_blocks"]),
-                  ("nanoinfer_healthy", "1 while the engine is healthy", int(s["healthy"]))]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("nanoinfer_preemptions", "Sequences preempted", value=s["num_preemptions"])
-        yield CounterMetricFamily("nanoinfer_generated_tokens", "Tokens generated", value=s["generated_tokens"])
-        yield CounterMetricFamily("nanoinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=s["prefix_cache_queries"])
-        yield CounterMetricFamily("nanoinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=s["prefix_cache_hits"])
-        yield CounterMetricFamily("nanoinfer_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
-                                  value=s["spec_draft_tokens"])
-        yield CounterMetricFamily("nanoinfer_spec_decode_accepted_tokens",
-                                  "Draft tokens accepted by verification (speculative decoding)",
-                                  value=s["spec_accepted_tokens"])
+        replicas = s.get("replicas")
+        labels = [] if replicas is None else ["replica"]
+        series = [([], s)] if replicas is None else [([str(i)], r) for i, r in enumerate(replicas)]
+        for name, doc, value_of in GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for values, stats in series:
+                family.add_metric(values, value_of(stats))
+            yield family
+        for name, doc, key in COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for values, stats in series:
+                family.add_metric(values, stats[key])
+            yield family
 
 
 class ServerMetrics:

@@ -148,7 +148,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig = ServerConfig(), *, ma
             engine.start()
         # Structured output's token tables, built (on the grammars' thread) while the server waits
         # for its first request.
-        engine.core.executor.grammars.prepare()
+        engine.grammars.prepare()
         # What startup made lives as long as the server: out of the collector's way, or every full
         # collection walks it (~0.2 s with a vocabulary's objects, holding the GIL: /health waits).
         gc.freeze()

@@ -1,0 +1,246 @@
+"""Data parallelism (issue 33, deliverable 5): replicas behind one front, requests routed by cached prefix, else
+by load; outputs as one engine's, stats and /metrics per replica, a failed replica alone in its failure."""
+
+import asyncio
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from nanoinfer import EngineError, RequestError, SamplingParams
+from nanoinfer.loaders import LoadedModel
+from runtime.async_engine import AsyncEngine, engine_config
+from runtime.cli import parse_args
+from runtime.data_parallel import DataParallelEngine, replica_devices
+from runtime.llm import LLM
+from runtime.replica_router import Load, ReplicaRouter
+from tests.live_server import LiveServer
+from tests.tiny import random_params, tiny_config
+
+CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16)
+MODEL = LoadedModel(CFG, random_params(CFG, seed=11), None, Path("tiny-dp"))
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def prompts(n, seed=0, length=(6, 20)):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, CFG.vocab_size) for _ in range(rng.randint(*length))] for _ in range(n)]
+
+
+def config(**kw):
+    return engine_config(**{"block_size": BLOCK, "num_blocks": 128, **kw})
+
+
+def dp_engine(**kw) -> DataParallelEngine:
+    return DataParallelEngine.from_loaded(MODEL, config(data_parallel_size=2, **kw))
+
+
+IDLE = Load(0, 0)
+
+
+# -- the router alone -----------------------------------------------------------------------------
+
+
+def test_the_router_sends_a_cached_prefix_back_to_its_replica():
+    router = ReplicaRouter([64, 64], BLOCK)
+    shared = list(range(1, 13))  # three whole blocks
+    first = router.route(shared + [50, 51], [IDLE, IDLE], [True, True])
+    assert first == 0  # (a tie: the lowest index)
+    # Replica 0 is now the busier one, yet the prefix brings the next prompt back to it.
+    assert router.route(shared + [60, 61, 62], [Load(1, 14), IDLE], [True, True]) == 0
+    # A prompt sharing no whole block goes by load.
+    assert router.route([99] * 14, [Load(1, 14), IDLE], [True, True]) == 1
+    # The longest recorded prefix wins: replica 1 holds four blocks of this one, replica 0 three.
+    router.record(1, router.keys(shared + [30] * 8))
+    longer = shared + [30] * 4 + [8, 9]
+    assert [router.cached_blocks(i, router.keys(longer)) for i in (0, 1)] == [3, 4]
+    assert router.route(longer, [IDLE, IDLE], [True, True]) == 1
+
+
+def test_the_router_spreads_distinct_prompts_by_load_then_prompt_tokens():
+    router = ReplicaRouter([64, 64, 64], BLOCK)
+    healthy = [True] * 3
+    assert router.route([1] * 9, [Load(2, 10), Load(1, 50), Load(1, 40)], healthy) == 2  # fewest requests, tokens
+    assert router.route([2] * 9, [Load(1, 10), Load(1, 10), Load(1, 10)], healthy) == 0  # all equal: lowest index
+    assert router.route([3] * 9, [IDLE, IDLE, IDLE], [False, True, True]) == 1  # an unhealthy replica takes nothing
+    with pytest.raises(ValueError, match="no replica is healthy"):
+        router.route([4] * 9, [IDLE] * 3, [False] * 3)
+
+
+def test_a_prefix_does_not_pile_work_on_one_replica_beyond_the_slack():
+    router = ReplicaRouter([64, 64], BLOCK, slack=2)
+    system = list(range(1, 9))  # a prefix every prompt shares (a default system prompt)
+    loads = [0, 0]
+    picks = []
+    for i in range(8):
+        replica = router.route(system + [20 + i] * 3, [Load(n, 0) for n in loads], [True, True])
+        loads[replica] += 1
+        picks.append(replica)
+    assert picks[:3] == [0, 0, 0] and picks[3] == 1  # the spill, after `slack` more than the other
+    assert max(loads) - min(loads) <= 2  # then both hold the prefix, and load decides
+
+
+def test_the_record_is_bounded_by_the_pool_and_drops_deep_blocks_first():
+    router = ReplicaRouter([4, 4], BLOCK)
+    long = list(range(1, 25))  # six blocks: more than the replica's pool of four
+    router.record(0, router.keys(long))
+    keys = router.keys(long)
+    assert router.cached_blocks(0, keys) == 4  # the first four survive, the deepest two went
+    assert not ReplicaRouter([4, 4], BLOCK, prefix_caching=False).keys(long)
+
+
+# -- replicas over the tiny model ------------------------------------------------------------------
+
+
+def test_replica_devices_follow_the_tensor_parallel_groups():
+    assert replica_devices(torch.device("cpu"), 3) == [torch.device("cpu")] * 3
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(RequestError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs GPUs "
+                                                r"cuda:0\.\.cuda:3"):
+            replica_devices(torch.device("cuda", 0), 2, 2)
+
+
+def test_greedy_outputs_at_dp2_equal_one_engines():
+    batch = prompts(6)
+
+    async def run(engine):
+        async with engine:
+            return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
+    one = asyncio.run(run(AsyncEngine(MODEL, config())))
+    engine = dp_engine()
+    two = asyncio.run(run(engine))
+    assert two == one
+    per = engine.stats()["replicas"]
+    assert [s["generated_tokens"] > 0 for s in per] == [True, True]  # both replicas did work
+
+
+def test_routing_stats_and_abort_on_the_engine():
+    shared = list(range(1, 17))  # four whole blocks
+
+    async def go():
+        async with dp_engine() as engine:
+            first = engine.submit(shared + [40, 41], GREEDY)
+            await engine.collect(first)
+            again = engine.submit(shared + [70, 71, 72], GREEDY)  # the same prefix: the same replica
+            await engine.collect(again)
+            distinct = [engine.submit(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in prompts(4, seed=5)]
+            placed = [engine.replica_of(h) for h in [first, again, *distinct]]
+            # Abort one long request by id: its replica ends it, the other replica's keep running.
+            victim = distinct[0]
+            victim_replica = engine.replica_of(victim)
+            engine.abort(victim.request_id)
+            aborted = await engine.collect(victim)
+            others_running = [not h.finished for h in distinct[1:]]
+            in_flight = [r.num_in_flight for r in engine.replicas]
+            for handle in distinct[1:]:
+                engine.abort(handle.request_id)
+                await engine.collect(handle)
+            for _ in range(500):  # (the workers report their last counts within a step)
+                stats = engine.stats()
+                if stats["running"] == stats["waiting"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return placed, aborted, victim_replica, others_running, in_flight, stats
+    placed, aborted, victim_replica, others_running, in_flight, stats = asyncio.run(go())
+    assert placed[0] == placed[1] == 0
+    # Four distinct prompts arriving at once at idle replicas: spread by load, two each.
+    assert sorted(placed[2:]) == [0, 0, 1, 1]
+    assert aborted.outputs[0].finish_reason == "abort" and all(others_running)
+    assert in_flight[victim_replica] == 1 and in_flight[1 - victim_replica] == 2
+    assert len(stats["replicas"]) == 2 and stats["healthy"] is True
+    for key in ("generated_tokens", "total_blocks", "free_blocks", "prefix_cache_hits"):
+        assert stats[key] == sum(s[key] for s in stats["replicas"]), key
+    assert stats["prefix_cache_hits"] == stats["replicas"][0]["prefix_cache_hits"] >= len(shared)
+
+
+def test_shutdown_closes_every_replica(monkeypatch):
+    engine = dp_engine()
+    closed = []
+    for i, replica in enumerate(engine.replicas):
+        real = replica.engine.close
+        monkeypatch.setattr(replica.engine, "close", lambda i=i, real=real: (closed.append(i), real()))
+
+    async def go():
+        async with engine:
+            await engine.generate(prompts(1)[0], GREEDY)
+        with pytest.raises(RuntimeError, match="not running"):
+            engine.submit(prompts(1)[0], GREEDY)
+    asyncio.run(go())
+    assert sorted(closed) == [0, 1] and all(r._worker is None for r in engine.replicas)  # (closed concurrently)
+
+
+def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
+    batch = prompts(4, seed=9)
+
+    async def undisturbed():
+        async with AsyncEngine(MODEL, config()) as engine:
+            return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
+    want = asyncio.run(undisturbed())
+
+    engine = dp_engine()
+
+    def dead(batch):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine.replicas[1].core.executor, "_forward", dead)
+
+    async def go():
+        async with engine:
+            handles = [engine.submit(p, GREEDY) for p in batch]
+            placed = [engine.replica_of(h) for h in handles]
+            results = await asyncio.gather(*(engine.collect(h) for h in handles), return_exceptions=True)
+            healthy, stats = engine.healthy, engine.stats()
+            after = engine.submit(batch[0], GREEDY)  # new work goes to the replica that serves
+            return placed, results, healthy, stats, engine.replica_of(after), await engine.collect(after)
+    placed, results, healthy, stats, after_replica, after = asyncio.run(go())
+    assert sorted(placed) == [0, 0, 1, 1]
+    for replica, got, expected in zip(placed, results, want):
+        if replica == 0:
+            assert got.token_ids == expected
+        else:
+            assert isinstance(got, EngineError) and "illegal memory access" in str(got)
+    assert healthy and [s["healthy"] for s in stats["replicas"]] == [True, False]
+    assert after_replica == 0 and after.token_ids == want[0]
+
+
+def test_offline_and_misuse_are_refused_by_name():
+    with pytest.raises(RequestError, match="data_parallel_size=2 is a server setting"):
+        LLM.from_loaded(MODEL, data_parallel_size=2)
+    with pytest.raises(RequestError, match="data_parallel_size=2 with tensor_parallel_size=2 is not supported"):
+        DataParallelEngine.from_loaded(MODEL, config(data_parallel_size=2, tensor_parallel_size=2))
+    with pytest.raises(RequestError, match="data_parallel_size=0 is invalid"):
+        config(data_parallel_size=0)
+    assert parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
+
+
+# -- behind the server -----------------------------------------------------------------------------
+
+
+def test_the_server_labels_each_replicas_metrics(tiny_chat_model):
+    with LiveServer(tiny_chat_model, engine_kw={"data_parallel_size": 2}) as server:
+        engine = server.engine
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+        async def two_at_once():  # (queued in one go: the router sees both replicas idle, then one busy)
+            handles = [engine.submit(f"Story number {i}: once upon a time", params) for i in range(2)]
+            return [engine.replica_of(h) for h in handles], [len((await engine.collect(h)).token_ids)
+                                                              for h in handles]
+        placed, lengths = server.call(two_at_once())
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 6,
+                                                                    "temperature": 0, "ignore_eos": True}, timeout=60)
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        health = httpx.get(server.url + "/health").json()
+        text = httpx.get(server.url + "/metrics").text
+    assert placed == [0, 1] and lengths == [6, 6]
+    assert answer.status_code == chat.status_code == 200 and health == {"status": "ok"}
+    tokens = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("nanoinfer_generated_tokens_total{")}
+    assert set(tokens) == {'nanoinfer_generated_tokens_total{replica="0"}',
+                           'nanoinfer_generated_tokens_total{replica="1"}'}
+    assert sum(tokens.values()) == 24 and min(tokens.values()) >= 6  # both replicas served
+    assert 'nanoinfer_healthy{replica="0"} 1.0' in text and 'nanoinfer_healthy{replica="1"} 1.0' in text
+    assert "nanoinfer_generated_tokens_total 24.0" not in text  # per replica only: sum() them in queries
