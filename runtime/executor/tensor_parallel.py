@@ -214,7 +214,14 @@ class TensorParallelRanks:
         self.launch.unwatch()  # (what fails from now on is reported below)
         # The order goes from a thread: a rank that does not take it (hung, stopped) would hold
         # gloo's send until the collective timeout; the rank is killed below, which ends the send.
-        sending = threading.Thread(target=self._send_stop, daemon=True, name="nanoinfer-tp-stop")
+        def send_stop():
+            try:
+                if self.launch.first_lost() is None:
+                    self._send(("stop", None))
+            except Exception:  # noqa: BLE001 - a rank gone: the others are stopped all the same (killed if need be)
+                log.warning("stopping the tensor-parallel ranks: a rank was gone")
+
+        sending = threading.Thread(target=send_stop, daemon=True, name="nanoinfer-tp-stop")
         sending.start()
         lost = self.launch.stop()
         sending.join(LEAVE_WAIT)
@@ -222,13 +229,6 @@ class TensorParallelRanks:
         _bounded(lambda: _leave_groups(self.backend), LEAVE_WAIT)
         for error in lost:
             log.error("%s", error)
-
-    def _send_stop(self) -> None:
-        try:
-            if self.launch.first_lost() is None:
-                self._send(("stop", None))
-        except Exception:  # noqa: BLE001 - a rank gone: the others are stopped all the same (killed if need be)
-            log.warning("stopping the tensor-parallel ranks: a rank was gone")
 
     def check_ranks(self) -> None:
         """RankLost for a rank whose process has exited (a collective with it would fail or wait)."""
