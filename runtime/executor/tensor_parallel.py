@@ -145,9 +145,12 @@ class TensorParallelRanks:
             # rank lost within it fails it at a short timeout.
             ready = [f"ready/{rank}" for rank in range(1, size)]
             self.launch.wait_ready(lambda: store.check(ready), TIMEOUT.total_seconds())
-            dist.init_process_group(self.backend, store=store, rank=0, world_size=size, timeout=RENDEZVOUS)
+            gloo = self.backend == "gloo"  # (NCCL's group connects at its first collective: no wait here)
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=size,
+                                    timeout=RENDEZVOUS if gloo else TIMEOUT)
             control = dist.new_group(backend="gloo", timeout=RENDEZVOUS)
-            _set_pg_timeout(TIMEOUT)
+            if gloo:
+                _set_pg_timeout(TIMEOUT)
             _set_pg_timeout(TIMEOUT, control)
         except BaseException as exc:  # (no group to stop them through: the ranks just started go now)
             lost = self.launch.wait_lost(2.0) if _maybe_a_peer(exc) else None
