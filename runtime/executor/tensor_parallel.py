@@ -1,48 +1,58 @@
 """Tensor-parallel ranks for the engine: worker processes that run each forward beside rank 0.
 
 The engine stays one process (rank 0: scheduler, sampler, its own shard of the model). For
-`tensor_parallel_size` N it spawns ranks 1..N-1, one process each; every rank holds its shard
-of the weights (nanoinfer/tensor_parallel.py) and a KV pool of its own heads, indexed by
-rank 0's block tables. Rank 0 tells the others what to do, in the order it does it:
+`tensor_parallel_size` N it starts ranks 1..N-1, one process each, running our own module
+(tp_rank.py, started and watched by tp_processes.py: never the user's program, so a notebook,
+`python -` and a script without a main guard work); every rank holds its shard of the weights
+(nanoinfer/tensor_parallel.py) and a KV pool of its own heads, indexed by rank 0's block
+tables. Rank 0 tells the others what to do, in the order it does it:
 
 - `forward`: before each of its forwards, the step's Batch (a header with the shapes over
   the control group, then the tensors in one broadcast). Every rank runs the same forward, so
   their collectives (an all-reduce after each row-parallel projection, the vocab-parallel
   embedding, the gathered logits) meet; only rank 0 samples.
 - `copy`, `swap_out`, `swap_in`: the block copies of copy-on-write and preemption.
-- `stop`: at close; the ranks leave their loop and exit. They are daemons, and each watches
-  its parent besides: none outlives the engine's process, however it ends. A rank that exits
-  on its own fails the engine (RankLost, fatal) at the next message rather than at a
-  collective's timeout.
+- `ready`: once rank 0 is set up, a barrier: a rank that failed its setup fails the start.
+- `stop`: at close; the ranks leave their loop and exit. Each watches its parent besides:
+  none outlives the engine's process, however it ends.
 
-Ranks take the weights from rank 0 (shared memory on the CPU) and shard them themselves.
+A rank that dies, at any moment, fails the engine within seconds (RankLost, fatal: its rank,
+exit code and last lines of output): rank 0 polls the ranks while they start, meets them at
+the rendezvous only once all have checked in (with a short timeout there), turns a
+collective's failure into the loss of the rank that died, and (NCCL, whose collectives would
+wait forever) aborts the communicator from a watching thread. `close()` returns within
+seconds: the ranks are told to stop, stragglers killed, then the groups are left (NCCL's
+aborted, since destroying them waits on peers).
+
+Ranks take the weights from rank 0 (shared memory on the CPU, CUDA IPC on GPUs) and shard them themselves.
 Across hosts, torchrun starts every rank instead (each loads the model itself: `serve_rank`),
 and they meet at its rendezvous (env://).
 The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
-the control messages. The default process group is the process's: one tensor-parallel engine
-per process at a time. On CUDA every rank captures the same graphs as rank 0, its
-collectives inside (NCCL's kernels capture like any other), and replays the one rank 0
-replays: the decision follows from the batch, which every rank has.
+the control messages (on which a rank waits for orders without a timeout: an engine may idle).
+The default process group is the process's: one tensor-parallel engine per process at a time.
+On CUDA every rank captures the same graphs as rank 0, its collectives inside (NCCL's kernels
+capture like any other), and replays the one rank 0 replays: the decision follows from the
+batch, which every rank has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
-import tempfile
 import threading
-import time
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
+from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.errors import DeviceLost, RequestError
+from nanoinfer.errors import RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.kernels import kernels_for, mark_weights_static
 from nanoinfer.loaders import LoadedModel
@@ -56,15 +66,19 @@ from nanoinfer.tensor_parallel import (
 )
 from runtime.executor.kv_pools import KVPools
 from runtime.executor.model_runner import ModelRunner
+from runtime.executor.tp_processes import RankLost, RankProcesses
 
 log = logging.getLogger("nanoinfer.tensor_parallel")
 
-# Long enough for the slowest step (a long CPU prefill); a rank that died ends the others then.
+# Long enough for the slowest step (a long CPU prefill); a rank that died ends the others sooner.
 TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class RankLost(DeviceLost):
-    """A tensor-parallel rank's process is gone: the model is incomplete, nothing can run."""
+# Rank 0's rendezvous once every rank it started has checked in: moments, unless one died.
+RENDEZVOUS = datetime.timedelta(seconds=6)
+# A rank waits this long for rank 0's next order: an engine may idle for days (rank 0's end
+# ends the wait sooner: its sockets close, and the ranks watch their parent).
+IDLE = datetime.timedelta(days=365)
+LEAVE_WAIT = 3.0  # seconds rank 0 gives leaving the process groups at close
+RANK_MODULE = "runtime.executor.tp_rank"  # what a rank this engine starts runs (`python -m`)
 
 
 class RankSetup(NamedTuple):
@@ -87,41 +101,72 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
+class Rendezvous(NamedTuple):
+    """Where the ranks meet: rank 0's TCPStore at host:port (the ranks it started itself), or
+    torchrun's (env://: `host` None)."""
+
+    host: str | None = None
+    port: int | None = None
+
+
 class TensorParallelRanks:
-    """Rank 0's side: spawns the other ranks, joins them in a process group, and sends them
+    """Rank 0's side: starts the other ranks, joins them in a process group, and sends them
     each step's work."""
 
     def __init__(self, cfg: ModelConfig, params: Params, size: int):
         check_shardable(cfg, size)
         self.cfg, self.size = cfg, size
         device = params.device
-        self._init_file, self.procs = None, []
+        self.backend = _backend(device)
+        self.launch: RankProcesses | None = None
         launched = launched_rank()
         if launched is not None:  # torchrun started every rank: they meet at its rendezvous
             if launched != (0, size):
                 raise RequestError(f"tensor_parallel_size={size}, but torchrun started this process as rank "
                                    f"{launched[0]} of {launched[1]} (RANK, WORLD_SIZE): expected rank 0 of {size}",
                                    param="tensor_parallel_size")
-            init = "env://"
+            dist.init_process_group(self.backend, init_method="env://", rank=0, world_size=size, timeout=TIMEOUT)
+            self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
         else:
-            self._init_file = tempfile.NamedTemporaryFile(prefix="nanoinfer-tp-", delete=False).name
-            os.unlink(self._init_file)  # (the rendezvous creates it)
-            init = f"file://{self._init_file}"
-            ctx = mp.get_context("spawn")
-            self.procs = [ctx.Process(target=_rank_main, name=f"nanoinfer-tp-rank{rank}", daemon=True,
-                                      args=(rank, size, init, cfg, params, _rank_device(device, rank), os.getpid()))
-                          for rank in range(1, size)]
-            for p in self.procs:
-                p.start()
-        try:
-            dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=TIMEOUT)
-            self.control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
-        except BaseException:  # (no group to stop them through: the ranks just started go now)
-            for p in self.procs:
-                p.kill()
-            raise
+            self.control = self._start(cfg, params, size)
         self.shard = Shard(0, size)
         self.closed = False
+
+    def _start(self, cfg: ModelConfig, params: Params, size: int):
+        """Ranks 1..size-1 as processes of our own module (tp_rank.py), each handed the weights,
+        then the process group; the control group returned. A rank that dies meanwhile fails the
+        start within moments (RankLost), not at the rendezvous's timeout."""
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        device = params.device
+        self.launch = RankProcesses(size, ("127.0.0.1", store.port),
+                                    lambda rank: (cfg, params, _rank_device(device, rank)), RANK_MODULE)
+        try:
+            # The ranks check in once their shard is ready, just before the rendezvous: waiting for
+            # that, rank 0 sees a rank that dies; the rendezvous itself then takes a moment, and a
+            # rank lost within it fails it at a short timeout.
+            ready = [f"ready/{rank}" for rank in range(1, size)]
+            self.launch.wait_ready(lambda: store.check(ready), TIMEOUT.total_seconds())
+            gloo = self.backend == "gloo"  # (NCCL's group connects at its first collective: no wait here)
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=size,
+                                    timeout=RENDEZVOUS if gloo else TIMEOUT)
+            control = dist.new_group(backend="gloo", timeout=RENDEZVOUS)
+            if gloo:
+                _set_pg_timeout(TIMEOUT)
+            _set_pg_timeout(TIMEOUT, control)
+        except BaseException as exc:  # (no group to stop them through: the ranks just started go now)
+            lost = self.launch.wait_lost(2.0) if _maybe_a_peer(exc) else None
+            self.launch.stop(wait=0)
+            _bounded(lambda: _leave_groups(self.backend), LEAVE_WAIT)
+            if lost is not None:
+                raise lost.lost(" while starting") from exc
+            raise
+        self.launch.watch(_abort_collectives if self.backend == "nccl" else _report)
+        return control
+
+    @property
+    def procs(self) -> list:
+        """The processes of ranks 1..size-1 when this engine started them (subprocess.Popen)."""
+        return self.launch.procs if self.launch is not None else []
 
     def local(self, params: Params) -> tuple[ModelConfig, Params]:
         """Rank 0's view of the model and its part of the weights."""
@@ -133,12 +178,20 @@ class TensorParallelRanks:
     def setup(self, setup: RankSetup) -> None:
         self._send(("setup", setup))
 
+    def ready(self) -> None:
+        """Once rank 0 is set up: wait for every rank to be (a rank that failed its setup fails
+        the engine's start, rather than its first step)."""
+        self._send(("ready", None))
+        with self.watching():
+            dist.barrier(group=self.control)
+
     def forward(self, batch: Batch) -> None:
         """Before rank 0's own forward over `batch`: the other ranks receive it and start theirs
         (a graph's replay where rank 0's graphs take it: theirs are the same)."""
-        self._check_ranks()
-        dist.broadcast(_forward_header(batch), src=0, group=self.control)
-        dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in batch]), src=0)
+        self.check_ranks()
+        with self.watching():
+            dist.broadcast(_forward_header(batch), src=0, group=self.control)
+            dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in batch]), src=0)
 
     def copy_blocks(self, copies) -> None:
         self._send(("copy", copies))
@@ -150,37 +203,114 @@ class TensorParallelRanks:
         self._send(("swap_in", copies))
 
     def close(self) -> None:
-        """Stop the other ranks and leave the process group (idempotent)."""
+        """Stop the other ranks and leave the process group (idempotent), within seconds whatever
+        state the ranks are in: those that do not leave when told are killed; one that ended
+        badly on its own is logged as an error."""
         if self.closed:
             return
         self.closed = True
+        if self.launch is None:  # (torchrun's ranks, or a world of one: nobody to wait for but the order's peers)
+            try:
+                self._send(("stop", None))
+            finally:
+                _leave_groups(self.backend)
+            return
+        self.launch.unwatch()  # (what fails from now on is reported below)
+        # The order goes from a thread: a rank that does not take it (hung, stopped) would hold
+        # gloo's send until the collective timeout; the rank is killed below, which ends the send.
+        def send_stop():
+            try:
+                if self.launch.first_lost() is None:
+                    self._send(("stop", None))
+            except Exception:  # noqa: BLE001 - a rank gone: the others are stopped all the same (killed if need be)
+                log.warning("stopping the tensor-parallel ranks: a rank was gone")
+
+        sending = threading.Thread(target=send_stop, daemon=True, name="nanoinfer-tp-stop")
+        sending.start()
+        lost = self.launch.stop()
+        sending.join(LEAVE_WAIT)
+        # Last, with no peer left to wait for (NCCL's communicators are aborted, not destroyed).
+        _bounded(lambda: _leave_groups(self.backend), LEAVE_WAIT)
+        for error in lost:
+            log.error("%s", error)
+
+    def check_ranks(self) -> None:
+        """RankLost for a rank whose process has exited (a collective with it would fail or wait)."""
+        if self.launch is not None:
+            self.launch.check()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Collectives inside: their failure because a rank died is reported as that rank's loss."""
         try:
-            self._send(("stop", None))
-        except Exception:  # noqa: BLE001 - a rank already gone: the others are stopped below
-            log.warning("stopping the tensor-parallel ranks: a rank was already gone")
-        finally:
-            for p in self.procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-            dist.destroy_process_group()
-            if self._init_file is not None and os.path.exists(self._init_file):
-                os.unlink(self._init_file)
+            yield
+        except Exception as exc:
+            if self.launch is None or not _maybe_a_peer(exc):
+                raise
+            lost = self.launch.wait_lost(2.0)  # (its socket closes a moment before its exit is seen)
+            if lost is None:
+                raise
+            raise lost.lost() from exc
 
     def _send(self, message) -> None:
         """An order other than a forward: (kind, body), pickled."""
-        self._check_ranks()
+        self.check_ranks()
         header = torch.zeros(HEADER, dtype=torch.int64)
         header[0] = OBJECT
-        dist.broadcast(header, src=0, group=self.control)
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        with self.watching():
+            dist.broadcast(header, src=0, group=self.control)
+            dist.broadcast_object_list([message], src=0, group=self.control)
 
-    def _check_ranks(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():  # (a collective with it would wait for the timeout)
-                raise RankLost(f"tensor-parallel rank {rank} exited (code {p.exitcode}): the engine cannot "
-                               f"run the model without it")
 
+def _maybe_a_peer(exc: BaseException) -> bool:
+    """Whether `exc` may come of a lost rank (a collective's or the rendezvous's error), rather
+    than being an error of rank 0's own (out of memory, a bad request)."""
+    return (isinstance(exc, RuntimeError) and not isinstance(exc, (RankLost, torch.OutOfMemoryError))) or \
+        isinstance(exc, (TimeoutError, OSError))
+
+
+def _report(lost) -> None:
+    """From the watch's thread: a rank died, maybe while the engine idles; its next step fails."""
+    log.error("tensor-parallel rank %d exited (code %s): the engine's next step fails", lost.rank, lost.exit_code())
+
+
+def _abort_collectives(lost) -> None:
+    """From the watch's thread: a rank died, so NCCL's collectives with it would never end; the
+    communicator aborted, they fail, and rank 0 reports the rank at its next step."""
+    log.error("tensor-parallel rank %d exited (code %s): aborting the collectives", lost.rank, lost.exit_code())
+    try:
+        dist.group.WORLD.abort()
+    except Exception:
+        log.warning("could not abort the NCCL communicator", exc_info=True)
+
+
+def _leave_groups(backend: str) -> None:
+    """Leave the process groups: NCCL's communicators aborted (destroying them waits on peers that
+    may be gone: issue 33's hang at close), gloo's destroyed."""
+    if not dist.is_initialized():
+        # A rendezvous that failed has counted its group all the same: the next engine's groups
+        # would be named (their store keys prefixed) otherwise than its ranks'.
+        distributed_c10d._world.group_count = 0
+        return
+    if backend == "nccl":
+        _abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def _bounded(fn, seconds: float) -> None:
+    """`fn()` in a thread, waited for at most `seconds` (a teardown that hangs leaves its thread behind)."""
+    def run():
+        try:
+            fn()
+        except Exception:
+            log.warning("leaving the tensor-parallel process groups failed", exc_info=True)
+
+    thread = threading.Thread(target=run, daemon=True, name="nanoinfer-tp-leave")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        log.warning("leaving the tensor-parallel process groups took over %.0f s: left behind", seconds)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -194,6 +324,7 @@ class TensorParallelRunner(ModelRunner):
             super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
                              max_model_len, draft)
             self.pools.followers.append(self.tp)
+            self.tp.ready()
         except BaseException:
             self.close()
             raise
@@ -211,7 +342,8 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, batch: Batch):
         """The other ranks receive the batch first and decide alike (graph or eager)."""
         self.tp.forward(batch)
-        return super()._forward(batch)
+        with self.tp.watching():  # (the layers' collectives)
+            return super()._forward(batch)
 
     def close(self) -> None:
         """Stop the other ranks (idempotent)."""
@@ -249,15 +381,6 @@ def _unpack_batch(layout: list[tuple[int, int, int, int]], flat: torch.Tensor) -
     return Batch(*tensors)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A rank whose engine process died (SIGKILL, SIGTERM without cleanup) exits too. Inside a
-    collective gloo notices the closed peer by itself; this covers the rest (the rendezvous
-    of a start that the engine did not live through would wait for its timeout)."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def launched_rank() -> tuple[int, int] | None:
     """(rank, world size) when torchrun started this process (its RANK and WORLD_SIZE)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -269,7 +392,7 @@ def serve_rank(cfg: ModelConfig, params: Params) -> None:
     """What a rank other than 0 that torchrun started does: rank 0's orders until `stop`
     (`params`: the whole model, loaded by this process on its device)."""
     rank, size = launched_rank()
-    _rank_main(rank, size, "env://", cfg, params, params.device, None)
+    rank_main(rank, size, Rendezvous(), cfg, params, params.device)
 
 
 def _receive(device: torch.device, control):
@@ -286,21 +409,31 @@ def _receive(device: torch.device, control):
     return message[0]
 
 
-def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params, device: torch.device,
-               parent: int | None) -> None:
+def _join(rendezvous: Rendezvous, backend: str, rank: int, size: int):
+    """A rank other than 0 joins the process group (having checked in at rank 0's store, when
+    rank 0 started it); the control group returned, over which it waits for orders."""
+    if rendezvous.host is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=TIMEOUT)
+    else:
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, size, is_master=False, timeout=TIMEOUT)
+        store.set(f"ready/{rank}", "1")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=IDLE)
+
+
+def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, params: Params,
+              device: torch.device) -> None:
     """Rank `rank`'s process: its shard, its KV pool, then rank 0's orders until `stop`."""
-    if parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
+    local = shard_config(cfg, rank, size)
+    shard = shard_params(params, cfg, rank, size)
+    del params  # (rank 0's whole weights: only the shard stays)
+    shard = map_params(lambda t: t.to(device), shard)
+    backend = _backend(device)
     try:
-        local = shard_config(cfg, rank, size)
-        shard = shard_params(params, cfg, rank, size)
-        del params  # (rank 0's whole weights: only the shard stays)
-        shard = map_params(lambda t: t.to(device), shard)
+        control = _join(rendezvous, backend, rank, size)
         kind, setup = _receive(device, control)
         if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
             return
@@ -310,7 +443,8 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
         if kernels.graphs:
             mark_weights_static(shard)
         pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
-        orders = {"copy": pools.copy_blocks, "swap_out": pools.swap_out, "swap_in": pools.swap_in}
+        orders = {"copy": pools.copy_blocks, "swap_out": pools.swap_out, "swap_in": pools.swap_in,
+                  "ready": lambda _: dist.barrier(group=control)}
 
         def step(batch: Batch) -> tuple[torch.Tensor]:
             return (forward(shard, pools.kv, batch, local, kernels.attention, fns, logits_dtype=None),)
@@ -330,8 +464,5 @@ def _rank_main(rank: int, size: int, init: str, cfg: ModelConfig, params: Params
                     graphs.run(body)
                 else:
                     step(body)
-    except Exception:  # noqa: BLE001 - reported; rank 0 sees this rank gone at its next message (RankLost)
-        log.exception("tensor-parallel rank %d failed", rank)
-        raise
-    finally:
-        dist.destroy_process_group()
+    finally:  # (an error goes on to this process's stderr, whose tail rank 0 reports: RankLost)
+        _leave_groups(backend)
