@@ -23,7 +23,6 @@ import torch
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.model import EAGER, LayerFunctions, Params, compiled_layer_functions, forward, map_params
-from nanoinfer.sampling import random_draw
 
 if TYPE_CHECKING:
     from nanoinfer.attention import AttentionBackend
@@ -44,7 +43,7 @@ class Kernels(NamedTuple):
     attention: AttentionBackend
     layer_fns: LayerFunctions
     graphs: bool  # steps may be captured in CUDA graphs
-    draw: Callable = random_draw  # the sampler's random draw (nanoinfer.sampling.random_draw, or compiled)
+    draw: Callable | None = None  # the sampler's random draw, compiled; None: nanoinfer.draw.random_draw, eager
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:
@@ -92,6 +91,8 @@ def compiled_draw() -> Callable:
     registers (sampling 256 rows x 152k at a temperature on an H200: 0.5 ms, eager 8.1).
     Shape-dynamic; a single row is drawn twice, since a size of 1 would compile a graph of
     its own in the middle of serving (and unbacked sizes make the kernel slow)."""
+    from nanoinfer.draw import random_draw
+
     compiled = torch.compile(random_draw, dynamic=True, fullgraph=True)
 
     def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,9 @@
 """SamplingParams (vLLM's names) and the vectorized sampler: per-row tensors, no host sync.
 
 Every row carries its own temperature, top-k, top-p, min-p and seed as tensors, so one batch
-mixes greedy and sampled requests without a Python loop over rows. Randomness comes from a
-counter-based hash of (seed, step, token id) rather than a torch.Generator: a request's draws
-then depend only on its own seed and how many tokens it has produced, never on which other
-requests share the batch, and no per-row generator state has to live anywhere.
+mixes greedy and sampled requests without a Python loop over rows. A greedy row takes the
+argmax here; a sampled row's distribution and random draw are nanoinfer/draw.py's, imported by
+the first step with a sampled row (a greedy request never loads it).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ if TYPE_CHECKING:  # (nanoinfer/penalties.py is imported only by a batch with a 
     from nanoinfer.penalties import Penalties
 
 __all__ = ["SamplingParams", "SamplingColumns", "SamplingTensors", "Logprobs", "compute_logprobs", "sample",
-           "apply_top_k_top_p", "uniform_noise", "uniform_noise_from_bits", "exponential_race", "random_draw",
-           "greedy_and_finite", "greedy_tokens", "processed_probs"]
+           "greedy_and_finite", "greedy_tokens"]
 
 
 class SamplingColumns(NamedTuple):
@@ -100,72 +98,6 @@ class SamplingTensors(NamedTuple):
         return cls.of_columns(floats, ints, steps_t, columns.flags, penalties=penalties)
 
 
-_MASK32 = 0xFFFF_FFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), in 16-bit halves so int64 never overflows."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer (the 'lowbias32' constants): a bijection whose output bits
-    each depend on every input bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] f32 uniforms in (0, 1), a pure function of (seed, step, token id)."""
-    key = _mix32(_mix32(seeds & _MASK32) ^ (seeds >> 32))
-    key = _mix32((key + _mul32(steps & _MASK32, 0x9E3779B9)) & _MASK32)  # [rows]
-    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((key[:, None] ^ _mix32(token)[None, :]))
-    return uniform_noise_from_bits(_mix32((bits + key[:, None]) & _MASK32))
-
-
-def uniform_noise_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """f32 uniforms from 32-bit hash values (int64 in [0, 2**32))."""
-    # The top 23 bits, centred in their bucket: (2k + 1) / 2**24, exact in float32, in
-    # [2**-24, 1 - 2**-24]. With 24 bits the top centre, 1 - 2**-25, falls halfway between
-    # two floats and rounds to 1.0: E = -log(1) = 0 then wins the race for a masked token.
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
-
-
-def exponential_race(probs: torch.Tensor, exponential: torch.Tensor) -> torch.Tensor:
-    """argmax(p / E) per row: with E ~ Exp(1) this draws token i with probability p_i (the
-    Gumbel-max trick without the normalization or a host sync). A token of probability 0 (one
-    that top-k, top-p, min-p or a ban masked) never wins, whatever E holds: 0/0 would be NaN,
-    and argmax takes NaN for the largest value."""
-    return torch.where(probs > 0, probs / exponential, -1.0).argmax(dim=-1)
-
-
-def random_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One token per row, drawn with probability `probs` [rows, vocab]: the exponential race
-    over the counter-based noise of each row's (seed, step). Eager, it makes ~40 passes over
-    [rows, vocab] int64 tensors (the hash); compiled (nanoinfer.kernels on CUDA) it is one
-    reduction that computes the noise in registers."""
-    return exponential_race(probs, -torch.log(uniform_noise(seeds, steps, probs.shape[-1])))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf every token outside each row's top-k, then outside the smallest set whose
-    probability (renormalized after top-k) reaches top-p. The most likely token always stays,
-    and a top-p of 1 masks nothing (the fp32 cumsum can reach 1 before the last token)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
 def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of logits [rows, vocab] (any float dtype): the most likely token (int64; the
     first on ties, as on the fp32 copy: widening is exact) and whether every logit is
@@ -184,14 +116,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return greedy_and_finite(logits)[0] if logits.is_cuda else logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_draw,
+def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable | None = None,
            greedy: torch.Tensor | None = None) -> torch.Tensor:
     """Next token ids [rows] (int64) from logits [rows, vocab] (fp32).
 
-    Order per row: penalties (see `apply_penalties`), temperature, top-k, top-p, min-p (relative to the most likely token), then
-    an exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p
-    (the Gumbel-max trick without the normalization or a host sync). `greedy`: the logits'
-    argmax where the caller has it already (penalties, which change it, make it recomputed).
+    Order per row: penalties (see `apply_penalties`), then greedy rows take the argmax and
+    sampled rows draw from `nanoinfer.draw.processed_probs` (temperature, top-k, top-p, min-p)
+    with `draw` (None: `nanoinfer.draw.random_draw`, eager; kernels may pass a compiled one).
+    `greedy`: the logits' argmax where the caller has it already (penalties, which change it,
+    make it recomputed).
     """
     if st.penalties is not None:
         from nanoinfer.penalties import apply_penalties
@@ -202,22 +135,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, draw: Callable = random_dr
         greedy = greedy_tokens(logits)
     if st.all_greedy:
         return greedy
-    sampled = draw(processed_probs(logits, st), st.seeds, st.steps)  # (`random_draw`, or a compiled version)
+    # (A sampled row's code: a step of greedy rows never loads it.)
+    from nanoinfer.draw import processed_probs, random_draw
+
+    sampled = (draw or random_draw)(processed_probs(logits, st), st.seeds, st.steps)
     return torch.where(st.temperature == 0, greedy, sampled)
-
-
-def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The distribution a sampled row draws from [rows, vocab] (fp32 logits, penalties already
-    applied): temperature, top-k, top-p, then min-p relative to the most likely token. Masked
-    tokens have probability 0; the rows are not renormalized after min-p (a draw needs no sum)."""
-    scaled = logits / st.temperature.clamp_min(1e-6)[:, None]
-    if st.needs_sort:
-        scaled = apply_top_k_top_p(scaled, st.top_k, st.top_p)
-    probs = scaled.softmax(dim=-1)
-    if st.needs_min_p:
-        threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
 
 
 class Logprobs(NamedTuple):

@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from nanoinfer.sampling import SamplingTensors, greedy_tokens, processed_probs, random_draw, uniform_noise
+from nanoinfer.draw import processed_probs, random_draw, uniform_noise
+from nanoinfer.sampling import SamplingTensors, greedy_tokens
 
 ACCEPT_SALT = 0x5BD1_E995  # xor'd into a row's seed: the acceptance tests' stream
 DRAFT_SALT = 0x27D4_EB2F  # the draft model's draws
@@ -43,12 +44,12 @@ def target_distribution(logits: torch.Tensor, st: SamplingTensors) -> torch.Tens
 
 
 def verify(logits: torch.Tensor, st: SamplingTensors, draft_tokens: torch.Tensor,
-           draft_probs: torch.Tensor | None = None, draw: Callable = random_draw) -> Verified:
+           draft_probs: torch.Tensor | None = None, draw: Callable | None = None) -> Verified:
     """Verify drafts row by row. `logits` [rows, vocab] fp32: the target's raw logits (`st`'s
     penalties are applied here; its `steps` hold each row's token index); `draft_tokens`
     [rows] int64, -1 on each sequence's last row; `draft_probs` [rows, vocab]: the distribution
     each draft was drawn from (None: deterministic proposals). A sequence emits its accepted
-    leading drafts and then the token of its first row not accepted."""
+    leading drafts and then the token of its first row not accepted. `draw`: as `sample`'s."""
     if st.penalties is not None:  # (penalties.py is imported by a batch that uses them, as in `sample`)
         from nanoinfer.penalties import apply_penalties
 
@@ -71,12 +72,12 @@ def verify(logits: torch.Tensor, st: SamplingTensors, draft_tokens: torch.Tensor
     sampled = st.temperature > 0
     accepted = torch.where(sampled, has_draft & (u * q_d < p_d), accepted)
     # (An exponential race needs no normalized weights: the residual is drawn as it is.)
-    own = torch.where(sampled, draw(residual, st.seeds, st.steps), greedy)
+    own = torch.where(sampled, (draw or random_draw)(residual, st.seeds, st.steps), greedy)
     return Verified(accepted, torch.where(accepted, d, own))
 
 
 def draft_sample(logits: torch.Tensor, st: SamplingTensors,
-                 draw: Callable = random_draw) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 draw: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A draft model's proposal per row (`logits` in the model's dtype: a greedy draft needs
     no fp32 copy of them) and the distribution q it was drawn from (None when
     every row is greedy: the argmax, which verification compares with the target's). The
@@ -86,7 +87,7 @@ def draft_sample(logits: torch.Tensor, st: SamplingTensors,
     if st.all_greedy:
         return greedy, None
     q = target_distribution(logits.float(), st)
-    return torch.where(st.temperature > 0, draw(q, st.seeds ^ DRAFT_SALT, st.steps), greedy), q
+    return torch.where(st.temperature > 0, (draw or random_draw)(q, st.seeds ^ DRAFT_SALT, st.steps), greedy), q
 
 
 def draft_history(num_drafts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

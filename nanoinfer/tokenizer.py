@@ -1,27 +1,24 @@
-"""Tokenizer: text <-> token ids for HF tokenizer files and GGUF vocabularies, plus the chat template."""
+"""Tokenizer: text <-> token ids over a backend, built from a GGUF's (or llama2.c's) vocabulary; the chat template.
+
+A Hugging Face directory's tokenizer files are read by nanoinfer/tokenizer_hf.py, and the chat
+template is compiled and rendered by nanoinfer/chat_template.py: each is imported where it is
+first needed, so a plain prompt to a GGUF model runs neither.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
-import re
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import gguf
-import jinja2
-import sentencepiece
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from nanoinfer.chat_template import compile_chat_template, find_hf_chat_template, render_chat_template
 from nanoinfer.errors import CheckpointError, RequestError
-
-# Names of the special tokens transformers hands to a chat template (its `special_tokens_map`).
-_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                         "cls_token", "mask_token")
 
 # What `tokenizer.ggml.pre` says about splitting text before byte-level BPE, as llama.cpp does it
 # (llama-vocab.cpp). The GPT-2 regex is the ByteLevel pre-tokenizer's own, used for pre-types
@@ -51,9 +48,19 @@ _KNOWN_GPT2_PRE = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
 _IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe"}
 
 
-class _TokenizersBackend:
-    """What Tokenizer needs from an encoder, over a `tokenizers.Tokenizer` (whose added vocab and
-    post-processor hold the added tokens and BOS/EOS)."""
+class TokenizerBackend(Protocol):
+    """What Tokenizer needs from an encoder: TokenizersBackend here, sentencepiece's and
+    tiktoken's (nanoinfer/tokenizer_hf.py, nanoinfer/nanochat_tokenizer.py)."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def vocab_size(self) -> int: ...
+
+
+class TokenizersBackend:
+    """A TokenizerBackend over a `tokenizers.Tokenizer` (whose added vocab and post-processor
+    hold the added tokens and BOS/EOS)."""
 
     def __init__(self, backend: tokenizers.Tokenizer):
         self.backend = backend
@@ -73,56 +80,6 @@ class _TokenizersBackend:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
 
-class _SentencePieceBackend:
-    """The same over a `tokenizer.model` run by sentencepiece itself (any model type and
-    normalizer), with the checkpoint's added tokens cut out of the text first."""
-
-    def __init__(self, processor: sentencepiece.SentencePieceProcessor, added: dict[str, int],
-                 special_ids: set[int], bos_id: int | None, eos_id: int | None):
-        self.processor, self.added, self.special_ids = processor, added, special_ids
-        self.bos_id, self.eos_id = bos_id, eos_id
-        self.added_by_id = {i: t for t, i in added.items()}
-        # Longest first, so "<|a|>b" is not cut at a shorter token "<|a|>" that prefixes it.
-        self.pattern = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))))
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = [self.bos_id] if add_special_tokens and self.bos_id is not None else []
-        start = 0
-        # Each piece of text between added tokens is encoded on its own, so each gets the dummy
-        # prefix: this is what Meta's Llama-2 reference code and llama.cpp do around <s>/[INST].
-        for match in self.pattern.finditer(text) if self.added else ():
-            if match.start() > start:
-                ids += self.processor.encode(text[start:match.start()])
-            ids.append(self.added[match.group()])
-            start = match.end()
-        if start < len(text):
-            ids += self.processor.encode(text[start:])
-        if add_special_tokens and self.eos_id is not None:
-            ids.append(self.eos_id)
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
-        size, parts, run = self.processor.get_piece_size(), [], []
-        for token_id in ids:
-            if token_id in self.added_by_id:
-                parts.append(self.processor.decode(run))
-                run = []
-                if not (skip_special_tokens and token_id in self.special_ids):
-                    parts.append(self.added_by_id[token_id])
-            elif 0 <= token_id < size:  # ids past the vocab (padded embeddings) decode to nothing
-                run.append(token_id)
-        return "".join(parts) + self.processor.decode(run)
-
-    def token_to_id(self, token: str) -> int | None:
-        if token in self.added:
-            return self.added[token]
-        token_id = self.processor.piece_to_id(token)
-        return token_id if self.processor.id_to_piece(token_id) == token else None
-
-    def vocab_size(self) -> int:
-        return max(self.processor.get_piece_size(), max(self.added_by_id, default=-1) + 1)
-
-
 class Tokenizer:
     """Encodes and decodes text for one checkpoint, and renders its chat template.
 
@@ -131,7 +88,7 @@ class Tokenizer:
     tokenizer and llama.cpp: see `_DIGITS_FIRST` and `_sentencepiece_bpe`.
     """
 
-    def __init__(self, backend: _TokenizersBackend | _SentencePieceBackend, *, source: str, bos_token: str | None,
+    def __init__(self, backend: TokenizerBackend, *, source: str, bos_token: str | None,
                  eos_token: str | None, special_tokens: dict[str, str],
                  chat_template: str | None, extra_eos_ids: Iterable[int] = (),
                  end_token_ids: Iterable[int] = ()):
@@ -144,10 +101,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
             i for i in (eos_id, *end_token_ids, *extra_eos_ids) if i is not None))
         self.special_tokens = dict(special_tokens)  # named tokens the chat template may use
-        self.chat_template: str | None = chat_template
-        # Compiled once here, so a broken template fails at load time and names its file.
-        self._compiled_template: jinja2.Template | None = (
-            compile_chat_template(chat_template, source) if chat_template else None)
+        self.chat_template: str | None = chat_template  # compiled at its first use (`check_chat_template`)
 
     def with_extra_eos_ids(self, ids: Iterable[int]) -> Tokenizer:
         """A copy whose `eos_token_ids` also hold `ids` (e.g. the model config's eos ids)."""
@@ -169,12 +123,12 @@ class Tokenizer:
     def tokenizers_json(self) -> str | None:
         """The vocabulary as a Hugging Face tokenizer.json string (None: not a `tokenizers`
         vocabulary), for libraries that read one (structured output's llguidance)."""
-        return self._backend.backend.to_str() if isinstance(self._backend, _TokenizersBackend) else None
+        return self._backend.backend.to_str() if isinstance(self._backend, TokenizersBackend) else None
 
     def save_hf(self, directory: str | Path) -> None:
         """Write this tokenizer as a Hugging Face directory's files (tokenizer.json and
         tokenizer_config.json with the chat template), e.g. a GGUF's beside a dummy config."""
-        if not isinstance(self._backend, _TokenizersBackend):
+        if not isinstance(self._backend, TokenizersBackend):
             raise RequestError(f"{self.source}: only a `tokenizers` vocabulary can be written as tokenizer.json")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -184,43 +138,36 @@ class Tokenizer:
         (directory / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
                                                                     indent=1))
 
+    def check_chat_template(self) -> None:
+        """Compile the chat template now (compiles are cached): a broken one raises CheckpointError
+        naming this tokenizer's file. A plain prompt never compiles it."""
+        if self.chat_template is not None:
+            # (jinja2 and the template's sandbox load here: a plain prompt's request needs neither)
+            from nanoinfer.chat_template import compile_chat_template
+
+            compile_chat_template(self.chat_template, self.source)
+
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """The prompt text for a conversation, as transformers renders it (`tokenize=False`)."""
-        if self._compiled_template is None:
+        if self.chat_template is None:
             raise RequestError(f"the tokenizer of {self.source} has no chat template; "
                                "send a plain prompt instead of chat messages")
+        from nanoinfer.chat_template import compile_chat_template, render_chat_template
+
         variables = {**self.special_tokens, **extra}
         variables.setdefault("bos_token", "")
         variables.setdefault("eos_token", "")
-        return render_chat_template(self._compiled_template, messages,
+        return render_chat_template(compile_chat_template(self.chat_template, self.source), messages,
                                     add_generation_prompt=add_generation_prompt, **variables)
-
-    # ---- Hugging Face tokenizer files ----------------------------------------------------
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer | None:
-        """The tokenizer of a HF checkpoint directory, or None when it has no tokenizer files."""
-        path = Path(path)
-        config = _read_json(path / "tokenizer_config.json")
-        # special_tokens_map.json is the older home of the named tokens; the config wins.
-        named = {**_read_json(path / "special_tokens_map.json"), **config}
-        special = {k: _content(named[k]) for k in _NAMED_SPECIAL_TOKENS if named.get(k)}
-        extra_special = [_content(t) for k in ("additional_special_tokens", "extra_special_tokens")
-                         if isinstance(named.get(k), list) for t in named[k]]
-        added_specs = sorted((int(i), spec) for i, spec in
-                             (config.get("added_tokens_decoder") or {}).items())
-        if (path / "tokenizer.json").is_file():
-            backend: _TokenizersBackend | _SentencePieceBackend = _hf_tokenizers_backend(path / "tokenizer.json", special,
-                                                       extra_special, added_specs)
-        elif (path / "tokenizer.model").is_file():
-            backend = _sentencepiece_backend(path / "tokenizer.model", config, special,
-                                             extra_special, added_specs)
-        else:
-            return None
-        return cls(backend, source=str(path), bos_token=special.get("bos_token"),
-                   eos_token=special.get("eos_token"), special_tokens=special,
-                   chat_template=find_hf_chat_template(path, config), extra_eos_ids=extra_eos_ids)
+        """The tokenizer of a HF checkpoint directory, or None when it has no tokenizer files
+        (nanoinfer/tokenizer_hf.py, imported by the load that reads such files)."""
+        from nanoinfer.tokenizer_hf import read_hf_tokenizer
+
+        return read_hf_tokenizer(path, extra_eos_ids)
 
     # ---- GGUF vocabularies -----------------------------------------------------------------
 
@@ -269,7 +216,7 @@ class Tokenizer:
                      special.get("eos_token") if add_eos else None)
         # End-of-turn tokens some GGUFs name besides eos (Llama 3 <|eot_id|>, <|eom_id|>).
         ends = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-        return cls(_TokenizersBackend(backend), source=str(path),
+        return cls(TokenizersBackend(backend), source=str(path),
                    bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
                    special_tokens=special, chat_template=field("tokenizer.chat_template"),
                    extra_eos_ids=extra_eos_ids, end_token_ids=[i for i in ends if i is not None])
@@ -295,7 +242,7 @@ class Tokenizer:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in pieces[:3]])
         _set_bos_eos(backend, "<s>", None)
         special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-        return cls(_TokenizersBackend(backend), source=str(path), bos_token="<s>", eos_token="</s>",
+        return cls(TokenizersBackend(backend), source=str(path), bos_token="<s>", eos_token="</s>",
                    special_tokens=special, chat_template=None)
 
 
@@ -320,80 +267,6 @@ def read_llama2c_vocab(path: Path, vocab_size: int) -> tuple[list[str], list[flo
         raise CheckpointError(path, f"token {len(pieces)} of the {vocab_size} the model's header promises cannot be "
                                     f"read ({exc}): expected llama2.c's tokenizer.bin for this model") from exc
     return pieces, scores
-
-
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        return {}
-    try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(file, f"cannot be read as JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(file, f"should hold a JSON object, not {type(value).__name__}")
-    return value
-
-
-def _content(token: str | dict) -> str:
-    """Special tokens are saved as strings or as AddedToken dicts ({"content": ...})."""
-    return token["content"] if isinstance(token, dict) else str(token)
-
-
-def _added_token(spec: dict | str, special: bool) -> AddedToken:
-    if isinstance(spec, str):
-        return AddedToken(spec, special=special, normalized=False)
-    keys = ("single_word", "lstrip", "rstrip", "normalized")
-    return AddedToken(spec["content"], special=spec.get("special", special),
-                      **{k: spec[k] for k in keys if k in spec})
-
-
-def _hf_tokenizers_backend(file: Path, special: dict[str, str],
-                           extra_special: list[str], added_specs: list) -> _TokenizersBackend:
-    try:
-        backend = tokenizers.Tokenizer.from_file(str(file))
-    except Exception as e:  # the Rust side raises plain Exception for any malformed file
-        raise CheckpointError(file, f"is not a tokenizer the tokenizers library can read: {e}") from e
-    # As transformers: the config's added tokens and named special tokens are matched whole in
-    # text even when tokenizer.json lists them only as vocabulary (adding one it has is a no-op).
-    for _, spec in added_specs:
-        token = _added_token(spec, special=False)
-        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in (*special.values(), *extra_special)])
-    # BOS/EOS come from tokenizer.json's post-processor alone: transformers 5 drops the config's
-    # add_bos_token/add_eos_token when there is a tokenizer.json (Llama's adds BOS this way).
-    return _TokenizersBackend(backend)
-
-
-def _sentencepiece_backend(file: Path, config: dict, special: dict[str, str],
-                           extra_special: list[str], added_specs: list) -> _SentencePieceBackend:
-    try:
-        processor = sentencepiece.SentencePieceProcessor(model_file=str(file))
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(file, f"is not a sentencepiece model: {e}") from e
-    # A config without bos/eos names (old checkpoints) gets sentencepiece's own; `special` is
-    # the caller's fresh dict of named tokens, so the Tokenizer sees them too.
-    for name, token_id in (("bos_token", processor.bos_id()), ("eos_token", processor.eos_id())):
-        if token_id >= 0:
-            special.setdefault(name, processor.id_to_piece(token_id))
-    added: dict[str, int] = {}
-    special_ids = {i for i in range(processor.get_piece_size())
-                   if processor.is_control(i) or processor.is_unknown(i)}
-    for token_id, spec in added_specs:
-        added[_content(spec)] = token_id
-        if not isinstance(spec, dict) or spec.get("special", False):
-            special_ids.add(token_id)
-    for token in (*special.values(), *extra_special):
-        token_id = processor.piece_to_id(token)
-        if token not in added and processor.id_to_piece(token_id) == token:
-            added[token] = token_id
-            special_ids.add(token_id)
-    # Llama-style checkpoints add BOS unless the config says otherwise (sentencepiece's own
-    # convention, and transformers' LlamaTokenizer default).
-    bos, eos = special.get("bos_token"), special.get("eos_token")
-    bos_id = added.get(bos) if bos and config.get("add_bos_token", True) else None
-    eos_id = added.get(eos) if eos and config.get("add_eos_token", False) else None
-    return _SentencePieceBackend(processor, added, special_ids, bos_id, eos_id)
 
 
 def _set_bos_eos(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:

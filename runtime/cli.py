@@ -16,9 +16,9 @@ from importlib import metadata
 from pathlib import Path
 
 from nanoinfer.errors import NanoInferError, RequestError
+from nanoinfer.flags import add_flags, from_namespace, parse_config_file
 from nanoinfer.hub import DEFAULT_MODEL
 from nanoinfer.loaders import LoadConfig
-from nanoinfer.settings import add_flags, from_namespace, parse_config_file
 from runtime.config import EngineConfig, SchedulerConfig
 from runtime.launch import LaunchConfig, LocalRanks, is_launched
 from runtime.serve.config import ServerConfig

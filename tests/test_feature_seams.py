@@ -43,7 +43,12 @@ UNUSED = ("nanoinfer.nanochat", "nanoinfer.nanochat_tokenizer", "nanoinfer.loade
           "nanoinfer.loaders.hf_hub", "nanoinfer.loaders.llama2c", "nanoinfer.loaders.dummy",
           "nanoinfer.loaders.quantize", "nanoinfer.penalties", "nanoinfer.structured", "nanoinfer.lark_check",
           "nanoinfer.speculative", "nanoinfer.ngram", "nanoinfer.tensor_parallel", "nanoinfer.graphs",
-          "nanoinfer.gemv", "nanoinfer.rope_write", "nanoinfer.argmax")
+          "nanoinfer.gemv", "nanoinfer.rope_write", "nanoinfer.argmax",
+          # The chat template (and jinja2) load at the first chat request, an HF directory's tokenizer files'
+          # readers with such a load.
+          "nanoinfer.chat_template", "nanoinfer.tokenizer_hf",
+          # A sampled row's distribution and draw load with the first step that samples: this one is greedy.
+          "nanoinfer.draw")
 # What the packed CPU path replaces (it runs them where no C compiler built cpu_native).
 REPLACED_BY_NATIVE = ("nanoinfer.attention", "nanoinfer.attention.reference", "nanoinfer.attention.torch_paged",
                       "nanoinfer.rope_write_cpu")

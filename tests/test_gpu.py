@@ -196,7 +196,7 @@ def test_engine_on_cuda_with_nvtx_ranges_and_phase_times(hf_and_ours):
 def test_compiled_random_draw_equals_eager():
     """The fused draw (CUDA's kernels) picks the same token as the eager hash + race, masked
     tokens never win, and rows with a different (seed, step) draw differently."""
-    from nanoinfer.sampling import random_draw
+    from nanoinfer.draw import random_draw
 
     compiled = kernels_for(tiny_cfg(), torch.device("cuda"), 16).draw
     assert compiled is not random_draw

@@ -6,11 +6,10 @@ import torch
 import transformers
 
 from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.config import config_from_hf
 from nanoinfer.errors import CheckpointError
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.loaders.hf import load_hf_params, read_hf_config
+from nanoinfer.loaders.hf import config_from_hf, load_hf_params, read_hf_config
 from nanoinfer.model import forward
 from nanoinfer.sampling import SamplingParams
 from runtime.engine.engine_core import EngineConfig, EngineCore

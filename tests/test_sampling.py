@@ -9,9 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import (SamplingParams, SamplingTensors, apply_top_k_top_p, exponential_race, greedy_and_finite,
-                                sample,
-                                uniform_noise, uniform_noise_from_bits)
+from nanoinfer.draw import apply_top_k_top_p, exponential_race, uniform_noise, uniform_noise_from_bits
+from nanoinfer.sampling import SamplingParams, SamplingTensors, greedy_and_finite, sample
 
 V = 12
 PROBS = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003])
