@@ -118,8 +118,11 @@ SPECS = [GrammarSpec("json_schema", PERSON), GrammarSpec("choice", ("red", "gree
 @pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True},
                                          {"num_blocks": 40, "block_size": 4, "swap_space": 0},
                                          {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                                                 "adaptive": False}}],
-                         ids=["plain", "async", "preempting", "ngram"])
+                                                                 "adaptive": False}},
+                                         {"async_scheduling": True, "max_num_batched_tokens": 20},
+                                         {"async_scheduling": True, "speculative_config": {
+                                             "method": "ngram", "num_speculative_tokens": 3}}],
+                         ids=["plain", "async", "preempting", "ngram", "async-chunked", "async-ngram-adaptive"])
 def test_constrained_greedy_is_the_masked_argmax(tiny_chat_model, monkeypatch, engine_args):
     """Constrained and free requests in one batch: each constrained output is the reference's,
     token for token; each free one is what it is without the constrained ones."""
