@@ -179,9 +179,6 @@ class EngineCore:
         start = self.timer.start()
         previous, self._in_flight = self._in_flight, None
         outputs, drafts, chunks = [], {}, ()
-        if previous is not None and previous.constrained and self.speculator is not None:
-            # (drafts and their masks are made before the forward: the grammars must have seen the tokens)
-            outputs, previous = self.resolver.resolve(previous), None
         if self.speculator is not None:
             before, previous, start, drafts = self.speculator.begin_step(self.scheduler.running, previous,
                                                                          self.resolver, start)
