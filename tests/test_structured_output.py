@@ -118,8 +118,11 @@ SPECS = [GrammarSpec("json_schema", PERSON), GrammarSpec("choice", ("red", "gree
 @pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True},
                                          {"num_blocks": 40, "block_size": 4, "swap_space": 0},
                                          {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                                                 "adaptive": False}}],
-                         ids=["plain", "async", "preempting", "ngram"])
+                                                                 "adaptive": False}},
+                                         {"async_scheduling": True, "max_num_batched_tokens": 20},
+                                         {"async_scheduling": True, "speculative_config": {
+                                             "method": "ngram", "num_speculative_tokens": 3}}],
+                         ids=["plain", "async", "preempting", "ngram", "async-chunked", "async-ngram-adaptive"])
 def test_constrained_greedy_is_the_masked_argmax(tiny_chat_model, monkeypatch, engine_args):
     """Constrained and free requests in one batch: each constrained output is the reference's,
     token for token; each free one is what it is without the constrained ones."""
@@ -186,7 +189,8 @@ def test_draft_model_verification_keeps_the_grammar(tiny_chat_model):
         assert re.fullmatch(r"[a-f]{3,9}", text(tiny_chat_model, s.output_token_ids)), s.output_token_ids
 
 
-def test_a_grammar_that_goes_wrong_fails_its_request_alone(tiny_chat_model, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_grammar_that_goes_wrong_fails_its_request_alone(tiny_chat_model, monkeypatch, async_scheduling):
     """A mask that let a token through which the grammar then refuses (here: masks broken on
     purpose) fails that request with its reason; the others finish."""
     from nanoinfer import structured
@@ -195,7 +199,8 @@ def test_a_grammar_that_goes_wrong_fails_its_request_alone(tiny_chat_model, monk
     ps = prompts(tiny_chat_model, 2, seed=4)
     outs = run(tiny_chat_model, [(ps[0], SamplingParams(temperature=0, max_tokens=20,
                                                         structured_outputs={"regex": "x{5}"})),
-                                 (ps[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])
+                                 (ps[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))],
+               async_scheduling=async_scheduling)
     (_, reason, error), (ids, free_reason, free_error) = outs
     assert reason == "error" and "does not continue this request's regex" in str(error)
     assert free_reason == "length" and free_error is None and len(ids) == 20
@@ -299,7 +304,8 @@ def test_vllm_extensions_on_completions(client):
     jsonschema.validate(json.loads(as_json.choices[0].text), PERSON)
 
 
-def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model, monkeypatch, async_scheduling):
     """llguidance failing on one grammar (here: on purpose, at its third mask): that request
     fails, the others finish."""
     from nanoinfer import structured
@@ -318,9 +324,91 @@ def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model,
     outs = run(tiny_chat_model, [
         (ps[0], SamplingParams(temperature=0, max_tokens=50, structured_outputs={"regex": "[0-9]{40}"})),
         (ps[1], SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON})),
-        (ps[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])
+        (ps[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))], async_scheduling=async_scheduling)
     assert outs[0][1] == "error" and "broken on purpose" in str(outs[0][2])
     assert len(calls) >= 3  # (broken mid-output, not at the first token; retried while it is narrowed down)
     assert outs[1][1] == "stop" and outs[1][2] is None
     jsonschema.validate(json.loads(text(tiny_chat_model, outs[1][0])), PERSON)
     assert outs[2][1] == "length" and len(outs[2][0]) == 20
+
+
+def mixed_requests(model):
+    """Constrained requests (that end by their grammar, at max_tokens, or fail) beside free
+    ones, greedy and seeded sampling, n > 1: one batch."""
+    ps = prompts(model, 10, seed=6)
+    return [
+        (ps[0], SamplingParams(temperature=0, max_tokens=40, structured_outputs={"choice": ["red", "green", "blue"]})),
+        (ps[1], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)),
+        (ps[2], SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=60, structured_outputs={"json": PERSON})),
+        (ps[3], SamplingParams(temperature=1.0, seed=8, max_tokens=30, ignore_eos=True)),
+        (ps[4], SamplingParams(temperature=0.8, seed=1, max_tokens=12, structured_outputs={"regex": "[a-z]{20,30}"})),
+        (ps[5], SamplingParams(temperature=0, max_tokens=50, structured_outputs={"regex": "[0-9]{2,4}-x"})),
+        (ps[6], SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=40, logprobs=2,
+                               structured_outputs={"json_object": True})),
+        (ps[7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+        (ps[8], SamplingParams(temperature=0, max_tokens=3, structured_outputs={"regex": "[a-z]{10,20}"})),
+        (ps[9], SamplingParams(temperature=0.9, seed=9, max_tokens=20, repetition_penalty=1.2,
+                               structured_outputs={"regex": "(ab|cd)+"})),
+    ]
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 24}, {"max_num_seqs": 4},
+                                         {"num_blocks": 40, "block_size": 4, "swap_space": 0}],
+                         ids=["roomy", "chunked", "few-seqs", "preempting"])
+def test_mixed_constrained_batches_are_the_same_with_async_scheduling(tiny_chat_model, monkeypatch, engine_args):
+    """Constrained steps overlap the next step's forward (their grammars fed meanwhile): every
+    token, finish reason and error is as in the synchronous loop. One grammar's masks break
+    after its third (all allowed): the token it then refuses fails that request alone."""
+    from nanoinfer import structured
+
+    fill, fills = structured.Grammars.fill, {}
+
+    def breaking(self, rows, bitmask):
+        fill(self, rows, bitmask)
+        for constraint, row, _ in rows:
+            if constraint.spec.kind == "regex" and "-x" in str(constraint.spec.value):
+                fills[id(constraint)] = fills.get(id(constraint), 0) + 1
+                if fills[id(constraint)] > 3:
+                    bitmask[row] = -1
+
+    monkeypatch.setattr(structured.Grammars, "fill", breaking)
+    reqs = mixed_requests(tiny_chat_model)
+    sync = run(tiny_chat_model, reqs, async_scheduling=False, **engine_args)
+    overlapped = run(tiny_chat_model, reqs, async_scheduling=True, **engine_args)
+    assert [(ids, reason, str(error)) for ids, reason, error in overlapped] == \
+        [(ids, reason, str(error)) for ids, reason, error in sync]
+    reasons = [reason for _, reason, _ in sync]
+    assert reasons[0] == "stop" and reasons[1] == "length" and reasons[9] == "length", reasons
+    assert reasons[6] == "error" and "does not continue this request's regex" in str(sync[6][2])
+    assert len(sync[6][0]) >= 3  # (it failed mid-output)
+
+
+def test_a_constrained_step_is_planned_before_the_step_before_it_resolves(tiny_chat_model, monkeypatch):
+    """Async scheduling with a grammar: step N+1 is planned and its forward launched while step
+    N's token is still in flight; its mask is filled only after the grammar consumed that token."""
+    from nanoinfer import structured
+
+    core = EngineCore(tiny_chat_model, engine_config(block_size=16, num_blocks=64, async_scheduling=True))
+    seq = core.add_request(prompts(tiny_chat_model, 1, seed=7)[0],
+                           SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z]{30}"}))
+    planned, filled = [], []
+    plan, fill = core.scheduler.plan, structured.Grammars.fill
+
+    def planning(*args):
+        planned.append(seq.num_unresolved)
+        return plan(*args)
+
+    def filling(self, rows, bitmask):
+        filled.append((seq.num_unresolved, len(seq.output_token_ids)))
+        return fill(self, rows, bitmask)
+
+    monkeypatch.setattr(core.scheduler, "plan", planning)
+    monkeypatch.setattr(structured.Grammars, "fill", filling)
+    while core.has_unfinished():
+        core.step()
+    assert seq.finish_reason == "stop" and re.fullmatch("[a-z]{30}", text(tiny_chat_model, seq.output_token_ids))
+    # Every plan after the first sees the constrained token in flight...
+    # (the last plan comes after the end: nothing in flight, nothing to run)
+    assert len(planned) > 3 and planned[0] == planned[-1] == 0 and set(planned[1:-1]) == {1}, planned
+    # ...and every mask is filled from all the tokens before it: the k-th after k tokens.
+    assert filled == [(0, k) for k in range(len(filled))], filled

@@ -6,6 +6,8 @@ resolver applies the tokens (runtime/engine/resolve.py). It knows tokens, not te
 detokenization and stop strings happen in LLMEngine, which calls `abort_request` when a stop
 string ends a request early. On CUDA a step launches its work and returns the tokens of the
 step before (async scheduling, runtime/executor/step.py), so host work overlaps the device's.
+A step that a grammar constrained is read during the next one's launch, once that forward is
+queued: its grammars consume its tokens while the device runs, then fill the next masks.
 Features plug in where a step has a seam: speculative decoding before the plan and after the
 resolve (runtime/engine/speculative.py), structured output at submit and resolve
 (runtime/engine/structured.py), fault containment in the `except` clauses
@@ -177,8 +179,6 @@ class EngineCore:
         start = self.timer.start()
         previous, self._in_flight = self._in_flight, None
         outputs, drafts, chunks = [], {}, ()
-        if previous is not None and previous.constrained:  # its grammars must see its tokens before masking again
-            outputs, previous = self.resolver.resolve(previous), None
         if self.speculator is not None:
             before, previous, start, drafts = self.speculator.begin_step(self.scheduler.running, previous,
                                                                          self.resolver, start)
@@ -189,7 +189,7 @@ class EngineCore:
             self.step_count += 1
             chunks = p.chunks
             if chunks:
-                self._in_flight, failed = self._launch(p, drafts, previous)
+                self._in_flight, failed, previous = self._launch(p, drafts, previous)
                 outputs += failed
         finally:
             if drafts:
@@ -207,22 +207,50 @@ class EngineCore:
         self.timer.end()
         return outputs
 
-    def _launch(self, p: Plan, drafts: dict, previous: InFlightStep | None) -> tuple[InFlightStep | None, list]:
+    def _launch(self, p: Plan, drafts: dict,
+                previous: InFlightStep | None) -> tuple[InFlightStep | None, list, InFlightStep | None]:
         """Have the executor launch the plan's step, and commit its effect on the sequences: a
-        launch that raises leaves them as planned (and is contained: runtime/engine/faults.py)."""
+        launch that raises leaves them as planned (and is contained: runtime/engine/faults.py).
+        Returns the step, outputs, and the step before it if still unread: a constrained one is
+        read during the launch, once this step's forward is queued (its grammars must consume
+        its tokens before they mask this step's logits; the forward needs no mask)."""
         self.timer.next("batch")
         inp = self.scheduler.step_input(p, drafts)
         self.timer.next("forward")
+        early = _ReadBetween(self, previous) if previous is not None and previous.constrained else None
         try:
-            step = self.executor.launch(inp, lambda: self.timer.next("sample"))
+            step = self.executor.launch(inp, lambda: self.timer.next("sample"), early or (lambda: None))
         except Exception as exc:  # noqa: BLE001 - contained, see runtime/engine/faults.py
             from runtime.engine.faults import launch_failed
 
-            return None, launch_failed(self.scheduler, p, exc, previous, self.device)
+            if early is None or not early.started:
+                return None, launch_failed(self.scheduler, p, exc, previous, self.device), previous
+            if early.outputs is None:
+                raise  # (reading the step before failed, not this launch: as where it is read otherwise)
+            return None, early.outputs + launch_failed(self.scheduler, p, exc, None, self.device), None
+        outputs = []
+        if early is not None:
+            outputs, previous = early.outputs, None
         isolation = self.scheduler.isolation
         if isolation is not None:  # the step that narrows a failure down passed
             isolation.succeeded()
             if isolation.done:
                 self.scheduler.isolation = None
         self.scheduler.commit(inp, step)
-        return step, []
+        return step, outputs, previous
+
+
+class _ReadBetween:
+    """A constrained step in flight, read between the next step's forward and its sampling
+    (the executor's `before_sampling`): the host feeds the grammars while the device runs."""
+
+    def __init__(self, core: EngineCore, step: InFlightStep):
+        self.core, self.step = core, step
+        self.started = False
+        self.outputs: list[TokenOutput] | None = None  # once read
+
+    def __call__(self) -> None:
+        self.started = True
+        self.core.timer.next("resolve")
+        self.outputs = self.core.resolver.resolve(self.step)
+        self.core.timer.next("sample")

@@ -184,9 +184,12 @@ def launch_failed(scheduler, p: Plan, exc: Exception, previous, device: torch.de
         previous.transfer.wait()  # (its tokens are still read: it ran before the failure)
     if kind is Fault.OUT_OF_MEMORY and device.type == "cuda":
         torch.cuda.empty_cache()  # the allocator's cached, fragmented blocks go first
+    # (a sequence that the step before finished, read during the launch, is no suspect)
+    seqs = [c.seq for c in p.chunks if not c.seq.is_finished]
+    if not seqs:
+        return []
     if scheduler.isolation is None:
         scheduler.isolation = Isolation(scheduler.config.max_num_batched_tokens)
-    seqs = [c.seq for c in p.chunks]
     culprit = scheduler.isolation.failed(seqs, p.num_tokens, exc, kind)
     log.warning("a step of %d tokens over %d sequences failed (%r): %s", p.num_tokens, len(seqs), exc,
                 "failing the request it belongs to" if culprit else

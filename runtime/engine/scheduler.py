@@ -161,6 +161,8 @@ class Scheduler:
         register, bs = self.blocks.cache.register, (self.blocks.block_size if self.blocks.prefix_caching else 1 << 62)
         for chunk in inp.chunks:
             seq = chunk.seq
+            if seq.is_finished:  # (by the step before, read during this launch: engine_core.py)
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             if seq.num_computed_tokens // bs > seq.num_registered_blocks:
                 register(seq)
@@ -169,7 +171,8 @@ class Scheduler:
         for entry in inp.prompt_rows:
             entry.seq.prompt_logprobs_done = entry.final  # (a recompute won't redo them)
         for seq, _ in inp.samplers:
-            seq.num_unresolved += 1  # known once this step is resolved
+            if not seq.is_finished:
+                seq.num_unresolved += 1  # known once this step is resolved
 
     def _fork(self, seq: Sequence) -> None:
         """`seq`'s prefill is done: its pending completions join the batch, sharing its blocks."""

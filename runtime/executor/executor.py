@@ -34,9 +34,12 @@ class Executor(Protocol):
     def table_changed(self, seq: Sequence) -> None:
         """`seq`'s block table grew, or a block in its write range was replaced (copy-on-write)."""
 
-    def launch(self, inp: StepInput, forward_done: Callable[[], None]) -> InFlightStep:
+    def launch(self, inp: StepInput, forward_done: Callable[[], None],
+               before_sampling: Callable[[], None] = lambda: None) -> InFlightStep:
         """Queue the step's forward and sampling and start copying the results to the host;
-        returns without waiting for the device, and changes no sequence."""
+        returns without waiting for the device, and changes no sequence. `before_sampling` is
+        called once the forward is queued and before the grammar masks are filled (it may
+        finish sequences: their rows are sampled, and dropped when the step resolves)."""
 
     def emitted(self, seq: Sequence, token_ids: list[int]) -> None:
         """Tokens a verification emitted for `seq` (speculative decoding)."""

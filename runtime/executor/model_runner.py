@@ -189,10 +189,14 @@ class ModelRunner(DeviceModel):
             return ForwardOutput(*self.graphs.run(batch))
         return self._eager_forward(batch)
 
-    def launch(self, inp: StepInput, forward_done: Callable[[], None] = lambda: None) -> InFlightStep:
+    def launch(self, inp: StepInput, forward_done: Callable[[], None] = lambda: None,
+               before_sampling: Callable[[], None] = lambda: None) -> InFlightStep:
         """Queue the step's forward and sampling and start copying the results to the host;
         returns without waiting for the device. Changes no sequence. (`forward_done` is called
-        between the two, for the step's phase timings.)"""
+        between the two, for the step's phase timings.) `before_sampling` runs once the forward
+        is queued, before the grammar masks are filled: the engine reads the step before there,
+        so that its grammars consume their tokens while the device runs this forward (the
+        forward needs no mask; only the sampler does)."""
         draft_tokens = draft_probs = None
         draft_computed = ()
         if self.draft is not None:  # a draft model proposes now that the plan gave its slots
@@ -208,6 +212,8 @@ class ModelRunner(DeviceModel):
             verify = Verification(self, inp, draft_tokens, draft_probs)
         out = self._forward(batch)
         forward_done()
+        st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)  # (before_sampling may free rows)
+        before_sampling()
         # Grammar masks are filled on the host while the device runs the forward.
         masks = None
         if self.constrained:  # (no pass over rows when no sequence is constrained)
@@ -219,7 +225,6 @@ class ModelRunner(DeviceModel):
         if sample_at != list(range(out.logits.shape[0])):  # (a pure decode step needs no gather)
             (index,) = to_device_packed([sample_at], torch.int64, self.device)
             out = ForwardOutput(*(t.index_select(0, index) for t in out))
-        st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)
         logits = out.logits
         if st.all_greedy and st.penalties is None and masks is None:
             tokens = out.greedy  # (the graph's own argmax: no float copy of the logits, no launch)

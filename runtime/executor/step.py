@@ -168,6 +168,6 @@ class InFlightStep(NamedTuple):
     prompt_logprobs: tuple[PromptLogprobRows, ...]
     transfer: DeviceToHost
     verified: tuple[VerifiedRows, ...] = ()
-    constrained: bool = False  # some row was masked by its sequence's grammar: the engine resolves
-    # such a step before it plans the next (the grammar must see its tokens first)
+    constrained: bool = False  # some row was masked by its sequence's grammar: the engine reads such
+    # a step during the next one's launch, between its forward and its masks (the grammars first consume)
     draft_computed: tuple = ()  # (seq, position): how far its draft model's cache holds after the step
