@@ -173,6 +173,7 @@ class StepGraphs:
                                                 self._mixed_rows(tokens), decode=False)
                              for tokens in self.token_buckets}
         size = max(i.nbytes for i in (*self.decode_inputs.values(), *self.mixed_inputs.values()))
+        self.device = device
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         self.decode_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one row per sequence
         self.decode_rows = torch.arange(max_batch, dtype=torch.int64, device=device)
@@ -205,13 +206,16 @@ class StepGraphs:
         batch.slot_mapping.fill_(-1)
         if not inputs.decode:
             batch.query_start_loc[1:].fill_(batch.num_tokens)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        # A side stream of this device, for the warm-up and the capture: torch.cuda.graph's own
+        # default is one stream per process, made on whichever device captured first, and a
+        # second engine on another GPU (data parallelism) would capture its kernels there.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
             self.step(batch)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             outputs = tuple(self.step(batch))
         self.pool = graph.pool()
         return Captured(graph, outputs, inputs, batch)

@@ -43,13 +43,6 @@ class AsyncEngine(RequestBook):
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def __aenter__(self) -> "AsyncEngine":
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
-
     def start(self) -> None:
         if self._worker is not None:
             return

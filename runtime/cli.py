@@ -209,9 +209,9 @@ def _async_engine(args):
     behind one front (runtime/data_parallel.py)."""
     kwargs = {**_load_kwargs(args), **_engine_kwargs(args)}
     if kwargs.get("data_parallel_size", 1) > 1:
-        from runtime.data_parallel import DataParallelEngine
+        from runtime.data_parallel import data_parallel_from_model
 
-        return DataParallelEngine.from_model(args.model, **kwargs)
+        return data_parallel_from_model(args.model, **kwargs)
     from runtime.async_engine import AsyncEngine
 
     return AsyncEngine.from_model(args.model, **kwargs)

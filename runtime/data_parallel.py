@@ -112,47 +112,7 @@ class DataParallelEngine(RequestReader):
         self._replica_of: weakref.WeakKeyDictionary[RequestHandle, AsyncEngine] = weakref.WeakKeyDictionary()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @classmethod
-    def from_model(cls, model: str | Path | None = None, **kwargs) -> "DataParallelEngine":
-        """Load `model` as `AsyncEngine.from_model` does (the same keywords, `data_parallel_size` among them):
-        once onto the first replica's device, copied to the others'."""
-        load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
-        _check(config)
-        devices = replica_devices(resolve_device(load.device), config.data_parallel_size,
-                                  config.tensor_parallel_size)
-        loaded = load_model(model, dataclasses.replace(load, device=str(devices[0])))
-        return cls.from_loaded(loaded, config, devices)
-
-    @classmethod
-    def from_loaded(cls, model: LoadedModel, config: EngineConfig,
-                    devices: Sequence[torch.device] | None = None) -> "DataParallelEngine":
-        """`config.data_parallel_size` replicas of a loaded model, on `devices` (default: from the model's
-        device on, as `replica_devices` says)."""
-        _check(config)
-        n = config.data_parallel_size
-        devices = list(devices) if devices is not None else replica_devices(model.params.device, n,
-                                                                             config.tensor_parallel_size)
-        one = dataclasses.replace(config, data_parallel_size=1)
-        replicas: list[AsyncEngine] = []
-        try:
-            for device in devices:
-                # (made with its device current: its streams, graphs and compiled kernels are that device's)
-                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    replicas.append(AsyncEngine(_on(model, device), one))
-        except BaseException:
-            for replica in replicas:  # (their other processes, if any, go now)
-                replica.engine.close()
-            raise
-        return cls(replicas)
-
     # -- lifecycle --------------------------------------------------------------------------
-
-    async def __aenter__(self) -> "DataParallelEngine":
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -189,11 +149,9 @@ class DataParallelEngine(RequestReader):
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _front(self) -> AsyncEngine:
-        """The replica that checks requests (all check alike): the first healthy one."""
-        return next((r for r in self.replicas if r.healthy), self.replicas[0])
-
-    def _check_open(self, request_id: str | None) -> None:
+    def _check_open(self, request_id: str | None) -> AsyncEngine:
+        """The replica that checks requests (all check alike: the first healthy one), once the front
+        takes them and `request_id` is free."""
         if self._loop is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if not self.healthy:
@@ -201,13 +159,13 @@ class DataParallelEngine(RequestReader):
             raise EngineError(f"every replica is unhealthy (restart the server): {fatal!r}") from fatal
         if request_id is not None and any(r.holds(request_id) for r in self.replicas):
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
+        return next(r for r in self.replicas if r.healthy)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
                ) -> RequestHandle:
         """As `AsyncEngine.submit`: checked now, queued on the replica the router picks."""
-        self._check_open(request_id)
-        return self.enqueue(self._front().engine.new_request(
+        return self.enqueue(self._check_open(request_id).engine.new_request(
             prompt, params, request_id=request_id, priority=priority, chat_template_kwargs=chat_template_kwargs,
             stream=stream))
 
@@ -215,8 +173,7 @@ class DataParallelEngine(RequestReader):
                       priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
                       ) -> RequestState:
         """As `AsyncEngine.prepare` (rendered and checked on a thread); `enqueue` routes it."""
-        self._check_open(request_id)
-        return await self._front().prepare(prompt, params, request_id, priority, chat_template_kwargs, stream=stream)
+        return await self._check_open(request_id).prepare(prompt, params, request_id, priority, chat_template_kwargs, stream=stream)
 
     def enqueue(self, state: RequestState) -> RequestHandle:
         """Queue a request made by `prepare` on the replica the router picks."""
@@ -257,3 +214,35 @@ def _check(config: EngineConfig) -> None:
                            f"tensor-parallel engine holds torch.distributed's default process group, one per "
                            f"process. Run one server per replica (--device cuda:K) behind a load balancer",
                            param="data_parallel_size")
+
+
+def data_parallel_from_model(model: str | Path | None = None, **kwargs) -> DataParallelEngine:
+    """Load `model` as `AsyncEngine.from_model` does (the same keywords, `data_parallel_size` among them):
+    once onto the first replica's device, copied to the others'."""
+    load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
+    _check(config)
+    devices = replica_devices(resolve_device(load.device), config.data_parallel_size,
+                              config.tensor_parallel_size)
+    loaded = load_model(model, dataclasses.replace(load, device=str(devices[0])))
+    return data_parallel_from_loaded(loaded, config, devices)
+
+def data_parallel_from_loaded(model: LoadedModel, config: EngineConfig,
+                              devices: Sequence[torch.device] | None = None) -> DataParallelEngine:
+    """`config.data_parallel_size` replicas of a loaded model, on `devices` (default: from the model's
+    device on, as `replica_devices` says)."""
+    _check(config)
+    n = config.data_parallel_size
+    devices = list(devices) if devices is not None else replica_devices(model.params.device, n,
+                                                                         config.tensor_parallel_size)
+    one = dataclasses.replace(config, data_parallel_size=1)
+    replicas: list[AsyncEngine] = []
+    try:
+        for device in devices:
+            # (made with its device current: its streams, graphs and compiled kernels are that device's)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                replicas.append(AsyncEngine(_on(model, device), one))
+    except BaseException:
+        for replica in replicas:  # (their other processes, if any, go now)
+            replica.engine.close()
+        raise
+    return DataParallelEngine(replicas)

@@ -68,6 +68,14 @@ class RequestReader:
     def release(self, request: RequestHandle) -> None:
         raise NotImplementedError
 
+    async def __aenter__(self):
+        """`async with engine:` starts it (its worker threads) and shuts it down at the end."""
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
                      priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's progress as deltas: each item carries only the new text and ids;

@@ -47,9 +47,9 @@ class LiveServer:
                  **settings):
         config = engine_config(**{"num_blocks": 2048, "block_size": 16, **(engine_kw or {})})
         if config.data_parallel_size > 1:
-            from runtime.data_parallel import DataParallelEngine
+            from runtime.data_parallel import data_parallel_from_loaded
 
-            self.engine = DataParallelEngine.from_loaded(model, config)
+            self.engine = data_parallel_from_loaded(model, config)
         else:
             self.engine = AsyncEngine(model, config)
         self.app = create_app(self.engine, ServerConfig(**{"served_model_name": "tiny-chat", **settings}))

@@ -13,7 +13,7 @@ from nanoinfer import EngineError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.async_engine import AsyncEngine, engine_config
 from runtime.cli import parse_args
-from runtime.data_parallel import DataParallelEngine, replica_devices
+from runtime.data_parallel import DataParallelEngine, data_parallel_from_loaded, replica_devices
 from runtime.llm import LLM
 from runtime.replica_router import Load, ReplicaRouter
 from tests.live_server import LiveServer
@@ -36,7 +36,7 @@ def config(**kw):
 
 
 def dp_engine(**kw) -> DataParallelEngine:
-    return DataParallelEngine.from_loaded(MODEL, config(data_parallel_size=2, **kw))
+    return data_parallel_from_loaded(MODEL, config(data_parallel_size=2, **kw))
 
 
 IDLE = Load(0, 0)
@@ -210,7 +210,7 @@ def test_offline_and_misuse_are_refused_by_name():
     with pytest.raises(RequestError, match="data_parallel_size=2 is a server setting"):
         LLM.from_loaded(MODEL, data_parallel_size=2)
     with pytest.raises(RequestError, match="data_parallel_size=2 with tensor_parallel_size=2 is not supported"):
-        DataParallelEngine.from_loaded(MODEL, config(data_parallel_size=2, tensor_parallel_size=2))
+        data_parallel_from_loaded(MODEL, config(data_parallel_size=2, tensor_parallel_size=2))
     with pytest.raises(RequestError, match="data_parallel_size=0 is invalid"):
         config(data_parallel_size=0)
     assert parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2

@@ -239,16 +239,22 @@ class ModelRunner(DeviceModel):
         logprobs = None
         if any(k is not None for k in wanted):
             logprobs = compute_logprobs(logits, tokens, max(k or 0 for k in wanted))
-        prompt_logprobs = []
-        for entry in inp.prompt_rows:
-            (target_t,) = to_device_packed([entry.targets], torch.int64, self.device)
-            prompt_logprobs.append(compute_logprobs(all_logits[entry.first:entry.first + len(entry.targets)], target_t,
-                                                    entry.seq.params.prompt_logprobs))
+        prompt_logprobs = _prompt_logprobs(inp, all_logits, self.device)
         verified = None if verify is None else verify.run(full)
-        transfer = DeviceToHost(StepTensors(tokens, out.finite, logprobs, tuple(prompt_logprobs), verified))
+        transfer = DeviceToHost(StepTensors(tokens, out.finite, logprobs, prompt_logprobs, verified))
         if verify is not None:
             verify.after_transfer(verified)
         rows = tuple(SampledRow(seq, k) for (seq, _), k in zip(inp.samplers, wanted))
         return InFlightStep(rows, inp.prompt_rows, transfer, inp.verifiers,
                             constrained=masks is not None or (verify is not None and verify.masks is not None),
                             draft_computed=draft_computed)
+
+
+def _prompt_logprobs(inp: StepInput, all_logits: torch.Tensor, device: torch.device) -> tuple:
+    """The logprobs of the prompt tokens that the step's prompt rows asked for, one tensor each."""
+    out = []
+    for entry in inp.prompt_rows:
+        (target_t,) = to_device_packed([entry.targets], torch.int64, device)
+        out.append(compute_logprobs(all_logits[entry.first:entry.first + len(entry.targets)], target_t,
+                                    entry.seq.params.prompt_logprobs))
+    return tuple(out)
