@@ -218,19 +218,29 @@ class TensorParallelRanks:
         self.launch.unwatch()  # (what fails from now on is reported below)
         # The order goes from a thread: a rank that does not take it (hung, stopped) would hold
         # gloo's send until the collective timeout; the rank is killed below, which ends the send.
+        delivered = threading.Event()
+
         def send_stop():
             try:
                 if self.launch.first_lost() is None:
                     self._send(("stop", None))
+                    delivered.set()
             except Exception:  # noqa: BLE001 - a rank gone: the others are stopped all the same (killed if need be)
                 log.warning("stopping the tensor-parallel ranks: a rank was gone")
 
         sending = threading.Thread(target=send_stop, daemon=True, name="nanoinfer-tp-stop")
         sending.start()
-        lost = self.launch.stop()
-        sending.join(LEAVE_WAIT)
-        # Last, with no peer left to wait for (NCCL's communicators are aborted, not destroyed).
-        _bounded(lambda: _leave_groups(self.backend), LEAVE_WAIT)
+        if self.backend == "nccl" and delivered.wait(LEAVE_WAIT):
+            # Every rank took the stop and destroys its communicators now: NCCL's destroy returns
+            # once all ranks call it, so rank 0 calls it at the same time, before waiting for their
+            # exit (waiting first was the hang of issue 33: each side waited for the other).
+            _bounded(lambda: _leave_groups(self.backend, together=True), LEAVE_WAIT)
+            lost = self.launch.stop()
+        else:
+            lost = self.launch.stop()
+            sending.join(LEAVE_WAIT)
+            # Last, with no peer left to wait for (NCCL's communicators are aborted, not destroyed).
+            _bounded(lambda: _leave_groups(self.backend), LEAVE_WAIT)
         for error in lost:
             log.error("%s", error)
 
@@ -284,15 +294,16 @@ def _abort_collectives(lost) -> None:
         log.warning("could not abort the NCCL communicator", exc_info=True)
 
 
-def _leave_groups(backend: str) -> None:
-    """Leave the process groups: NCCL's communicators aborted (destroying them waits on peers that
-    may be gone: issue 33's hang at close), gloo's destroyed."""
+def _leave_groups(backend: str, together: bool = False) -> None:
+    """Leave the process groups: gloo's destroyed; NCCL's destroyed where every rank does so at the
+    same time (`together`: after a stop every rank took), else aborted (destroying them waits on
+    peers that may be gone)."""
     if not dist.is_initialized():
         # A rendezvous that failed has counted its group all the same: the next engine's groups
         # would be named (their store keys prefixed) otherwise than its ranks'.
         distributed_c10d._world.group_count = 0
         return
-    if backend == "nccl":
+    if backend == "nccl" and not together:
         _abort_process_group()
     else:
         dist.destroy_process_group()
@@ -432,10 +443,12 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
     del params  # (rank 0's whole weights: only the shard stays)
     shard = map_params(lambda t: t.to(device), shard)
     backend = _backend(device)
+    stopped = False  # (by rank 0's order: then every rank leaves the groups together)
     try:
         control = _join(rendezvous, backend, rank, size)
         kind, setup = _receive(device, control)
         if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
+            stopped = True
             return
         kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=shard,
                               kv_dtype=setup.kv_dtype)
@@ -457,6 +470,7 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
             while True:
                 kind, body = _receive(device, control)
                 if kind == "stop":
+                    stopped = True
                     break
                 if kind != "forward":
                     orders[kind](body)
@@ -465,4 +479,4 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
                 else:
                     step(body)
     finally:  # (an error goes on to this process's stderr, whose tail rank 0 reports: RankLost)
-        _leave_groups(backend)
+        _leave_groups(backend, together=stopped)
