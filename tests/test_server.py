@@ -529,3 +529,18 @@ def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_a_chat_template_that_does_not_compile_stops_the_server_at_start(tiny_chat_model):
+    """The template compiles when the app is made (a plain prompt never compiles it): a broken one
+    is a CheckpointError naming the tokenizer's file before the server serves anything."""
+    import copy
+    import types
+
+    from nanoinfer.errors import CheckpointError
+    from runtime.serve.server import create_app
+
+    tokenizer = copy.copy(tiny_chat_model.tokenizer)
+    tokenizer.chat_template = "{% for message in messages %}"  # (never closed)
+    with pytest.raises(CheckpointError, match=tokenizer.source):
+        create_app(types.SimpleNamespace(tokenizer=tokenizer))

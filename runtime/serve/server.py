@@ -140,6 +140,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig = ServerConfig(), *, ma
     shuts it down (aborting what is in flight) on exit. `app.state.drain(grace)` is the
     graceful stop (see Shutdown.drain), for the server process to await before it closes
     connections; `app.state.model_name` the model id it serves."""
+    # A served model's chat template compiles now, as the server starts, not at its first chat
+    # request (a plain prompt never compiles it; a server would then fail every chat instead).
+    engine.tokenizer.check_chat_template()
     srv = _Server(engine, config)
 
     @contextlib.asynccontextmanager
