@@ -174,6 +174,9 @@ static inline void weighted_sum(const float *p, float ig, const float *v_pool, c
     }
     for (int i = 0; i < W / 8; i++) _mm256_storeu_ps(o + 8 * i, a[i]);
 }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* ARM: dot8 and weighted_sum here, and the block matmul's row_dot and quantize_groups_q8 below */
+#include "cpu_native_arm.h"
 #else
 #define KEYS_AT_ONCE 1
 #endif
@@ -440,18 +443,21 @@ static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, con
         }
     return hsum8(_mm256_add_ps(acc, mins)) + rest;
 }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* row_dot, BLOCK_DOT and DOT_ISA (4 neon, 5 neon-dotprod, 6 neon-i8mm): cpu_native_arm.h, included above */
 #else
 #define BLOCK_DOT 0
 #define DOT_ISA 0
 #endif
 
-/* Which group dot product this build has: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 none
- * (block_matmul is then not to be called). */
+/* Which group dot product this build has: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 6 NEON i8mm,
+ * 5 NEON dotprod, 4 NEON, 0 none (block_matmul is then not to be called). */
 int block_dot_isa(void) { return DOT_ISA; }
 
 /* x [rows, k] bf16 to ggml's Q8_0 per group of 32, in the chunk order above: xq = round(x / dx)
  * with dx = max|x| / 127; xd = dx and xs = dx * sum(xq) (what the weights' mins multiply)
  * [rows, k / 32]. */
+#if !(defined(__aarch64__) && defined(__ARM_NEON)) /* (ARM's, the same bits: cpu_native_arm.h) */
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs) {
     int groups = k / 32;
     for (int64_t r = 0; r < rows; r++)
@@ -478,6 +484,7 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
             }
         }
 }
+#endif
 
 /* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above: bf16, or fp32 where y_f32 (a
  * tensor-parallel rank's partial sum, rounded only once the ranks' parts are added). Returns

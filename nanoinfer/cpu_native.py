@@ -28,10 +28,22 @@ from nanoinfer.layers import rms_norm, swiglu
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
+HEADERS = (Path(__file__).with_name("cpu_native_arm.h"),)  # what SOURCE includes (its NEON path)
+
+
+def native_flag(machine: str) -> str:
+    """The flag that targets this CPU: -mcpu=native on ARM (GCC's and clang's flag there; Apple's
+    clang refuses -march=native), -march=native elsewhere."""
+    return "-mcpu=native" if machine.lower() in ("arm64", "aarch64") else "-march=native"
+
+
 # -fopenmp: block_matmul's rows go to threads, and the `omp simd` reductions vectorize
 # without -ffast-math. The runtime it links, libgomp.so.1, is the one torch has loaded (the
 # loader shares a library by its soname), so both use one thread pool.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", native_flag(platform.machine()), "-fopenmp", "-shared", "-fPIC", "-std=c11")
+NATIVE_FLAGS = ("-march=native", "-mcpu=native")
+# block_dot_isa()'s tiers: the group dot product block_matmul runs (cpu_native.c, cpu_native_arm.h)
+DOT_ISA_NAMES = {0: "none", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni", 4: "neon", 5: "neon-dotprod", 6: "neon-i8mm"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -41,16 +53,35 @@ SIGNATURES = {
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
     "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
+    "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
 }
 
 
 def _cpu_fingerprint() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
+    """What -march=native compiles for: the CPU's model and feature flags (x86's "model name"
+    and "flags", ARM Linux's "CPU part" and "Features"; on macOS the chip's name)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+        keys = ("model name", "flags", "CPU implementer", "CPU part", "Features")
+        return "".join(sorted({line for line in lines if line.startswith(keys)}))
     except OSError:
-        return platform.processor() + platform.machine()
+        try:
+            chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  check=False).stdout
+        except OSError:
+            chip = ""
+        return chip + platform.processor() + platform.machine()
+
+
+def build_attempts(flags: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The flag sets `_build` tries in turn: `flags`; without OpenMP's threads (Apple's clang
+    has none) but still for this CPU; then without the CPU's flag (compilers that refuse it,
+    such as older Apple clangs on arm64 and cross compilers), with and without OpenMP."""
+    def serial(tried):
+        return tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in tried)
+
+    portable = tuple(f for f in flags if f not in NATIVE_FLAGS)
+    return list(dict.fromkeys((flags, serial(flags), portable, serial(portable))))
 
 
 def _build(target: Path, flags: tuple[str, ...]) -> None:
@@ -60,9 +91,7 @@ def _build(target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: starts may race
         out = Path(tmp) / target.name
-        portable = tuple(f for f in flags if f != "-march=native")  # for compilers that refuse it (some arm64 clangs)
-        serial = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in portable)  # and those without OpenMP
-        for tried in (flags, portable, serial):
+        for tried in build_attempts(flags):
             done = subprocess.run([compiler, *tried, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
             if done.returncode == 0:
                 break
@@ -74,7 +103,8 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     """The bound library (built on first use), or None if it cannot be built here.
     `extra_flags` go to the compiler (the tests build the AVX2 path with `-mno-avx512vnni`)."""
     flags = FLAGS + extra_flags
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_fingerprint().encode()).hexdigest()
+    code = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_fingerprint().encode()).hexdigest()
     target = (cache or cache_dir() / "native") / f"cpu_native-{key[:16]}.so"
     try:
         if not target.is_file():
@@ -98,9 +128,15 @@ def library() -> ctypes.CDLL | None:
 
 
 def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
-    """Whether `lib` was built with a SIMD group dot product (x86 with AVX2; elsewhere the
-    CPU keeps torch's int4 kernel)."""
+    """Whether `lib` was built with a SIMD group dot product (x86 with AVX2, or ARM's NEON;
+    elsewhere the CPU keeps torch's int4 kernel)."""
     return lib is not None and lib.block_dot_isa() > 0
+
+
+def block_dot_name(lib: ctypes.CDLL | None) -> str:
+    """The tier of `lib`'s group dot product, for logs and bug reports: "avx512-vnni",
+    "avx-vnni", "avx2", "neon-i8mm", "neon-dotprod", "neon", or "none" (no library either)."""
+    return "none" if lib is None else DOT_ISA_NAMES.get(lib.block_dot_isa(), f"unknown ({lib.block_dot_isa()})")
 
 
 def block_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
