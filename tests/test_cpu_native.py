@@ -43,7 +43,7 @@ def block_lib(request, native, tmp_path_factory):
     extra = () if request.param == "native" else ("-mno-avx512vnni", "-mno-avxvnni")
     lib = cpu_native.load(tmp_path_factory.mktemp(request.param), extra)
     if not cpu_native.has_block_matmul(lib):
-        pytest.skip("no SIMD group dot product on this CPU (block_matmul needs x86 AVX2)")
+        pytest.skip("no SIMD group dot product on this CPU (block_matmul needs x86 AVX2 or ARM NEON)")
     assert request.param == "native" or lib.block_dot_isa() == 1
     return lib
 

@@ -114,7 +114,7 @@ def tiny_llama():
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=[t.name for t in PACKED_TYPES])
 def test_packed_gguf_model_matches_the_dequantized_model(qtype, blocks, tiny_llama, tmp_path, monkeypatch):
     if blocks and not cpu_native.has_block_matmul(cpu_native.library()):
-        pytest.skip("cpu_native's block_matmul does not build here (no compiler, or not x86 with AVX2)")
+        pytest.skip("cpu_native's block_matmul does not build here (no compiler, or neither x86 AVX2 nor ARM NEON)")
     monkeypatch.setattr(cpu_native, "has_block_matmul", lambda lib: blocks)
     model = copy.deepcopy(tiny_llama)
     encoded = make_kquant_representable(model, qtype) if qtype in K_QUANTS else None
