@@ -275,11 +275,11 @@ def _(x, packed, scale, low):
 
 
 def int4_kernels_take(w: Int4CudaWeight) -> bool:
-    """Whether `int4_mm` takes `w`: groups of a power of two from 32 up (the GEMV sums whole
-    groups inside its tiles); others (GPTQ's one group per row of 14,336, say) run the
+    """Whether `int4_mm` takes `w`: groups of a power of two from 32 to 256 (the GEMV sums
+    whole groups inside its tiles of 256 inputs and more); others (GPTQ's one group per row of 14,336, say) run the
     reference, dequantizing."""
     group = w.group
-    return group >= 32 and group & (group - 1) == 0
+    return 32 <= group <= 256 and group & (group - 1) == 0
 
 
 def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,7 +291,7 @@ def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) 
     if isinstance(w, Int8Weight) or isinstance(w, Fp8Weight) and x.shape[0] == 1:
         out = gemv(x, w.q, w.scale)
     elif isinstance(w, Int4CudaWeight) and x.dtype in (torch.bfloat16, torch.float16) and int4_kernels_take(w):
-        out = int4_mm(x, w.packed, w.scale, w.min)
+        out = int4_mm(x if w.cols is None else x.index_select(1, w.cols), w.packed, w.scale, w.min)
     elif isinstance(w, torch.Tensor) and w.stride(1) == 1:
         out = gemv(x, w)
     else:
