@@ -2,7 +2,8 @@
 transformers (eager) in the same run.
 
     python bench/latency.py [--shapes qwen3-0.6b llama-3.2-1b llama-3.1-8b] [--new-tokens 200]
-                            [--quantization none int8 fp8 gpt-fast-int8] [--tensor-parallel-size 1 2]
+                            [--quantization none int8 fp8 int4 gpt-fast-int8 gpt-fast-int4]
+                            [--tensor-parallel-size 1 2]
                             [--plot FILE.png]
 
 5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
@@ -14,7 +15,9 @@ device: with overlap, for the step before).
 the graphs path for each. `gpt-fast-int8` is gpt-fast's int8 weight-only method inside our
 engine, as the baseline for ours: the same int8 weights, but every projection computed as
 `F.linear(x, w.to(bf16)) * scale` in the compiled graph (gpt-fast's WeightOnlyInt8Linear),
-where ours runs the Triton GEMV at batch 1.
+where ours runs the Triton GEMV at batch 1. `gpt-fast-int4` likewise runs the weights of
+`int4` (groups of 128) through torch's `_weight_int4pack_mm`, gpt-fast's int4 kernel
+(bench/gpt_fast_int4.py), where ours runs nanoinfer.gemv's `int4_mm`.
 
 `--tensor-parallel-size` times the engine at each size given (its graphs and eager paths:
 one GPU per rank); a size of 1 is the plain engine.
@@ -85,7 +88,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--quantization", nargs="+", default=["none"],
-                        choices=["none", "int8", "fp8", "gpt-fast-int8"])
+                        choices=["none", "int8", "fp8", "int4", "gpt-fast-int8", "gpt-fast-int4"])
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="tok/s bars per shape and variant, with each one's speedup over our eager path")
@@ -108,14 +111,23 @@ def main():
     for name in args.shapes:
         dense = random_model(name)
         for quant in args.quantization:
-            form = "int8" if quant == "gpt-fast-int8" else quant
-            model = dense if form == "none" else dataclasses.replace(
-                dense, params=quantize_params(dense.params, form), quantization=form)
+            form = quant.removeprefix("gpt-fast-")
+            if quant == "gpt-fast-int4":
+                from bench.gpt_fast_int4 import tinygemm_params
+
+                model = dataclasses.replace(dense, params=tinygemm_params(dense.params), quantization="none")
+            else:
+                model = dense if form == "none" else dataclasses.replace(
+                    dense, params=quantize_params(dense.params, form), quantization=form)
             nbytes = weight_bytes(model)
             variants = (("graphs, overlap", False, True), ("graphs, no overlap", False, False), ("eager", True, True))
             linear = nanoinfer.gemv.linear
             if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.gemv.linear when the engine starts)
                 nanoinfer.gemv.linear = quantized.linear
+            elif quant == "gpt-fast-int4":
+                from bench.gpt_fast_int4 import with_tinygemm
+
+                nanoinfer.gemv.linear = with_tinygemm(linear)
             runs = [(label, eager, overlap, size) for size in args.tensor_parallel_size
                     for label, eager, overlap in (variants if quant == "none" else variants[:1])]
             for label, eager, overlap, size in runs:

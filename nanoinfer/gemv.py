@@ -14,6 +14,13 @@ Two to 16 rows (a speculative verify step, a small decode batch) go to a second 
 multiplies each weight tile with all the rows at once on tensor cores (rows padded to 16),
 so the weight is still read once; two rows of a narrow int8 weight stay in the first kernel.
 
+4-bit weights (nanoinfer.quantized's Int4CudaWeight: AWQ, GPTQ, GGUF's 4-bit groups,
+`quantization="int4"`) have kernels of their own, `int4_mm`: one row reads each packed word
+once, widens its eight nibbles in registers and sums each group before its scale (the min
+times the group's sum of inputs), so a batch-1 step reads half a byte per weight; more rows
+dequantize each weight tile to the activations' type in registers and multiply it on tensor
+cores, at every row count (a prefill too: the weight is never written out dequantized).
+
 `linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
 per token in e4m3 and `torch._scaled_mm`). The kernels are one torch custom op, so
@@ -29,7 +36,7 @@ import triton.language as tl
 import triton.testing
 
 from nanoinfer import quantized
-from nanoinfer.quantized import Fp8Weight, Int8Weight
+from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
 
 
 def _quick_bench(kernel_call, quantiles):
@@ -166,14 +173,125 @@ def _(x, w, scale=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+             for n, k, w, s in ((4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3),
+                                (32, 256, 8, 3), (4, 1024, 4, 3), (8, 1024, 8, 3), (2, 1024, 4, 4), (2, 2048, 4, 4),
+                                (4, 2048, 8, 3))],
+    key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
+)
+@triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
+                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One row: BLOCK_K inputs of BLOCK_N output rows a step, BLOCK_K // 8 words each. A group's
+    # products are summed before its scale: sum(s q x + m x) = s sum(q x) + m sum(x).
+    # (HALF, the scales' type, only keys the tuning.)
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :],
+                        mask=n_mask[:, None] & (offs_w < K // 8)[None, :], other=0)
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 15, [BLOCK_N, BLOCK_K])
+        # q in [0, 16) to fp32 without I2F (see _gemv_kernel): the float 2^23 + q, less 2^23.
+        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        dots = tl.sum(tl.reshape(qf * x[None, :], [BLOCK_N, GROUPS, GROUP]), 2)
+        sums = tl.sum(tl.reshape(x, [GROUPS, GROUP]), 1)
+        offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+        where = offs_n[:, None] * stride_sn + offs_g[None, :]
+        g_mask = n_mask[:, None] & (offs_g < K // GROUP)[None, :]
+        scale = tl.load(scale_ptr + where, mask=g_mask, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + where, mask=g_mask, other=0.0).to(tl.float32)
+        acc += scale * dots + low * sums[None, :]
+    tl.store(out_ptr + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+             for m, n, k, w, s in ((16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 32, 256, 4, 3), (16, 64, 64, 4, 4),
+                                   (32, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
+                                   (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3))],
+    key=["ROWS", "N", "K", "GROUP"], do_bench=_quick_bench, cache_results=True,
+)
+@triton.jit
+def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                    stride_om, ROWS, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    # Several rows: each weight tile dequantized to x's type in registers, then one tensor-core
+    # product. ROWS (M rounded up to a power of 2) keys the tuning: small batches want narrow
+    # tiles and many programs, a prefill wide ones.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :],
+                        mask=n_mask[:, None] & (offs_w < K // 8)[None, :], other=0)
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 15, [BLOCK_N, BLOCK_K])
+        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        where = offs_n[:, None] * stride_sn + (offs_k // GROUP)[None, :]
+        sk_mask = n_mask[:, None] & k_mask[None, :]
+        scale = tl.load(scale_ptr + where, mask=sk_mask, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + where, mask=sk_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans((qf * scale + low).to(x.dtype)), acc)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@torch.library.custom_op("nanoinfer::int4_mm", mutates_args=())
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16 or fp16) @ the Int4CudaWeight (packed, scale, low: its min).T -> [M, N],
+    fp32 accumulation; one row in the GEMV kernel, more in the tensor-core one."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    group = k // scale.shape[1]
+    m = x.shape[0]
+    x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 1:
+        _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), GROUP=group,
+            HALF=scale.dtype == torch.float16)
+    else:
+        _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
+            x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
+            triton.next_power_of_2(m), GROUP=group)
+    return out
+
+
+@int4_mm.register_fake
+def _(x, packed, scale, low):
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+def int4_kernels_take(w: Int4CudaWeight) -> bool:
+    """Whether `int4_mm` takes `w`: groups of a power of two from 32 to 256 (the GEMV sums
+    whole groups inside its tiles of 256 inputs and more); others (GPTQ's one group per row of 14,336, say) run the
+    reference, dequantizing."""
+    group = w.group
+    return 32 <= group <= 256 and group & (group - 1) == 0
+
+
 def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     """`quantized.linear` on a CUDA tensor: `gemv` for a dense or int8 weight (its kernels up to
-    ROWS_MAX rows, cuBLAS past them), and for an fp8 weight at one row (several keep its
-    per-token activation scaling, quantized.fp8_matmul)."""
+    ROWS_MAX rows, cuBLAS past them), `int4_mm` for a 4-bit one, and for an fp8 weight at one
+    row (several keep its per-token activation scaling, quantized.fp8_matmul)."""
     if not x.is_cuda or x.dim() != 2:
         return quantized.linear(x, w, b)
     if isinstance(w, Int8Weight) or isinstance(w, Fp8Weight) and x.shape[0] == 1:
         out = gemv(x, w.q, w.scale)
+    elif isinstance(w, Int4CudaWeight) and x.dtype in (torch.bfloat16, torch.float16) and int4_kernels_take(w):
+        out = int4_mm(x if w.cols is None else x.index_select(1, w.cols), w.packed, w.scale, w.min)
     elif isinstance(w, torch.Tensor) and w.stride(1) == 1:
         out = gemv(x, w)
     else:

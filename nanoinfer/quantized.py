@@ -21,6 +21,9 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
 - `Int8Weight`: per-output-channel int8 (`_weight_int8pack_mm` on the CPU), for formats
   with no exact packed form (K-quants of 5 and 6 bits), rounded to the nearest int8, and
   `quantization="int8"` of any checkpoint (CUDA: nanoinfer.gemv's GEMV at batch 1).
+- `Int4CudaWeight`: 4-bit groups of 32-256 inputs packed eight to an int32, a scale and a
+  min per group (fp16 where that is exact, else fp32): nanoinfer.gemv's CUDA kernels read
+  it. AWQ and GPTQ checkpoints, GGUF's 4-bit types and `quantization="int4"` load into it.
 - `Fp8Weight`: per-output-channel e4m3 (`quantization="fp8"`, FP8 checkpoints): a GEMV at
   batch 1, otherwise activations rounded to e4m3 per token and `torch._scaled_mm`.
 
@@ -47,6 +50,9 @@ class GroupedWeight:
     scale: torch.Tensor  # [out, in // group] fp32
     min: torch.Tensor  # [out, in // group] fp32
     bits: int  # 4 or 8
+    # Which input each stored column is (GPTQ's act-order, its inputs reordered so that each
+    # group's are contiguous: w[r, cols[c]] is the formula's); None: column c is input c.
+    cols: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,12 +64,15 @@ class GroupedWeight:
 
     def rows(self, index) -> "GroupedWeight":
         """The rows at `index` (a permutation, a slice...), still quantized."""
-        return GroupedWeight(self.q[index], self.scale[index], self.min[index], self.bits)
+        return GroupedWeight(self.q[index], self.scale[index], self.min[index], self.bits, self.cols)
 
     @staticmethod
     def cat(parts: list["GroupedWeight"]) -> "GroupedWeight":
-        """Rows stacked, as torch.cat of the dense matrices would (parts of equal bits)."""
-        return GroupedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")), parts[0].bits)
+        """Rows stacked, as torch.cat of the dense matrices would (parts of equal bits, and
+        of one column order: None from `concat_rows` otherwise)."""
+        cols = parts[0].cols
+        return GroupedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")), parts[0].bits,
+                             cols)
 
 
 @dataclass(frozen=True)
@@ -226,7 +235,49 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return ((xq.float() @ w.q.float().t()) * sx * w.scale[None, :]).to(x.dtype)
 
 
-Weight = Union[torch.Tensor, GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight]
+@dataclass(frozen=True)
+class Int4CudaWeight:
+    """w[r, c] = scale[r, c // group] * q[r, c] + min[r, c // group], q in [0, 16), for CUDA.
+
+    Input c's q is nibble c % 8 (bits 4 (c % 8) up) of int32 `packed[r, c // 8]`, so a
+    kernel's load of consecutive words is consecutive inputs. Scales and mins are fp16 when
+    every one of them is exactly an fp16 (GGUF's Q4_0 and Q4_1), else fp32 (Q4_K's products
+    of two scales; AWQ's and GPTQ's min = -scale * zero point)."""
+
+    packed: torch.Tensor  # [out, in // 8] int32
+    scale: torch.Tensor  # [out, in // group] fp16 or fp32
+    min: torch.Tensor  # [out, in // group], scale's dtype
+    cols: torch.Tensor | None = None  # GroupedWeight.cols: the kernels read the inputs in this order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.scale.shape[1]
+
+    @staticmethod
+    def from_groups(w: GroupedWeight) -> "Int4CudaWeight":
+        if w.bits != 4:
+            raise ValueError(f"Int4CudaWeight holds 4-bit groups, not {w.bits}-bit")
+        nibbles = w.q.to(torch.int32).unflatten(1, (-1, 8)) << torch.arange(0, 32, 4, dtype=torch.int32,
+                                                                              device=w.q.device)
+        packed = nibbles.sum(dim=-1, dtype=torch.int64)  # (the top nibble may set bit 31: wrap it to int32)
+        packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+        halves = all(torch.equal(t.half().float(), t) for t in (w.scale, w.min))
+        dtype = torch.float16 if halves else torch.float32
+        return Int4CudaWeight(packed.contiguous(), w.scale.to(dtype).contiguous(), w.min.to(dtype).contiguous(), w.cols)
+
+    def groups(self) -> GroupedWeight:
+        """The inverse of `from_groups` (scales and mins in fp32)."""
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=self.packed.device)
+        q = ((self.packed.unsqueeze(-1) >> shifts) & 15).flatten(1).to(torch.uint8)
+        return GroupedWeight(q, self.scale.float(), self.min.float(), 4, self.cols)
+
+
+Weight = Union[torch.Tensor, GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight,
+               Int4CudaWeight]
 
 
 def pack(w: GroupedWeight, blocks: bool = False) -> BlockWeight | Int4Weight | SplitInt8Weight:
@@ -255,10 +306,12 @@ def take_rows(w: Weight, index: torch.Tensor) -> Weight:
 
 def concat_rows(parts: list[Weight]) -> Weight:
     """Rows stacked (the fused q/k/v and gate/up matrices). Parts of one form stay in it;
-    mixed ones (a Q4_K_M file keeps some v and down matrices in Q6_K) meet in per-row int8."""
+    mixed ones (a Q4_K_M file keeps some v and down matrices in Q6_K; GPTQ parts of different
+    act-orders) meet in per-row int8."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(isinstance(p, GroupedWeight) for p in parts) and len({p.bits for p in parts}) == 1:
+    if (all(isinstance(p, GroupedWeight) for p in parts) and len({p.bits for p in parts}) == 1
+            and all(_same_cols(p.cols, parts[0].cols) for p in parts)):
         return GroupedWeight.cat(parts)
     if all(isinstance(p, Fp8Weight) for p in parts):
         return Fp8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
@@ -266,12 +319,19 @@ def concat_rows(parts: list[Weight]) -> Weight:
     return Int8Weight(torch.cat([p.q for p in int8]), torch.cat([p.scale for p in int8]))
 
 
+def _same_cols(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or a is not None and b is not None and torch.equal(a, b)
+
+
 def dequantize(w: Weight) -> torch.Tensor:
     """The fp32 matrix a quantized weight stands for (the reference of its kernel)."""
     if isinstance(w, torch.Tensor):
         return w.float()
     if isinstance(w, GroupedWeight):
-        return (w.q.float().unflatten(1, (-1, w.group)) * w.scale[..., None] + w.min[..., None]).flatten(1)
+        stored = (w.q.float().unflatten(1, (-1, w.group)) * w.scale[..., None] + w.min[..., None]).flatten(1)
+        if w.cols is None:
+            return stored
+        return torch.empty_like(stored).index_copy_(1, w.cols.to(stored.device), stored)
     if isinstance(w, Int4Weight):
         out, cols = w.shape
         # Unpack by multiplying the identity with unit scales: (q - 8) comes out exactly.
@@ -281,7 +341,7 @@ def dequantize(w: Weight) -> torch.Tensor:
         return q8 * sz[..., 0] + sz[..., 1]
     if isinstance(w, SplitInt8Weight):
         return dequantize(w.high) + dequantize(w.low)
-    if isinstance(w, BlockWeight):
+    if isinstance(w, (BlockWeight, Int4CudaWeight)):
         return dequantize(w.groups())
     if isinstance(w, (Int8Weight, Fp8Weight)):
         return w.q.float() * w.scale.float()[:, None]
@@ -296,6 +356,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         y = fp8_matmul(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w)
         y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+    if isinstance(w, Int4CudaWeight):  # (its reference: the compiled CUDA path runs nanoinfer.gemv's kernels)
+        return F.linear(x, dequantize(w).to(x.dtype), bias)
     if x.is_cuda and isinstance(w, Int8Weight):  # gpt-fast's int8 weight-only matmul (compiled, the cast fuses)
         y = F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)
         return y if bias is None else y + bias
@@ -346,7 +408,7 @@ def map_weight(fn: Callable[[torch.Tensor], torch.Tensor], w: Weight) -> Weight:
                                      if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED))})
 
 
-QUANTIZED = (GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight)
+QUANTIZED = (GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight, Int4CudaWeight)
 
 
 def nbytes(w: Weight | None) -> int:

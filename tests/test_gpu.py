@@ -414,7 +414,37 @@ def test_batched_quantized_matmul_matches_the_cpu_reference(form, tokens):
     assert torch.allclose(gpu, ref, rtol=2**-6, atol=tol)
 
 
-@pytest.mark.parametrize("form", ["int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 300])
+@pytest.mark.parametrize("n,k,group", [(4096, 1024, 128), (1000, 1024, 32), (7, 256, 64), (14336, 4096, 128),
+                                       (3072, 1536, 256)])
+@pytest.mark.parametrize("halves,reordered", [(True, False), (False, False), (False, True)],
+                         ids=["fp16_scales", "fp32_scales", "act_order"])
+def test_int4_mm_matches_its_dequantized_reference(rows, n, k, group, halves, reordered):
+    """nanoinfer.gemv's 4-bit kernels (the GEMV at one row, the tensor-core GEMM past it)
+    against x @ dequantize(w).T in fp32, with fp16 or fp32 scales and reordered inputs."""
+    from nanoinfer import quantized
+    from nanoinfer.gemv import linear
+
+    g = torch.Generator().manual_seed(n + k + rows + group)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 / k**0.5 + 1e-3 / k**0.5
+    low = -8 * scale if halves else -scale * torch.randint(0, 16, scale.shape, generator=g)
+    scale, low = (scale.half().float(), low.half().float()) if halves else (scale, low * (1 + 2**-13))
+    cols = torch.randperm(k, generator=g) if reordered else None
+    w = quantized.Int4CudaWeight.from_groups(quantized.GroupedWeight(q, scale, low, 4, cols))
+    assert (w.scale.dtype == torch.float16) == halves
+    w = quantized.map_weight(lambda t: t.cuda(), w)
+    x = torch.randn(rows, k, generator=g).bfloat16().cuda()
+    ref = x.float() @ quantized.dequantize(w).T
+    out = linear(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # One row: fp32 all the way, one bf16 rounding of the result; more: each weight rounded to
+    # bf16 before its tensor-core product.
+    tol = (2**-7 if rows == 1 else 2**-6) * ref.abs().max().item()
+    assert torch.allclose(out.float(), ref, rtol=2**-6, atol=tol)
+
+
+@pytest.mark.parametrize("form", ["int8", "fp8", "int4"])
 def test_quantized_batch1_path_is_as_close_to_its_weights_as_bf16(hf_and_ours, form):
     """The compiled batch-1 path over quantized weights (GEMVs, fused RoPE) against the same
     weights dequantized in fp32, as close as the bf16 model is to fp32; CUDA graphs replay it
@@ -449,7 +479,7 @@ def test_quantized_batch1_path_is_as_close_to_its_weights_as_bf16(hf_and_ours, f
         assert torch.equal(forward(params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
 
 
-@pytest.mark.parametrize("form", ["int8", "fp8"])
+@pytest.mark.parametrize("form", ["int8", "fp8", "int4"])
 def test_quantized_engine_serves_mixed_batches(hf_and_ours, form):
     """Prefill chunks (batched quantized matmuls of odd row counts), decode graphs (GEMVs at
     batch 1, batched matmuls beyond), sampling: every request finishes, every block comes back."""

@@ -28,11 +28,13 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")
 # none: dequantize everything to `dtype` (the exact path); gguf: a quantized GGUF's matrices
-# stay packed (CPU); int8, fp8: per-row int8 or e4m3 matrices from any checkpoint (fp8 wants
-# Hopper or Ada; on the CPU it runs its slow reference); auto: gguf for a quantized GGUF on
-# the CPU, as llama.cpp runs it (unless a float dtype is asked for: then its exact weights in
-# that dtype), fp8 for an FP8 checkpoint, else none.
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
+# stay packed (4-bit ones on CUDA too); int8, fp8: per-row int8 or e4m3 matrices from any
+# checkpoint (fp8 wants Hopper or Ada; on the CPU it runs its slow reference); int4: groups of
+# 128 (round to nearest, with a min) from any checkpoint; awq, gptq: such a checkpoint's
+# 4-bit matrices kept; auto: gguf for a quantized GGUF on the CPU, as llama.cpp runs it
+# (unless a float dtype is asked for: then its exact weights in that dtype), fp8 for an FP8
+# checkpoint, awq or gptq for theirs, else none.
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8", "int4", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class LoadConfig:
                                  "float16", choices=("auto", *DTYPES))
     quantization: str = setting("auto", "how matrices are held: auto (a quantized GGUF stays packed on the CPU, as "
                                         "llama.cpp runs it, unless --dtype names a float type; an FP8 checkpoint "
-                                        "stays fp8), none (dequantized to --dtype: the exact path), gguf, int8 or fp8 "
-                                        "(per row, any checkpoint)", choices=QUANTIZATIONS)
+                                        "stays fp8, an AWQ or GPTQ one 4-bit), none (dequantized to --dtype: the exact "
+                                        "path), gguf, int8 or fp8 (per row, any checkpoint), int4 (groups of 128, any "
+                                        "checkpoint), awq, gptq", choices=QUANTIZATIONS)
     load_format: str = setting("auto", "dummy: the checkpoint's config and tokenizer with random weights (benchmarks)",
                                choices=LOAD_FORMATS)
     gguf_file: str | None = setting(None, "which .gguf of a Hub repository (or local directory) holding several",
@@ -122,7 +125,7 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
         from nanoinfer.loaders.dummy import dummy_params
 
         params = dummy_params(cfg, loaded.dtype, dev)
-    if quantization in ("int8", "fp8"):
+    if quantization in ("int8", "fp8", "int4"):
         from nanoinfer.loaders.quantize import quantize_params
 
         params = quantize_params(params, quantization)
@@ -170,14 +173,18 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
     from nanoinfer.tokenizer import Tokenizer
 
+    from nanoinfer.loaders.int4 import read_int4_format
+
     dummy = config.load_format == "dummy"
     cfg = read_hf_config(path)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
-    fp8_file = not dummy and has_fp8_weights(path)
+    int4 = read_int4_format(path)
+    fp8_file = not dummy and int4 is None and has_fp8_weights(path)
     quantization = _resolve_quantization(config.quantization, dev, gguf=False, quantized_file=False,
-                                         fp8_file=fp8_file)
+                                         fp8_file=fp8_file, int4_method=int4 and int4.method)
     params = None if dummy else load_hf_params(path, cfg, torch_dtype, dev, progress=config.progress,
-                                               fp8=quantization == "fp8")
+                                               fp8=quantization == "fp8", int4=int4,
+                                               packed=int4 is not None and quantization == int4.method)
     return _Loaded(cfg, torch_dtype, params, Tokenizer.from_hf_dir(path), quantization)
 
 
@@ -237,10 +244,14 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 
 
 def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool, quantized_file: bool,
-                          fp8_file: bool = False, dtype_asked: bool = False) -> str:
+                          fp8_file: bool = False, dtype_asked: bool = False, int4_method: str | None = None) -> str:
     if quantization == "auto":
         packed = gguf and quantized_file and device.type == "cpu" and not dtype_asked
-        return "gguf" if packed else "fp8" if fp8_file else "none"
+        return "gguf" if packed else "fp8" if fp8_file else int4_method or "none"
+    if quantization in ("awq", "gptq") and quantization != int4_method:
+        raise RequestError(f"quantization={quantization!r} keeps a {quantization.upper()} checkpoint's 4-bit "
+                           f"matrices: this model is {'a ' + int4_method.upper() + ' checkpoint' if int4_method else 'not one'}",
+                           param="quantization")
     if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise RequestError(f"quantization='fp8' needs fp8 tensor cores (compute capability 8.9 or newer): "
                            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}",
@@ -248,8 +259,5 @@ def _resolve_quantization(quantization: str, device: torch.device, *, gguf: bool
     if quantization == "gguf" and not (gguf and quantized_file):
         raise RequestError("quantization='gguf' keeps a quantized GGUF file's blocks: this model is "
                            f"{'a GGUF file with no quantized matrix' if gguf else 'not a GGUF file'}",
-                           param="quantization")
-    if quantization == "gguf" and device.type != "cpu":
-        raise RequestError(f"quantization='gguf' runs on the CPU only, not on {device.type}: use 'none' or 'int8'",
                            param="quantization")
     return quantization

@@ -2,13 +2,15 @@
 
 FP8 checkpoints in the common form (an e4m3 `weight` with a `weight_scale` beside it, one
 scale per tensor or per output row: llm-compressor, fbgemm_fp8, vLLM's own) load as
-`Fp8Weight`s, or dequantized to the model's dtype when `fp8` is off."""
+`Fp8Weight`s, or dequantized to the model's dtype when `fp8` is off. AWQ and GPTQ checkpoints
+(4-bit, nanoinfer/loaders/int4.py) load as GroupedWeights that the device's packing keeps
+4-bit, or dequantized."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,6 +20,9 @@ from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders.params import build_params
 from nanoinfer.model import Params
 from nanoinfer.quantized import FP8, Fp8Weight, dequantize
+
+if TYPE_CHECKING:
+    from nanoinfer.loaders.int4 import Int4Format
 
 PROBE = "model.layers.0.self_attn.q_proj.weight"  # its type tells whether a checkpoint is FP8
 
@@ -174,7 +179,10 @@ def has_fp8_weights(directory: Path) -> bool:
 
 
 def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device, progress: bool = True,
-                   fp8: bool = True) -> Params:
+                   fp8: bool = True, int4: "Int4Format | None" = None, packed: bool = True) -> Params:
+    """`fp8`: an FP8 checkpoint's matrices stay fp8. `int4`: the checkpoint's AWQ or GPTQ
+    format (nanoinfer/loaders/int4.py), its matrices kept 4-bit where `packed`, else
+    dequantized to `dtype`."""
     files = _weight_map(directory)
     handles = {}
 
@@ -191,6 +199,11 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
 
     def get(name: str):
         tensor = read(name)
+        if tensor is None and int4 is not None and name.endswith(".weight"):
+            from nanoinfer.loaders.int4 import read_int4_matrix
+
+            w = read_int4_matrix(int4, read, name.removesuffix(".weight"), directory)
+            return w if w is None or packed else dequantize(w)
         if tensor is None or tensor.dtype != FP8:
             return tensor
         scale = read(name + "_scale")

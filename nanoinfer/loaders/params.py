@@ -19,7 +19,16 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.model import LayerParams, Params
-from nanoinfer.quantized import GroupedWeight, concat_rows, map_weight, pack, take_rows
+from nanoinfer.quantized import (
+    GroupedWeight,
+    Int4CudaWeight,
+    Int8Weight,
+    concat_rows,
+    dequantize,
+    map_weight,
+    pack,
+    take_rows,
+)
 
 if TYPE_CHECKING:
     from nanoinfer.quantized import Weight
@@ -36,6 +45,19 @@ def unpermute_rotary_rows(w, num_heads: int):
     half = rows // num_heads // 2
     order = torch.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
     return take_rows(w, order)
+
+
+def device_form(w: GroupedWeight, device: torch.device, dtype: torch.dtype) -> "Weight":
+    """A grouped matrix in the form `device`'s kernels read: on CUDA 4-bit groups packed for
+    nanoinfer.gemv (8-bit ones per-row int8); on the CPU cpu_native's blocks where it builds
+    (groups of 32), else torch's int4 kernel's. A reordered GPTQ matrix (act-order) is
+    dequantized to `dtype` on the CPU, whose packed kernels read inputs in order."""
+    if device.type == "cuda":
+        return Int4CudaWeight.from_groups(w) if w.bits == 4 else Int8Weight.quantize(dequantize(w))
+    if w.cols is not None:
+        return dequantize(w).to(dtype)
+    # (`library()` builds cpu_native.c on a machine's first packed load)
+    return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
 
 
 def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
@@ -84,10 +106,7 @@ def build_params(
         return map_weight(lambda t: t.to(device), tensor)  # (a quantized matrix keeps its types)
 
     def matrix(w):
-        if not isinstance(w, GroupedWeight):
-            return w
-        # (`library()` builds cpu_native.c on a machine's first packed load)
-        return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
+        return w if not isinstance(w, GroupedWeight) else device_form(w, torch.device(device), dtype)
 
     hidden = cfg.hidden_size
     bar = tqdm(range(cfg.num_layers), desc=f"loading {path.name}", unit="layer", disable=not progress, leave=False)

@@ -1,6 +1,8 @@
-"""Quantize a loaded model's matrices (`quantization="int8"` or `"fp8"`): any checkpoint, at load.
+"""Quantize a loaded model's matrices (`quantization="int8"`, `"fp8"` or `"int4"`): any checkpoint, at load.
 
-Per output channel, round to nearest: every projection and the LM head. int8 is weight-only;
+Round to nearest, every projection and the LM head: int8 and fp8 per output channel, int4
+per group of 128 inputs (64 or 32 where 128 does not divide a row) with a scale and a min, as
+AWQ stores them but without AWQ's activation-aware search. int8 and int4 are weight-only;
 fp8 (e4m3) also rounds activations per token where a matmul has several rows (see
 nanoinfer.quantized.Fp8Weight). The embedding stays as loaded (it is looked up, not
 multiplied); a tied LM head gets its own quantized copy. Norms and biases keep the model's
@@ -14,14 +16,29 @@ import dataclasses
 import torch
 
 from nanoinfer.model import Params
-from nanoinfer.quantized import Fp8Weight, Int8Weight, Weight, dequantize
+from nanoinfer.quantized import Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, Weight, dequantize
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def int4_groups(w: torch.Tensor) -> GroupedWeight | None:
+    """`w` [out, in] as 4-bit groups (the largest of 128, 64, 32 dividing `in`; None if none
+    does): per group, scale = (max - min) / 15 and q = round((w - min) / scale)."""
+    group = next((g for g in (128, 64, 32) if w.shape[1] % g == 0), None)
+    if group is None:
+        return None
+    groups = w.float().unflatten(1, (-1, group))
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = torch.where(high > low, (high - low) / 15, 1.0)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).flatten(1)
+    return GroupedWeight(q, scale, low, 4)
+
+
 def quantize_params(params: Params, quantization: str) -> Params:
-    if quantization not in ("int8", "fp8"):
-        raise ValueError(f"cannot quantize to {quantization!r} (expected 'int8' or 'fp8')")
+    if quantization not in ("int8", "fp8", "int4"):
+        raise ValueError(f"cannot quantize to {quantization!r} (expected 'int8', 'fp8' or 'int4')")
+    if quantization == "int4":
+        return _map_matrices(params, lambda w: _int4(w, params))
     # The CPU kernel (torch._weight_int8pack_mm) takes bf16 scales; elsewhere they stay fp32.
     scale_dtype = torch.bfloat16 if params.device.type == "cpu" else torch.float32
     form = Int8Weight if quantization == "int8" else Fp8Weight
@@ -32,6 +49,19 @@ def quantize_params(params: Params, quantization: str) -> Params:
         dense = w if isinstance(w, torch.Tensor) else dequantize(w)
         return Int8Weight.quantize(dense, scale_dtype) if form is Int8Weight else Fp8Weight.quantize(dense)
 
+    return _map_matrices(params, convert)
+
+
+def _int4(w: Weight, params: Params) -> Weight:
+    from nanoinfer.loaders.params import device_form
+
+    if isinstance(w, (Int4CudaWeight, Int4Weight)):
+        return w
+    grouped = int4_groups(w if isinstance(w, torch.Tensor) else dequantize(w))
+    return w if grouped is None else device_form(grouped, params.device, params.dtype)
+
+
+def _map_matrices(params: Params, convert) -> Params:
     layers = tuple(dataclasses.replace(lp, **{name: convert(getattr(lp, name)) for name in PROJECTIONS})
                    for lp in params.layers)
     return dataclasses.replace(params, layers=layers, lm_head=convert(params.lm_head))
