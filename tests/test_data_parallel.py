@@ -35,8 +35,8 @@ def config(**kw):
     return engine_config(**{"block_size": BLOCK, "num_blocks": 128, **kw})
 
 
-def dp_engine(**kw) -> DataParallelEngine:
-    return data_parallel_from_loaded(MODEL, config(data_parallel_size=2, **kw))
+def dp_engine(_setup=None, **kw) -> DataParallelEngine:
+    return data_parallel_from_loaded(MODEL, config(data_parallel_size=2, **kw), _setup=_setup)
 
 
 IDLE = Load(0, 0)
@@ -157,12 +157,8 @@ def test_routing_stats_and_abort_on_the_engine():
     assert stats["prefix_cache_hits"] == stats["replicas"][0]["prefix_cache_hits"] >= len(shared)
 
 
-def test_shutdown_closes_every_replica(monkeypatch):
+def test_shutdown_closes_every_replica():
     engine = dp_engine()
-    closed = []
-    for i, replica in enumerate(engine.replicas):
-        real = replica.engine.close
-        monkeypatch.setattr(replica.engine, "close", lambda i=i, real=real: (closed.append(i), real()))
 
     async def go():
         async with engine:
@@ -170,10 +166,18 @@ def test_shutdown_closes_every_replica(monkeypatch):
         with pytest.raises(RuntimeError, match="not running"):
             engine.submit(prompts(1)[0], GREEDY)
     asyncio.run(go())
-    assert sorted(closed) == [0, 1] and all(r._worker is None for r in engine.replicas)  # (closed concurrently)
+    assert [r.process.proc.returncode for r in engine.replicas] == [0, 0]  # (each closed its engine and left)
 
 
-def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
+def break_replica_1(index, engine):
+    """Run in each replica's process (data_parallel_from_loaded's `_setup`): replica 1's device "fails"."""
+    def dead(batch):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    if index == 1:
+        engine.core.executor._forward = dead
+
+
+def test_a_failed_replica_loses_only_its_own_requests():
     batch = prompts(4, seed=9)
 
     async def undisturbed():
@@ -181,11 +185,7 @@ def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
             return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
     want = asyncio.run(undisturbed())
 
-    engine = dp_engine()
-
-    def dead(batch):
-        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(engine.replicas[1].core.executor, "_forward", dead)
+    engine = dp_engine(_setup="tests.test_data_parallel:break_replica_1")
 
     async def go():
         async with engine:
@@ -209,11 +209,22 @@ def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
 def test_offline_and_misuse_are_refused_by_name():
     with pytest.raises(RequestError, match="data_parallel_size=2 is a server setting"):
         LLM.from_loaded(MODEL, data_parallel_size=2)
-    with pytest.raises(RequestError, match="data_parallel_size=2 with tensor_parallel_size=2 is not supported"):
-        data_parallel_from_loaded(MODEL, config(data_parallel_size=2, tensor_parallel_size=2))
     with pytest.raises(RequestError, match="data_parallel_size=0 is invalid"):
         config(data_parallel_size=0)
     assert parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
+
+
+def test_each_replica_runs_its_own_tensor_parallel_group():
+    """DP=2 x TP=2 on CPU ranks: each replica's process is its group's rank 0 (its own default process group)."""
+    batch = prompts(4, seed=3)
+
+    async def run(engine):
+        async with engine:
+            return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
+    one = asyncio.run(run(AsyncEngine(MODEL, config())))
+    engine = dp_engine(tensor_parallel_size=2)
+    assert asyncio.run(run(engine)) == one
+    assert [s["generated_tokens"] > 0 for s in engine.stats()["replicas"]] == [True, True]
 
 
 # -- behind the server -----------------------------------------------------------------------------
