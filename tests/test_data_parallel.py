@@ -2,7 +2,12 @@
 by load; outputs as one engine's, stats and /metrics per replica, a failed replica alone in its failure."""
 
 import asyncio
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +28,7 @@ CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_laye
                   head_dim=16)
 MODEL = LoadedModel(CFG, random_params(CFG, seed=11), None, Path("tiny-dp"))
 BLOCK = 4
+ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -255,3 +261,139 @@ def test_the_server_labels_each_replicas_metrics(tiny_chat_model):
     assert sum(tokens.values()) == 24 and min(tokens.values()) >= 6  # both replicas served
     assert 'nanoinfer_healthy{replica="0"} 1.0' in text and 'nanoinfer_healthy{replica="1"} 1.0' in text
     assert "nanoinfer_generated_tokens_total 24.0" not in text  # per replica only: sum() them in queries
+
+
+# -- replicas as processes -------------------------------------------------------------------------
+
+
+def slow_replica_1(index, engine):
+    """(`_setup`) Replica 1's steps take 50 ms: its requests are surely running when the test kills it."""
+    if index == 1:
+        forward = engine.core.executor._forward
+        engine.core.executor._forward = lambda batch: (time.sleep(0.05), forward(batch))[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on():
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    batch = prompts(4, seed=21)
+    engine = dp_engine(_setup="tests.test_data_parallel:slow_replica_1")
+    victim = engine.replicas[1].process.proc
+
+    async def go():
+        async with engine:
+            handles = [engine.submit(p, long) for p in batch]
+            placed = [engine.replica_of(h) for h in handles]
+            while engine.stats()["replicas"][1]["generated_tokens"] == 0:  # (running there)
+                await asyncio.sleep(0.01)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.gather(*(engine.collect(h) for h in handles), return_exceptions=True)
+            failed_after = time.monotonic() - killed
+            healthy, stats = engine.healthy, engine.stats()
+            after = engine.submit(batch[0], GREEDY)  # new work goes to the live replica
+            return placed, results, failed_after, healthy, stats, engine.replica_of(after), await engine.collect(after)
+    placed, results, failed_after, healthy, stats, after_replica, after = asyncio.run(go())
+    assert sorted(placed) == [0, 0, 1, 1]
+    for replica, got in zip(placed, results):
+        if replica == 0:
+            assert len(got.token_ids) == 200 and got.finish_reason == "length"
+        else:
+            assert isinstance(got, EngineError)
+            assert "data-parallel replica 1 exited (code -9, SIGKILL): its requests failed" in str(got)
+    assert failed_after < 10  # (the issue's bound; its socket closes as it dies)
+    assert healthy and [s["healthy"] for s in stats["replicas"]] == [True, False]
+    assert "SIGKILL" in stats["replicas"][1]["error"]
+    assert after_replica == 0 and len(after.token_ids) == GREEDY.max_tokens
+    assert [r.process.proc.returncode for r in engine.replicas] == [0, -9] and not descendants(os.getpid())
+
+
+def test_shutdown_stops_every_process_of_every_replica_in_time():
+    engine = dp_engine(tensor_parallel_size=2)  # (each replica has a rank process of its own)
+
+    async def go():
+        async with engine:
+            handles = [engine.submit(p, SamplingParams(max_tokens=300, ignore_eos=True)) for p in prompts(2)]
+            while engine.stats()["generated_tokens"] == 0:
+                await asyncio.sleep(0.01)
+            started = descendants(os.getpid())
+            began = time.monotonic()
+        return handles, started, time.monotonic() - began
+    handles, started, took = asyncio.run(go())
+    assert len(started) >= 4  # two replicas, a rank each
+    assert took < 10 and all(h.finished for h in handles)
+    assert not descendants(os.getpid())
+
+
+SCRIPT = """
+import asyncio
+from pathlib import Path
+
+from nanoinfer import SamplingParams
+from nanoinfer.loaders import LoadedModel
+from runtime.async_engine import engine_config
+from runtime.data_parallel import data_parallel_from_loaded
+from tests.tiny import random_params, tiny_config
+
+cfg = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16)
+model = LoadedModel(cfg, random_params(cfg, seed=11), None, Path("tiny-dp"))
+
+
+async def run():
+    config = engine_config(block_size=4, num_blocks=64, data_parallel_size=2)
+    async with data_parallel_from_loaded(model, config) as engine:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        handles = [engine.submit([3, 1, 4, 1, 5, 9, 2, 6][i:], params) for i in range(2)]
+        outs = [await engine.collect(h) for h in handles]
+        print("OUT", sorted(engine.replica_of(h) for h in handles), [len(o.token_ids) for o in outs])
+
+asyncio.run(run())
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
+def test_replicas_start_from_any_program(how, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if how == "stdin":
+        done = subprocess.run([sys.executable, "-"], input=SCRIPT, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)
+    else:
+        (tmp_path / "no_guard.py").write_text(SCRIPT)
+        done = subprocess.run([sys.executable, "no_guard.py"], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "OUT [0, 1] [5, 5]" in done.stdout
+
+
+def test_structured_output_compiles_in_the_replicas(tiny_chat_model):
+    engine = data_parallel_from_loaded(tiny_chat_model, engine_config(block_size=16, num_blocks=256,
+                                                                      data_parallel_size=2))
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
+
+    async def go():
+        async with engine:
+            with pytest.raises(RequestError, match="cannot constrain generation") as bad:
+                engine.submit("Pick one", SamplingParams(max_tokens=8, structured_outputs={"regex": r"[^\s\S]"}))
+            handles = [engine.submit(f"Pick one, {i}", choice) for i in range(2)]
+            return bad.value, sorted(engine.replica_of(h) for h in handles), [
+                (await engine.collect(h)).text for h in handles]
+    bad, placed, texts = asyncio.run(go())
+    assert bad.param == "structured_outputs" and placed == [0, 1]
+    assert all(t in ("yes", "no") for t in texts)
