@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import queue
 import signal
 import sys
 import threading
@@ -58,7 +59,11 @@ class Replica:
         self.engine, self.conn = engine, conn
         self._send_lock = threading.Lock()  # (the worker, the grammar compiler and the main thread all send)
         self._states: dict[int, RequestState] = {}  # by the front's key, until their last output went out
-        self.worker = Worker(engine, self._report)
+        # The worker hands each report over and steps on; this thread pickles and sends it (while the step
+        # waits for the device, which releases the interpreter's lock).
+        self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_reports, daemon=True, name="nanoinfer-dp-send")
+        self.worker = Worker(engine, self._reports.put)
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -71,6 +76,7 @@ class Replica:
         """Serve commands until Stop, or until the front's end closes."""
         model = dataclasses.replace(self.engine.model, params=None)
         self.send(msg.Ready(model, self.engine.core.limits, self.engine.stats()))
+        self._sender.start()
         self.worker.start()
         try:
             while True:
@@ -83,6 +89,8 @@ class Replica:
                 self._command(command)
         finally:
             self.worker.stop()
+            self._reports.put(None)
+            self._sender.join()
             self.engine.close()
 
     def _command(self, command) -> None:
@@ -112,8 +120,12 @@ class Replica:
             return
         future.add_done_callback(lambda f: self.send(msg.Compiled(command.key, msg.portable(f.exception()))))
 
+    def _send_reports(self) -> None:
+        while (report := self._reports.get()) is not None:
+            self._report(report)
+
     def _report(self, report: StepReport) -> None:
-        """On the worker's thread: the step's outputs, without the prompt the front has already."""
+        """The step's outputs, without the prompt the front has already."""
         outputs = []
         for state, out in report.outputs:
             timing = None
