@@ -115,17 +115,19 @@ class ReplicaClient(RequestBook):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def wait_ready(self) -> msg.Ready:
-        """Until the replica has built its engine (loading a checkpoint may take minutes); ReplicaLost if it
-        exits first."""
+        """Until the replica has built its engine (loading a checkpoint may take minutes); the error that stopped
+        it building one, or ReplicaLost (its exit code and last output) if it exits first."""
         while True:
             if self.conn.poll(0.1):
                 try:
-                    self.ready = self.conn.recv()
+                    message = self.conn.recv()
                 except (EOFError, OSError):
                     self.process.proc.wait(EXIT_WAIT)
                     raise self.lost(" while starting")
-                self._stats = self.ready.stats
-                return self.ready
+                if isinstance(message, msg.Failed):  # (a bad checkpoint: its own error, as one engine raises it)
+                    raise message.error
+                self.ready, self._stats = message, message.stats
+                return message
             if self.process.exit_code() is not None:
                 raise self.lost(" while starting")
 

@@ -43,6 +43,13 @@ class Ready(NamedTuple):
     stats: dict
 
 
+class Failed(NamedTuple):
+    """Sent instead of Ready when the engine could not be built (a bad checkpoint, too little memory): the error,
+    raised in the front as one engine's would be."""
+
+    error: BaseException
+
+
 class Timing(NamedTuple):
     """A request's milestones in the replica (time.monotonic(): one clock for every process of the host)."""
 

@@ -145,7 +145,12 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the process group: the front stops us)
     conn = Connection(int(argv[0]))
     args: msg.ReplicaArgs = read_arguments(sys.stdin.buffer)
-    Replica(build(args), conn).run()
+    try:
+        engine = build(args)
+    except Exception as exc:
+        conn.send(msg.Failed(msg.portable(exc)))
+        raise  # (its traceback in the replica's output, exit code 1)
+    Replica(engine, conn).run()
     conn.close()
 
 

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from nanoinfer import EngineError, RequestError, SamplingParams
+from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders import LoadedModel
 from runtime.async_engine import AsyncEngine, engine_config
 from runtime.cli import parse_args
-from runtime.data_parallel import DataParallelEngine, data_parallel_from_loaded, replica_devices
+from runtime.data_parallel import (DataParallelEngine, data_parallel_from_loaded, data_parallel_from_model,
+                                     replica_devices)
 from runtime.llm import LLM
 from runtime.replica_router import Load, ReplicaRouter
 from tests.live_server import LiveServer
@@ -397,3 +399,24 @@ def test_structured_output_compiles_in_the_replicas(tiny_chat_model):
     bad, placed, texts = asyncio.run(go())
     assert bad.param == "structured_outputs" and placed == [0, 1]
     assert all(t in ("yes", "no") for t in texts)
+
+
+def test_a_replica_that_fails_to_start_raises_its_error():
+    missing = Path("/nonexistent/model")
+    with pytest.raises(CheckpointError, match=f"{missing}: not found"):  # (as one engine's load raises it)
+        data_parallel_from_model(str(missing), data_parallel_size=2, device="cpu")
+    assert not descendants(os.getpid())  # (the other replica stopped too)
+
+
+def die_in_replica_1(index, engine):
+    """(`_setup`) Replica 1's process ends before it serves, as a crash (no Python error to send)."""
+    if index == 1:
+        print("replica 1 is going down", flush=True)
+        os._exit(3)
+
+
+def test_a_replica_that_dies_at_start_is_named_with_its_exit_code_and_output():
+    with pytest.raises(EngineError, match=r"data-parallel replica 1 exited while starting \(code 3\)") as failed:
+        dp_engine(_setup="tests.test_data_parallel:die_in_replica_1")
+    assert "replica 1 is going down" in str(failed.value)
+    assert not descendants(os.getpid())
