@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import subprocess
 import threading
 import time
 import weakref
@@ -105,7 +106,8 @@ class _FrontRequests(LLMEngine):
     which runs no engine: no core is built; the checks are the replicas' (their smallest KV pool) and their
     grammar compilers'. Only `new_request` is used."""
 
-    def __init__(self, model: LoadedModel, limits: RequestLimits, grammars: _ReplicasGrammars):  # noqa: super
+    def __init__(self, model: LoadedModel, limits: RequestLimits, grammars: _ReplicasGrammars):
+        # (LLMEngine.__init__ is not called: it builds an engine core, which the front has no use for)
         self.model, self.fatal, self._ids = model, None, itertools.count()
         self.limits, self.grammars = limits, grammars
         self.core = self  # (new_request calls core.check_request)
@@ -239,7 +241,7 @@ def stop_all(replicas: Sequence[ReplicaClient], wait: float = STOP_WAIT) -> None
         proc = replica.process.proc
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - (TimeoutExpired) a replica stuck in a step: it goes now
+        except subprocess.TimeoutExpired:  # a replica stuck in a step: it goes now
             replica.process.killed = True
             proc.kill()
             proc.wait()

@@ -420,3 +420,33 @@ def test_a_replica_that_dies_at_start_is_named_with_its_exit_code_and_output():
         dp_engine(_setup="tests.test_data_parallel:die_in_replica_1")
     assert "replica 1 is going down" in str(failed.value)
     assert not descendants(os.getpid())
+
+
+def test_replicas_exit_when_their_front_is_killed(tmp_path):
+    script = SCRIPT.replace("asyncio.run(run())", """engine = data_parallel_from_loaded(model, engine_config(block_size=4, num_blocks=64,
+                                                                data_parallel_size=2))
+print("PIDS", *(r.process.pid for r in engine.replicas), flush=True)
+import time
+time.sleep(300)
+""")
+    front = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    front.stdin.write(script)
+    front.stdin.close()
+    line = front.stdout.readline()
+    assert line.startswith("PIDS"), line
+    pids = [int(p) for p in line.split()[1:]]
+    front.kill()
+    front.wait()
+    deadline = time.monotonic() + 10  # (a replica polls its parent every half second)
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
