@@ -123,18 +123,21 @@ class ReplicaClient(RequestBook):
                     message = self.conn.recv()
                 except (EOFError, OSError):
                     self.process.proc.wait(EXIT_WAIT)
-                    raise self.lost(" while starting")
+                    raise self.lost(starting=True)
                 if isinstance(message, msg.Failed):  # (a bad checkpoint: its own error, as one engine raises it)
                     raise message.error
                 self.ready, self._stats = message, message.stats
                 return message
             if self.process.exit_code() is not None:
-                raise self.lost(" while starting")
+                raise self.lost(starting=True)
 
-    def lost(self, when: str = "") -> ReplicaLost:
+    def lost(self, starting: bool = False) -> ReplicaLost:
+        """The error that reports this (exited) replica: its exit code and its output's last lines."""
         how, last = self.process.exit_and_tail()
-        return ReplicaLost(f"data-parallel replica {self.index} exited{when} ({how}): its requests failed, the "
-                           f"other replicas serve on; {last}")
+        if starting:
+            return ReplicaLost(f"data-parallel replica {self.index} exited while starting ({how}); {last}")
+        return ReplicaLost(f"data-parallel replica {self.index} exited ({how}): its requests failed, the other "
+                           f"replicas serve on; {last}")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._send = loop, self._command
