@@ -7,7 +7,12 @@ beside the offline engine (LLM.generate) on the same requests in the same run.
 Prompts are random token ids (fixed seed) sent to /v1/completions with ignore-free greedy
 sampling; every request asks for its output length, and min-length is enforced by checking
 the usage. TTFT = request sent to first content chunk; ITL = gaps between content chunks
-divided by the tokens they carry. The server runs in its own process (as in production).
+divided by the tokens they carry. The server runs in its own process (as in production); with
+--data-parallel-size N its N replicas are processes of their own (runtime/data_parallel.py). DP=1 against
+DP=2, two H100s, the small shape (DIR from `python bench/dummy_checkpoint.py qwen3-0.6b DIR`), in one lease:
+
+    for dp in 1 2; do python bench/serving.py --model DIR --load-format dummy --device cuda --clients 64 \
+        --input-len 100 1024 --output-len 100 1024 --idle-requests 2 --data-parallel-size $dp; done
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ class CheckpointError(NanoInferError, ValueError):
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 
+    def __reduce__(self):  # (pickled as its arguments: a data-parallel replica's start-up error reaches the front)
+        return type(self), (self.path, self.problem)
+
 
 class ModelFetchError(NanoInferError, RuntimeError):
     """A named model could not be fetched into the local cache (no package index, no space)."""

@@ -1,28 +1,37 @@
 """DataParallelEngine: N engine replicas behind one asyncio front (`data_parallel_size`), each request routed to one.
 
-Each replica is a whole AsyncEngine (its worker thread, scheduler, KV pool and prefix cache) over its own copy of
-the model on its own device: replica i on cuda:base + i * tensor_parallel_size (base: the device asked for, cuda:0
-by default), every replica on the CPU there. A request goes to the replica that ReplicaRouter picks
-(runtime/replica_router.py: the longest cached prefix of its prompt, else the least loaded) and stays there;
-nothing else crosses replicas. The server and `nanoinfer serve --data-parallel-size N` use it as they use an
-AsyncEngine: the same methods (`prepare`, `enqueue`, `submit`, `stream`, `generate`, `merge`, `collect`, `abort`,
-`release`, `stats`, `healthy`, `shutdown`), with `stats()` per replica besides the totals.
+Each replica is its own process (runtime/dp_replica.py: `python -m runtime.dp_replica`, never the user's
+program), a whole engine — its step loop, scheduler, KV pool and prefix cache — over its own copy of the model on
+its own device: replica i on cuda:base + i * tensor_parallel_size (base: the device asked for, cuda:0 by default;
+with tensor_parallel_size T its group's other ranks take the next T - 1 GPUs, started by the replica), every
+replica on the CPU there (sharing the cores). One process each, so that the replicas' Python step loops do not
+share one interpreter's lock. The front — this process, where the server's event loop runs — renders, tokenizes
+and checks each request (against the replicas' limits), and sends it to the replica that ReplicaRouter picks
+(runtime/replica_router.py: the longest cached prefix of its prompt, else the least loaded); it stays there. The
+replica's outputs (detokenized there) come back to the front's loop (runtime/dp_client.py). The server and
+`nanoinfer serve --data-parallel-size N` use it as they use an AsyncEngine: the same methods (`prepare`,
+`enqueue`, `submit`, `stream`, `generate`, `merge`, `collect`, `abort`, `release`, `stats`, `healthy`,
+`shutdown`), with `stats()` per replica besides the totals.
 
-A replica whose device fails (DeviceLost, a fatal step) fails its own requests, as one engine does; the others
-keep theirs and take every new request. The front is healthy while one replica is (stats() and /metrics say
-which is not); when none is, new requests are refused as by a dead engine.
+Structured output: a request's grammar is compiled in every healthy replica before it is routed (the one that
+takes it finds it compiled), so a bad grammar is still a RequestError where the request is submitted.
 
-Not supported here: tensor parallelism inside a replica (each tensor-parallel engine holds torch.distributed's
-default process group, one per process), and the offline LLM, which runs one engine (LLMEngine refuses
+A replica whose device fails (DeviceLost, a fatal step) fails its own requests, as one engine does; one whose
+process ends fails them with ReplicaLost (its index, exit code and last output). The others keep theirs and take
+every new request. The front is healthy while one replica is (stats() and /metrics say which is not); when none
+is, new requests are refused as by a dead engine. The offline LLM runs one engine (LLMEngine refuses
 data_parallel_size > 1 by name).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import itertools
+import os
+import subprocess
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,17 +40,21 @@ from typing import Sequence
 import torch
 
 from nanoinfer.errors import RequestError
-from nanoinfer.loaders import LoadedModel, load_model, resolve_device
-from nanoinfer.model import map_params
+from nanoinfer.loaders import LoadedModel, resolve_device
 from nanoinfer.sampling import SamplingParams
-from runtime.async_engine import AsyncEngine, EngineError, Prompt, RequestHandle
+from runtime import dp_messages as msg
+from runtime.async_engine import EngineError, Prompt, RequestHandle
 from runtime.config import EngineConfig, load_and_engine_configs
+from runtime.dp_client import ReplicaClient, spawn
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.request_limits import RequestLimits
 from runtime.engine.request_state import RequestState
 from runtime.replica_router import Load, ReplicaRouter
 from runtime.request_book import RequestReader
 
 # Stats that are not counts: per replica only (a total would mean nothing).
 NOT_SUMMED = ("healthy",)
+STOP_WAIT = 8.0  # seconds the replicas have to exit after shutdown() tells them (then they are killed)
 
 
 def replica_devices(device: torch.device, replicas: int, tensor_parallel_size: int = 1) -> list[torch.device]:
@@ -58,30 +71,23 @@ def replica_devices(device: torch.device, replicas: int, tensor_parallel_size: i
     return [torch.device("cuda", first + i * tensor_parallel_size) for i in range(replicas)]
 
 
-def _on(model: LoadedModel, device: torch.device) -> LoadedModel:
-    """`model` with its weights on `device` (the same tensors where they are there already: CPU replicas share
-    their read-only weights)."""
-    if model.params.device == device:
-        return model
-    return dataclasses.replace(model, params=map_params(lambda t: t.to(device), model.params))
-
-
 class _ReplicasGrammars:
-    """Structured output's compilers, one per replica (each engine thread keeps its own llguidance matchers and
-    threads): the server compiles a request's grammar on every replica before it is routed, so that the
-    replica that takes it finds it compiled."""
+    """Structured output's compilers, one per replica (in its process): the server compiles a request's grammar
+    on every healthy replica before it is routed, so that the replica that takes it finds it compiled."""
 
-    def __init__(self, replicas: Sequence[AsyncEngine]):
+    def __init__(self, replicas: Sequence[ReplicaClient]):
         self.replicas = replicas
 
     def prepare(self) -> None:
         for replica in self.replicas:
-            replica.grammars.prepare()
+            replica.post(msg.PrepareGrammars())
 
     def compile(self, spec) -> Future:
-        """A future done when every replica's compile is: None, or the first one's RequestError."""
-        futures = [replica.grammars.compile(spec) for replica in self.replicas]
+        """A future done when every healthy replica's compile is: None, or the first one's RequestError."""
+        futures = [replica.compile(spec) for replica in self.replicas if replica.healthy]
         done, lock, left = Future(), threading.Lock(), [len(futures)]
+        if not futures:
+            done.set_exception(EngineError("every replica is unhealthy (restart the server)"))
 
         def one_done(_) -> None:
             with lock:
@@ -95,48 +101,69 @@ class _ReplicasGrammars:
         return done
 
 
-class DataParallelEngine(RequestReader):
-    """AsyncEngine's interface over `replicas` (AsyncEngines of one model and one EngineConfig, not started).
-    Use as `async with engine:` (start/shutdown), as an AsyncEngine."""
+class _FrontRequests(LLMEngine):
+    """LLMEngine's `new_request` — a prompt rendered, tokenized and checked into a RequestState — in the front,
+    which runs no engine: no core is built; the checks are the replicas' (their smallest KV pool) and their
+    grammar compilers'. Only `new_request` is used."""
 
-    def __init__(self, replicas: Sequence[AsyncEngine]):
+    def __init__(self, model: LoadedModel, limits: RequestLimits, grammars: _ReplicasGrammars):
+        # (LLMEngine.__init__ is not called: it builds an engine core, which the front has no use for)
+        self.model, self.fatal, self._ids = model, None, itertools.count()
+        self.limits, self.grammars = limits, grammars
+        self.core = self  # (new_request calls core.check_request)
+
+    def check_request(self, prompt_token_ids, params: SamplingParams) -> list[int]:
+        ids = self.limits.check(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs).result()  # (answered on the replicas' reader threads)
+        return ids
+
+
+class DataParallelEngine(RequestReader):
+    """AsyncEngine's interface over replica processes (ReplicaClients, each ready: see data_parallel_from_model
+    and data_parallel_from_loaded). Use as `async with engine:` (start/shutdown), as an AsyncEngine."""
+
+    def __init__(self, replicas: Sequence[ReplicaClient], config: EngineConfig):
         if len(replicas) < 2:
             raise ValueError(f"{len(replicas)} replica(s): data parallelism takes two or more (one: an AsyncEngine)")
         self.replicas = tuple(replicas)
-        first = self.replicas[0]
-        self.model, self.tokenizer = first.model, first.tokenizer
-        config = first.core.config
-        self.router = ReplicaRouter([r.stats()["total_blocks"] for r in self.replicas], config.block_size,
+        ready = [r.ready for r in self.replicas]
+        self.model, self.tokenizer = ready[0].model, ready[0].model.tokenizer
+        limits = dataclasses.replace(ready[0].limits, num_blocks=min(r.limits.num_blocks for r in ready))
+        self.router = ReplicaRouter([r.limits.num_blocks for r in ready], limits.block_size,
                                     config.enable_prefix_caching)
         self.grammars = _ReplicasGrammars(self.replicas)
-        self._replica_of: weakref.WeakKeyDictionary[RequestHandle, AsyncEngine] = weakref.WeakKeyDictionary()
+        self._requests = _FrontRequests(self.model, limits, self.grammars)
+        self._replica_of: weakref.WeakKeyDictionary[RequestHandle, ReplicaClient] = weakref.WeakKeyDictionary()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self._loop is not None:
+            return
         self._loop = asyncio.get_running_loop()
         for replica in self.replicas:
-            replica.start()
+            replica.start(self._loop)
 
     async def shutdown(self) -> None:
-        """Every replica's shutdown, all of them even when one fails (its error raised after)."""
+        """Abort what is in flight and stop every replica's process (killed if it has not exited in STOP_WAIT s)."""
+        if self._loop is not None:
+            self.abort_all()
         self._loop = None
-        results = await asyncio.gather(*(replica.shutdown() for replica in self.replicas), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await asyncio.to_thread(stop_all, self.replicas)
 
     @property
     def healthy(self) -> bool:
-        """False once every replica's device failed for good (one that did is in `stats()`)."""
+        """False once every replica failed for good (one that did is in `stats()`)."""
         return any(replica.healthy for replica in self.replicas)
 
     def stats(self) -> dict:
         """The counts of every replica summed (as one AsyncEngine's `stats()`), `healthy` (as the property) and
-        `replicas`: each replica's own `stats()`, in order."""
+        `replicas`: each replica's own `stats()`, in order (a replica that is down says why in `error`)."""
         per = [replica.stats() for replica in self.replicas]
-        totals = {key: sum(s[key] for s in per) for key in per[0] if key not in NOT_SUMMED}
+        keys = [k for k, v in per[0].items() if k not in NOT_SUMMED and isinstance(v, (int, float))]
+        totals = {key: sum(s.get(key, 0) for s in per) for key in keys}
         return {**totals, "healthy": self.healthy, "replicas": per}
 
     @property
@@ -149,9 +176,8 @@ class DataParallelEngine(RequestReader):
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _check_open(self, request_id: str | None) -> AsyncEngine:
-        """The replica that checks requests (all check alike: the first healthy one), once the front
-        takes them and `request_id` is free."""
+    def _check_open(self, request_id: str | None) -> None:
+        """Once the front takes requests and `request_id` is free."""
         if self._loop is None:
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if not self.healthy:
@@ -159,13 +185,13 @@ class DataParallelEngine(RequestReader):
             raise EngineError(f"every replica is unhealthy (restart the server): {fatal!r}") from fatal
         if request_id is not None and any(r.holds(request_id) for r in self.replicas):
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
-        return next(r for r in self.replicas if r.healthy)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
                ) -> RequestHandle:
         """As `AsyncEngine.submit`: checked now, queued on the replica the router picks."""
-        return self.enqueue(self._check_open(request_id).engine.new_request(
+        self._check_open(request_id)
+        return self.enqueue(self._requests.new_request(
             prompt, params, request_id=request_id, priority=priority, chat_template_kwargs=chat_template_kwargs,
             stream=stream))
 
@@ -173,7 +199,9 @@ class DataParallelEngine(RequestReader):
                       priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
                       ) -> RequestState:
         """As `AsyncEngine.prepare` (rendered and checked on a thread); `enqueue` routes it."""
-        return await self._check_open(request_id).prepare(prompt, params, request_id, priority, chat_template_kwargs, stream=stream)
+        self._check_open(request_id)
+        return await asyncio.to_thread(self._requests.new_request, prompt, params, request_id=request_id,
+                                       priority=priority, chat_template_kwargs=chat_template_kwargs, stream=stream)
 
     def enqueue(self, state: RequestState) -> RequestHandle:
         """Queue a request made by `prepare` on the replica the router picks."""
@@ -188,7 +216,7 @@ class DataParallelEngine(RequestReader):
 
     def replica_of(self, handle: RequestHandle) -> int:
         """The index of the replica running `handle`'s request."""
-        return self.replicas.index(self._replica_of[handle])
+        return self._replica_of[handle].index
 
     def abort(self, request_id: str) -> None:
         """As `AsyncEngine.abort`, on the replica holding the request (unknown ids are ignored)."""
@@ -204,45 +232,75 @@ class DataParallelEngine(RequestReader):
         self._replica_of[request].release(request)
 
 
+def stop_all(replicas: Sequence[ReplicaClient], wait: float = STOP_WAIT) -> None:
+    """Tell every replica to stop, wait up to `wait` seconds for all to exit, kill the rest."""
+    for replica in replicas:
+        replica.stop()
+    deadline = time.monotonic() + wait
+    for replica in replicas:
+        proc = replica.process.proc
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # a replica stuck in a step: it goes now
+            replica.process.killed = True
+            proc.kill()
+            proc.wait()
+        replica.conn.close()
+
+
 def _check(config: EngineConfig) -> None:
-    n, t = config.data_parallel_size, config.tensor_parallel_size
+    n = config.data_parallel_size
     if n < 2:
         raise RequestError(f"data_parallel_size={n}: a DataParallelEngine runs two replicas or more (one: an "
                            f"AsyncEngine)", param="data_parallel_size")
-    if t > 1:
-        raise RequestError(f"data_parallel_size={n} with tensor_parallel_size={t} is not supported yet: each "
-                           f"tensor-parallel engine holds torch.distributed's default process group, one per "
-                           f"process. Run one server per replica (--device cuda:K) behind a load balancer",
-                           param="data_parallel_size")
 
 
-def data_parallel_from_model(model: str | Path | None = None, **kwargs) -> DataParallelEngine:
+def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
+    """The replicas' processes started together, each waited for until its engine is built (all stopped if one
+    fails: its error, ReplicaLost with its last output, is raised)."""
+    replicas: list[ReplicaClient] = []
+    try:
+        for a in args:
+            replicas.append(ReplicaClient(a.index, *spawn(a)))
+        for replica in replicas:
+            replica.wait_ready()
+    except BaseException:
+        stop_all(replicas, wait=1.0)
+        raise
+    return DataParallelEngine(replicas, args[0].config)
+
+
+def _threads(devices: Sequence[torch.device]) -> int | None:
+    """Torch's threads per replica: CPU replicas share the cores (else each would take them all)."""
+    cpus = sum(d.type == "cpu" for d in devices)
+    return max(1, (os.cpu_count() or 1) // cpus) if cpus else None
+
+
+def data_parallel_from_model(model: str | Path | None = None, *, _setup: str | None = None,
+                             **kwargs) -> DataParallelEngine:
     """Load `model` as `AsyncEngine.from_model` does (the same keywords, `data_parallel_size` among them):
-    once onto the first replica's device, copied to the others'."""
+    each replica loads it in its own process, onto its own device."""
     load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
     _check(config)
     devices = replica_devices(resolve_device(load.device), config.data_parallel_size,
                               config.tensor_parallel_size)
-    loaded = load_model(model, dataclasses.replace(load, device=str(devices[0])))
-    return data_parallel_from_loaded(loaded, config, devices)
+    one, threads = dataclasses.replace(config, data_parallel_size=1), _threads(devices)
+    path = None if model is None else str(model)
+    return _start([msg.ReplicaArgs(i, one, str(d), None, path, load, threads, _setup)
+                   for i, d in enumerate(devices)])
+
 
 def data_parallel_from_loaded(model: LoadedModel, config: EngineConfig,
-                              devices: Sequence[torch.device] | None = None) -> DataParallelEngine:
-    """`config.data_parallel_size` replicas of a loaded model, on `devices` (default: from the model's
-    device on, as `replica_devices` says)."""
+                              devices: Sequence[torch.device] | None = None, *,
+                              _setup: str | None = None) -> DataParallelEngine:
+    """`config.data_parallel_size` replicas of a loaded model, on `devices` (default: from the model's device on,
+    as `replica_devices` says): its weights handed to each replica's process as shared memory (CPU) or CUDA IPC
+    handles, copied there to the replica's device where they are not on it. `_setup` ("module:function", for
+    tests): called in each replica with (index, its LLMEngine) before it serves."""
     _check(config)
     n = config.data_parallel_size
     devices = list(devices) if devices is not None else replica_devices(model.params.device, n,
                                                                          config.tensor_parallel_size)
-    one = dataclasses.replace(config, data_parallel_size=1)
-    replicas: list[AsyncEngine] = []
-    try:
-        for device in devices:
-            # (made with its device current: its streams, graphs and compiled kernels are that device's)
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                replicas.append(AsyncEngine(_on(model, device), one))
-    except BaseException:
-        for replica in replicas:  # (their other processes, if any, go now)
-            replica.engine.close()
-        raise
-    return DataParallelEngine(replicas)
+    one, threads = dataclasses.replace(config, data_parallel_size=1), _threads(devices)
+    return _start([msg.ReplicaArgs(i, one, str(d), model, None, None, threads, _setup)
+                   for i, d in enumerate(devices)])

@@ -2,7 +2,12 @@
 by load; outputs as one engine's, stats and /metrics per replica, a failed replica alone in its failure."""
 
 import asyncio
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -10,10 +15,12 @@ import pytest
 import torch
 
 from nanoinfer import EngineError, RequestError, SamplingParams
+from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders import LoadedModel
 from runtime.async_engine import AsyncEngine, engine_config
 from runtime.cli import parse_args
-from runtime.data_parallel import DataParallelEngine, data_parallel_from_loaded, replica_devices
+from runtime.data_parallel import (DataParallelEngine, data_parallel_from_loaded, data_parallel_from_model,
+                                     replica_devices)
 from runtime.llm import LLM
 from runtime.replica_router import Load, ReplicaRouter
 from tests.live_server import LiveServer
@@ -23,6 +30,7 @@ CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_laye
                   head_dim=16)
 MODEL = LoadedModel(CFG, random_params(CFG, seed=11), None, Path("tiny-dp"))
 BLOCK = 4
+ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -35,8 +43,8 @@ def config(**kw):
     return engine_config(**{"block_size": BLOCK, "num_blocks": 128, **kw})
 
 
-def dp_engine(**kw) -> DataParallelEngine:
-    return data_parallel_from_loaded(MODEL, config(data_parallel_size=2, **kw))
+def dp_engine(_setup=None, **kw) -> DataParallelEngine:
+    return data_parallel_from_loaded(MODEL, config(data_parallel_size=2, **kw), _setup=_setup)
 
 
 IDLE = Load(0, 0)
@@ -157,12 +165,8 @@ def test_routing_stats_and_abort_on_the_engine():
     assert stats["prefix_cache_hits"] == stats["replicas"][0]["prefix_cache_hits"] >= len(shared)
 
 
-def test_shutdown_closes_every_replica(monkeypatch):
+def test_shutdown_closes_every_replica():
     engine = dp_engine()
-    closed = []
-    for i, replica in enumerate(engine.replicas):
-        real = replica.engine.close
-        monkeypatch.setattr(replica.engine, "close", lambda i=i, real=real: (closed.append(i), real()))
 
     async def go():
         async with engine:
@@ -170,10 +174,18 @@ def test_shutdown_closes_every_replica(monkeypatch):
         with pytest.raises(RuntimeError, match="not running"):
             engine.submit(prompts(1)[0], GREEDY)
     asyncio.run(go())
-    assert sorted(closed) == [0, 1] and all(r._worker is None for r in engine.replicas)  # (closed concurrently)
+    assert [r.process.proc.returncode for r in engine.replicas] == [0, 0]  # (each closed its engine and left)
 
 
-def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
+def break_replica_1(index, engine):
+    """Run in each replica's process (data_parallel_from_loaded's `_setup`): replica 1's device "fails"."""
+    def dead(batch):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    if index == 1:
+        engine.core.executor._forward = dead
+
+
+def test_a_failed_replica_loses_only_its_own_requests():
     batch = prompts(4, seed=9)
 
     async def undisturbed():
@@ -181,11 +193,7 @@ def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
             return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
     want = asyncio.run(undisturbed())
 
-    engine = dp_engine()
-
-    def dead(batch):
-        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(engine.replicas[1].core.executor, "_forward", dead)
+    engine = dp_engine(_setup="tests.test_data_parallel:break_replica_1")
 
     async def go():
         async with engine:
@@ -209,11 +217,22 @@ def test_a_failed_replica_loses_only_its_own_requests(monkeypatch):
 def test_offline_and_misuse_are_refused_by_name():
     with pytest.raises(RequestError, match="data_parallel_size=2 is a server setting"):
         LLM.from_loaded(MODEL, data_parallel_size=2)
-    with pytest.raises(RequestError, match="data_parallel_size=2 with tensor_parallel_size=2 is not supported"):
-        data_parallel_from_loaded(MODEL, config(data_parallel_size=2, tensor_parallel_size=2))
     with pytest.raises(RequestError, match="data_parallel_size=0 is invalid"):
         config(data_parallel_size=0)
     assert parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
+
+
+def test_each_replica_runs_its_own_tensor_parallel_group():
+    """DP=2 x TP=2 on CPU ranks: each replica's process is its group's rank 0 (its own default process group)."""
+    batch = prompts(4, seed=3)
+
+    async def run(engine):
+        async with engine:
+            return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
+    one = asyncio.run(run(AsyncEngine(MODEL, config())))
+    engine = dp_engine(tensor_parallel_size=2)
+    assert asyncio.run(run(engine)) == one
+    assert [s["generated_tokens"] > 0 for s in engine.stats()["replicas"]] == [True, True]
 
 
 # -- behind the server -----------------------------------------------------------------------------
@@ -244,3 +263,190 @@ def test_the_server_labels_each_replicas_metrics(tiny_chat_model):
     assert sum(tokens.values()) == 24 and min(tokens.values()) >= 6  # both replicas served
     assert 'nanoinfer_healthy{replica="0"} 1.0' in text and 'nanoinfer_healthy{replica="1"} 1.0' in text
     assert "nanoinfer_generated_tokens_total 24.0" not in text  # per replica only: sum() them in queries
+
+
+# -- replicas as processes -------------------------------------------------------------------------
+
+
+def slow_replica_1(index, engine):
+    """(`_setup`) Replica 1's steps take 50 ms: its requests are surely running when the test kills it."""
+    if index == 1:
+        forward = engine.core.executor._forward
+        engine.core.executor._forward = lambda batch: (time.sleep(0.05), forward(batch))[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on():
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    batch = prompts(4, seed=21)
+    engine = dp_engine(_setup="tests.test_data_parallel:slow_replica_1")
+    victim = engine.replicas[1].process.proc
+
+    async def go():
+        async with engine:
+            handles = [engine.submit(p, long) for p in batch]
+            placed = [engine.replica_of(h) for h in handles]
+            while engine.stats()["replicas"][1]["generated_tokens"] == 0:  # (running there)
+                await asyncio.sleep(0.01)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.gather(*(engine.collect(h) for h in handles), return_exceptions=True)
+            failed_after = time.monotonic() - killed
+            healthy, stats = engine.healthy, engine.stats()
+            after = engine.submit(batch[0], GREEDY)  # new work goes to the live replica
+            return placed, results, failed_after, healthy, stats, engine.replica_of(after), await engine.collect(after)
+    placed, results, failed_after, healthy, stats, after_replica, after = asyncio.run(go())
+    assert sorted(placed) == [0, 0, 1, 1]
+    for replica, got in zip(placed, results):
+        if replica == 0:
+            assert len(got.token_ids) == 200 and got.finish_reason == "length"
+        else:
+            assert isinstance(got, EngineError)
+            assert "data-parallel replica 1 exited (code -9, SIGKILL): its requests failed" in str(got)
+    assert failed_after < 10  # (the issue's bound; its socket closes as it dies)
+    assert healthy and [s["healthy"] for s in stats["replicas"]] == [True, False]
+    assert "SIGKILL" in stats["replicas"][1]["error"]
+    assert after_replica == 0 and len(after.token_ids) == GREEDY.max_tokens
+    assert [r.process.proc.returncode for r in engine.replicas] == [0, -9] and not descendants(os.getpid())
+
+
+def test_shutdown_stops_every_process_of_every_replica_in_time():
+    engine = dp_engine(tensor_parallel_size=2)  # (each replica has a rank process of its own)
+
+    async def go():
+        async with engine:
+            handles = [engine.submit(p, SamplingParams(max_tokens=300, ignore_eos=True)) for p in prompts(2)]
+            while engine.stats()["generated_tokens"] == 0:
+                await asyncio.sleep(0.01)
+            started = descendants(os.getpid())
+            began = time.monotonic()
+        return handles, started, time.monotonic() - began
+    handles, started, took = asyncio.run(go())
+    assert len(started) >= 4  # two replicas, a rank each
+    assert took < 10 and all(h.finished for h in handles)
+    assert not descendants(os.getpid())
+
+
+SCRIPT = """
+import asyncio
+from pathlib import Path
+
+from nanoinfer import SamplingParams
+from nanoinfer.loaders import LoadedModel
+from runtime.async_engine import engine_config
+from runtime.data_parallel import data_parallel_from_loaded
+from tests.tiny import random_params, tiny_config
+
+cfg = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16)
+model = LoadedModel(cfg, random_params(cfg, seed=11), None, Path("tiny-dp"))
+
+
+async def run():
+    config = engine_config(block_size=4, num_blocks=64, data_parallel_size=2)
+    async with data_parallel_from_loaded(model, config) as engine:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        handles = [engine.submit([3, 1, 4, 1, 5, 9, 2, 6][i:], params) for i in range(2)]
+        outs = [await engine.collect(h) for h in handles]
+        print("OUT", sorted(engine.replica_of(h) for h in handles), [len(o.token_ids) for o in outs])
+
+asyncio.run(run())
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
+def test_replicas_start_from_any_program(how, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if how == "stdin":
+        done = subprocess.run([sys.executable, "-"], input=SCRIPT, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)
+    else:
+        (tmp_path / "no_guard.py").write_text(SCRIPT)
+        done = subprocess.run([sys.executable, "no_guard.py"], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "OUT [0, 1] [5, 5]" in done.stdout
+
+
+def test_structured_output_compiles_in_the_replicas(tiny_chat_model):
+    engine = data_parallel_from_loaded(tiny_chat_model, engine_config(block_size=16, num_blocks=256,
+                                                                      data_parallel_size=2))
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
+
+    async def go():
+        async with engine:
+            with pytest.raises(RequestError, match="cannot constrain generation") as bad:
+                engine.submit("Pick one", SamplingParams(max_tokens=8, structured_outputs={"regex": r"[^\s\S]"}))
+            handles = [engine.submit(f"Pick one, {i}", choice) for i in range(2)]
+            return bad.value, sorted(engine.replica_of(h) for h in handles), [
+                (await engine.collect(h)).text for h in handles]
+    bad, placed, texts = asyncio.run(go())
+    assert bad.param == "structured_outputs" and placed == [0, 1]
+    assert all(t in ("yes", "no") for t in texts)
+
+
+def test_a_replica_that_fails_to_start_raises_its_error():
+    missing = Path("/nonexistent/model")
+    with pytest.raises(CheckpointError, match=f"{missing}: not found"):  # (as one engine's load raises it)
+        data_parallel_from_model(str(missing), data_parallel_size=2, device="cpu")
+    assert not descendants(os.getpid())  # (the other replica stopped too)
+
+
+def die_in_replica_1(index, engine):
+    """(`_setup`) Replica 1's process ends before it serves, as a crash (no Python error to send)."""
+    if index == 1:
+        print("replica 1 is going down", flush=True)
+        os._exit(3)
+
+
+def test_a_replica_that_dies_at_start_is_named_with_its_exit_code_and_output():
+    with pytest.raises(EngineError, match=r"data-parallel replica 1 exited while starting \(code 3\)") as failed:
+        dp_engine(_setup="tests.test_data_parallel:die_in_replica_1")
+    assert "replica 1 is going down" in str(failed.value)
+    assert not descendants(os.getpid())
+
+
+def test_replicas_exit_when_their_front_is_killed(tmp_path):
+    script = SCRIPT.replace("asyncio.run(run())", """engine = data_parallel_from_loaded(model, engine_config(block_size=4, num_blocks=64,
+                                                                data_parallel_size=2))
+print("PIDS", *(r.process.pid for r in engine.replicas), flush=True)
+import time
+time.sleep(300)
+""")
+    front = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    front.stdin.write(script)
+    front.stdin.close()
+    line = front.stdout.readline()
+    assert line.startswith("PIDS"), line
+    pids = [int(p) for p in line.split()[1:]]
+    front.kill()
+    front.wait()
+    deadline = time.monotonic() + 10  # (a replica polls its parent every half second)
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -28,6 +28,7 @@ from runtime.config import EngineConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.outputs import TokenOutput
 from runtime.engine.policy import Plan
+from runtime.engine.request_limits import RequestLimits
 from runtime.engine.resolve import Resolver
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
@@ -50,6 +51,8 @@ class EngineCore:
         blocks = BlockManager(self.executor.num_blocks, config.block_size, self.executor.num_cpu_blocks,
                               prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, blocks, self.executor)
+        self.limits = RequestLimits(cfg.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
+                                    blocks.block_size, blocks.num_blocks)
         self.resolver = Resolver(self.scheduler, cfg.eos_token_ids)
         self.timer = StepTimer(config.nvtx and self.device.type == "cuda")
         self.speculator = None
@@ -71,47 +74,13 @@ class EngineCore:
 
     def check_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, or RequestError naming what makes it impossible to serve."""
-        vocab, limit = self.model.config.vocab_size, self.max_model_len
-        ids = list(prompt_token_ids)
-        bad_bias = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if t >= vocab]
-        if bad_bias:
-            raise RequestError(f"token id {bad_bias[0]} in logit_bias/stop_token_ids is out of range: expected "
-                               f"0 <= id < {vocab}", param="logit_bias")
-        if not ids:
-            raise RequestError("the prompt is empty: expected at least one token", param="prompt")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is out of range: expected 0 <= id < {vocab}",
-                               param="prompt")
-        if len(ids) >= limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={limit}",
-                               param="prompt")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            # As vLLM (and OpenAI) answer: never cut the completion short without saying so.
-            raise RequestError(
-                f"this model's maximum context length is {limit} tokens; you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
-                f"completion): reduce the prompt or max_tokens", param="max_tokens")
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise RequestError(f"n={params.n} is more than this engine runs at once: expected n <= max_num_seqs="
-                               f"{self.config.scheduler.max_num_seqs}", param="n")
-        blocks = self.scheduler.blocks
-        prompt_blocks = len(ids) // blocks.block_size  # full blocks the n completions share
-        need = prompt_blocks + params.n * (blocks.blocks_for(self._max_total(ids, params)) - prompt_blocks)
-        if need > blocks.num_blocks:
-            raise RequestError(
-                f"the request needs up to {need * blocks.block_size} tokens of KV cache "
-                f"(n={params.n}, {self._max_total(ids, params)} each) but the pool holds "
-                f"{blocks.num_blocks * blocks.block_size}: lower max_tokens or raise num_blocks", param="max_tokens")
+        ids = self.limits.check(prompt_token_ids, params)
         if params.structured_outputs is not None:
             self._structured().check(params.structured_outputs)
         return ids
 
     def _max_total(self, ids: list[int], params: SamplingParams) -> int:
-        if params.max_tokens is None:  # as much as fits: the context, and the pool
-            blocks = self.scheduler.blocks
-            return min(self.max_model_len, blocks.num_blocks * blocks.block_size)
-        return len(ids) + params.max_tokens
+        return self.limits.max_total(ids, params)
 
     def _structured(self):
         if self.structured is None:

@@ -47,16 +47,20 @@ class RankLost(DeviceLost):
 
 
 class RankProcess:
-    """One rank's process, its output's last lines, and why it ended."""
+    """One rank's process, its output's last lines, and why it ended. (A data-parallel replica's process too:
+    `label` prefixes its lines, `pass_fds` are inherited, see runtime/dp_client.py.)"""
 
-    def __init__(self, rank: int, argv: list[str], env: dict[str, str]):
+    label = "tp rank"
+
+    def __init__(self, rank: int, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()):
         self.rank = rank
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=env)
+                                     env=env, pass_fds=pass_fds)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.killed = False  # by us, at close: not a death to report
         self.reported = False  # its RankLost was raised already
-        self._reader = threading.Thread(target=self._read_output, daemon=True, name=f"nanoinfer-tp-rank{rank}-output")
+        self._reader = threading.Thread(target=self._read_output, daemon=True,
+                                        name=f"nanoinfer-{self.label.replace(' ', '-')}{rank}-output")
         self._reader.start()
 
     @property
@@ -76,6 +80,12 @@ class RankProcess:
 
     def lost(self, when: str = "") -> RankLost:
         """The error that reports this (exited) rank: its exit code and its output's last lines."""
+        how, last = self.exit_and_tail()
+        return RankLost(f"tensor-parallel rank {self.rank} exited{when} ({how}): the engine cannot run the model "
+                        f"without it; {last}")
+
+    def exit_and_tail(self) -> tuple[str, str]:
+        """How the (exited) process ended ("code -9, SIGKILL"), and its output's last lines (as a clause)."""
         self.reported = True
         self._reader.join(timeout=1)  # (the pipe's end follows the exit; a straggling grandchild may hold it)
         code = self.proc.returncode
@@ -86,9 +96,7 @@ class RankProcess:
             except ValueError:
                 pass
         tail = "".join(self.tail)[-TAIL_CHARS:].rstrip()
-        last = f"its last output:\n{tail}" if tail else "it wrote nothing"
-        return RankLost(f"tensor-parallel rank {self.rank} exited{when} ({how}): the engine cannot run the model "
-                        f"without it; {last}")
+        return how, f"its last output:\n{tail}" if tail else "it wrote nothing"
 
     def _read_output(self) -> None:
         """Until the pipe's end: each line on to our stderr, prefixed with the rank, and kept in the tail."""
@@ -96,7 +104,7 @@ class RankProcess:
             line = raw.decode(errors="replace")
             self.tail.append(line)
             try:
-                sys.stderr.write(f"[tp rank {self.rank}] {line}")
+                sys.stderr.write(f"[{self.label} {self.rank}] {line}")
             except (OSError, ValueError):  # (a closed or redirected stderr loses the echo, never the tail)
                 pass
         self.proc.stdout.close()

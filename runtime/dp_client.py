@@ -1,0 +1,248 @@
+"""ReplicaClient: the front's side of one data-parallel replica — its process, its socket, its requests in flight.
+
+The replica is `python -m runtime.dp_replica` (runtime/dp_replica.py), started as a tensor-parallel rank is
+(runtime/executor/tp_processes.py: our module whatever the user's program is, its arguments on stdin, the weights
+shared by handle, its output echoed and its last lines kept). A client is a RequestBook (runtime/request_book.py)
+whose commands go over the socket instead of to a worker thread: a reader thread takes the replica's reports and
+posts each to the event loop, where they reach their consumers as one AsyncEngine's do. Grammar compiles are
+answered on the reader thread itself (a caller may block on one: the loop need not run).
+
+A replica whose process ends (a crash, a kill, the OOM killer) is reported at once (its socket closes): its
+requests fail with ReplicaLost naming it, its exit code and its last output; it takes nothing new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import multiprocessing
+import socket
+import struct
+import subprocess
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+
+from runtime import dp_messages as msg
+from runtime.engine.llm_engine import EngineError
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.request_state import RequestState
+from runtime.executor.tp_processes import RankProcess, _environment, _python
+from runtime.request_book import RequestBook, RequestHandle
+from runtime.worker import Abort, Submit
+
+EXIT_WAIT = 5.0  # seconds for a replica whose socket closed to be seen exiting (before it is killed)
+
+
+class ReplicaLost(EngineError):
+    """A data-parallel replica's process ended: its requests failed; the other replicas serve on."""
+
+
+class ReplicaProcess(RankProcess):
+    label = "dp replica"
+
+
+class RemoteRequest:
+    """The front's view of a request that a replica runs: what a RequestHandle's consumer and the server read of
+    it (ids, prompt, params, counts, how each completion ended, the replica's timings), kept from its outputs."""
+
+    def __init__(self, state: RequestState, key: int):
+        self.key = key
+        self.request_id, self.prompt, self.prompt_ids, self.params = (state.request_id, state.prompt,
+                                                                      state.prompt_ids, state.params)
+        self.priority, self.stream, self.arrival = state.priority, state.stream, state.arrival
+        self.owner: RequestHandle | None = None
+        self._prompt_ids = tuple(state.prompt_ids)  # (every output carries them: one tuple)
+        self.finish_reasons: list[str | None] = [None] * state.params.n
+        self.num_output_tokens, self.cached_tokens = 0, 0
+        self.scheduled_at = self.first_token_at = self.finished_at = None
+        self.token_gaps: tuple[float, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return None not in self.finish_reasons
+
+    def absorb(self, out: RequestOutput, timing: msg.Timing | None) -> RequestOutput:
+        """Take in one of the replica's outputs; the output as the consumer reads it (the prompt put back)."""
+        self.cached_tokens = out.num_cached_tokens
+        for c in out.outputs:
+            self.num_output_tokens += len(c.token_ids)
+            if c.finish_reason is not None and self.finish_reasons[c.index] is None:
+                self.finish_reasons[c.index] = c.finish_reason
+        if timing is not None:
+            self.scheduled_at, self.first_token_at, self.finished_at, self.token_gaps = timing
+        return RequestOutput(out.request_id, self.prompt, self._prompt_ids, out.outputs, out.finished,
+                             out.prompt_logprobs, out.num_cached_tokens, out.error)
+
+
+def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, Connection]:
+    """Start replica `args.index`'s process and hand it `args` (as tp_processes hands a rank its own)."""
+    ours, theirs = socket.socketpair()
+    try:
+        process = ReplicaProcess(args.index, [*_python(), "-m", "runtime.dp_replica", str(theirs.fileno())],
+                                 _environment(), pass_fds=(theirs.fileno(),))
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    authkey = bytes(multiprocessing.current_process().authkey)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(args)
+    data = struct.pack("<I", len(authkey)) + authkey + buf.getvalue()
+    threading.Thread(target=process.send, args=(data,), daemon=True,
+                     name=f"nanoinfer-dp-replica{args.index}-send").start()
+    return process, Connection(ours.detach())
+
+
+class ReplicaClient(RequestBook):
+    """Replica `index`: requests booked here run in its process."""
+
+    def __init__(self, index: int, process: ReplicaProcess, conn: Connection):
+        super().__init__()
+        self.index, self.process, self.conn = index, process, conn
+        self.ready: msg.Ready | None = None
+        self._keys = itertools.count()
+        self._remote: dict[int, RemoteRequest] = {}  # by key, until retired here
+        self._compiles: dict[int, Future] = {}  # by key, until the replica answers
+        self._send_lock = threading.Lock()
+        self._stats: dict = {}
+        self._fatal: BaseException | None = None
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def wait_ready(self) -> msg.Ready:
+        """Until the replica has built its engine (loading a checkpoint may take minutes); the error that stopped
+        it building one, or ReplicaLost (its exit code and last output) if it exits first."""
+        while True:
+            if self.conn.poll(0.1):
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    self.process.proc.wait(EXIT_WAIT)
+                    raise self.lost(starting=True)
+                if isinstance(message, msg.Failed):  # (a bad checkpoint: its own error, as one engine raises it)
+                    raise message.error
+                self.ready, self._stats = message, message.stats
+                return message
+            if self.process.exit_code() is not None:
+                raise self.lost(starting=True)
+
+    def lost(self, starting: bool = False) -> ReplicaLost:
+        """The error that reports this (exited) replica: its exit code and its output's last lines."""
+        how, last = self.process.exit_and_tail()
+        if starting:
+            return ReplicaLost(f"data-parallel replica {self.index} exited while starting ({how}); {last}")
+        return ReplicaLost(f"data-parallel replica {self.index} exited ({how}): its requests failed, the other "
+                           f"replicas serve on; {last}")
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._send = loop, self._command
+        threading.Thread(target=self._read, daemon=True, name=f"nanoinfer-dp-replica{self.index}-read").start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._fatal is None
+
+    def stats(self) -> dict:
+        """The replica's counts at its last report, and healthy (with `error`, why not)."""
+        down = {} if self._fatal is None else {"error": str(self._fatal)}
+        return {**self._stats, "healthy": self.healthy, **down}
+
+    # -- to the replica ----------------------------------------------------------------------------
+
+    def enqueue(self, state: RequestState) -> RequestHandle:
+        """Book a request checked by the front (`state`) and send it to the replica."""
+        remote = RemoteRequest(state, next(self._keys))
+        self._remote[remote.key] = remote
+        return self._add(remote)
+
+    def post(self, message) -> bool:
+        """Send `message` (runtime/dp_messages.py); False if the replica is gone (its reader reports that)."""
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+                return True
+            except (OSError, ValueError):
+                return False
+
+    def _command(self, command: Submit | Abort) -> None:
+        """The RequestBook's commands, as the replica reads them."""
+        remote: RemoteRequest = command.request
+        if isinstance(command, Abort):
+            self.post(msg.Abort(remote.key))
+        else:
+            self.post(msg.Submit(remote.key, remote.request_id, remote.prompt, remote.prompt_ids, remote.params,
+                                  remote.priority, remote.stream))
+
+    def compile(self, spec) -> Future:
+        """The grammar compiled in the replica: a future of None, or of the RequestError naming what is wrong."""
+        key, future = next(self._keys), Future()
+        self._compiles[key] = future
+        if not self.post(msg.Compile(key, spec)) and self._compiles.pop(key, None) is not None:
+            future.set_exception(self._fatal or ReplicaLost(f"data-parallel replica {self.index} is gone"))
+        return future
+
+    def stop(self) -> None:
+        """Tell the replica to stop (it finishes its step, closes its engine and exits)."""
+        self._stopping = True
+        self.post(msg.Stop())
+
+    # -- from the replica --------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """The reader thread: reports to the loop, compile answers to their futures; at the socket's end, the
+        replica's loss (unless it was told to stop)."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, msg.Compiled):
+                future = self._compiles.pop(message.key, None)
+                if future is not None:
+                    future.set_exception(message.error) if message.error is not None else future.set_result(None)
+            else:
+                _call_soon(self._loop, self._on_report, message)
+        if self._stopping:
+            return
+        try:
+            self.process.proc.wait(EXIT_WAIT)
+        except subprocess.TimeoutExpired:  # (its socket closed, yet it runs: it cannot serve)
+            self.process.proc.kill()
+            self.process.proc.wait()
+        error = self.lost()
+        for key in list(self._compiles):
+            future = self._compiles.pop(key, None)
+            if future is not None:
+                future.set_exception(error)
+        _call_soon(self._loop, self._on_lost, error)
+
+    def _on_report(self, report: msg.Report) -> None:
+        """On the loop: the counts, the engine's health, each output to its consumer."""
+        self._stats = report.stats
+        if report.fatal is not None and self._fatal is None:
+            self._fatal = report.fatal
+        remote = self._remote
+        self._deliver([(r, r.absorb(o.output, o.timing)) for o in report.outputs if (r := remote.get(o.key))])
+
+    def _on_lost(self, error: ReplicaLost) -> None:
+        """On the loop: every request of the replica fails with `error`; nothing new comes here."""
+        if self._fatal is None or not isinstance(self._fatal, ReplicaLost):
+            self._fatal = error
+        self.abort_all(error)
+        self._send = None
+
+    def _retire(self, request: RequestHandle) -> None:
+        super()._retire(request)
+        self._remote.pop(request.state.key, None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is left to tell
+        pass
