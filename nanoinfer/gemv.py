@@ -16,8 +16,8 @@ so the weight is still read once; two rows of a narrow int8 weight stay in the f
 
 4-bit weights (nanoinfer.quantized's Int4CudaWeight: AWQ, GPTQ, GGUF's 4-bit groups,
 `quantization="int4"`) have kernels of their own, `int4_mm`: one row reads each packed word
-once, widens its eight nibbles in registers and sums each group before its scale (the min
-times the group's sum of inputs), so a batch-1 step reads half a byte per weight; more rows
+once, widens its eight nibbles in registers and sums them before their group's scale (the
+min times the sum of their inputs), so a batch-1 step reads half a byte per weight; more rows
 dequantize each weight tile to the activations' type in registers and multiply it on tensor
 cores, at every row count (a prefill too: the weight is never written out dequantized).
 
@@ -175,36 +175,38 @@ def _(x, w, scale=None):
 
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for n, k, w, s in ((4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3),
-                                (32, 256, 8, 3), (4, 1024, 4, 3), (8, 1024, 8, 3), (2, 1024, 4, 4), (2, 2048, 4, 4),
-                                (4, 2048, 8, 3))],
+             for n, k, w, s in ((8, 256, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 3), (32, 512, 8, 3),
+                                (64, 256, 8, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (64, 128, 4, 4), (32, 128, 4, 4),
+                                (4, 2048, 4, 3), (128, 128, 8, 3))],
     key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
                       HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One row: BLOCK_K inputs of BLOCK_N output rows a step, BLOCK_K // 8 words each. A group's
-    # products are summed before its scale: sum(s q x + m x) = s sum(q x) + m sum(x).
+    # One row: BLOCK_N output rows, BLOCK_K inputs (BLOCK_K // 8 words of each row) a step. The
+    # words are taken a nibble plane at a time (nibble k of word j: input 8j + k, whose input
+    # is loaded alongside), so no tile changes shape; the eight inputs of a word share a group,
+    # so each word's sum meets its scale once: sum(s q x + m x) = s sum(q x) + m sum(x).
     # (HALF, the scales' type, only keys the tuning.)
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = BLOCK_K // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        w_mask = offs_w < K // 8
         words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :],
-                        mask=n_mask[:, None] & (offs_w < K // 8)[None, :], other=0)
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 15, [BLOCK_N, BLOCK_K])
-        # q in [0, 16) to fp32 without I2F (see _gemv_kernel): the float 2^23 + q, less 2^23.
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        dots = tl.sum(tl.reshape(qf * x[None, :], [BLOCK_N, GROUPS, GROUP]), 2)
-        sums = tl.sum(tl.reshape(x, [GROUPS, GROUP]), 1)
-        offs_g = k0 // GROUP + tl.arange(0, GROUPS)
-        where = offs_n[:, None] * stride_sn + offs_g[None, :]
-        g_mask = n_mask[:, None] & (offs_g < K // GROUP)[None, :]
+                        mask=n_mask[:, None] & w_mask[None, :], other=0)
+        dots = tl.zeros([BLOCK_N, WORDS], tl.float32)
+        sums = tl.zeros([WORDS], tl.float32)
+        for k in tl.static_range(8):
+            x = tl.load(x_ptr + offs_w * 8 + k, mask=w_mask, other=0.0).to(tl.float32)
+            # q in [0, 16) to fp32 without I2F (see _gemv_kernel): the float 2^23 + q, less 2^23.
+            q = (((words >> (4 * k)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            dots += q * x[None, :]
+            sums += x
+        where = offs_n[:, None] * stride_sn + (offs_w // (GROUP // 8))[None, :]
+        g_mask = n_mask[:, None] & w_mask[None, :]
         scale = tl.load(scale_ptr + where, mask=g_mask, other=0.0).to(tl.float32)
         low = tl.load(min_ptr + where, mask=g_mask, other=0.0).to(tl.float32)
         acc += scale * dots + low * sums[None, :]
@@ -213,38 +215,37 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
 
 @triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for m, n, k, w, s in ((16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 32, 256, 4, 3), (16, 64, 64, 4, 4),
-                                   (32, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
-                                   (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3))],
+             for m, n, k, w, s in ((16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 32, 256, 4, 3), (16, 64, 256, 4, 4),
+                                   (32, 64, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 8, 3),
+                                   (128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (128, 256, 128, 8, 3))],
     key=["ROWS", "N", "K", "GROUP"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit
 def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                     stride_om, ROWS, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    # Several rows: each weight tile dequantized to x's type in registers, then one tensor-core
-    # product. ROWS (M rounded up to a power of 2) keys the tuning: small batches want narrow
-    # tiles and many programs, a prefill wide ones.
+    # Several rows: each nibble plane of a weight tile (the inputs 8j + k) dequantized to x's
+    # type in registers and multiplied on tensor cores with the same inputs of x, eight
+    # products a tile (a sum over the inputs in another order). ROWS (M rounded up to a power
+    # of 2) keys the tuning: small batches want narrow tiles and many programs, a prefill wide ones.
+    WORDS: tl.constexpr = BLOCK_K // 8
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :],
-                        mask=n_mask[:, None] & (offs_w < K // 8)[None, :], other=0)
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 15, [BLOCK_N, BLOCK_K])
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        where = offs_n[:, None] * stride_sn + (offs_k // GROUP)[None, :]
-        sk_mask = n_mask[:, None] & k_mask[None, :]
-        scale = tl.load(scale_ptr + where, mask=sk_mask, other=0.0).to(tl.float32)
-        low = tl.load(min_ptr + where, mask=sk_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans((qf * scale + low).to(x.dtype)), acc)
+        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        w_mask = offs_w < K // 8
+        nw_mask = n_mask[:, None] & w_mask[None, :]
+        words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :], mask=nw_mask, other=0)
+        where = offs_n[:, None] * stride_sn + (offs_w // (GROUP // 8))[None, :]
+        scale = tl.load(scale_ptr + where, mask=nw_mask, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + where, mask=nw_mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(8):
+            q = (((words >> (4 * k)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (offs_w * 8 + k)[None, :],
+                        mask=m_mask[:, None] & w_mask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans((q * scale + low).to(x.dtype)), acc)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -275,11 +276,11 @@ def _(x, packed, scale, low):
 
 
 def int4_kernels_take(w: Int4CudaWeight) -> bool:
-    """Whether `int4_mm` takes `w`: groups of a power of two from 32 to 256 (the GEMV sums
-    whole groups inside its tiles of 256 inputs and more); others (GPTQ's one group per row of 14,336, say) run the
+    """Whether `int4_mm` takes `w`: groups of a power of two from 32 up (a word's eight inputs
+    share a group); others (GPTQ's one group per row of 14,336, say) run the
     reference, dequantizing."""
     group = w.group
-    return 32 <= group <= 256 and group & (group - 1) == 0
+    return group >= 32 and group & (group - 1) == 0
 
 
 def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
