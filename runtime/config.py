@@ -135,8 +135,8 @@ class EngineConfig:
         check_settings(self)
         if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
             raise RequestError(f"pipeline_parallel_size={self.pipeline_parallel_size} with speculative_config: "
-                               f"speculative decoding runs on one pipeline stage only (expected "
-                               f"pipeline_parallel_size=1, or no speculative_config)", param="pipeline_parallel_size")
+                               f"speculative decoding does not run over pipeline stages yet: expected "
+                               f"pipeline_parallel_size=1, or no speculative_config", param="pipeline_parallel_size")
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
             raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
                                param="swap_space")

@@ -27,8 +27,7 @@ class LaunchConfig:
     """Where this machine's ranks sit among all the machines' (each flag declared once)."""
 
     nnodes: int = setting(1, "machines the model's ranks span (tensor x pipeline-parallel size / nnodes ranks on "
-                             "each); "
-                             "over 1, this command starts this machine's ranks itself, as torchrun would",
+                             "each); over 1, this command starts this machine's ranks itself, as torchrun would",
                           minimum=1)
     node_rank: int = setting(0, "this machine's index among --nnodes (0: the one that runs the engine and serves)",
                              minimum=0)
