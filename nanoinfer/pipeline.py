@@ -16,11 +16,13 @@ import bisect
 import dataclasses
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import RequestError
+from nanoinfer.host_copy import to_device_packed
 from nanoinfer.model import Params
 
 
@@ -94,21 +96,19 @@ def split_batch(batch: Batch, parts: int, query_start_loc: list[int] | None = No
         cuts.append(bisect.bisect_left(qsl, total * k / parts, cuts[-1] + 1, seqs - (parts - k)))
     cuts.append(seqs)
     token_cuts = [qsl[c] for c in cuts]
-    # Each logits row goes with the micro-batch holding its token; `order`: their original indices, in micro-batch order.
+    # Each logits row goes with the micro-batch holding its token; `order`: the rows' indices in micro-batch order.
     part_of = [bisect.bisect_right(token_cuts, i) - 1 for i in wanted]
     order = sorted(range(len(wanted)), key=part_of.__getitem__)
-    device = batch.input_ids.device
+    rows = [[wanted[j] - token_cuts[m] for j in order if part_of[j] == m] for m in range(parts)]
+    in_order = order == sorted(order)
+    restore = np.empty(len(order), dtype=np.int64)
+    restore[order] = np.arange(len(order))
+    # (one non-blocking copy: a blocking one would wait for the device's queued work)
+    *rows_t, restore_t = to_device_packed([*rows, restore], batch.logits_indices.dtype, batch.input_ids.device)
     batches = []
     for m in range(parts):
         s0, s1, t0, t1 = cuts[m], cuts[m + 1], token_cuts[m], token_cuts[m + 1]
-        rows = [wanted[j] - t0 for j in order if part_of[j] == m]
         batches.append(Batch(batch.input_ids[t0:t1], batch.positions[t0:t1], batch.slot_mapping[t0:t1],
                              batch.block_tables[s0:s1], batch.seq_lens[s0:s1],
-                             batch.query_start_loc[s0:s1 + 1] - t0,
-                             torch.tensor(rows, dtype=batch.logits_indices.dtype, device=device)))
-    restore = None
-    if order != sorted(order):
-        restore = torch.empty(len(order), dtype=torch.int64)
-        restore[order] = torch.arange(len(order))
-        restore = restore.to(device)
-    return MicroBatches(tuple(batches), restore)
+                             batch.query_start_loc[s0:s1 + 1] - t0, rows_t[m]))
+    return MicroBatches(tuple(batches), None if in_order else restore_t)

@@ -119,6 +119,9 @@ class EngineConfig:
                                              "tensor_parallel_size); each step's sequences go through them as "
                                              "micro-batches, activations sent point to point (steps run eagerly)",
                                           minimum=1)
+    pipeline_micro_batches: int | None = setting(None, "the most micro-batches a step's sequences are cut into "
+                                                       "under pipeline parallelism (default: "
+                                                       "pipeline_parallel_size)", minimum=1, optional=True)
     data_parallel_size: int = setting(1, "engine replicas behind one server, each a whole engine on its own "
                                          "GPU(s) (replica i from cuda:i*tensor_parallel_size); a request goes to the "
                                          "replica holding the longest cached prefix of its prompt, else the least "

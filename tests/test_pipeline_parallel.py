@@ -78,6 +78,19 @@ def test_prompt_logprobs_come_back_in_order(model):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def test_default_model_in_two_stages_writes_one_ranks_text(smollm2_gguf):
+    """The offline facade, SmolLM2-135M's 30 layers as 15 + 15, in fp32: one rank's greedy text."""
+    from nanoinfer import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    texts = []
+    for size in (1, 2):
+        with LLM(smollm2_gguf, device="cpu", dtype="float32", progress=False, num_blocks=64,
+                 pipeline_parallel_size=size) as llm:
+            texts.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert texts[0] == texts[1]
+
+
 # -- from the user's program; ranks that die ------------------------------------------------------
 
 # No `if __name__ == "__main__"`: a rank that ran this again would start ranks of its own.

@@ -122,7 +122,7 @@ class PipelineParallelRunner(TensorParallelRunner):
         self.last = (grid.pp - 1) * grid.tp
 
     def _micro_batches(self) -> int:
-        return self.tp.grid.pp
+        return self.config.pipeline_micro_batches or self.tp.grid.pp
 
     def launch(self, inp, *args, **kwargs):
         self._step_input = inp
