@@ -214,6 +214,10 @@ def _check(config: EngineConfig) -> None:
                            f"tensor-parallel engine holds torch.distributed's default process group, one per "
                            f"process. Run one server per replica (--device cuda:K) behind a load balancer",
                            param="data_parallel_size")
+    if config.pipeline_parallel_size > 1:
+        raise RequestError(f"data_parallel_size={n} with pipeline_parallel_size={config.pipeline_parallel_size} is "
+                           f"not supported yet: expected pipeline_parallel_size=1 (each pipeline holds "
+                           f"torch.distributed's default process group, one per process)", param="data_parallel_size")
 
 
 def data_parallel_from_model(model: str | Path | None = None, **kwargs) -> DataParallelEngine:
