@@ -41,8 +41,9 @@ def model():
 
 
 @pytest.mark.parametrize("sizes", [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
-                                   dict(pipeline_parallel_size=2, tensor_parallel_size=2)],
-                         ids=["pp2", "pp3", "tp2xpp2"])
+                                   dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+                                   dict(pipeline_parallel_size=2, pipeline_micro_batches=8)],
+                         ids=["pp2", "pp3", "tp2xpp2", "pp2-8-micro-batches"])
 def test_stages_emit_what_one_rank_does(model, sizes):
     """Forks sharing blocks (n=2, copy-on-write copies on every stage) and top-k sampling by seed."""
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, seed=1, top_k=2)

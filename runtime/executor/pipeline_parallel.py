@@ -135,9 +135,9 @@ class PipelineParallelRunner(TensorParallelRunner):
         """The step's micro-batches, cut from the host's layout where the launch gave it (reading a
         GPU's index tensors back would wait for the step before)."""
         inp = self._step_input
-        if inp is None:
+        qsl = None if inp is None else np.concatenate([[0], np.cumsum([c.num_tokens for c in inp.chunks])]).tolist()
+        if qsl is None or qsl[-1] != batch.num_tokens:  # (not the launch's batch: its own tensors say)
             return split_batch(batch, self._micro_batches())
-        qsl = np.concatenate([[0], np.cumsum([c.num_tokens for c in inp.chunks])]).tolist()
         return split_batch(batch, self._micro_batches(), qsl, list(inp.logits_rows))
 
     def _forward(self, batch: Batch) -> ForwardOutput:
