@@ -104,6 +104,7 @@ def test_torchrun_serves_over_two_nodes(smollm2_gguf, one_process_text, parallel
 @pytest.mark.parametrize("flags, message", [
     (["--nnodes", "2", "--node-rank", "2"], "node_rank=2 with nnodes=2: expected a node rank from 0 to 1"),
     (["--nnodes", "2", "--tensor-parallel-size", "3"], "3 ranks over nnodes=2"),
+    (["--nnodes", "2", "--pipeline-parallel-size", "3"], "3 ranks over nnodes=2"),  # (T x P ranks in all)
     (["--nnodes", "0"], "nnodes"),
 ])
 def test_a_launch_that_cannot_be_laid_out_is_named(flags, message, capsys):
