@@ -3,6 +3,8 @@
     python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
                                [--model M] [--device cpu] [--baseline-batch 16] [--temperature 0]
                                [--kv-cache-dtype auto|fp8] [--quantization none|int8|fp8]
+                               [--pipeline-parallel-size P] [--pipeline-micro-batches M]
+                               [--tensor-parallel-size T] [--enforce-eager]
 
 Prompts are random token ids, lengths uniform in the given ranges (fixed seed), generation
 with ignore_eos so every request produces exactly its output length. Output tok/s counts
@@ -68,8 +70,15 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default="auto", help="as load_model takes it (with --shape: int8 or fp8 "
                                                                  "quantize the random weights)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages over GPUs cuda:0.. (eager)")
+    parser.add_argument("--pipeline-micro-batches", type=int, default=None, help="default: the pipeline's size")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as pipeline stages run)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,
+                    pipeline_micro_batches=args.pipeline_micro_batches,
+                    tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
 
     from nanoinfer import LLM
 
@@ -84,10 +93,10 @@ def main():
             model = dataclasses.replace(model, params=quantize_params(model.params, args.quantization),
                                         quantization=args.quantization)
         llm = LLM.from_loaded(model, max_model_len=4096, max_num_seqs=args.num_seqs,
-                              kv_cache_dtype=args.kv_cache_dtype)
+                              kv_cache_dtype=args.kv_cache_dtype, **parallel)
     else:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, **parallel)
     prompts, outputs = workload(args.num_seqs, args.input_len, args.output_len, llm.model.config.vocab_size)
     # Warm-up over prompts of the workload's own lengths: the first prefill of each shape JIT-
     # compiles Triton kernels and Inductor code (cold start is bench/cold_start.py's business).
@@ -127,7 +136,9 @@ def main():
         with torch.inference_mode():
             theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
-    print(f"model {model_path.name}  device {args.device}  kv cache {args.kv_cache_dtype}  quantization "
+    print(f"model {model_path.name}  device {args.device}  tp {args.tensor_parallel_size}  pp "
+          f"{args.pipeline_parallel_size} (micro-batches {args.pipeline_micro_batches})  eager {args.enforce_eager}  "
+          f"kv cache {args.kv_cache_dtype}  quantization "
           f"{args.quantization}  temperature {args.temperature}  seqs {args.num_seqs}  "
           f"input {args.input_len}  "
           f"output {args.output_len}  output tokens {total}")

@@ -150,8 +150,9 @@ def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Para
     def vocab(table: Weight) -> Weight:
         return _packed(table, lambda w: _vocab_rows(w, rank, size))
 
-    embed = vocab(params.embed)
-    lm_head = embed if params.lm_head is params.embed else vocab(params.lm_head)
+    # (a pipeline stage holds the embedding or the LM head only where it computes it)
+    embed = None if params.embed is None else vocab(params.embed)
+    lm_head = embed if params.lm_head is params.embed else None if params.lm_head is None else vocab(params.lm_head)
     return dataclasses.replace(params, embed=embed, lm_head=lm_head,
                                layers=tuple(layer(lp) for lp in params.layers))
 
@@ -177,24 +178,32 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int) -> LayerFunctions:
+def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=None) -> LayerFunctions:
     """`base` with the collectives of rank `shard.rank`: sums after the row-parallel
-    projections, the vocab-parallel embedding, the gathered logits."""
+    projections, the vocab-parallel embedding, the gathered logits. `group`: the process group
+    of the shard's ranks where it is not the default one (a pipeline stage's ranks: eager
+    layers only, since the sum is then a plain call, which Dynamo would trace into)."""
     rank, size = shard
+    if group is None:
+        reduce = all_reduce
+    else:
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x, group=group)
+            return x
 
     def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         per = table.shape[0]
         local = ids - rank * per
         inside = (local >= 0) & (local < per)
         x = embedding(table, local.clamp(0, per - 1), dtype) * inside[:, None].to(dtype)
-        return all_reduce(x)
+        return reduce(x)
 
     def gather_logits(shard_logits: torch.Tensor) -> torch.Tensor:
         rows, per = shard_logits.shape
         parts = shard_logits.new_empty(size, rows, per)  # rank r's columns at [r]
         # (the list form: all_gather_into_tensor is deprecated in newer torch, and its
         # successor is missing from older ones)
-        dist.all_gather(list(parts.unbind(0)), shard_logits.contiguous())
+        dist.all_gather(list(parts.unbind(0)), shard_logits.contiguous(), group=group)
         return parts.permute(1, 0, 2).reshape(rows, size * per)[:, :vocab_size]
 
-    return base._replace(all_reduce=all_reduce, embed=embed, gather_logits=gather_logits)
+    return base._replace(all_reduce=reduce, embed=embed, gather_logits=gather_logits)

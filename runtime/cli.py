@@ -350,17 +350,17 @@ def _chat(args) -> int:
 
 def _tensor_parallel_rank(args) -> int:
     """A rank other than 0 of a torchrun launch: the same command line, but this process only
-    computes its shard of each step that rank 0 (the engine) sends (runtime/executor/tensor_parallel.py)."""
+    computes its shard (its stage) of each step that rank 0 (the engine) sends (runtime/executor/tensor_parallel.py)."""
     import torch
 
     from nanoinfer.loaders import load_model
-    from runtime.executor.tensor_parallel import serve_rank
+    from runtime.executor.tensor_parallel import Grid, serve_rank
 
     kwargs = _load_kwargs(args)
     if kwargs["device"] in ("auto", "cuda") and torch.cuda.is_available():
         kwargs["device"] = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     model = load_model(args.model, **{**kwargs, "progress": False})
-    serve_rank(model.config, model.params)
+    serve_rank(model.config, model.params, Grid(args.tensor_parallel_size, args.pipeline_parallel_size))
     return 0
 
 
@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         launch = LaunchConfig(**from_namespace(LaunchConfig, args)) if hasattr(args, "nnodes") else None
         if launch is not None and launch.nnodes > 1 and not is_launched():  # this node's ranks, started here
-            local = LocalRanks(launch, args.tensor_parallel_size, sys.argv[1:] if argv is None else list(argv))
+            local = LocalRanks(launch, args.tensor_parallel_size * args.pipeline_parallel_size,
+                               sys.argv[1:] if argv is None else list(argv))
         if is_launched() and os.environ["RANK"] != "0":  # torchrun's (or LocalRanks') other ranks
             return _tensor_parallel_rank(args)
         return handlers[args.command](args)

@@ -115,6 +115,13 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
     tensor_parallel_size: int = setting(1, "ranks the model's heads and units are split over, one process each "
                                            "(gloo on the CPU, NCCL over GPUs; steps run eagerly)", minimum=1)
+    pipeline_parallel_size: int = setting(1, "stages the model's layers are split over, one process each (times "
+                                             "tensor_parallel_size); each step's sequences go through them as "
+                                             "micro-batches, activations sent point to point (steps run eagerly)",
+                                          minimum=1)
+    pipeline_micro_batches: int | None = setting(None, "the most micro-batches a step's sequences are cut into "
+                                                       "under pipeline parallelism (default: "
+                                                       "pipeline_parallel_size)", minimum=1, optional=True)
     data_parallel_size: int = setting(1, "engine replicas behind one server, each a whole engine on its own "
                                          "GPU(s) (replica i from cuda:i*tensor_parallel_size); a request goes to the "
                                          "replica holding the longest cached prefix of its prompt, else the least "
@@ -129,6 +136,10 @@ class EngineConfig:
 
     def __post_init__(self):
         check_settings(self)
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
+            raise RequestError(f"pipeline_parallel_size={self.pipeline_parallel_size} with speculative_config: "
+                               f"speculative decoding does not run over pipeline stages yet: expected "
+                               f"pipeline_parallel_size=1, or no speculative_config", param="pipeline_parallel_size")
         if self.scheduler.preemption_mode == "swap" and self.swap_space == 0:
             raise RequestError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)",
                                param="swap_space")

@@ -253,6 +253,10 @@ def _check(config: EngineConfig) -> None:
     if n < 2:
         raise RequestError(f"data_parallel_size={n}: a DataParallelEngine runs two replicas or more (one: an "
                            f"AsyncEngine)", param="data_parallel_size")
+    if config.pipeline_parallel_size > 1:
+        raise RequestError(f"data_parallel_size={n} with pipeline_parallel_size={config.pipeline_parallel_size} is "
+                           f"not supported yet: expected pipeline_parallel_size=1 (tensor parallelism inside a replica "
+                           f"is)", param="data_parallel_size")
 
 
 def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:

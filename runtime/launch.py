@@ -26,8 +26,8 @@ from nanoinfer.settings import check_settings, setting
 class LaunchConfig:
     """Where this machine's ranks sit among all the machines' (each flag declared once)."""
 
-    nnodes: int = setting(1, "machines the model's ranks span (tensor-parallel size / nnodes ranks on each); "
-                             "over 1, this command starts this machine's ranks itself, as torchrun would",
+    nnodes: int = setting(1, "machines the model's ranks span (tensor x pipeline-parallel size / nnodes ranks on "
+                             "each); over 1, this command starts this machine's ranks itself, as torchrun would",
                           minimum=1)
     node_rank: int = setting(0, "this machine's index among --nnodes (0: the one that runs the engine and serves)",
                              minimum=0)
@@ -48,8 +48,8 @@ class LocalRanks:
     def __init__(self, launch: LaunchConfig, world_size: int, argv: list[str]):
         if world_size % launch.nnodes:
             raise RequestError(f"{world_size} ranks over nnodes={launch.nnodes}: every node runs the same number "
-                               f"of ranks, so the tensor-parallel size must be a multiple of {launch.nnodes}",
-                               param="nnodes")
+                               f"of ranks, so tensor_parallel_size x pipeline_parallel_size must be a multiple of "
+                               f"{launch.nnodes}", param="nnodes")
         per_node = world_size // launch.nnodes
         first = launch.node_rank * per_node
 

@@ -64,12 +64,14 @@ def test_nanoinfer_starts_each_nodes_ranks_itself(smollm2_gguf, one_process_text
 
 
 @pytest.mark.slow
-def test_torchrun_serves_over_two_nodes(smollm2_gguf, one_process_text):
+@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_torchrun_serves_over_two_nodes(smollm2_gguf, one_process_text, parallel):
     """torchrun's command line, as the README writes it for two machines, with `serve`: node 0's
-    rank 0 answers HTTP with the text of one process; both launchers end when the server does."""
+    rank 0 answers HTTP with the text of one process; both launchers end when the server does.
+    The two ranks hold a shard each (tensor parallelism) or a stage each (pipeline)."""
     http, master = _free_port(), _free_port()
     flags = ["-m", "runtime.cli", "serve", *_model_flags(smollm2_gguf), "--port", str(http),
-             "--tensor-parallel-size", "2", "--log-level", "warning"]
+             parallel, "2", "--log-level", "warning"]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master),
                                *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -102,6 +104,7 @@ def test_torchrun_serves_over_two_nodes(smollm2_gguf, one_process_text):
 @pytest.mark.parametrize("flags, message", [
     (["--nnodes", "2", "--node-rank", "2"], "node_rank=2 with nnodes=2: expected a node rank from 0 to 1"),
     (["--nnodes", "2", "--tensor-parallel-size", "3"], "3 ranks over nnodes=2"),
+    (["--nnodes", "2", "--pipeline-parallel-size", "3"], "3 ranks over nnodes=2"),  # (T x P ranks in all)
     (["--nnodes", "0"], "nnodes"),
 ])
 def test_a_launch_that_cannot_be_laid_out_is_named(flags, message, capsys):

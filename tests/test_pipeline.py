@@ -90,3 +90,47 @@ def test_nanochat_runs_whole():
     cfg = tiny_config(architecture="nanochat")
     with pytest.raises(RequestError, match="nanochat model runs whole"):
         stage_config(cfg, Stage(0, 2))
+
+
+def _mixed_batch(logits_rows=None):
+    """Four sequences: two prefill chunks (one from a cached prefix), two decodes."""
+    chunks = [SeqChunk([5, 9, 2, 7, 1, 3, 4], 0, [0, 1], True), SeqChunk([12], 6, [2, 3], True),
+              SeqChunk([8, 4, 6], 4, [4, 5], True), SeqChunk([11], 3, [6], True)]
+    return build_batch(chunks, 4, logits_rows=logits_rows)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("logits_rows", [None, [9, 0, 3, 6, 11, 7]], ids=["last-rows", "unordered"])
+def test_micro_batches_run_one_after_another_are_the_whole_step(parts, logits_rows):
+    """Split, run micro-batch by micro-batch on one pool and put back in order: the whole
+    step's logits and KV pool (to fp32 rounding), whatever the logits rows' order (prompt logprobs ask for many)."""
+    from nanoinfer.pipeline import split_batch
+
+    cfg = tiny_config(num_layers=2)
+    params = random_params(cfg, seed=7)
+    batch = _mixed_batch(logits_rows)
+    whole_kv, split_kv = (allocate_kv_pool(cfg, 8, 4, torch.float32, "cpu") for _ in range(2))
+    whole = forward(params, whole_kv, batch, cfg)
+    micro = split_batch(batch, parts)
+    assert len(micro.batches) == min(parts, 4)
+    assert sum(b.num_tokens for b in micro.batches) == batch.num_tokens
+    logits = torch.cat([forward(params, split_kv, b, cfg) for b in micro.batches])
+    if micro.restore is not None:
+        logits = logits[micro.restore]
+    assert micro.restore is None if logits_rows is None or parts == 1 else micro.restore is not None
+    # (equal up to the matmuls' blocking, which the token count changes)
+    torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split_kv, whole_kv, rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), whole.argmax(-1))
+
+
+def test_micro_batches_share_tokens_evenly_by_whole_sequences():
+    """A long prefill chunk stands alone; the host's copies of the index tensors cut alike."""
+    from nanoinfer.pipeline import split_batch
+
+    batch = _mixed_batch()
+    assert [b.num_seqs for b in split_batch(batch, 2).batches] == [1, 3]
+    assert [b.num_seqs for b in split_batch(batch, 3).batches] == [1, 1, 2]
+    host = split_batch(batch, 3, batch.query_start_loc.tolist(), batch.logits_indices.tolist())
+    for a, b in zip(host.batches, split_batch(batch, 3).batches):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

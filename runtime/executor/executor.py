@@ -4,8 +4,8 @@ The engine core (runtime/engine/) talks to an executor only through `Executor`: 
 go as sequences start and stop running, its KV pools copy and swap blocks as the block manager says,
 a step is launched and its results come back later. `ModelRunner` runs the model on one device;
 `TensorParallelRunner` (runtime/executor/tensor_parallel.py) is the same runner over ranks that
-each hold a shard. Other ways of running a model — more GPUs, more hosts — are executors too, and
-nothing above this file changes for them.
+each hold a shard; `PipelineParallelRunner` (pipeline_parallel.py), over stages of the layers.
+Other ways of running a model are executors too, and nothing above this file changes for them.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class Executor(Protocol):
 
 
 def uses_ranks(config: EngineConfig) -> bool:
-    """Whether the model runs over torch.distributed ranks (tensor parallelism). Tests force
-    it at one rank, so that a one-GPU machine runs that path (tests/conftest.py)."""
-    return config.tensor_parallel_size > 1
+    """Whether the model runs over torch.distributed ranks (tensor or pipeline parallelism).
+    Tests force it at one rank, so that a one-GPU machine runs that path (tests/conftest.py)."""
+    return config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
 
 
 def make_executor(model: LoadedModel, config: EngineConfig, max_model_len: int,
@@ -72,6 +72,10 @@ def make_executor(model: LoadedModel, config: EngineConfig, max_model_len: int,
     elif draft_model is not None:
         raise RequestError("a draft model was given but speculative_config does not ask for one: expected "
                            "method 'draft_model'", param="speculative_config")
+    if config.pipeline_parallel_size > 1:
+        from runtime.executor.pipeline_parallel import PipelineParallelRunner
+
+        return PipelineParallelRunner(model, config, max_model_len, draft_model)
     if uses_ranks(config):
         from runtime.executor.tensor_parallel import TensorParallelRunner
 

@@ -82,6 +82,8 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
     rows = min(tokens, len(lens) * per_sampler)
     with torch.inference_mode():
         logits = forward_of(cfg)(model.params, scratch, batch, cfg, backend)
+        if model.params.lm_head is None:  # (a pipeline's first stage: its activations go on, the logits come back)
+            return
         st = SamplingTensors.build([costly] * rows, [0] * rows, cfg.vocab_size, dev, prompts=[[0]] * rows,
                                    outputs=[[]] * rows, eos_token_ids=cfg.eos_token_ids)
         sampled = sample(logits[:rows], st)

@@ -30,6 +30,8 @@ and they meet at its rendezvous (env://).
 The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
 the control messages (on which a rank waits for orders without a timeout: an engine may idle).
 The default process group is the process's: one tensor-parallel engine per process at a time.
+With pipeline parallelism the ranks form a grid (`Grid`: stages of tensor-parallel ranks;
+runtime/executor/pipeline_parallel.py runs the stages): the same processes, orders and faults.
 On CUDA every rank captures the same graphs as rank 0, its collectives inside (NCCL's kernels
 capture like any other), and replays the one rank 0 replays: the decision follows from the
 batch, which every rank has.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import threading
@@ -90,6 +93,43 @@ class RankSetup(NamedTuple):
     kv_dtype: torch.dtype
     eager: bool  # kernels_for's (enforce_eager): no compiled or fused layers, no graphs
     graphs: GraphSizes | None  # the CUDA graphs rank 0 captures, which every rank captures alike
+    micro_batches: int = 1  # pipeline parallelism: the most micro-batches a step is cut into
+
+
+class Grid(NamedTuple):
+    """How the ranks lay out: `pp` pipeline stages of `tp` tensor-parallel ranks each, rank =
+    stage * tp + its shard (rank 0, the engine: the first stage's first shard)."""
+
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(stage, shard) of `rank`."""
+        return divmod(rank, self.tp)
+
+
+def rank_part(cfg: ModelConfig, params: Params, grid: Grid, rank: int) -> tuple[ModelConfig, Params]:
+    """Rank `rank`'s view of the model and its weights: its stage's layers, of those its shard."""
+    stage, shard = grid.place(rank)
+    if grid.pp > 1:
+        from nanoinfer.pipeline import Stage, stage_config, stage_params
+
+        params, cfg = stage_params(params, cfg, Stage(stage, grid.pp)), stage_config(cfg, Stage(stage, grid.pp))
+        if grid.tp == 1:  # (one shard: the stage's weights as they are)
+            return cfg, params
+    return shard_config(cfg, shard, grid.tp), shard_params(params, cfg, shard, grid.tp)
+
+
+def rank_layer_functions(base, grid: Grid, rank: int, vocab_size: int, tp_group):
+    """Rank `rank`'s layers with the collectives of its stage's shards (`tp_group`: theirs, None
+    for the default group when there is one stage)."""
+    if grid.pp > 1 and grid.tp == 1:
+        return base
+    return layer_functions(base, Shard(grid.place(rank)[1], grid.tp), vocab_size, tp_group)
 
 
 def _backend(device: torch.device) -> str:
@@ -113,23 +153,26 @@ class TensorParallelRanks:
     """Rank 0's side: starts the other ranks, joins them in a process group, and sends them
     each step's work."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, size: int):
-        check_shardable(cfg, size)
-        self.cfg, self.size = cfg, size
+    def __init__(self, cfg: ModelConfig, params: Params, grid: Grid | int):
+        grid = grid if isinstance(grid, Grid) else Grid(grid)
+        _check_grid(cfg, grid)
+        self.cfg, self.grid, self.size = cfg, grid, grid.size
+        size = grid.size
         device = params.device
         self.backend = _backend(device)
         self.launch: RankProcesses | None = None
+        self.stage_groups = None  # pipeline parallelism's (pipeline_parallel.StageGroups)
         launched = launched_rank()
         if launched is not None:  # torchrun started every rank: they meet at its rendezvous
             if launched != (0, size):
-                raise RequestError(f"tensor_parallel_size={size}, but torchrun started this process as rank "
-                                   f"{launched[0]} of {launched[1]} (RANK, WORLD_SIZE): expected rank 0 of {size}",
-                                   param="tensor_parallel_size")
+                raise RequestError(f"tensor_parallel_size={grid.tp} x pipeline_parallel_size={grid.pp}, but torchrun "
+                                   f"started this process as rank {launched[0]} of {launched[1]} (RANK, WORLD_SIZE): "
+                                   f"expected rank 0 of {size}", param="tensor_parallel_size")
             dist.init_process_group(self.backend, init_method="env://", rank=0, world_size=size, timeout=TIMEOUT)
             self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+            self.stage_groups = _stage_groups(grid, 0, TIMEOUT)
         else:
             self.control = self._start(cfg, params, size)
-        self.shard = Shard(0, size)
         self.closed = False
 
     def _start(self, cfg: ModelConfig, params: Params, size: int):
@@ -139,7 +182,7 @@ class TensorParallelRanks:
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         device = params.device
         self.launch = RankProcesses(size, ("127.0.0.1", store.port),
-                                    lambda rank: (cfg, params, _rank_device(device, rank)), RANK_MODULE)
+                                    lambda rank: (cfg, params, _rank_device(device, rank), self.grid), RANK_MODULE)
         try:
             # The ranks check in once their shard is ready, just before the rendezvous: waiting for
             # that, rank 0 sees a rank that dies; the rendezvous itself then takes a moment, and a
@@ -150,9 +193,12 @@ class TensorParallelRanks:
             dist.init_process_group(self.backend, store=store, rank=0, world_size=size,
                                     timeout=RENDEZVOUS if gloo else TIMEOUT)
             control = dist.new_group(backend="gloo", timeout=RENDEZVOUS)
+            self.stage_groups = _stage_groups(self.grid, 0, RENDEZVOUS)
             if gloo:
                 _set_pg_timeout(TIMEOUT)
             _set_pg_timeout(TIMEOUT, control)
+            for group in _groups(self.stage_groups):
+                _set_pg_timeout(TIMEOUT, group)
         except BaseException as exc:  # (no group to stop them through: the ranks just started go now)
             lost = self.launch.wait_lost(2.0) if _maybe_a_peer(exc) else None
             self.launch.stop(wait=0)
@@ -160,7 +206,8 @@ class TensorParallelRanks:
             if lost is not None:
                 raise lost.lost(" while starting") from exc
             raise
-        self.launch.watch(_abort_collectives if self.backend == "nccl" else _report)
+        self.launch.watch(functools.partial(_abort_collectives, _groups(self.stage_groups)) if self.backend == "nccl"
+                          else _report)
         return control
 
     @property
@@ -170,10 +217,11 @@ class TensorParallelRanks:
 
     def local(self, params: Params) -> tuple[ModelConfig, Params]:
         """Rank 0's view of the model and its part of the weights."""
-        return shard_config(self.cfg, 0, self.size), shard_params(params, self.cfg, 0, self.size)
+        return rank_part(self.cfg, params, self.grid, 0)
 
     def layer_functions(self, base):
-        return layer_functions(base, self.shard, self.cfg.vocab_size)
+        tp_group = None if self.stage_groups is None else self.stage_groups.tp
+        return rank_layer_functions(base, self.grid, 0, self.cfg.vocab_size, tp_group)
 
     def setup(self, setup: RankSetup) -> None:
         self._send(("setup", setup))
@@ -284,14 +332,40 @@ def _report(lost) -> None:
     log.error("tensor-parallel rank %d exited (code %s): the engine's next step fails", lost.rank, lost.exit_code())
 
 
-def _abort_collectives(lost) -> None:
+def _abort_collectives(groups: list, lost) -> None:
     """From the watch's thread: a rank died, so NCCL's collectives with it would never end; the
-    communicator aborted, they fail, and rank 0 reports the rank at its next step."""
+    communicators aborted (the default group's and `groups`), they fail, and rank 0 reports the
+    rank at its next step."""
     log.error("tensor-parallel rank %d exited (code %s): aborting the collectives", lost.rank, lost.exit_code())
-    try:
-        dist.group.WORLD.abort()
-    except Exception:
-        log.warning("could not abort the NCCL communicator", exc_info=True)
+    for group in [dist.group.WORLD, *groups]:
+        try:
+            group.abort()
+        except Exception:
+            log.warning("could not abort the NCCL communicator", exc_info=True)
+
+
+def _groups(stage_groups) -> list:
+    """A pipeline's process groups besides the default one (which an abort of it does not reach)."""
+    return [] if stage_groups is None else [g for g in stage_groups if g is not None]
+
+
+def _check_grid(cfg: ModelConfig, grid: Grid) -> None:
+    """RequestError naming what keeps `cfg` from running over `grid`, before any rank starts."""
+    if grid.tp > 1 or grid.pp == 1:
+        check_shardable(cfg, grid.tp)
+    if grid.pp > 1:
+        from nanoinfer.pipeline import Stage, stage_config
+
+        stage_config(cfg, Stage(0, grid.pp))
+
+
+def _stage_groups(grid: Grid, rank: int, timeout: datetime.timedelta):
+    """Pipeline parallelism's process groups (None with one stage), made by every rank alike."""
+    if grid.pp == 1:
+        return None
+    from runtime.executor.pipeline_parallel import stage_groups
+
+    return stage_groups(grid.tp, grid.pp, rank, timeout)
 
 
 def _leave_groups(backend: str, together: bool = False) -> None:
@@ -329,9 +403,10 @@ class TensorParallelRunner(ModelRunner):
     of the model; the other ranks follow its forwards and its block copies."""
 
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
-        self.tp = TensorParallelRanks(model.config, model.params, config.tensor_parallel_size)
+        self.tp = TensorParallelRanks(model.config, model.params,
+                                      Grid(config.tensor_parallel_size, config.pipeline_parallel_size))
         try:
-            local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units
+            local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units (and layers)
             super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
                              max_model_len, draft)
             self.pools.followers.append(self.tp)
@@ -348,7 +423,11 @@ class TensorParallelRunner(ModelRunner):
         """The ranks size their pools, and capture their graphs now, in step with rank 0's."""
         c = self.config
         self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, c.block_size, kv_dtype, c.enforce_eager,
-                                self._graph_sizes() if self.kernels.graphs else None))
+                                self._graph_sizes() if self.kernels.graphs else None, self._micro_batches()))
+
+    def _micro_batches(self) -> int:
+        """(A seam of pipeline_parallel.py's subclass.)"""
+        return 1
 
     def _forward(self, batch: Batch):
         """The other ranks receive the batch first and decide alike (graph or eager)."""
@@ -399,11 +478,17 @@ def launched_rank() -> tuple[int, int] | None:
     return None
 
 
-def serve_rank(cfg: ModelConfig, params: Params) -> None:
+def serve_rank(cfg: ModelConfig, params: Params, grid: Grid | None = None) -> None:
     """What a rank other than 0 that torchrun started does: rank 0's orders until `stop`
-    (`params`: the whole model, loaded by this process on its device)."""
+    (`params`: the whole model, loaded by this process on its device; `grid`: the launch's
+    tensor- and pipeline-parallel sizes, whose product is torchrun's world)."""
     rank, size = launched_rank()
-    rank_main(rank, size, Rendezvous(), cfg, params, params.device)
+    grid = grid or Grid(size)
+    if grid.size != size:
+        raise RequestError(f"tensor_parallel_size={grid.tp} x pipeline_parallel_size={grid.pp} is {grid.size} "
+                           f"ranks, but torchrun started {size} (WORLD_SIZE): expected them equal",
+                           param="tensor_parallel_size")
+    rank_main(rank, size, Rendezvous(), cfg, params, params.device, grid)
 
 
 def _receive(device: torch.device, control):
@@ -433,39 +518,28 @@ def _join(rendezvous: Rendezvous, backend: str, rank: int, size: int):
 
 
 def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, params: Params,
-              device: torch.device) -> None:
-    """Rank `rank`'s process: its shard, its KV pool, then rank 0's orders until `stop`."""
+              device: torch.device, grid: Grid | None = None) -> None:
+    """Rank `rank`'s process: its part of the model (its stage's layers, its shard of them), its KV
+    pool, then rank 0's orders until `stop`."""
+    grid = grid or Grid(size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    local = shard_config(cfg, rank, size)
-    shard = shard_params(params, cfg, rank, size)
-    del params  # (rank 0's whole weights: only the shard stays)
-    shard = map_params(lambda t: t.to(device), shard)
+    local, part = rank_part(cfg, params, grid, rank)
+    del params  # (rank 0's whole weights: only this rank's part stays)
+    part = map_params(lambda t: t.to(device), part)
     backend = _backend(device)
     stopped = False  # (by rank 0's order: then every rank leaves the groups together)
     try:
         control = _join(rendezvous, backend, rank, size)
+        groups = _stage_groups(grid, rank, TIMEOUT)
         kind, setup = _receive(device, control)
         if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
             stopped = True
             return
-        kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=shard,
-                              kv_dtype=setup.kv_dtype)
-        fns = layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size)
-        if kernels.graphs:
-            mark_weights_static(shard)
-        pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
+        pools, step, graphs = _rank_model(rank, grid, cfg.vocab_size, local, part, setup, device, groups)
         orders = {"copy": pools.copy_blocks, "swap_out": pools.swap_out, "swap_in": pools.swap_in,
                   "ready": lambda _: dist.barrier(group=control)}
-
-        def step(batch: Batch) -> tuple[torch.Tensor]:
-            return (forward(shard, pools.kv, batch, local, kernels.attention, fns, logits_dtype=None),)
-
-        graphs = None
-        if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
-            graphs = StepGraphs(step, device, **setup.graphs._asdict())
-            graphs.capture()
         with torch.inference_mode():
             while True:
                 kind, body = _receive(device, control)
@@ -480,3 +554,28 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
                     step(body)
     finally:  # (an error goes on to this process's stderr, whose tail rank 0 reports: RankLost)
         _leave_groups(backend, together=stopped)
+
+
+def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part: Params, setup: RankSetup,
+                device: torch.device, groups):
+    """A rank's KV pools, its step (a forward over a Batch; a pipeline stage's over its
+    micro-batches) and its CUDA graphs (None: eager)."""
+    kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
+    fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp)
+    if kernels.graphs:
+        mark_weights_static(part)
+    pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
+
+    def step(batch: Batch, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+        return (forward(part, pools.kv, batch, local, kernels.attention, fns, logits_dtype=None, hidden=hidden),)
+
+    if grid.pp > 1:  # (eager: graphs of a stage would hold its sends and receives)
+        from runtime.executor.pipeline_parallel import stage_step
+
+        return pools, stage_step(lambda b, h: step(b, h)[0], grid.tp, grid.pp, rank, groups, setup.micro_batches,
+                                 local, part.dtype, device), None
+    graphs = None
+    if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
+        graphs = StepGraphs(step, device, **setup.graphs._asdict())
+        graphs.capture()
+    return pools, step, graphs

@@ -1,0 +1,163 @@
+"""Pipeline parallelism: the model's layers in stages over ranks, a step's sequences through them as micro-batches.
+
+The ranks form a grid (tensor_parallel.Grid): `pp` stages of `tp` ranks each, rank = stage * tp
++ shard. Each stage holds its run of the layers (nanoinfer/pipeline.py; the first the
+embedding, the last the final norm and the LM head), its ranks a shard of them each with
+their own all-reduces (a process group per stage), and a KV pool for its own layers only. The
+processes, the orders and the faults are tensor parallelism's (tensor_parallel.py): rank 0
+broadcasts each step's Batch to every rank; then every rank cuts it alike into micro-batches
+of whole sequences (`split_batch`), and each stage, micro-batch after micro-batch, receives
+the activations [tokens, hidden] from its shard's rank in the stage before (point to point:
+gloo on the CPU, NCCL on CUDA), computes, and sends them on without waiting, so that stage s
+works on micro-batch m while stage s + 1 works on m - 1. The last stage's first rank sends
+the logits to rank 0 (a group of their own: on NCCL, point-to-point operations within one
+communicator run in order, and logits coming back against activations going out would wait
+on each other), which samples as with one rank.
+
+Within a step the stages overlap but for the pipeline's fill and drain: with M micro-batches
+over P stages, each stage idles about (P - 1) / (M + P - 1) of the step. Steps do not overlap:
+rank 0 samples a step's tokens before the next step can run. Stages run eagerly (on CUDA the
+runner turns enforce_eager on: a captured graph would hold the sends and receives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanoinfer.batch import Batch
+from nanoinfer.config import ModelConfig
+from nanoinfer.pipeline import MicroBatches, split_batch
+from nanoinfer.sampling import greedy_and_finite
+from runtime.executor.model_runner import ForwardOutput
+from runtime.executor.tensor_parallel import TensorParallelRunner
+
+
+class StageGroups(NamedTuple):
+    """A rank's process groups besides the default one."""
+
+    tp: object | None  # its stage's ranks, for their all-reduces (None: one rank a stage)
+    logits: object | None  # rank 0 and the last stage's first rank (None: a rank that is neither)
+
+
+def stage_groups(tp: int, pp: int, rank: int, timeout: datetime.timedelta) -> StageGroups:
+    """Every rank makes every group, in the same order (torch.distributed's rule), and keeps its own."""
+    mine = None
+    if tp > 1:
+        for stage in range(pp):
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
+            if rank // tp == stage:
+                mine = group
+    last = (pp - 1) * tp
+    logits = dist.new_group([0, last], timeout=timeout)
+    return StageGroups(mine, logits if rank in (0, last) else None)
+
+
+class Links(NamedTuple):
+    """Where a rank's stage input comes from and its output goes (ranks of the default group)."""
+
+    source: int | None  # the previous stage's rank of the same shard (None: the first stage embeds the tokens)
+    target: int | None  # the next stage's rank of the same shard (None: the last stage)
+    logits: int | None  # the last stage's first rank sends its logits to rank 0 (else None)
+
+
+def links(tp: int, pp: int, rank: int) -> Links:
+    stage, shard = divmod(rank, tp)
+    return Links(rank - tp if stage > 0 else None, rank + tp if stage < pp - 1 else None,
+                 0 if stage == pp - 1 and shard == 0 else None)
+
+
+Compute = Callable[[Batch, "torch.Tensor | None"], torch.Tensor]  # a micro-batch, its input activations -> output
+
+
+def run_stage(compute: Compute, micro: MicroBatches, link: Links, groups: StageGroups, hidden_size: int,
+              dtype: torch.dtype, device: torch.device) -> list:
+    """This rank's stage over the micro-batches in order: each one's activations received (after
+    the first stage), computed, and sent on without waiting for the send. Returns the sends in
+    flight, each with its tensor (which must outlive it)."""
+    sends = []
+    for mb in micro.batches:
+        hidden = None
+        if link.source is not None:
+            hidden = torch.empty(mb.num_tokens, hidden_size, dtype=dtype, device=device)
+            dist.recv(hidden, src=link.source)
+        out = compute(mb, hidden).contiguous()
+        if link.target is not None:
+            sends.append((dist.isend(out, dst=link.target), out))
+        elif link.logits is not None and out.shape[0]:
+            sends.append((dist.isend(out, dst=link.logits, group=groups.logits), out))
+    return sends
+
+
+def stage_step(compute: Compute, tp: int, pp: int, rank: int, groups: StageGroups, micro_batches: int,
+               cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Callable[[Batch], None]:
+    """A rank other than 0: its step over the Batch that rank 0 broadcast."""
+    link = links(tp, pp, rank)
+
+    def step(batch: Batch) -> None:
+        for work, _ in run_stage(compute, split_batch(batch, micro_batches), link, groups, cfg.hidden_size, dtype,
+                                 device):
+            work.wait()
+
+    return step
+
+
+class PipelineParallelRunner(TensorParallelRunner):
+    """The executor over `pipeline_parallel_size` stages (of `tensor_parallel_size` ranks each):
+    rank 0 is this ModelRunner with the first stage's layers (its shard of them); it feeds the
+    stages and samples the logits the last one sends back."""
+
+    def __init__(self, model, config, max_model_len: int, draft=None):
+        if model.params.device.type == "cuda" and not config.enforce_eager:
+            config = dataclasses.replace(config, enforce_eager=True)  # (see the module's docstring)
+        self._step_input = None  # the step being launched: its layout on the host
+        super().__init__(model, config, max_model_len, draft)
+        grid = self.tp.grid
+        self.link = links(grid.tp, grid.pp, 0)
+        self.last = (grid.pp - 1) * grid.tp
+
+    def _micro_batches(self) -> int:
+        return self.config.pipeline_micro_batches or self.tp.grid.pp
+
+    def launch(self, inp, *args, **kwargs):
+        self._step_input = inp
+        try:
+            return super().launch(inp, *args, **kwargs)
+        finally:
+            self._step_input = None
+
+    def _split(self, batch: Batch) -> MicroBatches:
+        """The step's micro-batches, cut from the host's layout where the launch gave it (reading a
+        GPU's index tensors back would wait for the step before)."""
+        inp = self._step_input
+        qsl = None if inp is None else np.concatenate([[0], np.cumsum([c.num_tokens for c in inp.chunks])]).tolist()
+        if qsl is None or qsl[-1] != batch.num_tokens:  # (not the launch's batch: its own tensors say)
+            return split_batch(batch, self._micro_batches())
+        return split_batch(batch, self._micro_batches(), qsl, list(inp.logits_rows))
+
+    def _forward(self, batch: Batch) -> ForwardOutput:
+        """Every rank receives the batch; rank 0 computes the first stage of each micro-batch, then
+        receives their logits from the last stage."""
+        self.tp.forward(batch)
+        micro = self._split(batch)
+        dtype, vocab = self.model.params.dtype, self.cfg.vocab_size
+        with self.tp.watching():
+            sends = run_stage(lambda mb, _: self._forward_logits(mb), micro, self.link, self.tp.stage_groups,
+                              self.cfg.hidden_size, dtype, self.device)
+            parts = []
+            for rows in micro.logits_rows():
+                part = torch.empty(rows, vocab, dtype=dtype, device=self.device)
+                if rows:
+                    dist.recv(part, src=self.last, group=self.tp.stage_groups.logits)
+                parts.append(part)
+            for work, _ in sends:
+                work.wait()
+        logits = torch.cat(parts)
+        if micro.restore is not None:
+            logits = logits.index_select(0, micro.restore)
+        return ForwardOutput(logits, *greedy_and_finite(logits))

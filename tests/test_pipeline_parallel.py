@@ -1,0 +1,283 @@
+"""Pipeline parallelism over CPU ranks (gloo): the engine with its layers in stages over
+processes (runtime/executor/pipeline_parallel.py), alone and with tensor parallelism inside
+each stage, emits one rank's greedy tokens, through forks, preemption and prompt logprobs; from
+a script without a main guard and from stdin; a stage's rank that dies at start, mid-step or
+at close is reported naming it within 10 s, close returns within 10 s and nothing is left;
+what cannot run in stages is a named error before any rank starts."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanoinfer.errors import RequestError
+from nanoinfer.sampling import SamplingParams
+from tests.test_tensor_parallel import engine_outputs, running
+from tests.test_tp_ranks import BOUND, assert_gone, failing_rank  # noqa: F401 - (a fixture)
+from tests.tiny import random_params, tiny_config
+
+ROOT = Path(__file__).parent.parent
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9] * 11, [10, 11, 12, 13]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def staged_model():
+    """Four layers (three stages of 2 + 1 + 1); 9 query heads over 3 KV heads (TP=2: 3 + 6)."""
+    from nanoinfer.loaders import LoadedModel
+
+    cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72, num_layers=4)
+    return LoadedModel(cfg, random_params(cfg, seed=3), None, Path("tiny"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return staged_model()
+
+
+@pytest.mark.parametrize("sizes", [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
+                                   dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+                                   dict(pipeline_parallel_size=2, pipeline_micro_batches=8)],
+                         ids=["pp2", "pp3", "tp2xpp2", "pp2-8-micro-batches"])
+def test_stages_emit_what_one_rank_does(model, sizes):
+    """Forks sharing blocks (n=2, copy-on-write copies on every stage) and top-k sampling by seed."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, seed=1, top_k=2)
+    one, _ = engine_outputs(model, PROMPTS, params, block_size=4, num_blocks=64)
+    staged, _ = engine_outputs(model, PROMPTS, params, block_size=4, num_blocks=64, **sizes)
+    assert staged == one
+
+
+def test_stages_follow_preemption_by_swap(model):
+    """A pool too small for the batch: every stage swaps its own layers' blocks out and in."""
+    config = dict(block_size=4, num_blocks=12, preemption_mode="swap", swap_space=1 << 20)
+    one, stats_one = engine_outputs(model, PROMPTS, GREEDY, **config)
+    two, stats_two = engine_outputs(model, PROMPTS, GREEDY, pipeline_parallel_size=2, **config)
+    assert two == one and stats_two["num_preemptions"] == stats_one["num_preemptions"] > 0
+
+
+def test_prompt_logprobs_come_back_in_order(model):
+    """Prompt logprobs ask for many logits rows of one sequence: the micro-batches' logits are
+    put back in the step's order (the same tokens and logprobs as one rank, to fp32 rounding)."""
+    from runtime.llm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    runs = []
+    for size in (1, 2):
+        with LLM.from_loaded(model, num_blocks=64, block_size=4, pipeline_parallel_size=size) as llm:
+            runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+    for one, two in zip(*runs):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        first, second = one.prompt_logprobs, two.prompt_logprobs
+        assert len(first) == len(second) == len(one.prompt_token_ids) and first[0] is None is second[0]
+        for a, b in zip(first[1:], second[1:]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_default_model_in_two_stages_writes_one_ranks_text(smollm2_gguf):
+    """The offline facade, SmolLM2-135M's 30 layers as 15 + 15, in fp32: one rank's greedy text."""
+    from nanoinfer import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    texts = []
+    for size in (1, 2):
+        with LLM(smollm2_gguf, device="cpu", dtype="float32", progress=False, num_blocks=64,
+                 pipeline_parallel_size=size) as llm:
+            texts.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert texts[0] == texts[1]
+
+
+# -- from the user's program; ranks that die ------------------------------------------------------
+
+# No `if __name__ == "__main__"`: a rank that ran this again would start ranks of its own.
+SCRIPT = f"""
+import json
+from nanoinfer.sampling import SamplingParams
+from runtime.async_engine import engine_config
+from runtime.engine.engine_core import EngineCore
+from tests.test_pipeline_parallel import staged_model
+
+core = EngineCore(staged_model(), engine_config(num_blocks=32, block_size=4, pipeline_parallel_size=2))
+for prompt in {PROMPTS!r}:
+    core.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+tokens = {{}}
+while core.has_unfinished():
+    for out in core.step():
+        tokens.setdefault(out.seq.seq_id, []).append(out.token_id)
+pids = [p.pid for p in core.executor.tp.procs]
+core.close()
+print(json.dumps({{"tokens": [tokens[k] for k in sorted(tokens)], "ranks": pids}}))
+"""
+
+
+def engine(**config):
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
+
+    return EngineCore(staged_model(), engine_config(num_blocks=32, block_size=4, **{"pipeline_parallel_size": 2,
+                                                                                     **config}))
+
+
+def greedy(core) -> list[list[int]]:
+    for prompt in PROMPTS:
+        core.add_request(prompt, GREEDY)
+    tokens: dict[int, list[int]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.seq.seq_id, []).append(out.token_id)
+    return [tokens[k] for k in sorted(tokens)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(model):
+    core = engine(pipeline_parallel_size=1)
+    try:
+        return greedy(core)
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_stages_do_not_run_the_users_program(tmp_path, how, one_rank):
+    if how == "script":
+        (tmp_path / "run.py").write_text(SCRIPT)
+        args, stdin = [str(tmp_path / "run.py")], None
+    else:
+        args, stdin = ["-"], SCRIPT
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # (the script imports the tests' model)
+    done = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["tokens"] == one_rank
+    assert len(result["ranks"]) == 1 and not any(running(pid) for pid in result["ranks"])
+
+
+@pytest.mark.parametrize("where, code, tail", [
+    ("start", 1, "RuntimeError: test rank fails at start"),
+    ("setup", 1, "RuntimeError: test rank fails at setup"),
+])
+def test_a_stage_that_dies_starting_fails_the_start(failing_rank, where, code, tail):  # noqa: F811
+    from runtime.executor.tp_processes import RankLost
+
+    started = failing_rank(where)
+    begun = time.monotonic()
+    with pytest.raises(RankLost) as lost:
+        engine()
+    assert time.monotonic() - begun < BOUND
+    assert str(lost.value).startswith(f"tensor-parallel rank 1 exited while starting (code {code})") or \
+        str(lost.value).startswith(f"tensor-parallel rank 1 exited (code {code})")
+    assert tail in str(lost.value)
+    assert_gone(started)
+
+
+def test_a_stage_that_fails_mid_step_fails_the_step(failing_rank):  # noqa: F811
+    """The last stage raises in its third forward while rank 0 waits for its logits."""
+    from runtime.engine.faults import EngineDead
+
+    started = failing_rank("step")
+    core = engine()
+    try:
+        begun = time.monotonic()
+        with pytest.raises(EngineDead) as dead:
+            greedy(core)
+        assert time.monotonic() - begun < BOUND + 5  # (two steps' work, then the report)
+        assert "tensor-parallel rank 1 exited (code 1)" in str(dead.value)
+        assert "RuntimeError: test rank fails at step" in str(dead.value)
+    finally:
+        begun = time.monotonic()
+        core.close()
+        assert time.monotonic() - begun < BOUND
+    assert_gone(started)
+
+
+def test_a_stage_killed_between_steps_fails_the_next(failing_rank):  # noqa: F811
+    from runtime.engine.faults import EngineDead
+
+    started = failing_rank("idle")
+    core = engine()
+    try:
+        greedy(core)
+        rank1 = core.executor.tp.procs[0]
+        rank1.send_signal(signal.SIGKILL)
+        rank1.wait(BOUND)
+        begun = time.monotonic()
+        with pytest.raises(EngineDead, match=r"tensor-parallel rank 1 exited \(code -9, SIGKILL\)"):
+            greedy(core)
+        assert time.monotonic() - begun < BOUND
+    finally:
+        begun = time.monotonic()
+        core.close()
+        assert time.monotonic() - begun < BOUND
+    assert_gone(started)
+
+
+def test_a_stage_that_fails_at_close_is_reported_and_close_returns(failing_rank, caplog, one_rank):  # noqa: F811
+    started = failing_rank("close")
+    core = engine()
+    assert greedy(core) == one_rank
+    begun = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="nanoinfer.tensor_parallel"):
+        core.close()
+    assert time.monotonic() - begun < BOUND
+    (report,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    # (code 1, or SIGABRT where the groups it failed to leave tear down at its exit: a stage has more of them)
+    assert report.startswith(("tensor-parallel rank 1 exited before the engine closed (code 1)",
+                              "tensor-parallel rank 1 exited before the engine closed (code -6, SIGABRT)"))
+    assert "RuntimeError: test rank fails at close" in report
+    assert_gone(started)
+
+
+# -- what cannot run in stages ---------------------------------------------------------------------
+
+def test_what_cannot_run_in_stages_is_named_before_any_rank_starts(model, tmp_path, monkeypatch):
+    from runtime.executor import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel, "RankProcesses", None)  # (a rank started would fail the test)
+    with pytest.raises(RequestError, match=r"pipeline_parallel_size=5 for a model of 4 layers: expected 1 to 4"):
+        engine(pipeline_parallel_size=5)
+    with pytest.raises(RequestError, match="pipeline_parallel_size=0 is invalid"):
+        engine(pipeline_parallel_size=0)
+    with pytest.raises(RequestError, match=r"pipeline_parallel_size=2 with speculative_config: .* expected "
+                                           r"pipeline_parallel_size=1"):
+        engine(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    from nanoinfer.loaders import load_model
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
+    from tests.nanochat_files import nanochat_state, write_checkpoint
+
+    write_checkpoint(tmp_path / "d4", nanochat_state())
+    nanochat = load_model(tmp_path / "d4", device="cpu", progress=False)
+    with pytest.raises(RequestError, match="a nanochat model runs whole"):
+        EngineCore(nanochat, engine_config(num_blocks=16, pipeline_parallel_size=2))
+    from runtime.data_parallel import data_parallel_from_loaded
+
+    with pytest.raises(RequestError, match="data_parallel_size=2 with pipeline_parallel_size=2 is not supported"):
+        data_parallel_from_loaded(model, engine_config(data_parallel_size=2, pipeline_parallel_size=2))
+
+
+def test_the_flag_is_checked_on_the_command_line(capsys):
+    from runtime.cli import main
+
+    assert main(["generate", "hi", "--device", "cpu", "--pipeline-parallel-size", "0"]) == 2
+    assert "pipeline_parallel_size=0" in capsys.readouterr().err
+
+
+def test_the_default_path_runs_no_pipeline_code():
+    """One rank: neither the stages' module nor the split is imported."""
+    code = ("import sys; from pathlib import Path; from tests.tiny import random_params, tiny_config; "
+            "from nanoinfer.loaders import LoadedModel; from runtime.llm import LLM; "
+            "from nanoinfer.sampling import SamplingParams; cfg = tiny_config(num_layers=4); "
+            "llm = LLM.from_loaded(LoadedModel(cfg, random_params(cfg), None, Path('tiny')), num_blocks=16, "
+            "block_size=4); "
+            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False); "
+            "print(sorted(m for m in sys.modules if 'pipeline' in m or 'tensor_parallel' in m))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
