@@ -520,7 +520,7 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
     for (int r = 0; r < n; r++) {
         /* a few rows ahead: the hardware prefetcher alone left a core's stream at ~60% of its bandwidth */
         const uint8_t *ahead = q + (int64_t)(r + PREFETCH_ROWS < n ? r + PREFETCH_ROWS : r) * row_bytes;
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
         for (int t = 0; t < rows; t++) {
             float v = row_dot(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
                               xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits);
