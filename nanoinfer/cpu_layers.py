@@ -1,9 +1,12 @@
-"""A packed model's layers on the CPU: torch's packed matmuls, and between them one fused call per piece.
+"""A packed model's layers on the CPU: a whole layer in one C call, or packed matmuls and one fused call per piece.
 
 A decode step of the default model (SmolLM2-135M, Q4_1) in torch ops is ~1,900 ops of 2–5 µs
-around 121 packed matmuls; here a layer is four matmuls and five calls into cpu_native.c
-(norm, RoPE + KV write, attention, residual + norm, SwiGLU), whose bf16 outputs feed
-the matmuls directly. Activations between layers stay fp32, the KV pool fp32: the same
+around 121 packed matmuls. Where every projection is a BlockWeight, a layer is one call into
+cpu_native.c (`block_layer_forward`); otherwise (torch's int4/int8 kernels) it is four matmuls
+and five calls (norm, RoPE + KV write, attention, residual + norm, SwiGLU), whose bf16 outputs
+feed the matmuls directly. The one call runs the same C functions as the pieces, so the same
+bits: it only saves their Python and ctypes overhead, which at decode had cost about as long
+as the matmuls. Activations between layers stay fp32, the KV pool fp32: the same
 arithmetic as the torch path (`rope_write_cpu` with `TorchPagedAttention`), which stays the
 reference (tests/test_cpu_native.py holds the two together) and which runs whatever this
 does not take: dense weights, another KV dtype, no C compiler.
