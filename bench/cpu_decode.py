@@ -1,6 +1,7 @@
 """CPU decode speed and memory of the default model: NanoInfer beside llama.cpp and transformers.
 
     python bench/cpu_decode.py [--new-tokens 128] [--threads 2] [--repeats 3] [--install-llama-cpp]
+                               [--cpu-isa avx2] [--no-exact]
 
 Every engine runs the same GGUF file, greedy, one sequence, `--threads` threads:
 - nanoinfer (gguf): the file's blocks kept packed (the default for a quantized GGUF on the CPU);
@@ -9,8 +10,11 @@ Every engine runs the same GGUF file, greedy, one sequence, `--threads` threads:
 - transformers, which dequantizes the file to fp32.
 Decode tok/s counts the tokens after the first (the prefill and first token are timed
 apart), best of `--repeats` runs. A second table times whole requests (prefill + decode) through
-the bare engine core's step loop and through `LLM.generate`, which runs that loop on the
-caller's thread with its output processing. Memory: each nanoinfer mode loads in a fresh process,
+the bare engine core's step loop, through `LLM.generate`, which runs that loop on the
+caller's thread with its output processing, and through llama-cpp-python's own call
+(`Llama.create_completion` on the same token ids). `--cpu-isa avx2` builds NanoInfer's CPU
+kernels for AVX2 alone (NANOINFER_CPU_ISA) on a CPU with more, to compare with an AVX2 build of
+llama.cpp. Memory: each nanoinfer mode loads in a fresh process,
 which reports its resident set after `import torch` and after the engine is up, and the KV
 pool's bytes (the issue's bound: RSS growth <= 3x the file + the KV pool).
 """
@@ -74,6 +78,17 @@ def time_llama_cpp(llm, prompt_ids, new_tokens):
     return first - start, (new_tokens - 1) / (end - first)
 
 
+def time_llama_cpp_call(llm, prompt_ids, new_tokens) -> float:
+    """Seconds for the same request through llama-cpp-python's call (its sampling and detokenizing)."""
+    llm.reset()
+    start = time.perf_counter()
+    out = llm.create_completion(prompt_ids, max_tokens=new_tokens, temperature=0.0)
+    seconds = time.perf_counter() - start
+    if out["usage"]["completion_tokens"] != new_tokens:  # (greedy text that ends early: tok/s would mislead)
+        raise RuntimeError(f"llama.cpp stopped after {out['usage']['completion_tokens']} of {new_tokens} tokens")
+    return seconds
+
+
 def time_transformers(hf_model, prompt_ids, new_tokens):
     ids = torch.tensor([prompt_ids])
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -125,8 +140,13 @@ def main():
     parser.add_argument("--prompt", default="Write a haiku about the sea")
     parser.add_argument("--install-llama-cpp", action="store_true", help=f"pip install {LLAMA_CPP} if missing")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-exact", action="store_true", help="leave out nanoinfer (none), the fp32 path")
+    parser.add_argument("--cpu-isa", default=None, choices=["native", "avx2"],
+                        help="the tier NanoInfer's CPU kernels are built for (NANOINFER_CPU_ISA; default native)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpu_isa:
+        os.environ["NANOINFER_CPU_ISA"] = args.cpu_isa  # (before the library loads; memory children inherit it)
     if args.memory_child:
         return memory_child(args.memory_child, args.threads)
     torch.set_num_threads(args.threads)
@@ -135,7 +155,7 @@ def main():
     from runtime.engine.engine_core import EngineConfig, EngineCore
 
     engines = []  # (name, timing function, engine)
-    for quantization in ("gguf", "none"):
+    for quantization in ("gguf",) if args.no_exact else ("gguf", "none"):
         model = load_model(None, device="cpu", progress=False, quantization=quantization)
         engines.append((f"nanoinfer ({quantization})", time_ours, EngineCore(model, EngineConfig(num_blocks=64,
                                                                                                  block_size=16))))
@@ -163,7 +183,10 @@ def main():
                 results[name].append(fn(target, prompt_ids, args.new_tokens))
     rows = [(name, min(r[0] for r in runs) * 1e3, max(r[1] for r in runs)) for name, runs in results.items()]
     base = next((tps for name, _, tps in rows if name.startswith("llama.cpp")), None)
+    from nanoinfer import cpu_native
+
     print(f"model {model.path.name}  prompt {len(prompt_ids)} tokens  new {args.new_tokens}  threads {args.threads}")
+    print(f"cpu kernels: {cpu_native.describe(cpu_native.library())}")
     print(f"{'engine':<22}{'prefill ms':>12}{'decode tok/s':>14}{'vs llama.cpp':>14}")
     for name, prefill_ms, tps in rows:
         print(f"{name:<22}{prefill_ms:>12.1f}{tps:>14.1f}" + (f"{tps / base:>13.2f}x" if base else ""))
@@ -173,17 +196,23 @@ def main():
 
     core = engines[0][2]
     llm = LLM.from_loaded(core.model, num_blocks=64, block_size=16)
-    totals = {"engine core step loop": [], "LLM.generate": []}
+    callers = [("engine core step loop", time_core_total, core), ("LLM.generate", time_llm_total, llm)]
+    callers += [("llama-cpp-python call", time_llama_cpp_call, target) for name, _, target in engines
+                if name.startswith("llama.cpp")]
+    totals = {name: [] for name, _, _ in callers}
     with torch.inference_mode():
-        time_core_total(core, prompt_ids, 8), time_llm_total(llm, prompt_ids, 8)  # warm-up
-        for _ in range(args.repeats):
-            totals["engine core step loop"].append(time_core_total(core, prompt_ids, args.new_tokens))
-            totals["LLM.generate"].append(time_llm_total(llm, prompt_ids, args.new_tokens))
+        for _, fn, target in callers:
+            fn(target, prompt_ids, 8)  # warm-up
+        for _ in range(args.repeats):  # interleaved, as above
+            for name, fn, target in callers:
+                totals[name].append(fn(target, prompt_ids, args.new_tokens))
     llm.close()
     base_total = min(totals["engine core step loop"])
-    print(f"\n{'whole request (gguf)':<22}{'seconds':>12}{'tok/s':>14}{'vs step loop':>14}")
+    llama_total = min(totals.get("llama-cpp-python call", [float("nan")]))
+    print(f"\n{'whole request (gguf)':<22}{'seconds':>12}{'tok/s':>14}{'vs step loop':>14}{'vs llama-cpp':>14}")
     for name, runs in totals.items():
-        print(f"{name:<22}{min(runs):>12.3f}{args.new_tokens / min(runs):>14.1f}{base_total / min(runs):>13.2f}x")
+        print(f"{name:<22}{min(runs):>12.3f}{args.new_tokens / min(runs):>14.1f}{base_total / min(runs):>13.2f}x"
+              f"{llama_total / min(runs):>13.2f}x")
 
     print(f"\n{'memory (fresh process)':<22}{'RSS growth MiB':>16}{'KV pool MiB':>13}{'file MiB':>10}{'bound MiB':>11}")
     for quantization in ("gguf", "none"):

@@ -1,9 +1,12 @@
-"""A packed model's layers on the CPU: torch's packed matmuls, and between them one fused call per piece.
+"""A packed model's layers on the CPU: a whole layer in one C call, or packed matmuls and one fused call per piece.
 
 A decode step of the default model (SmolLM2-135M, Q4_1) in torch ops is ~1,900 ops of 2–5 µs
-around 121 packed matmuls; here a layer is four matmuls and five calls into cpu_native.c
-(norm, RoPE + KV write, attention, residual + norm, SwiGLU), whose bf16 outputs feed
-the matmuls directly. Activations between layers stay fp32, the KV pool fp32: the same
+around 121 packed matmuls. Where every projection is a BlockWeight, a layer is one call into
+cpu_native.c (`block_layer_forward`); otherwise (torch's int4/int8 kernels) it is four matmuls
+and five calls (norm, RoPE + KV write, attention, residual + norm, SwiGLU), whose bf16 outputs
+feed the matmuls directly. The one call runs the same C functions as the pieces, so the same
+bits: it only saves their Python and ctypes overhead, which at decode had cost about as long
+as the matmuls. Activations between layers stay fp32, the KV pool fp32: the same
 arithmetic as the torch path (`rope_write_cpu` with `TorchPagedAttention`), which stays the
 reference (tests/test_cpu_native.py holds the two together) and which runs whatever this
 does not take: dense weights, another KV dtype, no C compiler.
@@ -63,8 +66,30 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
         gate_up = quantized.packed_matmul(h, lp.gate_up_proj).contiguous()
         return x.add_(row_parallel(native.silu_mul_bf16(gate_up), lp.down_proj))
 
+    structs: dict[int, tuple[LayerParams, cpu_native.BlockLayer]] = {}  # id(lp) -> (lp kept alive, its pointers)
+
+    def layer(x: torch.Tensor, lp: LayerParams, cos, sin, kv_layer: torch.Tensor, meta: "NativeAttentionMetadata",
+              cfg: ModelConfig) -> torch.Tensor:
+        entry = structs.get(id(lp))
+        if entry is None or entry[0] is not lp:
+            if not all(isinstance(getattr(lp, f), quantized.BlockWeight) for f in BLOCK_FIELDS):
+                entry = (lp, None)  # (torch's packed kernels: one call per piece)
+            else:
+                entry = (lp, cpu_native.block_layer(lp))
+            structs[id(lp)] = entry
+        if entry[1] is not None:
+            return native.block_layer_forward(entry[1], meta.step, cos, sin, kv_layer, x)
+        qkv = qkv_projection(x, lp, cfg)
+        q = rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv_layer, meta.slot_mapping, cfg)
+        attn = native.paged_attention(q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.window, meta.scale)
+        return attention_output_and_mlp(x, attn, lp, cfg)
+
     return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_projection=qkv_projection,
-                          rope_and_write=rope_and_write, rope_tables=rope_cos_sin)
+                          rope_and_write=rope_and_write, rope_tables=rope_cos_sin, layer=layer)
+
+
+BLOCK_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class NativeAttentionMetadata(NamedTuple):
@@ -75,6 +100,8 @@ class NativeAttentionMetadata(NamedTuple):
     query_start_loc: torch.Tensor  # [seqs + 1] int32
     window: int | None
     scale: float
+    slot_mapping: torch.Tensor  # [tokens] int64
+    step: cpu_native.BlockStep  # the same, for a whole-layer call (its pointers: the tensors above)
 
 
 class NativeAttention:
@@ -88,8 +115,15 @@ class NativeAttention:
 
     def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> NativeAttentionMetadata:
         check_attention_tables(batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        slots = batch.slot_mapping.contiguous()
+        step = cpu_native.BlockStep(
+            tokens=slots.shape[0], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+            d=cfg.head_dim, seqs=batch.seq_lens.shape[0], block_size=self.block_size, window=window or 0,
+            threads=torch.get_num_threads(), eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5, slots=slots.data_ptr(),
+            tables=batch.block_tables.data_ptr(), lens=batch.seq_lens.data_ptr(),
+            query_start=batch.query_start_loc.data_ptr(), table_stride=batch.block_tables.stride(0))
         return NativeAttentionMetadata(batch.block_tables, batch.seq_lens, batch.query_start_loc, window,
-                                       cfg.head_dim**-0.5)
+                                       cfg.head_dim**-0.5, slots, step)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:  # (the layers write with `rope_and_write`)
         from nanoinfer.attention.reference import REFERENCE

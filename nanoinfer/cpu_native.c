@@ -399,6 +399,17 @@ static inline __m256i chunk_dot(const uint8_t *q, const int8_t *x, int bits, int
     else if (G == 1) { /* 16 bytes: both nibble halves in one vector */
         __m128i v = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(0x0f);
         a = dot_acc(a, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4)), load32(x));
+    } else if (DOT_ISA == 1) {
+        /* Plain AVX2: the u8 x s8 pair sums stay int16 over the chunk and widen once (one
+         * vpmaddwd a chunk, not one a load). Exact: an int16 lane sums at most 8 pairs of
+         * 15 x 127 (the activations' int8 stay within +-127), 30480 < 32767. */
+        for (int l = 0; l < G / 2; l++) {
+            __m256i w = load32(q + 32 * l);
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_and_si256(w, low), load32(x + 32 * l)));
+            b = _mm256_add_epi16(b, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
+                                                         load32(x + 16 * G + 32 * l)));
+        }
+        return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
     } else
         for (int l = 0; l < G / 2; l++) {
             __m256i w = load32(q + 32 * l);
@@ -450,9 +461,26 @@ static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, con
 #define DOT_ISA 0
 #endif
 
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8
+#endif
+
 /* Which group dot product this build has: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 6 NEON i8mm,
  * 5 NEON dotprod, 4 NEON, 0 none (block_matmul is then not to be called). */
 int block_dot_isa(void) { return DOT_ISA; }
+
+/* The same, as a user reads it (`nanoinfer env`, the log line at start). */
+const char *block_dot_name(void) {
+    switch (DOT_ISA) {
+    case 3: return "avx512-vnni";
+    case 2: return "avx-vnni";
+    case 1: return "avx2";
+    case 4: return "neon";
+    case 5: return "neon-dotprod";
+    case 6: return "neon-i8mm";
+    default: return "none";
+    }
+}
 
 /* x [rows, k] bf16 to ggml's Q8_0 per group of 32, in the chunk order above: xq = round(x / dx)
  * with dx = max|x| / 127; xd = dx and xs = dx * sum(xq) (what the weights' mins multiply)
@@ -499,7 +527,10 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
     float *xd = (float *)(xq + (int64_t)rows * k), *xs = xd + (int64_t)rows * groups;
     quantize_groups_q8(x, rows, k, xq, xd, xs);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; r++)
+    for (int r = 0; r < n; r++) {
+        /* a few rows ahead: the hardware prefetcher alone left a core's stream at ~60% of its bandwidth */
+        const uint8_t *ahead = q + (int64_t)(r + PREFETCH_ROWS < n ? r + PREFETCH_ROWS : r) * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
         for (int t = 0; t < rows; t++) {
             float v = row_dot(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
                               xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits);
@@ -508,7 +539,71 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
             else
                 ((uint16_t *)y)[(int64_t)t * n + r] = f32_to_bf16(v);
         }
+    }
     free(xq);
 #endif
     return 0;
+}
+
+/* ---- A whole layer in one call ----
+ *
+ * The pieces above, composed as cpu_layers.py composes them one call each (the same functions,
+ * so the same bits): on a decode step the calls' Python and ctypes overhead had cost about as
+ * long as the matmuls. The weights' pointers are set up once per layer (block_layer), the
+ * step's tables once per step (block_step); both are cpu_native.py's ctypes Structures. */
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *d, *m;
+    int bits, n;
+} block_mat;
+
+typedef struct {
+    block_mat qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *qkv_bias; /* the last three may be NULL */
+} block_layer;
+
+typedef struct {
+    int tokens, hidden, heads, kv_heads, d, seqs, block_size, window, threads;
+    float eps, scale;
+    const int64_t *slots;
+    const int32_t *tables, *lens, *query_start;
+    int64_t table_stride;
+} block_step;
+
+/* x_out [tokens, hidden] = the layer applied to x [tokens, hidden] (x_out may be x), writing
+ * this step's keys and values into the pools (k_pool, v_pool [slots, kv_heads, d]); cos, sin
+ * [tokens, d / 2]. Returns 0, or -1 when there was no memory for the scratch. */
+int block_layer_forward(const block_layer *L, const block_step *S, const float *cos, const float *sin,
+                        float *k_pool, float *v_pool, const float *x, float *x_out) {
+    int64_t T = S->tokens, H = S->hidden, qs = (int64_t)S->heads * S->d;
+    int64_t width = qs + 2 * (int64_t)S->kv_heads * S->d, inter = L->gate_up.n / 2;
+    int64_t u16 = T * (H + width + qs + H + 2 * inter + inter + H), f32 = T * (2 * qs + (L->qkv_bias ? width : 0));
+    float *fbuf = malloc(sizeof(float) * f32 + sizeof(uint16_t) * u16);
+    if (!fbuf) return -1;
+    float *q = fbuf, *attn = q + T * qs, *qkv_f = attn + T * qs;
+    uint16_t *h = (uint16_t *)(fbuf + f32), *qkv = h + T * H, *attn16 = qkv + T * width, *o = attn16 + T * qs;
+    uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * inter, *down = act + T * inter;
+    int failed = 0;
+    rms_norm_bf16(x, L->attn_norm, h, T, H, S->eps);
+    failed |= block_matmul(h, T, H, L->qkv.q, L->qkv.d, L->qkv.m, L->qkv.bits, width, qkv, 0, S->threads);
+    if (L->qkv_bias) { /* (as the pieces add it: to the bf16 output, in fp32) */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < width; i++) qkv_f[t * width + i] = bf16_to_f32(qkv[t * width + i]) + L->qkv_bias[i];
+        rope_write(qkv_f, 0, L->q_norm, L->k_norm, S->eps, cos, sin, S->slots, T, S->heads, S->kv_heads, S->d, k_pool,
+                   v_pool, q);
+    } else
+        rope_write(qkv, 1, L->q_norm, L->k_norm, S->eps, cos, sin, S->slots, T, S->heads, S->kv_heads, S->d, k_pool,
+                   v_pool, q);
+    failed |= paged_attention(q, T, k_pool, v_pool, S->tables, S->table_stride, S->lens, S->query_start, S->seqs,
+                              S->block_size, S->window, S->heads, S->kv_heads, S->d, S->scale, S->threads, attn);
+    for (int64_t i = 0; i < T * qs; i++) attn16[i] = f32_to_bf16(attn[i]);
+    failed |= block_matmul(attn16, T, qs, L->o.q, L->o.d, L->o.m, L->o.bits, H, o, 0, S->threads);
+    add_rms_norm_bf16(x, o, L->mlp_norm, x_out, h, T, H, S->eps);
+    failed |= block_matmul(h, T, H, L->gate_up.q, L->gate_up.d, L->gate_up.m, L->gate_up.bits, 2 * inter, gate_up, 0,
+                           S->threads);
+    silu_mul_bf16(gate_up, act, T, inter);
+    failed |= block_matmul(act, T, inter, L->down.q, L->down.d, L->down.m, L->down.bits, H, down, 0, S->threads);
+    for (int64_t i = 0; i < T * H; i++) x_out[i] += bf16_to_f32(down[i]);
+    free(fbuf);
+    return failed ? -1 : 0;
 }

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from nanoinfer.errors import RequestError
 from nanoinfer.hub import cache_dir
 from nanoinfer.layers import rms_norm, swiglu
 
@@ -43,7 +44,6 @@ def native_flag(machine: str) -> str:
 FLAGS = ("-O3", native_flag(platform.machine()), "-fopenmp", "-shared", "-fPIC", "-std=c11")
 NATIVE_FLAGS = ("-march=native", "-mcpu=native")
 # block_dot_isa()'s tiers: the group dot product block_matmul runs (cpu_native.c, cpu_native_arm.h)
-DOT_ISA_NAMES = {0: "none", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni", 4: "neon", 5: "neon-dotprod", 6: "neon-i8mm"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -54,6 +54,7 @@ SIGNATURES = {
     "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
     "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
+    "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
 }
 
 
@@ -117,14 +118,44 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    lib.block_dot_isa.restype = lib.block_matmul.restype = lib.paged_attention.restype = ctypes.c_int
+    for name in ("block_dot_isa", "block_matmul", "paged_attention", "block_layer_forward"):
+        getattr(lib, name).restype = ctypes.c_int
+    lib.block_dot_name.restype = ctypes.c_char_p
     return lib
+
+
+# NANOINFER_CPU_ISA picks the tier cpu_native.c is built for: this CPU's best (`native`, the
+# default), or `avx2` (AVX-512 and AVX-VNNI off: what an AVX2-only CPU runs, for benches and bug reports).
+ISA_VARIABLE = "NANOINFER_CPU_ISA"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+
+
+def isa_flags(tier: str) -> tuple[str, ...]:
+    """The compiler flags of a NANOINFER_CPU_ISA value."""
+    if tier not in ISA_FLAGS:
+        raise RequestError(f"{ISA_VARIABLE}={tier!r} is not a CPU tier: expected one of {', '.join(ISA_FLAGS)}")
+    if ISA_FLAGS[tier] and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RequestError(f"{ISA_VARIABLE}={tier!r} is an x86 tier; this CPU is {platform.machine()}")
+    return ISA_FLAGS[tier]
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """This process's copy of the library (`load()` once)."""
-    return load()
+    """This process's copy of the library (`load()` once, for NANOINFER_CPU_ISA's tier), its
+    kernels logged once."""
+    lib = load(extra_flags=isa_flags(os.environ.get(ISA_VARIABLE) or "native"))
+    log.info("cpu kernels: %s", describe(lib))
+    return lib
+
+
+def describe(lib: ctypes.CDLL | None) -> str:
+    """Which CPU kernels `lib` gives a packed model, in a line (for logs and bug reports)."""
+    if lib is None:
+        return "torch ops (cpu_native.c did not build)"
+    if not has_block_matmul(lib):
+        return "fused layers, torch's int4/int8 matmuls (no SIMD group dot product for this CPU)"
+    return (f"{block_dot_name(lib)} (q4_0, q4_1, q4_k, q8_0 packed in groups of 32, int8 activations; "
+            "fused layers)")
 
 
 def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
@@ -136,7 +167,7 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
 def block_dot_name(lib: ctypes.CDLL | None) -> str:
     """The tier of `lib`'s group dot product, for logs and bug reports: "avx512-vnni",
     "avx-vnni", "avx2", "neon-i8mm", "neon-dotprod", "neon", or "none" (no library either)."""
-    return "none" if lib is None else DOT_ISA_NAMES.get(lib.block_dot_isa(), f"unknown ({lib.block_dot_isa()})")
+    return "none" if lib is None else lib.block_dot_name().decode()
 
 
 def block_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
@@ -159,6 +190,40 @@ def block_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
                         out_features, out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
         raise MemoryError(f"block_matmul: no memory to quantize {tokens} x {cols} activations")
     return out
+
+
+class BlockMat(ctypes.Structure):
+    """cpu_native.c's block_mat: a BlockWeight's pointers."""
+
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bits", _I), ("n", _I)]
+
+
+class BlockLayer(ctypes.Structure):
+    """cpu_native.c's block_layer: a layer's weights, every projection a BlockWeight."""
+
+    _fields_ = [("qkv", BlockMat), ("o", BlockMat), ("gate_up", BlockMat), ("down", BlockMat),
+                ("attn_norm", _P), ("mlp_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv_bias", _P)]
+
+
+class BlockStep(ctypes.Structure):
+    """cpu_native.c's block_step: what every layer of a step shares (sizes and the batch's tables)."""
+
+    _fields_ = [(name, _I) for name in ("tokens", "hidden", "heads", "kv_heads", "d", "seqs", "block_size", "window",
+                                        "threads")] + [
+        ("eps", _F), ("scale", _F), ("slots", _P), ("tables", _P), ("lens", _P), ("query_start", _P),
+        ("table_stride", ctypes.c_int64)]
+
+
+def block_mat(w) -> BlockMat:
+    return BlockMat(w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits, w.q.shape[0])
+
+
+def block_layer(lp) -> BlockLayer:
+    """The pointers of a LayerParams whose projections are BlockWeights (their tensors contiguous;
+    the caller keeps `lp` alive while the struct is used)."""
+    return BlockLayer(block_mat(lp.qkv_proj), block_mat(lp.o_proj), block_mat(lp.gate_up_proj), block_mat(lp.down_proj),
+                      lp.attn_norm.data_ptr(), lp.mlp_norm.data_ptr(), _ptr(lp.q_norm), _ptr(lp.k_norm),
+                      _ptr(lp.qkv_bias))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -228,6 +293,20 @@ class CpuNative:
                                     kv_layer.shape[2], window or 0, heads, kv_layer.shape[-2], d, scale,
                                     torch.get_num_threads(), out.data_ptr()):
             raise MemoryError(f"paged_attention: no memory for the scratch of {int(seq_lens.sum())} keys")
+        return out
+
+
+    def block_layer_forward(self, layer: BlockLayer, step: BlockStep, cos: torch.Tensor, sin: torch.Tensor,
+                            kv_layer: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A whole layer (`block_layer`) on x [tokens, hidden] fp32 for a step (`BlockStep`, its
+        tables alive): the output rows, the step's keys and values written into `kv_layer`.
+        The same functions as the calls one piece at a time, so the same bits."""
+        if x.shape[0] != step.tokens or not x.is_contiguous():
+            raise ValueError(f"block_layer_forward takes the step's {step.tokens} contiguous rows, not {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        if self.lib.block_layer_forward(ctypes.byref(layer), ctypes.byref(step), cos.data_ptr(), sin.data_ptr(),
+                                        *_kv_ptrs(kv_layer), x.data_ptr(), out.data_ptr()):
+            raise MemoryError(f"block_layer_forward: no memory for the scratch of {x.shape[0]} tokens")
         return out
 
 

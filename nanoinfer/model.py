@@ -125,6 +125,9 @@ class LayerFunctions(NamedTuple):
     qkv_projection: Callable = qkv_projection
     rope_and_write: Callable | None = None
     rope_tables: Callable = rope_cos_sin
+    # A whole layer in one call, in place of the four above and the backend's attention
+    # (the CPU's fused layers: nanoinfer.cpu_layers), or None.
+    layer: Callable | None = None
     # Tensor parallelism (nanoinfer/tensor_parallel.py): the sum over ranks after a
     # row-parallel projection, the vocab-parallel embedding, and the logits' gather.
     all_reduce: Callable = _same
@@ -181,6 +184,9 @@ def forward(
     x = layer_fns.embed(params.embed, batch.input_ids, params.dtype) if hidden is None else hidden  # [tokens, hidden]
     cos, sin = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
+        if layer_fns.layer is not None:
+            x = layer_fns.layer(x, lp, cos, sin, kv[layer_idx], meta[windows[layer_idx]], cfg)
+            continue
         if layer_fns.rope_and_write is None:
             q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg, layer_fns.linear)
             backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)

@@ -206,4 +206,5 @@ def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=N
         dist.all_gather(list(parts.unbind(0)), shard_logits.contiguous(), group=group)
         return parts.permute(1, 0, 2).reshape(rows, size * per)[:, :vocab_size]
 
-    return base._replace(all_reduce=reduce, embed=embed, gather_logits=gather_logits)
+    # (a whole-layer call has no seam for the all-reduce: the ranks run the layers' pieces)
+    return base._replace(all_reduce=reduce, embed=embed, gather_logits=gather_logits, layer=None)

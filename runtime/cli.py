@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     _engine_args(chat)
 
+    commands.add_parser("env", help="what this machine runs: versions, the CPU's SIMD features and the chosen "
+                        "kernels (paste it into a bug report)", formatter_class=_HelpFormatter)
     evaluate = commands.add_parser("eval", help="numbers about a model", formatter_class=_HelpFormatter)
     # (parse_args finds each command's parser here, to check a --config file's keys against its flags)
     parser.subcommands = {"generate": gen, "serve": serve, "chat": chat,
@@ -364,8 +366,15 @@ def _tensor_parallel_rank(args) -> int:
     return 0
 
 
+def _env(args) -> int:
+    from runtime.env_report import report
+
+    print("\n".join(report()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    handlers = {"generate": _generate, "serve": _serve, "chat": _chat, "eval": _eval}
+    handlers = {"generate": _generate, "serve": _serve, "chat": _chat, "eval": _eval, "env": _env}
     local = None
     try:
         args = parse_args(argv)

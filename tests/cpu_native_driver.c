@@ -4,7 +4,7 @@
  * Usage: cpu_native_driver DIR. DIR/cases holds one call a line; each reads its inputs from
  * DIR/NAME.<array> (raw little-endian arrays, as numpy's tofile writes them) and writes its
  * outputs beside them:
- *   isa                                    -> DIR/isa: block_dot_isa() in decimal
+ *   isa                                    -> DIR/isa: block_dot_isa() in decimal; DIR/name: block_dot_name()
  *   quantize NAME rows k                   x (bf16) -> xq, xd, xs
  *   matmul NAME rows k n bits              x, q, d, m -> y (fp32, block_matmul's y_f32)
  *   attention NAME tokens seqs table_stride block_size window heads kv_heads d scale
@@ -18,6 +18,7 @@
 #include <string.h>
 
 int block_dot_isa(void);
+const char *block_dot_name(void);
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs);
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
                  int n, void *y, int y_f32, int threads);
@@ -66,6 +67,8 @@ int main(int argc, char **argv) {
             int isa = block_dot_isa();
             char text[16];
             write_array(dir, "isa", "", text, (size_t)snprintf(text, sizeof text, "%d\n", isa));
+            const char *tier = block_dot_name();
+            write_array(dir, "name", "", tier, strlen(tier));
         } else if (!strcmp(op, "quantize")) {
             int rows, k;
             if (sscanf(line, "%*s %255s %d %d", name, &rows, &k) != 3) fail("bad line", line);

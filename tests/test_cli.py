@@ -199,3 +199,22 @@ def test_structured_output_flags(smollm2_gguf, tmp_path):
     assert proc.returncode == 2 and "regex cannot constrain generation" in proc.stderr
     proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--device", "cpu", "--regex", "a", "--choice", "b")
     assert proc.returncode == 2 and "exactly one of" in proc.stderr
+
+
+def test_env_says_which_cpu_kernels_run():
+    """`nanoinfer env` prints the versions, the CPU's SIMD features and the kernels chosen for it
+    (the line the engine logs at start), for bug reports."""
+    from nanoinfer import cpu_native
+    from runtime.env_report import cpu_model_and_flags
+
+    proc = run_cli("env")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("nanoinfer ") and any(line.startswith("cpu: ") for line in lines)
+    assert f"cpu kernels: {cpu_native.describe(cpu_native.library())}" in lines
+    assert cpu_model_and_flags("model name\t: Some CPU\nflags\t\t: fpu avx2 fma avx512f\n") == (
+        "Some CPU", ["avx2", "fma", "avx512f"])
+    assert cpu_model_and_flags("Features\t: fp asimd asimddp i8mm\n")[1] == ["asimd", "asimddp", "i8mm"]
+    proc = run_cli("env", cache_env={"NANOINFER_CPU_ISA": "sse9"})
+    assert proc.returncode == 2 and "NANOINFER_CPU_ISA='sse9'" in proc.stderr
+

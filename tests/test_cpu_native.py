@@ -11,6 +11,7 @@ from nanoinfer import cpu_layers, cpu_native, rope_write_cpu
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.attention.torch_paged import TorchPagedAttention
 from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.errors import RequestError
 from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.quantize import quantize_params
@@ -188,6 +189,57 @@ def test_packed_model_layers_equal_the_torch_path(native, arch, form):
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(kv_got, kv_want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(architecture="qwen2", qkv_bias=True), dict(architecture="qwen3", qk_norm=True),
+                                  dict(sliding_window=3)], ids=["llama", "qwen2", "qwen3", "window"])
+def test_a_whole_layer_call_equals_the_calls_one_piece_at_a_time(block_lib, arch):
+    """cpu_native.c's block_layer_forward composes the same functions as cpu_layers' pieces: bit
+    for bit the same logits and KV pool, on either dot product (VNNI, AVX2)."""
+    cfg = tiny_config(intermediate_size=64, **arch)
+    params = block_params(random_params(cfg, seed=3))
+    chunks = [SeqChunk([5, 20, 33, 9, 60, 64, 1], 0, [0, 1], True), SeqChunk([7], 9, [2, 3, 4], True)]
+    batch = build_batch(chunks, 4)._replace(logits_indices=torch.arange(8))
+    native = cpu_native.CpuNative(block_lib)
+    whole = cpu_layers.layer_functions(native)
+    pieces = whole._replace(layer=None)
+    assert whole.layer is not None
+    out = []
+    for fns in (whole, pieces):
+        kv = allocate_kv_pool(cfg, 5, 4, torch.float32, "cpu")
+        out.append((forward(params, kv, batch, cfg, cpu_layers.NativeAttention(4, native), fns), kv))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    with pytest.raises(ValueError, match="the step's 8 contiguous rows"):
+        meta = cpu_layers.NativeAttention(4, native).prepare(batch, cfg, None)
+        native.block_layer_forward(cpu_native.block_layer(params.layers[0]), meta.step, *([torch.zeros(1)] * 3),
+                                   torch.zeros(3, cfg.hidden_size))
+
+
+def test_the_chosen_kernels_are_logged_once_and_named(native, monkeypatch, caplog):
+    """`library()` says which kernels run, once per process; NANOINFER_CPU_ISA=avx2 builds the
+    AVX2 tier on a CPU with more, and a tier it does not know is named in the error."""
+    caplog.set_level("INFO", logger="nanoinfer")
+    cpu_native.library.cache_clear()
+    monkeypatch.delenv(cpu_native.ISA_VARIABLE, raising=False)
+    try:
+        lib = cpu_native.library()
+        assert cpu_native.library() is lib
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu kernels:")]
+        assert lines == [f"cpu kernels: {cpu_native.describe(lib)}"]
+        if cpu_native.has_block_matmul(lib):
+            name = {1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}[lib.block_dot_isa()]
+            assert cpu_native.describe(lib).startswith(f"{name} (q4_0, q4_1, q4_k, q8_0 packed")
+            monkeypatch.setenv(cpu_native.ISA_VARIABLE, "avx2")
+            cpu_native.library.cache_clear()
+            assert cpu_native.library().block_dot_isa() == 1
+            assert cpu_native.describe(cpu_native.library()).startswith("avx2 (")
+        monkeypatch.setenv(cpu_native.ISA_VARIABLE, "sse9")
+        cpu_native.library.cache_clear()
+        with pytest.raises(RequestError, match="NANOINFER_CPU_ISA='sse9' is not a CPU tier: expected one of native"):
+            cpu_native.library()
+    finally:
+        cpu_native.library.cache_clear()
+    assert cpu_native.describe(None).startswith("torch ops")
 
 
 def test_tensor_parallel_ranks_sum_the_packed_layers_outputs_in_fp32(native):
