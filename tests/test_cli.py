@@ -37,8 +37,8 @@ def test_bad_values_name_themselves(smollm2_gguf, tmp_path):
     assert proc.returncode == 2 and "nope.gguf" in proc.stderr
     proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--top-p", "0", "--device", "cpu")
     assert proc.returncode == 2 and "top_p" in proc.stderr
-    proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--quantization", "int4", "--device", "cpu")
-    assert proc.returncode == 2 and "int4" in proc.stderr and "'gguf'" in proc.stderr
+    proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--quantization", "int3", "--device", "cpu")
+    assert proc.returncode == 2 and "int3" in proc.stderr and "'gguf'" in proc.stderr
     proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--kv-cache-dtype", "fp16", "--device", "cpu")
     assert proc.returncode == 2 and "fp16" in proc.stderr and "'fp8'" in proc.stderr
 
