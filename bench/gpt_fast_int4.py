@@ -47,12 +47,13 @@ def tinygemm_weight(w: torch.Tensor) -> TinygemmInt4 | torch.Tensor:
 
 
 def tinygemm_params(params: Params) -> Params:
-    """Every projection and the LM head of dense CUDA `params` in gpt-fast's int4 form."""
+    """Every projection of dense CUDA `params` in gpt-fast's int4 form (the LM head stays, as
+    `quantization="int4"` keeps it: the same weights on both sides)."""
     def convert(w):
         return tinygemm_weight(w if isinstance(w, torch.Tensor) else quantized.dequantize(w).to(params.dtype))
 
     layers = tuple(dataclasses.replace(lp, **{n: convert(getattr(lp, n)) for n in PROJECTIONS}) for lp in params.layers)
-    return dataclasses.replace(params, layers=layers, lm_head=convert(params.lm_head))
+    return dataclasses.replace(params, layers=layers)
 
 
 def with_tinygemm(linear):

@@ -1,6 +1,6 @@
 """What quantization costs in quality: perplexity and greedy agreement against the exact path.
 
-    python bench/quality.py [--model M] [--tokens 256] [--threads 2]
+    python bench/quality.py [--model M] [--tokens 256] [--threads 2] [--modes none int4 ...]
 
 The default model's GGUF, on the CPU, in each mode:
 - none: the file dequantized to fp32 (the exact path, the reference);
@@ -10,6 +10,8 @@ The default model's GGUF, on the CPU, in each mode:
 - gguf, torch int4: the same blocks repacked for torch's int4 kernel (bf16 activations);
 - int8 / fp8: the dequantized weights quantized again per row (fp8 also rounds activations
   per token to e4m3; the CPU runs the same arithmetic as the GPU's `_scaled_mm`, in fp32);
+- int4: the dequantized weights rounded again to 4 bits per group of 128 (a scale and a min,
+  as AWQ/GPTQ checkpoints hold them; torch's int4 kernel here, bf16 activations);
 - fp8 KV: the exact weights with an e4m3 KV cache.
 Perplexity: `bench/data/quality.txt` as one prefill, every position scored. Greedy agreement:
 the exact path generates `--tokens` greedy tokens for a fixed chat prompt; each mode then
@@ -82,13 +84,19 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                        help="a subset of the modes (the first is the reference): none, gguf, 'gguf, torch int4', "
+                             "int8, fp8, int4, 'none, fp8 KV'")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from nanoinfer.loaders import load_model
 
     modes = [("none", "auto"), ("gguf", "auto"), ("gguf, torch int4", "auto"), ("int8", "auto"), ("fp8", "auto"),
-             ("none", "fp8")]
+             ("int4", "auto"), ("none", "fp8")]
+    if args.modes:
+        named = {(q if kv == "auto" else f"{q}, fp8 KV"): (q, kv) for q, kv in modes}
+        modes = [named[m] for m in args.modes]
     rows, reference = [], None
     for quantization, kv_cache_dtype in modes:
         model = load_model(args.model, device="cpu", dtype="float32", progress=False,
