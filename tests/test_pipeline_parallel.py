@@ -5,7 +5,6 @@ a script without a main guard and from stdin; a stage's rank that dies at start,
 at close is reported naming it within 10 s, close returns within 10 s and nothing is left;
 what cannot run in stages is a named error before any rank starts."""
 
-import json
 import logging
 import os
 import signal
@@ -19,7 +18,14 @@ import pytest
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
 from tests.test_tensor_parallel import engine_outputs, running
-from tests.test_tp_ranks import BOUND, assert_gone, failing_rank  # noqa: F401 - (a fixture)
+from tests.test_tp_ranks import (  # noqa: F401 - (a fixture)
+    BOUND,
+    assert_gone,
+    failing_rank,
+    run_user_script,
+    user_script,
+)
+from tests.test_tp_ranks import greedy as tp_greedy
 from tests.tiny import random_params, tiny_config
 
 ROOT = Path(__file__).parent.parent
@@ -94,25 +100,8 @@ def test_default_model_in_two_stages_writes_one_ranks_text(smollm2_gguf):
 
 # -- from the user's program; ranks that die ------------------------------------------------------
 
-# No `if __name__ == "__main__"`: a rank that ran this again would start ranks of its own.
-SCRIPT = f"""
-import json
-from nanoinfer.sampling import SamplingParams
-from runtime.async_engine import engine_config
-from runtime.engine.engine_core import EngineCore
-from tests.test_pipeline_parallel import staged_model
-
-core = EngineCore(staged_model(), engine_config(num_blocks=32, block_size=4, pipeline_parallel_size=2))
-for prompt in {PROMPTS!r}:
-    core.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-tokens = {{}}
-while core.has_unfinished():
-    for out in core.step():
-        tokens.setdefault(out.seq.seq_id, []).append(out.token_id)
-pids = [p.pid for p in core.executor.tp.procs]
-core.close()
-print(json.dumps({{"tokens": [tokens[k] for k in sorted(tokens)], "ranks": pids}}))
-"""
+SCRIPT = user_script("from tests.test_pipeline_parallel import staged_model as model",
+                     "num_blocks=32, block_size=4, pipeline_parallel_size=2", PROMPTS, GREEDY.max_tokens)
 
 
 def engine(**config):
@@ -124,13 +113,7 @@ def engine(**config):
 
 
 def greedy(core) -> list[list[int]]:
-    for prompt in PROMPTS:
-        core.add_request(prompt, GREEDY)
-    tokens: dict[int, list[int]] = {}
-    while core.has_unfinished():
-        for out in core.step():
-            tokens.setdefault(out.seq.seq_id, []).append(out.token_id)
-    return [tokens[k] for k in sorted(tokens)]
+    return tp_greedy(core, PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +127,7 @@ def one_rank(model):
 
 @pytest.mark.parametrize("how", ["script", "stdin"])
 def test_stages_do_not_run_the_users_program(tmp_path, how, one_rank):
-    if how == "script":
-        (tmp_path / "run.py").write_text(SCRIPT)
-        args, stdin = [str(tmp_path / "run.py")], None
-    else:
-        args, stdin = ["-"], SCRIPT
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # (the script imports the tests' model)
-    done = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = run_user_script(SCRIPT, how, tmp_path)
     assert result["tokens"] == one_rank
     assert len(result["ranks"]) == 1 and not any(running(pid) for pid in result["ranks"])
 

@@ -4,6 +4,7 @@ and a rank that dies at start, inside the rendezvous, at setup, mid-step or at c
 reported within 10 s naming the rank, its exit code and its traceback's tail; the engine's
 close returns within 10 s, and no rank process is left. Two CPU ranks over gloo."""
 
+import json
 import logging
 import os
 import signal
@@ -22,17 +23,20 @@ BOUND = 10.0  # seconds: the issue's bound for a report and for close (a generou
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
-# No `if __name__ == "__main__"`: a rank that ran this again would start ranks of its own.
-SCRIPT = f"""
+def user_script(model_import: str, config: str, prompts: list[list[int]], max_tokens: int) -> str:
+    """A user's program with no `if __name__ == "__main__"` (a rank that ran it again would
+    start ranks of its own): an engine over `model()` (from `model_import`) with `config`,
+    greedy tokens of `prompts` and the ranks' pids printed as JSON."""
+    return f"""
 import json
 from nanoinfer.sampling import SamplingParams
 from runtime.async_engine import engine_config
 from runtime.engine.engine_core import EngineCore
-from tests.test_tensor_parallel import tiny_split_model
+{model_import}
 
-core = EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
-for prompt in {PROMPTS!r}:
-    core.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+core = EngineCore(model(), engine_config({config}))
+for prompt in {prompts!r}:
+    core.add_request(prompt, SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True))
 tokens = {{}}
 while core.has_unfinished():
     for out in core.step():
@@ -43,10 +47,28 @@ print(json.dumps({{"tokens": [tokens[k] for k in sorted(tokens)], "ranks": pids}
 """
 
 
-def greedy(core) -> list[list[int]]:
+SCRIPT = user_script("from tests.test_tensor_parallel import tiny_split_model as model",
+                     "num_blocks=16, block_size=4, tensor_parallel_size=2", PROMPTS, GREEDY.max_tokens)
+
+
+def run_user_script(script: str, how: str, tmp_path: Path) -> dict:
+    """`script` run as `python script.py` (how="script") or fed to `python -` ("stdin"): its JSON."""
+    if how == "script":
+        (tmp_path / "run.py").write_text(script)
+        args, stdin = [str(tmp_path / "run.py")], None
+    else:
+        args, stdin = ["-"], script
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # (the script imports the tests' model)
+    done = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def greedy(core, prompts: list[list[int]] = PROMPTS, params: SamplingParams = GREEDY) -> list[list[int]]:
     """The prompts' greedy tokens from `core`, in the order they were added."""
-    for prompt in PROMPTS:
-        core.add_request(prompt, GREEDY)
+    for prompt in prompts:
+        core.add_request(prompt, params)
     tokens: dict[int, list[int]] = {}
     while core.has_unfinished():
         for out in core.step():
@@ -75,18 +97,7 @@ def one_rank():
 def test_ranks_do_not_run_the_users_program(tmp_path, how, one_rank):
     """A script without a main guard, run as `python script.py` or fed to `python -`: two ranks
     give one rank's greedy tokens, and the ranks are gone when it exits."""
-    import json
-
-    if how == "script":
-        (tmp_path / "run.py").write_text(SCRIPT)
-        args, stdin = [str(tmp_path / "run.py")], None
-    else:
-        args, stdin = ["-"], SCRIPT
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # (the script imports the tests' tiny model)
-    done = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = run_user_script(SCRIPT, how, tmp_path)
     assert result["tokens"] == one_rank
     assert len(result["ranks"]) == 1 and not any(running(pid) for pid in result["ranks"])
 
