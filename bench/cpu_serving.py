@@ -1,7 +1,7 @@
 """Many streams on the CPU: N concurrent SSE streams through `nanoinfer serve` against llama-cpp-python's server.
 
     python bench/cpu_serving.py [--clients 8] [--max-tokens 128] [--threads 2] [--repeats 3] [--isa avx2 native]
-                                [--llama-path /work/llamacpp:/work/llamacpp-extra]
+                                [--llama-path /work/llamacpp:/work/llamacpp-extra] [--llama-server BIN]
 
 Both servers load the same GGUF file (the default model's Q4_1) with the same thread count and get the same
 requests: `--clients` text prompts (seeded, 16 to 64 words) sent at once to /v1/completions, streaming, greedy,
@@ -14,8 +14,9 @@ same for every server; servers run alternately, round by round, and the best rou
 shared). llama-cpp-python's server holds one llama context and a lock: it serves one request at a time, the others
 wait (its --interrupt_requests, on by default, would cut the running stream instead, so it is turned off).
 `--llama-server BIN` adds llama.cpp's own C++ server (one slot per client, continuous batching), which is what
-serves many streams in llama.cpp. `--isa` starts one of our servers per tier (NANOINFER_CPU_ISA). llama-cpp-python's server needs its extras
-(fastapi, sse-starlette, starlette-context, pydantic-settings), given with --llama-path, kept out of our package.
+serves many streams in llama.cpp. `--isa` starts one of our servers per tier (NANOINFER_CPU_ISA).
+llama-cpp-python's server needs its extras (fastapi, sse-starlette, starlette-context, pydantic-settings), given
+with --llama-path, kept out of our package.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +43,7 @@ DEFAULT_GGUF = Path.home() / ".cache/nanoinfer/smollm2-135m-instruct/SmolLM2-135
 EOG_IDS = (0, 2, 4)
 WORDS = ("the river city night market light old story people winter machine garden music north road friend "
          "letter summer mountain train window history small quiet bright long journey house language sea "
-         "morning village book team question bridge storm island field answer voice year").split()
+         "morning village book team question bridge storm island field answer voice year")
 
 
 def free_port() -> int:
@@ -51,8 +53,8 @@ def free_port() -> int:
 
 
 def prompts_for(round_no: int, clients: int) -> list[str]:
-    rng = random.Random(1000 + round_no)
-    return [f"Write a long essay about {' '.join(rng.choice(WORDS) for _ in range(rng.randint(16, 64)))}."
+    rng, words = random.Random(1000 + round_no), WORDS.split()
+    return [f"Write a long essay about {' '.join(rng.choice(words) for _ in range(rng.randint(16, 64)))}."
             for _ in range(clients)]
 
 
@@ -61,13 +63,16 @@ class Server:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, extra: dict):
         self.name, self.url, self.extra = name, f"http://127.0.0.1:{port}", extra
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # A file, not a pipe: a chatty server would fill a pipe nobody reads and block. It lives as the server does.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SystemExit(f"{self.name} exited ({self.process.returncode}): {self.process.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise SystemExit(f"{self.name} exited ({self.process.returncode}): {self.log.read()[-2000:]}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return
