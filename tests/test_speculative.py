@@ -341,8 +341,8 @@ def test_bad_speculative_config(value, message):
 def test_draft_quantization_is_checked():
     spec = {"model": "d", "num_speculative_tokens": 2}
     assert engine_config(speculative_config={**spec, "quantization": "int8"}).speculative_config.quantization == "int8"
-    with pytest.raises(RequestError, match="quantization='int4' is invalid"):
-        engine_config(speculative_config={**spec, "quantization": "int4"})
+    with pytest.raises(RequestError, match="quantization='int3' is invalid"):
+        engine_config(speculative_config={**spec, "quantization": "int3"})
     with pytest.raises(RequestError, match="applies to a draft model, not to n-gram"):
         engine_config(speculative_config={"num_speculative_tokens": 2, "quantization": "int8"})
 
