@@ -514,68 +514,6 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
 }
 #endif
 
-#if DOT_ISA == 1
-#define TOKEN_TILE 4
-/* One weight row against NT activation rows (k apart) at once: each 4-bit chunk is unpacked
- * once for all NT tokens, not once per token. Per token, the integer sums and the float
- * operations are row_dot's in its order, so every result has row_dot's bits. */
-static inline __attribute__((always_inline)) void row_dot_tile(const uint8_t *q, const uint16_t *d, const uint16_t *m,
-                                                               const int8_t *xq, const float *xd, const float *xs,
-                                                               int k, int groups, int bits, int NT, float *out) {
-    __m256 acc[TOKEN_TILE], mins[TOKEN_TILE];
-    for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    int g = 0;
-    for (; g + 8 <= groups; g += 8, q += 32 * bits) {
-        __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g)));
-        if (bits == 4) {
-            __m256i wl[4], wh[4];
-            for (int l = 0; l < 4; l++) {
-                __m256i w = load32(q + 32 * l);
-                wl[l] = _mm256_and_si256(w, low), wh[l] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-            }
-            for (int t = 0; t < NT; t++) {
-                const int8_t *x = xq + (int64_t)t * k + 32 * g;
-                __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-                for (int l = 0; l < 4; l++) {
-                    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(wl[l], load32(x + 32 * l)));
-                    b = _mm256_add_epi16(b, _mm256_maddubs_epi16(wh[l], load32(x + 128 + 32 * l)));
-                }
-                __m256i s = _mm256_madd_epi16(_mm256_add_epi16(a, b), ones);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), chunk_scales(d + g, xd + (int64_t)t * groups + g, 8),
-                                         acc[t]);
-                mins[t] = _mm256_fmadd_ps(mg, _mm256_loadu_ps(xs + (int64_t)t * groups + g), mins[t]);
-            }
-        } else
-            for (int t = 0; t < NT; t++) {
-                __m256i s = chunk_dot(q, xq + (int64_t)t * k + 32 * g, bits, 8);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), chunk_scales(d + g, xd + (int64_t)t * groups + g, 8),
-                                         acc[t]);
-                mins[t] = _mm256_fmadd_ps(mg, _mm256_loadu_ps(xs + (int64_t)t * groups + g), mins[t]);
-            }
-    }
-    if (g == groups) {
-        for (int t = 0; t < NT; t++) out[t] = hsum8(_mm256_add_ps(acc[t], mins[t])) + 0.0f;
-        return;
-    }
-    for (int t = 0; t < NT; t++) { /* the row's last < 8 groups: row_dot's tail, token by token */
-        const int8_t *x = xq + (int64_t)t * k + 32 * g;
-        const float *tx = xd + (int64_t)t * groups, *ts = xs + (int64_t)t * groups;
-        const uint8_t *tq = q;
-        float rest = 0.0f;
-        int h = g;
-        for (int G = 4; G >= 1; G /= 2)
-            if ((groups - h) & G) {
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot(tq, x, bits, G)), chunk_scales(d + h, tx + h, G),
-                                         acc[t]);
-                for (int j = h; j < h + G; j++) rest += _cvtsh_ss(m[j]) * ts[j];
-                h += G, tq += 4 * bits * G, x += 32 * G;
-            }
-        out[t] = hsum8(_mm256_add_ps(acc[t], mins[t])) + rest;
-    }
-}
-#endif
-
 /* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above: bf16, or fp32 where y_f32 (a
  * tensor-parallel rank's partial sum, rounded only once the ranks' parts are added). Returns
  * 0, or -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes). */
@@ -593,27 +531,6 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
         /* a few rows ahead: the hardware prefetcher alone left a core's stream at ~60% of its bandwidth */
         const uint8_t *ahead = q + (int64_t)(r + PREFETCH_ROWS < n ? r + PREFETCH_ROWS : r) * row_bytes;
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
-#if DOT_ISA == 1
-        for (int t0 = 0; t0 < rows; t0 += TOKEN_TILE) {
-            float v[TOKEN_TILE];
-            int nt = rows - t0 < TOKEN_TILE ? rows - t0 : TOKEN_TILE;
-            const uint8_t *qr = q + r * row_bytes;
-            const uint16_t *dr = d + (int64_t)r * groups, *mr = m + (int64_t)r * groups;
-            const int8_t *xt = xq + (int64_t)t0 * k;
-            const float *xdt = xd + (int64_t)t0 * groups, *xst = xs + (int64_t)t0 * groups;
-            switch (nt) { /* each count its own unrolled copy, the accumulators in registers */
-            case 4: row_dot_tile(qr, dr, mr, xt, xdt, xst, k, groups, bits, 4, v); break;
-            case 3: row_dot_tile(qr, dr, mr, xt, xdt, xst, k, groups, bits, 3, v); break;
-            case 2: row_dot_tile(qr, dr, mr, xt, xdt, xst, k, groups, bits, 2, v); break;
-            default: v[0] = row_dot(qr, dr, mr, xt, xdt, xst, groups, bits);
-            }
-            for (int t = t0; t < t0 + nt; t++)
-                if (y_f32)
-                    ((float *)y)[(int64_t)t * n + r] = v[t - t0];
-                else
-                    ((uint16_t *)y)[(int64_t)t * n + r] = f32_to_bf16(v[t - t0]);
-        }
-#else
         for (int t = 0; t < rows; t++) {
             float v = row_dot(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
                               xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits);
@@ -622,7 +539,6 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
             else
                 ((uint16_t *)y)[(int64_t)t * n + r] = f32_to_bf16(v);
         }
-#endif
     }
     free(xq);
 #endif
