@@ -73,6 +73,20 @@ def test_block_matmul_equals_its_reference(block_lib, bits, out, cols, tokens):
         cpu_native.block_matmul(x, blocks, block_lib, torch.float16)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("cols", [256, 288, 1536])
+def test_block_matmul_tokens_together_equal_one_at_a_time(block_lib, bits, cols):
+    """A step's tokens share each unpacked weight chunk; every token keeps the single-token bits."""
+    g = torch.Generator().manual_seed(cols + bits)
+    q = torch.randint(0, 2**bits, (24, cols), generator=g, dtype=torch.uint8)
+    scale = torch.rand(24, cols // 32, generator=g) * 0.1 + 0.01
+    blocks = BlockWeight.from_groups(GroupedWeight(q, scale, -scale * torch.rand(24, cols // 32, generator=g), bits))
+    x = randn(9, cols, seed=cols + 1, dtype=torch.bfloat16) * 3
+    one = [cpu_native.block_matmul(x[t : t + 1], blocks, block_lib, torch.float32) for t in range(9)]
+    for tokens in range(1, 10):
+        assert torch.equal(cpu_native.block_matmul(x[:tokens], blocks, block_lib, torch.float32), torch.cat(one[:tokens]))
+
+
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 32), (2, 100)])
 def test_norms_and_swiglu_equal_their_torch_ops(native, rows, dim):
     x, w, eps = randn(rows, dim, seed=1) * 3, 1 + 0.1 * randn(dim, seed=2), 1e-5
