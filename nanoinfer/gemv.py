@@ -174,43 +174,45 @@ def _(x, w, scale=None):
 
 
 @triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for n, k, w, s in ((8, 256, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 3), (32, 512, 8, 3),
-                                (64, 256, 8, 3), (8, 1024, 4, 3), (16, 1024, 8, 3), (64, 128, 4, 4), (32, 128, 4, 4),
-                                (4, 2048, 4, 3), (128, 128, 8, 3))],
+    configs=[triton.Config({"BLOCK_N": n, "GROUPS": g}, num_warps=w, num_stages=3)
+             # (the winners of an H100 sweep over the 1B and 8B shapes, bench/RESULTS.md)
+             for n, g, w in ((8, 4, 4), (8, 8, 8), (16, 4, 8), (16, 4, 2), (32, 4, 2), (16, 8, 4), (4, 8, 4),
+                             (32, 2, 4), (64, 2, 8), (8, 16, 8))],
     key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
-                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One row: BLOCK_N output rows, BLOCK_K inputs (BLOCK_K // 8 words of each row) a step. The
-    # words are taken a nibble plane at a time (nibble k of word j: input 8j + k, whose input
-    # is loaded alongside), so no tile changes shape; the eight inputs of a word share a group,
-    # so each word's sum meets its scale once: sum(s q x + m x) = s sum(q x) + m sum(x).
-    # (HALF, the scales' type, only keys the tuning.)
-    WORDS: tl.constexpr = BLOCK_K // 8
+                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    # One row: BLOCK_N output rows, GROUPS whole groups a step, a tile [BLOCK_N, GROUPS, WORDS].
+    # The words are taken a nibble plane at a time (Int4CudaWeight's order: plane k of a group's
+    # words is its inputs k WORDS..(k + 1) WORDS, one contiguous load of x), so no tile changes
+    # shape; each word sums its products before the group's scale and min meet them, once per
+    # (row, group): sum(s q x + m x) = s sum(q x) + m sum(x). (HALF only keys the tuning.)
+    WORDS: tl.constexpr = GROUP // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + tl.arange(0, WORDS)
-        w_mask = offs_w < K // 8
-        words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :],
-                        mask=n_mask[:, None] & w_mask[None, :], other=0)
-        dots = tl.zeros([BLOCK_N, WORDS], tl.float32)
-        sums = tl.zeros([WORDS], tl.float32)
+    offs_j = tl.arange(0, WORDS)
+    acc = tl.zeros([BLOCK_N, GROUPS, WORDS], tl.float32)
+    for g0 in range(0, K // GROUP, GROUPS):
+        gs = g0 + tl.arange(0, GROUPS)
+        g_mask = gs < K // GROUP
+        words = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + (gs * WORDS)[None, :, None]
+                        + offs_j[None, None, :], mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
+        dots = tl.zeros([BLOCK_N, GROUPS, WORDS], tl.float32)
+        sums = tl.zeros([GROUPS, WORDS], tl.float32)
         for k in tl.static_range(8):
-            x = tl.load(x_ptr + offs_w * 8 + k, mask=w_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + (gs * GROUP + k * WORDS)[:, None] + offs_j[None, :], mask=g_mask[:, None],
+                        other=0.0).to(tl.float32)
             # q in [0, 16) to fp32 without I2F (see _gemv_kernel): the float 2^23 + q, less 2^23.
             q = (((words >> (4 * k)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            dots += q * x[None, :]
+            dots += q * x[None, :, :]
             sums += x
-        where = offs_n[:, None] * stride_sn + (offs_w // (GROUP // 8))[None, :]
-        g_mask = n_mask[:, None] & w_mask[None, :]
-        scale = tl.load(scale_ptr + where, mask=g_mask, other=0.0).to(tl.float32)
-        low = tl.load(min_ptr + where, mask=g_mask, other=0.0).to(tl.float32)
-        acc += scale * dots + low * sums[None, :]
-    tl.store(out_ptr + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_mask)
+        where = offs_n[:, None] * stride_sn + gs[None, :]
+        sg_mask = n_mask[:, None] & g_mask[None, :]
+        scale = tl.load(scale_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
+        acc += scale[:, :, None] * dots + low[:, :, None] * sums[None, :, :]
+    tl.store(out_ptr + offs_n, tl.sum(tl.sum(acc, 2), 1).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.autotune(
@@ -224,26 +226,29 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
 def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                     stride_om, ROWS, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    # Several rows: each nibble plane of a weight tile (the inputs 8j + k) dequantized to x's
-    # type in registers and multiplied on tensor cores with the same inputs of x, eight
-    # products a tile (a sum over the inputs in another order). ROWS (M rounded up to a power
-    # of 2) keys the tuning: small batches want narrow tiles and many programs, a prefill wide ones.
-    WORDS: tl.constexpr = BLOCK_K // 8
+    # Several rows: each nibble plane of a weight tile dequantized to x's type in registers and
+    # multiplied on tensor cores with the inputs it holds (word w's nibble k: input
+    # (w // WORDS) GROUP + k WORDS + w % WORDS, Int4CudaWeight's order), eight products a tile
+    # (a sum over the inputs in another order). ROWS (M rounded up to a power of 2) keys the
+    # tuning: small batches want narrow tiles and many programs, a prefill wide ones.
+    WORDS: tl.constexpr = GROUP // 8
+    TILE_WORDS: tl.constexpr = BLOCK_K // 8
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        offs_w = k0 // 8 + tl.arange(0, TILE_WORDS)
         w_mask = offs_w < K // 8
         nw_mask = n_mask[:, None] & w_mask[None, :]
         words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :], mask=nw_mask, other=0)
-        where = offs_n[:, None] * stride_sn + (offs_w // (GROUP // 8))[None, :]
+        where = offs_n[:, None] * stride_sn + (offs_w // WORDS)[None, :]
         scale = tl.load(scale_ptr + where, mask=nw_mask, other=0.0).to(tl.float32)
         low = tl.load(min_ptr + where, mask=nw_mask, other=0.0).to(tl.float32)
+        first = (offs_w // WORDS) * GROUP + offs_w % WORDS  # each word's nibble 0 input
         for k in tl.static_range(8):
             q = (((words >> (4 * k)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (offs_w * 8 + k)[None, :],
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (first + k * WORDS)[None, :],
                         mask=m_mask[:, None] & w_mask[None, :], other=0.0)
             acc = tl.dot(x, tl.trans((q * scale + low).to(x.dtype)), acc)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
