@@ -53,25 +53,42 @@ def _quick_bench(kernel_call, quantiles):
                                 # few rows, long rows: the best for 8B shapes, 1-byte weights most of all
                                 # (an H100 sweep: .scratch-era numbers in bench/RESULTS.md)
                                 (2, 4096, 4, 3), (2, 2048, 4, 4), (4, 2048, 4, 4))],
-    key=["N", "K", "W_BYTES", "ROWS"], do_bench=_quick_bench, cache_results=True,
+    key=["N", "K", "W_BYTES", "ROWS", "NORM", "SILU"], do_bench=_quick_bench, cache_results=True,
 )
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES,
-                 HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES, norm_ptr, res_ptr,
+                 eps, HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
+                 SILU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
     # ROWS: 1, or 2 (each weight widened once, multiplied with both rows).
+    # One row may fold its neighbours in (fused_gemv): NORM, x is RMSNorm'd on the way in: the
+    # norm's gain multiplies x in the loop, which also sums x's squares, and 1 / rms scales the
+    # sums at the end (a first pass for the rms would hold every weight load back by the
+    # latency of reading x); SILU, x holds [gate | up] of 2K and the input is silu(gate) * up,
+    # rounded to x's type as F.silu and the product round it; RESIDUAL, `res` is added to the
+    # output, rounded first as `x + linear(...)` rounds it.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if ROWS == 2:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if NORM:
+        squares = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        if NORM:
+            x = x.to(tl.float32)
+            squares += x * x
+            x = x * tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if SILU:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
         if INT8:
             # int8 -> fp32 without I2F (an eighth of the FMA rate on Hopper: it made the kernel
             # instruction-bound): q + 128 in [0, 255] added to the bits of 2^23 is the float
@@ -84,10 +101,14 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
             x2 = tl.load(x_ptr + stride_xm + offs_k, mask=k_mask, other=0.0)
             acc2 += wf * x2.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
+    if NORM:
+        out *= tl.rsqrt(tl.sum(squares, 0) / K + eps)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out *= scale
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if RESIDUAL:
+        out = out.to(dtype).to(tl.float32) + tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
     if ROWS == 2:
         out2 = tl.sum(acc2, 1)
         if HAS_SCALE:
@@ -155,7 +176,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     if m == 1 or m == 2 and _two_rows_on_cuda_cores(w):
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
-            HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m)
+            x, x, 0.0, HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m, NORM=False, SILU=False,
+            RESIDUAL=False)
     elif m <= ROWS_MAX and x.dtype in (torch.bfloat16, torch.float16) and w.dtype in (x.dtype, torch.int8):
         _rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
@@ -171,6 +193,29 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 @gemv.register_fake
 def _(x, w, scale=None):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("nanoinfer::fused_gemv", mutates_args=())
+def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
+               silu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """`gemv` of one row with its neighbours folded in, one kernel where they took one each:
+    `norm` (an RMSNorm weight): rms_norm(x, norm, eps) @ w.T; `silu`: x is [gate | up] and the
+    product is (silu(gate) * up) @ w.T; `residual` [1, N] is added to the product. The same
+    roundings as those ops unfused but the norm's: its output stays fp32 into the sums
+    (nanoinfer.model's unfused parts are the reference: tests/test_gpu.py)."""
+    n, k = w.shape
+    assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == (2 * k if silu else k)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
+        x if norm is None else norm, x if residual is None else residual, eps, HAS_SCALE=scale is not None,
+        INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu, RESIDUAL=residual is not None)
+    return out
+
+
+@fused_gemv.register_fake
+def _(x, w, scale, norm, eps, silu, residual):
+    return x.new_empty((1, w.shape[0]))
 
 
 @triton.autotune(

@@ -3,7 +3,8 @@
 
 The one place that decides, per family and per device. A family with a dataflow of its own
 (nanochat) has its module imported only for a model of that family. On CUDA: the Triton paged-attention kernels, the
-Triton GEMV for batch-1 projections, the fused q/k-norm + RoPE + KV-write kernel, and
+Triton GEMV for batch-1 projections (with the norms, SwiGLU and residual adds folded in:
+nanoinfer.fused_layers), the fused q/k-norm + RoPE + KV-write kernel, and
 torch.compile'd dense layer parts and the sampler's random draw (unless `eager`); CUDA
 graphs may then capture steps. On the CPU: a packed (quantized) model's layers run
 nanoinfer.cpu_layers (packed matmuls, the rest in a few C calls, unless `eager`); any other
@@ -77,13 +78,17 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     attention = attention_backend(cfg, device, block_size)
     if eager:
         return Kernels(attention, EAGER, False)
+    from nanoinfer import fused_layers
     from nanoinfer.gemv import linear
     from nanoinfer.hub import cache_dir
     from nanoinfer.rope_write import rope_and_write
 
     # Keep Inductor's compiled kernels beside the models, so a second start is fast.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    return Kernels(attention, compiled_layer_functions(linear, rope_and_write), True, compiled_draw())
+    # (one token: the norms, SwiGLU and residual adds inside the GEMVs)
+    parts = EAGER._replace(qkv_projection=fused_layers.qkv_projection,
+                           attention_output_and_mlp=fused_layers.attention_output_and_mlp)
+    return Kernels(attention, compiled_layer_functions(linear, rope_and_write, parts), True, compiled_draw())
 
 
 def compiled_draw() -> Callable:

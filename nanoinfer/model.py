@@ -138,16 +138,18 @@ class LayerFunctions(NamedTuple):
 EAGER = LayerFunctions()
 
 
-def compiled_layer_functions(linear: Callable = quantized.linear, rope_and_write: Callable | None = None) -> LayerFunctions:
-    """torch.compile'd layer parts, shape-dynamic in the token count (one compile serves
-    every batch size; batch 1 gets its own graph). Set TORCHINDUCTOR_CACHE_DIR to keep the
-    kernels across starts. (`linear` is passed at each call rather than bound with a partial:
-    Dynamo then guards on one module-level function, and engines share the compiled code.)"""
+def compiled_layer_functions(linear: Callable = quantized.linear, rope_and_write: Callable | None = None,
+                             parts: LayerFunctions = EAGER) -> LayerFunctions:
+    """torch.compile'd layer parts (`parts`' own: these by default), shape-dynamic in the token
+    count (one compile serves every batch size; batch 1 gets its own graph). Set
+    TORCHINDUCTOR_CACHE_DIR to keep the kernels across starts. (`linear` is passed at each
+    call rather than bound with a partial: Dynamo then guards on one module-level function,
+    and engines share the compiled code.)"""
     def compiled(fn):
         return torch.compile(fn, dynamic=True, fullgraph=True)
 
-    return LayerFunctions(compiled(attention_inputs), compiled(attention_output_and_mlp), linear,
-                          compiled(qkv_projection), rope_and_write)
+    return LayerFunctions(compiled(parts.attention_inputs), compiled(parts.attention_output_and_mlp), linear,
+                          compiled(parts.qkv_projection), rope_and_write)
 
 
 def forward(

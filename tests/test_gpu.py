@@ -376,6 +376,50 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
     assert engine.scheduler.blocks.num_free_blocks == 512
 
 
+# --- one token's layer parts with the norms, SwiGLU and residual adds inside the GEMVs (issue 35) ---
+
+@pytest.mark.parametrize("form", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("hidden,inter", [(1024, 3072), (2048, 8192), (576, 1536)])
+def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
+    """nanoinfer.fused_layers at one token against nanoinfer.model's parts: the same roundings,
+    so the same bf16 numbers up to the order of the fp32 sums (one bf16 step at most)."""
+    from nanoinfer import fused_layers, model, quantized
+    from nanoinfer.config import ModelConfig
+    from nanoinfer.gemv import linear
+
+    g = torch.Generator(device="cuda").manual_seed(hidden + inter)
+    heads, d = hidden // 64, 64
+    cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=hidden, intermediate_size=inter,
+                      num_layers=1, num_heads=heads, num_kv_heads=heads, head_dim=d, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+
+    def weight(n, k):
+        dense = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
+        if form == "int8":
+            return quantized.Int8Weight.quantize(dense, torch.float32)
+        return quantized.Fp8Weight.quantize(dense) if form == "fp8" else dense.bfloat16()
+
+    norm = (torch.rand(hidden, device="cuda", generator=g) + 0.5).bfloat16()
+    lp = model.LayerParams(attn_norm=norm, qkv_proj=weight(3 * hidden, hidden), qkv_bias=None, q_norm=None,
+                           k_norm=None, o_proj=weight(hidden, hidden),
+                           mlp_norm=norm.flip(0).contiguous(), gate_up_proj=weight(2 * inter, hidden),
+                           down_proj=weight(hidden, inter))
+    x = (torch.randn(1, hidden, device="cuda", generator=g) * 4).bfloat16()
+    attn = torch.randn(1, heads, d, device="cuda", generator=g).bfloat16()
+    pairs = [(fused_layers.qkv_projection(x, lp, cfg, linear), model.qkv_projection(x, lp, cfg, linear)),
+             (fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear),
+              model.attention_output_and_mlp(x, attn, lp, cfg, linear))]
+    for got, want in pairs:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    # Two tokens, or a tensor-parallel sum between a projection and its residual: the unfused parts.
+    x2 = x.repeat(2, 1)
+    assert torch.equal(fused_layers.qkv_projection(x2, lp, cfg, linear), model.qkv_projection(x2, lp, cfg, linear))
+    double = lambda t: t * 2  # noqa: E731
+    assert torch.equal(fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double),
+                       model.attention_output_and_mlp(x, attn, lp, cfg, linear, double))
+
+
 # --- quantized weights (issue 12) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("form,rows", [("int8", 1), ("int8", 2), ("int8", 3), ("int8", 16), ("fp8", 1)])

@@ -1,0 +1,61 @@
+"""CUDA layer parts for one token: the norms, SwiGLU and residual adds folded into the GEMVs.
+
+A batch-1 decode step of a small model is bound by how many kernels run, not by bytes: per
+layer the unfused parts launch an RMSNorm before the QKV projection, a residual add + RMSNorm
+after the output projection, SiLU * up before the down projection and a residual add after
+it, each a few microseconds for a few KB (bench/RESULTS.md). Here each folds into the GEMV
+next to it (nanoinfer.gemv.fused_gemv), so a layer is four GEMVs, the RoPE/KV-write kernel and
+attention. Same signatures as nanoinfer.model's `qkv_projection` and
+`attention_output_and_mlp`, which run instead wherever this does not apply: more than one
+token, a tensor-parallel sum between a projection and its residual, or a weight the GEMV does
+not read. Those unfused functions are the reference (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from nanoinfer import model
+from nanoinfer.config import ModelConfig
+from nanoinfer.gemv import fused_gemv
+from nanoinfer.model import LayerParams
+from nanoinfer.quantized import Fp8Weight, Int8Weight
+
+
+def _operands(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The GEMV's (weight, per-row scale) for projection weight `w`, or None where it has none."""
+    if isinstance(w, (Int8Weight, Fp8Weight)):
+        return w.q, w.scale
+    if isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.stride(1) == 1:
+        return w, None
+    return None
+
+
+def _takes(x: torch.Tensor, *weights) -> bool:
+    # (one token is a size Dynamo specializes anyway: this branch adds no recompile)
+    return x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(
+        _operands(w, x) is not None for w in weights)
+
+
+def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable) -> torch.Tensor:
+    if not (_takes(x, lp.qkv_proj) and lp.attn_norm.dtype == x.dtype):
+        return model.qkv_projection(x, lp, cfg, linear)
+    w, scale = _operands(lp.qkv_proj, x)
+    out = fused_gemv(x.contiguous(), w, scale, lp.attn_norm, cfg.rms_norm_eps, False, None)
+    return out if lp.qkv_bias is None else out + lp.qkv_bias
+
+
+def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
+                             linear: Callable, reduce: Callable = model._same) -> torch.Tensor:
+    if not (reduce is model._same and _takes(x, lp.o_proj, lp.gate_up_proj, lp.down_proj)
+            and lp.mlp_norm.dtype == x.dtype):
+        return model.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+    x = x.contiguous()
+    w, scale = _operands(lp.o_proj, x)
+    x = fused_gemv(attn.reshape(1, cfg.q_size).contiguous(), w, scale, None, 0.0, False, x)
+    w, scale = _operands(lp.gate_up_proj, x)
+    gate_up = fused_gemv(x, w, scale, lp.mlp_norm, cfg.rms_norm_eps, False, None)
+    w, scale = _operands(lp.down_proj, x)
+    return fused_gemv(gate_up, w, scale, None, 0.0, True, x)
