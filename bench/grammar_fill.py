@@ -18,7 +18,7 @@ same streams (a step: every live row's mask filled in one go, timed, then its to
   one lexer behind a lock, so they are masked one at a time whatever the threads);
 - same: copies that all follow stream 0 (every row at the same state);
 - engine: nanoinfer.structured.Grammars (`constraint` per sequence, `fill`: --lexers
-  compilations per spec, default one per thread, filled in rounds of one row per lexer).
+  compilations per spec, default two per thread, filled in rounds of one row per lexer).
 Reported per mode and thread count: µs of wall time per row (all steps' fill time over all rows
 filled), and the median and p90 of a step's wall time per row.
 """

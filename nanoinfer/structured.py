@@ -27,12 +27,13 @@ finite string (nanoinfer/lark_check.py), is a RequestError when it is compiled.
 
 llguidance's copies (`LLMatcher.deep_copy`) share their compiled grammar's lexer, its cache
 of lexer states, behind one lock that a mask or a consumed token holds throughout: the copies
-of one compilation are masked one at a time whatever the thread count (bench/grammar_fill.py
-measured it: on a 16-core host 8 rows of one schema took 2.5 ms a step, serialized and
-contended, where one thread does them in ~0.5 ms). So a spec is compiled up to once per fill
-thread (`Grammars.lexers_per_spec`), its sequences' copies are spread over these lexers, and a
-fill (or consume) runs in rounds that each hold at most one row per lexer: rows in one round
-never wait for each other, and copies still share the lexer states their siblings built.
+of one compilation are masked one at a time whatever the thread count (8 rows of one schema
+took 2.5 ms a step on a 16-core host, where one thread does them in ~0.5 ms; two threads
+masking copies of one compilation took 2.5x one thread's time, a compilation each 1.1x:
+bench/RESULTS.md). So a spec is compiled up to twice per fill
+thread (`Grammars.lexers_for`), its sequences' copies are spread over these lexers, and a fill
+(or consume) runs in rounds that each hold at most one row per lexer (`in_rounds`): rows in one
+round never wait for each other, and copies still share the lexer states their siblings built.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import json
 import os
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -71,6 +73,9 @@ CACHE_GRAMMAR_BYTES = 8 << 20  # the compile thread's stack: reserved address sp
 # What a spec's compilations (one per fill thread, see above) may take together: one takes ~40x
 # the spec's text, so a large grammar gets fewer lexers than there are threads (a 0.7 MB schema 2).
 LEXER_BYTES = 64 << 20
+# ... and the time their compiling may take (the engine thread waits for each, as a sequence comes):
+# ~0.5 ms each for bench/structured.py's schema, so a grammar that compiles in 20 ms gets one.
+LEXER_COMPILE_S = 0.02
 
 # llguidance's errors when one of its parser limits is reached (they say "items", "fuel" or "TooComplex")
 _TOO_COMPLEX = re.compile(r"Too many items|has \d+ items; max is|TooComplex|fuel|lexer states")
@@ -213,6 +218,7 @@ class _Compiled:
 
     grammar: str
     lexers: list
+    compile_s: float  # (the first's)
     handed: int = 0
 
 
@@ -228,14 +234,15 @@ class Grammars:
     thread of its own (its stack: COMPILE_STACK_BYTES), queued: callers wait on a future
     (`compile`), or block (`check`, `constraint`). Masks are filled, and tokens consumed, on
     `threads` threads (default: llguidance's), a spec's sequences spread over up to `lexers`
-    compilations of it (default: one per thread; the module's docstring says why)."""
+    compilations of it (default: two per thread, so that a round has rows to balance over the
+    threads; the module's docstring says why)."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, cache_bytes: int = CACHE_GRAMMAR_BYTES,
                  threads: int | None = None, lexers: int | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self.threads = threads or fill_threads()
-        self.lexers = lexers or self.threads
+        self.lexers = lexers or (1 if self.threads == 1 else 2 * self.threads)
         self._cached_bytes = 0  # the cached specs' sizes (CACHE_GRAMMAR_BYTES says why)
         self._llm_tokenizer = None  # (written and read on the compile thread only)
         # spec -> its compilations, or the message saying why it cannot be compiled
@@ -272,7 +279,7 @@ class Grammars:
         with self._lock:
             compiled = self._compiled.get(spec)
             if isinstance(compiled, _Compiled):
-                at = compiled.handed % self.lexers_for(spec)
+                at = compiled.handed % self.lexers_for(spec, compiled.compile_s)
                 compiled.handed += 1
         if not isinstance(compiled, _Compiled):  # (the cache dropped it meanwhile: one of its own)
             lexer = self._compiler_().submit(self._compile, spec, True).result().lexers[0]
@@ -280,9 +287,11 @@ class Grammars:
         lexer = self._compiler_().submit(self._lexer, spec, compiled, at).result()
         return Constraint.of(spec, lexer.deep_copy(), lexer)
 
-    def lexers_for(self, spec: GrammarSpec) -> int:
-        """How many compilations of `spec` its sequences are spread over (LEXER_BYTES)."""
-        return min(self.lexers, max(1, LEXER_BYTES // max(1, 40 * spec.size)))
+    def lexers_for(self, spec: GrammarSpec, compile_s: float = 0.0) -> int:
+        """How many compilations of `spec` (one taking `compile_s`) its sequences are spread
+        over (LEXER_BYTES, LEXER_COMPILE_S)."""
+        return max(1, min(self.lexers, LEXER_BYTES // max(1, 40 * spec.size), int(LEXER_COMPILE_S // compile_s)
+                          if compile_s else self.lexers))
 
     def prepare(self) -> None:
         """Build llguidance's view of the tokenizer now (~0.3 s, holding the GIL: a server
@@ -331,8 +340,10 @@ class Grammars:
             return hit
         self._build_tokenizer(spec.param)
         try:
+            start = time.perf_counter()
             grammar = spec.grammar()
             matcher = Constraint(self._llm_tokenizer, spec, grammar).matcher
+            compile_s = time.perf_counter() - start
             # llguidance finds no token to start an empty language with (a regex [^\s\S], a rule
             # that only calls itself): better a 400 now than a failure once generation started.
             first = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
@@ -349,7 +360,7 @@ class Grammars:
             if unproductive:
                 raise RequestError(f"the grammar cannot constrain generation: no output satisfies it (no finite "
                                    f"string derives from rule {', '.join(unproductive[:5])})", param=spec.param)
-            compiled = _Compiled(grammar, [matcher])
+            compiled = _Compiled(grammar, [matcher], compile_s)
         except RequestError as exc:
             compiled = str(exc)
         if not fresh:
