@@ -21,12 +21,18 @@ same streams (a step: every live row's mask filled in one go, timed, then its to
   compilations per spec, default two per thread, filled in rounds of one row per lexer).
 Reported per mode and thread count: µs of wall time per row (all steps' fill time over all rows
 filled), and the median and p90 of a step's wall time per row.
+
+With --lock-check instead: do copies of one compilation mask in parallel? Python threads (llguidance
+drops the GIL while masking) each replay their share of the streams, a matcher per stream, all
+copies of one compilation or copies of a compilation per thread, against one thread doing one
+share (wall time; 1.0x: the threads ran in parallel, N x: one at a time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +115,36 @@ def replay(mode: str, threads: int, streams: list[list[int]], new, spec, tokeniz
     return np.array(per_row), total, rows
 
 
+def lock_check(new, streams: list[list[int]], threads: int, vocab: int) -> None:
+    from nanoinfer.structured import allocate_bitmask
+
+    def replay_share(root, share):
+        mask = allocate_bitmask(1, vocab)
+        for stream in share:
+            m = root.deep_copy()
+            for token in stream:
+                m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
+                assert m.consume_token(token)
+
+    def wall(roots, shares) -> float:
+        workers = [threading.Thread(target=replay_share, args=(r, s)) for r, s in zip(roots, shares)]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - start
+
+    shares = [streams[i::threads] for i in range(threads)]
+    for _ in range(3):
+        one = wall([new()], shares[:1])
+        shared = new()
+        copies = wall([shared] * threads, shares)
+        own = wall([new() for _ in range(threads)], shares)
+        print(f"  {threads} threads: copies of one compilation {copies / one:.2f}x one thread's share, "
+              f"a compilation each {own / one:.2f}x (one share: {1e3 * one:.0f} ms)", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -122,6 +158,7 @@ def main():
     parser.add_argument("--streams", default=None)
     parser.add_argument("--lexers", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lock-check", action="store_true")
     args = parser.parse_args()
 
     from llguidance import LLMatcher, LLParserLimits
@@ -142,6 +179,10 @@ def main():
         streams = recorded[:seqs] if recorded else random_streams(new, args.vocab, seqs, args.tokens, args.seed)
         print(f"{len(streams)} sequences, {np.mean([len(s) for s in streams]):.0f} tokens each "
               f"(first: {tokenizer.decode(streams[0])[:80]!r})")
+        if args.lock_check:
+            for threads in args.threads:
+                lock_check(new, streams, threads, args.vocab)
+            continue
         for threads in args.threads:
             for mode in args.modes:
                 per_row, total, rows = replay(mode, threads, streams, new, spec, tokenizer, args.vocab, args.lexers)

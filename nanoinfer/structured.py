@@ -281,10 +281,12 @@ class Grammars:
             if isinstance(compiled, _Compiled):
                 at = compiled.handed % self.lexers_for(spec, compiled.compile_s)
                 compiled.handed += 1
+                lexer = compiled.lexers[at] if at < len(compiled.lexers) else None
         if not isinstance(compiled, _Compiled):  # (the cache dropped it meanwhile: one of its own)
             lexer = self._compiler_().submit(self._compile, spec, True).result().lexers[0]
             return Constraint.of(spec, lexer, lexer)
-        lexer = self._compiler_().submit(self._lexer, spec, compiled, at).result()
+        if lexer is None:
+            lexer = self._compiler_().submit(self._lexer, spec, compiled, at).result()
         return Constraint.of(spec, lexer.deep_copy(), lexer)
 
     def lexers_for(self, spec: GrammarSpec, compile_s: float = 0.0) -> int:
