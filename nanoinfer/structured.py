@@ -24,13 +24,25 @@ the stack holds ~10x the worst nesting they allow); the compiled grammar is cach
 sequence gets a copy (copying, masking and dropping do not recurse). A grammar that is invalid,
 or whose first mask shows that no output satisfies it, or a Lark grammar whose start derives no
 finite string (nanoinfer/lark_check.py), is a RequestError when it is compiled.
+
+llguidance's copies (`LLMatcher.deep_copy`) share their compiled grammar's lexer, its cache
+of lexer states, behind one lock that a mask or a consumed token holds throughout: the copies
+of one compilation are masked one at a time whatever the thread count (8 rows of one schema
+took 2.5 ms a step on a 16-core host, where one thread does them in ~0.5 ms; two threads
+masking copies of one compilation took 2.5x one thread's time, a compilation each 1.1x:
+bench/RESULTS.md). So a spec is compiled up to twice per fill
+thread (`Grammars.lexers_for`), its sequences' copies are spread over these lexers, and a fill
+(or consume) runs in rounds that each hold at most one row per lexer (`in_rounds`): rows in one
+round never wait for each other, and copies still share the lexer states their siblings built.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,6 +70,12 @@ COMPILE_STACK_BYTES = 256 << 20
 # The compiled grammars a Grammars keeps, by their specs' text: one takes ~40x its text (a 0.7 MB
 # schema ~26 MB), so at most ~300 MB however large the grammars clients send.
 CACHE_GRAMMAR_BYTES = 8 << 20  # the compile thread's stack: reserved address space, touched as used
+# What a spec's compilations (one per fill thread, see above) may take together: one takes ~40x
+# the spec's text, so a large grammar gets fewer lexers than there are threads (a 0.7 MB schema 2).
+LEXER_BYTES = 64 << 20
+# ... and the time their compiling may take (the engine thread waits for each, as a sequence comes):
+# ~0.5 ms each for bench/structured.py's schema, so a grammar that compiles in 20 ms gets one.
+LEXER_COMPILE_S = 0.02
 
 # llguidance's errors when one of its parser limits is reached (they say "items", "fuel" or "TooComplex")
 _TOO_COMPLEX = re.compile(r"Too many items|has \d+ items; max is|TooComplex|fuel|lexer states")
@@ -192,20 +210,43 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
+@dataclass
+class _Compiled:
+    """A spec's compilations: independent matchers that have consumed nothing (`lexers`: the
+    first checked when compiled, more made as sequences come, one lexer-state cache each), and
+    how many copies of them were handed out (spread round-robin)."""
+
+    grammar: str
+    lexers: list
+    compile_s: float  # (the first's)
+    handed: int = 0
+
+
+def fill_threads() -> int:
+    """llguidance's own default: 80% of the usable cores, 1 to 32."""
+    return min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))
+
+
 class Grammars:
     """A model's grammar compiler: llguidance's view of its tokenizer (built on first use),
     and the compiled grammars of recent specs (a request is checked where it is submitted,
-    then each of its sequences constrained by a copy where they run: one compilation).
-    Compiling runs on one thread of its own (its stack: COMPILE_STACK_BYTES), queued: callers
-    wait on a future (`compile`), or block (`check`, `constraint`)."""
+    then each of its sequences constrained by a copy where they run). Compiling runs on one
+    thread of its own (its stack: COMPILE_STACK_BYTES), queued: callers wait on a future
+    (`compile`), or block (`check`, `constraint`). Masks are filled, and tokens consumed, on
+    `threads` threads (default: llguidance's), a spec's sequences spread over up to `lexers`
+    compilations of it (default: two per thread, so that a round has rows to balance over the
+    threads; the module's docstring says why)."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, cache_bytes: int = CACHE_GRAMMAR_BYTES):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, cache_bytes: int = CACHE_GRAMMAR_BYTES,
+                 threads: int | None = None, lexers: int | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self.threads = threads or fill_threads()
+        self.lexers = lexers or (1 if self.threads == 1 else 2 * self.threads)
         self._cached_bytes = 0  # the cached specs' sizes (CACHE_GRAMMAR_BYTES says why)
         self._llm_tokenizer = None  # (written and read on the compile thread only)
-        # spec -> a compiled matcher that has consumed nothing, or the message saying why it cannot be one
-        self._compiled: dict[GrammarSpec, Any] = {}
+        # spec -> its compilations, or the message saying why it cannot be compiled
+        self._compiled: dict[GrammarSpec, _Compiled | str] = {}
         self._lock = threading.Lock()  # guards _compiled and _compiler (the engine thread and the server's use them)
         self._compiler: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance's thread pool, made on first use
@@ -231,14 +272,28 @@ class Grammars:
         self.compile(spec).result()
 
     def constraint(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh Constraint for `spec` (compiled first if need be); RequestError naming
-        what makes it unusable."""
+        """A fresh Constraint for `spec` (compiled first if need be): a copy of one of its
+        compilations, the next in turn (compiled now if it is new, up to `lexers_for(spec)`);
+        RequestError naming what makes it unusable."""
         self.check(spec)
         with self._lock:
             compiled = self._compiled.get(spec)
-        if not isinstance(compiled, str) and compiled is not None:
-            return Constraint.of(spec, compiled.deep_copy())
-        return Constraint.of(spec, self._compiler_().submit(self._compile, spec, True).result())
+            if isinstance(compiled, _Compiled):
+                at = compiled.handed % self.lexers_for(spec, compiled.compile_s)
+                compiled.handed += 1
+                lexer = compiled.lexers[at] if at < len(compiled.lexers) else None
+        if not isinstance(compiled, _Compiled):  # (the cache dropped it meanwhile: one of its own)
+            lexer = self._compiler_().submit(self._compile, spec, True).result().lexers[0]
+            return Constraint.of(spec, lexer, lexer)
+        if lexer is None:
+            lexer = self._compiler_().submit(self._lexer, spec, compiled, at).result()
+        return Constraint.of(spec, lexer.deep_copy(), lexer)
+
+    def lexers_for(self, spec: GrammarSpec, compile_s: float = 0.0) -> int:
+        """How many compilations of `spec` (one taking `compile_s`) its sequences are spread
+        over (LEXER_BYTES, LEXER_COMPILE_S)."""
+        return max(1, min(self.lexers, LEXER_BYTES // max(1, 40 * spec.size), int(LEXER_COMPILE_S // compile_s)
+                          if compile_s else self.lexers))
 
     def prepare(self) -> None:
         """Build llguidance's view of the tokenizer now (~0.3 s, holding the GIL: a server
@@ -264,10 +319,21 @@ class Grammars:
                     threading.stack_size(previous)
             return self._compiler
 
-    def _compile(self, spec: GrammarSpec, fresh: bool = False):
-        """On the compile thread: the compiled matcher for `spec`, cached (a fresh one, not
-        cached, with `fresh`: the cache dropped it meanwhile); RequestError, cached too,
-        naming what makes it unusable."""
+    def _lexer(self, spec: GrammarSpec, compiled: _Compiled, at: int):
+        """On the compile thread: `compiled`'s compilation `at`, made now if it is new (the
+        grammar compiled before: it cannot fail now)."""
+        if at < len(compiled.lexers):  # (appended on this thread only: no lock needed to read)
+            return compiled.lexers[at]
+        while len(compiled.lexers) <= at:
+            lexer = Constraint(self._llm_tokenizer, spec, compiled.grammar).matcher
+            with self._lock:
+                compiled.lexers.append(lexer)
+        return compiled.lexers[at]
+
+    def _compile(self, spec: GrammarSpec, fresh: bool = False) -> _Compiled:
+        """On the compile thread: `spec`'s compilations, cached (a fresh one, not cached, with
+        `fresh`: the cache dropped it meanwhile); RequestError, cached too, naming what makes
+        it unusable."""
         with self._lock:
             hit = self._compiled.get(spec)
         if hit is not None and not fresh:
@@ -276,7 +342,10 @@ class Grammars:
             return hit
         self._build_tokenizer(spec.param)
         try:
-            matcher = Constraint(self._llm_tokenizer, spec).matcher
+            start = time.perf_counter()
+            grammar = spec.grammar()
+            matcher = Constraint(self._llm_tokenizer, spec, grammar).matcher
+            compile_s = time.perf_counter() - start
             # llguidance finds no token to start an empty language with (a regex [^\s\S], a rule
             # that only calls itself): better a 400 now than a failure once generation started.
             first = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
@@ -293,7 +362,7 @@ class Grammars:
             if unproductive:
                 raise RequestError(f"the grammar cannot constrain generation: no output satisfies it (no finite "
                                    f"string derives from rule {', '.join(unproductive[:5])})", param=spec.param)
-            compiled = matcher
+            compiled = _Compiled(grammar, [matcher], compile_s)
         except RequestError as exc:
             compiled = str(exc)
         if not fresh:
@@ -326,33 +395,36 @@ class Grammars:
             self._llm_tokenizer = tokenizer
 
     def consume(self, pairs: list[tuple["Constraint", int]]) -> list[bool]:
-        """`Constraint.consume` for each (constraint, token), in parallel: whether each token
-        continued its grammar."""
-        if not pairs:
-            return []
-        ok = self._executor_().consume_token_par([(c.matcher, token) for c, token in pairs])
-        return [o and not c.matcher.is_error() for o, (c, _) in zip(ok, pairs)]
+        """`Constraint.consume` for each (constraint, token), in parallel (in rounds: `in_rounds`):
+        whether each token continued its grammar."""
+        ok = [False] * len(pairs)
+        for batch in in_rounds(self.threads, [(c, token, i) for i, (c, token) in enumerate(pairs)]):
+            done = self._executor_().consume_token_par([(c.matcher, token) for c, token, _ in batch])
+            for (c, _, i), accepted in zip(batch, done):
+                ok[i] = accepted and not c.matcher.is_error()
+        return ok
 
     def _executor_(self):
         from llguidance import LLExecutor
 
         if self._executor is None:
-            self._executor = LLExecutor()
+            self._executor = LLExecutor(num_threads=self.threads)
         return self._executor
 
     def fill(self, rows: list[tuple["Constraint", int, list[int]]], bitmask: torch.Tensor) -> None:
         """Fill host `bitmask`'s rows as `Constraint.fill` does for each (constraint, row,
         drafts), in parallel on llguidance's threads (without the GIL: a mask over a large
-        vocabulary inside a JSON string takes ~0.1-1 ms)."""
+        vocabulary inside a JSON string takes ~0.05-0.3 ms), in rounds (`in_rounds`)."""
         executor = self._executor_()
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
         where = (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
-        plain = [(c.matcher, row) for c, row, drafts in rows if not drafts]
-        drafting = [(c.matcher, row, list(drafts)) for c, row, drafts in rows if drafts]
-        if plain:
-            executor.unsafe_compute_mask_ptr(plain, *where)
-        if drafting:  # (llguidance refuses an empty draft list there)
-            executor.unsafe_compute_mask_ptr_with_draft_token(drafting, *where)
+        for batch in in_rounds(self.threads, rows):
+            plain = [(c.matcher, row) for c, row, drafts in batch if not drafts]
+            drafting = [(c.matcher, row, list(drafts)) for c, row, drafts in batch if drafts]
+            if plain:
+                executor.unsafe_compute_mask_ptr(plain, *where)
+            if drafting:  # (llguidance refuses an empty draft list there)
+                executor.unsafe_compute_mask_ptr_with_draft_token(drafting, *where)
         for c, _, _ in rows:
             c._check("computing the next tokens")
 
@@ -366,6 +438,7 @@ class Constraint:
         from llguidance import LLMatcher, LLParserLimits
 
         self.spec = spec
+        self.lexer = self  # (`Constraint.of`'s: the compilation whose lexer its matcher shares)
         # (terse errors: a verbose one holds the parser's state and the whole grammar, for every log line)
         self.matcher = LLMatcher(llm_tokenizer, grammar if grammar is not None else spec.grammar(), log_level=0,
                                  limits=LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ROW_ITEMS))
@@ -373,10 +446,11 @@ class Constraint:
             raise RequestError(f"the {spec.kind} cannot constrain generation: {self.error}", param=spec.param)
 
     @classmethod
-    def of(cls, spec: GrammarSpec, matcher) -> "Constraint":
-        """Over a compiled matcher (that has consumed nothing): `spec`'s."""
+    def of(cls, spec: GrammarSpec, matcher, lexer) -> "Constraint":
+        """Over a compiled matcher (that has consumed nothing): `spec`'s, a copy of `lexer`
+        (which it shares lexer states with, behind one lock: `Grammars` masks them one at a time)."""
         constraint = cls.__new__(cls)
-        constraint.spec, constraint.matcher = spec, matcher
+        constraint.spec, constraint.matcher, constraint.lexer = spec, matcher, lexer
         return constraint
 
     def _check(self, doing: str) -> None:
@@ -424,6 +498,22 @@ class Constraint:
     def done(self) -> bool:
         """The output may end here (more may follow: a regex `[0-9]+`, say)."""
         return self.matcher.is_stopped() or self.matcher.is_accepting()
+
+
+def in_rounds(threads: int, items: list) -> list[list]:
+    """`items` (a Constraint first in each) in rounds that each hold at most one constraint per
+    lexer (the copies of one compilation wait for each other's lock: see the module's
+    docstring), each lexer's items in their order. All in one round on one thread (nothing runs
+    beside it)."""
+    if threads == 1:
+        return [items] if items else []
+    rounds, seen = [], {}
+    for item in items:
+        k = seen[id(item[0].lexer)] = seen.get(id(item[0].lexer), -1) + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(item)
+    return rounds
 
 
 def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:

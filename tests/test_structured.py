@@ -147,6 +147,57 @@ def test_parallel_fill_with_drafts_equals_one_row_at_a_time(vocab):
         assert a.matcher.validate_tokens([token]) == b.matcher.validate_tokens([token])
 
 
+def test_fill_in_rounds_over_several_lexers_equals_one_row_at_a_time(vocab, monkeypatch):
+    """A Grammars on 3 threads spreads each spec's sequences over 2 compilations (copies of one
+    share its lexer: filled in rounds, one row per lexer): step after step, over random token
+    streams the grammars allow, its masks (`fill`) and verdicts (`consume`) are those of a
+    Constraint per sequence filled and fed one row at a time."""
+    from nanoinfer import structured
+    from nanoinfer.structured import Grammars, in_rounds, unpack_bitmask
+
+    tokenizer, lltok, size = vocab
+    monkeypatch.setattr(structured, "LEXER_COMPILE_S", 60.0)  # (however slowly this machine compiles)
+    grammars = Grammars(tokenizer, size, threads=3, lexers=2)
+    rng = random.Random(2)
+    specs = [GrammarSpec("json_schema", random_schema(rng)) for _ in range(2)] + [GrammarSpec("regex", "[a-z]{3,40}")]
+    seqs = [(grammars.constraint(spec), Constraint(lltok, spec)) for spec in specs for _ in range(4)]
+    assert len({id(ours.lexer) for ours, _ in seqs}) == 6 and len({id(ours.matcher) for ours, _ in seqs}) == 12
+    assert [len(batch) for batch in in_rounds(3, [(ours,) for ours, _ in seqs])] == [6, 6]
+    for step in range(100):
+        live = [(ours, ref) for ours, ref in seqs if not ref.finished]
+        if not live:
+            break
+        masks, reference = allocate_bitmask(len(live), size), allocate_bitmask(len(live), size)
+        grammars.fill([(ours, row, ()) for row, (ours, _) in enumerate(live)], masks)
+        for row, (_, ref) in enumerate(live):
+            ref.fill(reference, row)
+        assert torch.equal(masks, reference), step
+        allowed = unpack_bitmask(masks, size)
+        tokens = [rng.choice(allowed[row].nonzero().flatten().tolist()) for row in range(len(live))]
+        assert grammars.consume([(ours, t) for (ours, _), t in zip(live, tokens)]) == [True] * len(live)
+        assert all(ref.consume(t) for (_, ref), t in zip(live, tokens))
+    else:
+        pytest.fail("the grammars never ended")
+    # a refused token is refused in its row alone, whatever round it shares
+    fresh = [grammars.constraint(specs[0]) for _ in range(4)]
+    quote = tokenizer.encode("{", add_special_tokens=False)[0]
+    assert grammars.consume([(c, quote if i != 2 else tokenizer.encode("x", add_special_tokens=False)[0])
+                             for i, c in enumerate(fresh)]) == [True, True, False, True]
+
+
+def test_a_spec_gets_compilations_by_threads_size_and_compile_time():
+    """Two per fill thread by default (one on one thread), fewer for a large grammar (each takes
+    ~40x its text) or a slow one (the engine thread waits for each)."""
+    from nanoinfer.structured import LEXER_BYTES, LEXER_COMPILE_S, Grammars
+
+    small, large = GrammarSpec("regex", "[a-z]+"), GrammarSpec("regex", "a" * (LEXER_BYTES // 40 // 3))
+    assert Grammars(None, 100, threads=1).lexers_for(small) == 1
+    grammars = Grammars(None, 100, threads=6)
+    assert grammars.lexers_for(small, 0.0005) == 12
+    assert grammars.lexers_for(large, 0.0005) == 3
+    assert grammars.lexers_for(small, LEXER_COMPILE_S / 4) == 4 and grammars.lexers_for(small, 1.0) == 1
+
+
 def test_bounds_are_checked_before_anything_native():
     """A grammar's size, rules, $refs and choices are bounded in Python, the bound named with
     the field the client sent (llguidance's compiler recursed once per nested rule or $ref, and
