@@ -11,7 +11,7 @@
  * kquants.reference_kquant_matmul is the same computation in torch ops, bit for bit.
  *
  * Per super-block and weight row, the values are first unpacked into bytes (q, 0..63, plain
- * loops the compiler vectorizes), then dotted with the activations 32 at a time: vpdpbusd on
+ * loops the compiler vectorizes; once for all of a call's tokens), then dotted with the activations 32 at a time: vpdpbusd on
  * AVX-512 VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2 (exact: q < 64 and |x| <= 127 keep
  * a pair's sum within int16), elsewhere a plain loop (on ARM the compiler's own SDOT/SMLAL
  * vectorization of it; no hand-written NEON yet). The 32-wide sums come back as eight int32
@@ -122,10 +122,15 @@ static inline void scale_min_k4(const uint8_t *s, int32_t *sc, int32_t *m) {
     }
 }
 
-/* One super-block of a weight row against one of the activations: its fp32 contribution. */
-static inline float kquant_block_dot(const uint8_t *b, int type, const int8_t *xq, float xd, const int32_t *bsum) {
+/* A super-block unpacked: values as bytes (0..63), scales (and Q4_K's/Q5_K's mins), factors. */
+typedef struct {
     uint8_t q[QK_K];
     int32_t sc[16], m[8];
+    float d, dmin;
+} kq_block;
+
+static inline void kquant_unpack(const uint8_t *b, int type, kq_block *u) {
+    uint8_t *q = u->q;
     if (type == 14) { /* Q6_K: ql[128], qh[64], scales[16] int8, d */
         const uint8_t *ql = b, *qh = b + 128;
         for (int h = 0; h < 2; h++, ql += 64, qh += 32)
@@ -136,10 +141,9 @@ static inline float kquant_block_dot(const uint8_t *b, int type, const int8_t *x
                 o[64] = (ql[l] >> 4) | (qh[l] >> 4 & 3) << 4;
                 o[96] = (ql[l + 32] >> 4) | (qh[l] >> 6) << 4;
             }
-        int offset = 0;
-        for (int s = 0; s < 16; s++) sc[s] = (int8_t)b[192 + s], offset += sc[s] * bsum[s];
-        int sumi = scaled_dots16(q, xq, sc, 8) - 32 * offset;
-        return (xd * half_to_float((uint16_t)(b[208] | b[209] << 8))) * (float)sumi;
+        for (int s = 0; s < 16; s++) u->sc[s] = (int8_t)b[192 + s];
+        u->d = half_to_float((uint16_t)(b[208] | b[209] << 8));
+        return;
     }
     /* Q4_K: d, dmin, scales[12], qs[128]; Q5_K: the same with qh[32] before qs */
     const uint8_t *qs = b + (type == 12 ? 16 : 48), *qh = b + 16;
@@ -151,12 +155,22 @@ static inline float kquant_block_dot(const uint8_t *b, int type, const int8_t *x
     if (type == 13)
         for (int j = 0; j < 8; j++)
             for (int l = 0; l < 32; l++) q[32 * j + l] |= (qh[l] >> j & 1) << 4;
-    scale_min_k4(b + 4, sc, m);
+    scale_min_k4(b + 4, u->sc, u->m);
+    u->d = half_to_float((uint16_t)(b[0] | b[1] << 8)), u->dmin = half_to_float((uint16_t)(b[2] | b[3] << 8));
+}
+
+/* An unpacked super-block against one of the activations: its fp32 contribution. */
+static inline float kquant_block_dot(const kq_block *u, int type, const int8_t *xq, float xd, const int32_t *bsum) {
+    if (type == 14) {
+        int offset = 0;
+        for (int s = 0; s < 16; s++) offset += u->sc[s] * bsum[s];
+        int sumi = scaled_dots16(u->q, xq, u->sc, 8) - 32 * offset;
+        return (xd * u->d) * (float)sumi;
+    }
     int summ = 0;
-    for (int j = 0; j < 8; j++) summ += m[j] * (bsum[2 * j] + bsum[2 * j + 1]);
-    int sumi = scaled_dots32(q, xq, sc, 8);
-    float d = half_to_float((uint16_t)(b[0] | b[1] << 8)), dmin = half_to_float((uint16_t)(b[2] | b[3] << 8));
-    return (xd * d) * (float)sumi - (xd * dmin) * (float)summ;
+    for (int j = 0; j < 8; j++) summ += u->m[j] * (bsum[2 * j] + bsum[2 * j + 1]);
+    int sumi = scaled_dots32(u->q, xq, u->sc, 8);
+    return (xd * u->d) * (float)sumi - (xd * u->dmin) * (float)summ;
 }
 
 static int block_bytes(int type) { return type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 0; }
@@ -174,18 +188,25 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     float *xd = (float *)(xq + (int64_t)rows * k);
     int32_t *bsum = (int32_t *)(xd + (int64_t)rows * blocks);
     quantize_q8k(x, rows, k, xq, xd, bsum);
+    /* A row's super-blocks are unpacked once for all the tokens; each token's sum still runs
+     * over the blocks in order (the same bits whatever rows share the call). */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; r++) {
         const uint8_t *wr = w + r * row_bytes;
+        float acc[rows];
+        kq_block u;
+        for (int t = 0; t < rows; t++) acc[t] = 0.0f;
+        for (int b = 0; b < blocks; b++) {
+            kquant_unpack(wr + b * bytes, type, &u);
+            for (int t = 0; t < rows; t++)
+                acc[t] += kquant_block_dot(&u, type, xq + (int64_t)t * k + b * QK_K, xd[t * blocks + b],
+                                           bsum + ((int64_t)t * blocks + b) * 16);
+        }
         for (int t = 0; t < rows; t++) {
-            float acc = 0.0f;
-            for (int b = 0; b < blocks; b++)
-                acc += kquant_block_dot(wr + b * bytes, type, xq + (int64_t)t * k + b * QK_K, xd[t * blocks + b],
-                                        bsum + ((int64_t)t * blocks + b) * 16);
             if (y_f32)
-                ((float *)y)[t * ldy + r] = acc;
+                ((float *)y)[t * ldy + r] = acc[t];
             else
-                ((uint16_t *)y)[t * ldy + r] = f32_to_bf16(acc);
+                ((uint16_t *)y)[t * ldy + r] = f32_to_bf16(acc[t]);
         }
     }
     free(xq);
