@@ -1,7 +1,7 @@
 """CPU decode speed and memory of the default model: NanoInfer beside llama.cpp and transformers.
 
     python bench/cpu_decode.py [--new-tokens 128] [--threads 2] [--repeats 3] [--install-llama-cpp]
-                               [--cpu-isa avx2] [--no-exact]
+                               [--cpu-isa avx2] [--no-exact] [--model PATH.gguf]
 
 Every engine runs the same GGUF file, greedy, one sequence, `--threads` threads:
 - nanoinfer (gguf): the file's blocks kept packed (the default for a quantized GGUF on the CPU);
@@ -16,7 +16,9 @@ caller's thread with its output processing, and through llama-cpp-python's own c
 kernels for AVX2 alone (NANOINFER_CPU_ISA) on a CPU with more, to compare with an AVX2 build of
 llama.cpp. Memory: each nanoinfer mode loads in a fresh process,
 which reports its resident set after `import torch` and after the engine is up, and the KV
-pool's bytes (the issue's bound: RSS growth <= 3x the file + the KV pool).
+pool's bytes (the issue's bound: RSS growth <= 3x the file + the KV pool); llama.cpp's the same
+way (its RSS growth over `import llama_cpp`, n_ctx 512). `--model` runs another GGUF than the
+default model's (tools/make_q4_k_m.py writes its Q4_K_M).
 """
 
 from __future__ import annotations
@@ -118,14 +120,25 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def memory_child(quantization: str, threads: int) -> None:
+def memory_child(quantization: str, threads: int, path: str | None) -> None:
     """Run in a fresh process: print the resident set before and after loading, as JSON."""
     torch.set_num_threads(threads)
+    if quantization == "llama.cpp":
+        import llama_cpp
+
+        from nanoinfer.hub import DEFAULT_MODEL, resolve_model_name
+
+        path = path or str(resolve_model_name(DEFAULT_MODEL, quiet=True))
+        before = rss_mib()
+        llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
+        llm.eval(llm.tokenize(b"warm up"))
+        print(json.dumps(dict(before=before, after=rss_mib(), kv=float("nan"), file=os.path.getsize(path) / 2**20)))
+        return
     from nanoinfer.loaders import load_model
     from runtime.engine.engine_core import EngineConfig, EngineCore
 
     before = rss_mib()
-    model = load_model(None, device="cpu", progress=False, quantization=quantization)
+    model = load_model(path, device="cpu", progress=False, quantization=quantization)
     engine = EngineCore(model, EngineConfig(num_blocks=64, block_size=16))
     kv = engine.executor.kv
     kv_mib = kv.numel() * kv.element_size() / 2**20
@@ -143,12 +156,13 @@ def main():
     parser.add_argument("--no-exact", action="store_true", help="leave out nanoinfer (none), the fp32 path")
     parser.add_argument("--cpu-isa", default=None, choices=["native", "avx2"],
                         help="the tier NanoInfer's CPU kernels are built for (NANOINFER_CPU_ISA; default native)")
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_isa:
         os.environ["NANOINFER_CPU_ISA"] = args.cpu_isa  # (before the library loads; memory children inherit it)
     if args.memory_child:
-        return memory_child(args.memory_child, args.threads)
+        return memory_child(args.memory_child, args.threads, args.model)
     torch.set_num_threads(args.threads)
 
     from nanoinfer.loaders import load_model
@@ -156,7 +170,7 @@ def main():
 
     engines = []  # (name, timing function, engine)
     for quantization in ("gguf",) if args.no_exact else ("gguf", "none"):
-        model = load_model(None, device="cpu", progress=False, quantization=quantization)
+        model = load_model(args.model, device="cpu", progress=False, quantization=quantization)
         engines.append((f"nanoinfer ({quantization})", time_ours, EngineCore(model, EngineConfig(num_blocks=64,
                                                                                                  block_size=16))))
     prompt_ids = model.tokenizer.encode(args.prompt)
@@ -215,11 +229,12 @@ def main():
               f"{llama_total / min(runs):>13.2f}x")
 
     print(f"\n{'memory (fresh process)':<22}{'RSS growth MiB':>16}{'KV pool MiB':>13}{'file MiB':>10}{'bound MiB':>11}")
-    for quantization in ("gguf", "none"):
-        out = subprocess.run([sys.executable, __file__, "--memory-child", quantization, "--threads", str(args.threads)],
-                             capture_output=True, text=True, check=True).stdout
+    for quantization in ("gguf", "none") + (("llama.cpp",) if lib is not None else ()):
+        model_arg = ["--model", args.model] if args.model else []
+        out = subprocess.run([sys.executable, __file__, "--memory-child", quantization, "--threads", str(args.threads),
+                              *model_arg], capture_output=True, text=True, check=True).stdout
         m = json.loads(out.strip().splitlines()[-1])
-        print(f"{'nanoinfer (' + quantization + ')':<22}{m['after'] - m['before']:>16.0f}{m['kv']:>13.0f}"
+        print(f"{quantization if quantization == 'llama.cpp' else 'nanoinfer (' + quantization + ')':<22}{m['after'] - m['before']:>16.0f}{m['kv']:>13.0f}"
               f"{m['file']:>10.0f}{3 * m['file'] + m['kv']:>11.0f}")
 
 

@@ -57,6 +57,18 @@ def perplexity(model, ids: list[int], kv_cache_dtype: str) -> float:
     return math.exp(F.cross_entropy(all_logits(model, ids, kv_cache_dtype), torch.tensor(ids[1:])).item())
 
 
+def llama_cpp_perplexity(path, ids: list[int], threads: int) -> float:
+    """llama.cpp's perplexity of the same token ids, every position scored, one evaluation."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=len(ids) + 8,
+                          n_batch=len(ids), logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = torch.from_numpy(np.array(llm.scores[:len(ids) - 1], dtype=np.float32))
+    return math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
+
+
 def greedy(model, prompt_ids: list[int], tokens: int, kv_cache_dtype: str) -> list[int]:
     from nanoinfer.sampling_params import SamplingParams
     from runtime.async_engine import engine_config
@@ -84,6 +96,8 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also llama.cpp's perplexity on the same file and token ids (llama-cpp-python)")
     parser.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                         help="a subset of the modes (the first is the reference): none, gguf, 'gguf, torch int4', "
                              "int8, fp8, int4, 'none, fp8 KV'")
@@ -117,6 +131,9 @@ def main():
         name = f"{quantization} weights" + (", fp8 KV" if kv_cache_dtype == "fp8" else "")
         rows.append((name, ppl, 100 * (ppl / reference[0] - 1), 100 * agree, first))
         print(f"(done: {name})", flush=True)
+    if args.llama_cpp:
+        rows.append(("llama.cpp", (ppl := llama_cpp_perplexity(model.path, ids, args.threads)),
+                     100 * (ppl / reference[0] - 1), float("nan"), -1))
     print(f"model {model.path.name}  text {TEXT.name} ({len(ids)} tokens)  greedy tokens {args.tokens}")
     print(f"{'mode':<24}{'perplexity':>11}{'delta %':>9}{'top-1 agreement %':>19}{'own greedy: first divergence':>31}")
     for name, ppl, delta, agree, first in rows:

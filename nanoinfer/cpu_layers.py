@@ -2,7 +2,8 @@
 
 A decode step of the default model (SmolLM2-135M, Q4_1) in torch ops is ~1,900 ops of 2–5 µs
 around 121 packed matmuls. Where every projection is a BlockWeight, a layer is one call into
-cpu_native.c (`block_layer_forward`); otherwise (torch's int4/int8 kernels) it is four matmuls
+cpu_native.c (`block_layer_forward`; K-quant super-blocks too, and fused matrices of
+mixed types); otherwise (torch's int4/int8 kernels) it is four matmuls
 and five calls (norm, RoPE + KV write, attention, residual + norm, SwiGLU), whose bf16 outputs
 feed the matmuls directly. The one call runs the same C functions as the pieces, so the same
 bits: it only saves their Python and ctypes overhead, which at decode had cost about as long
@@ -33,7 +34,8 @@ from nanoinfer.model import EAGER, LayerFunctions, LayerParams, Params
 
 def takes(params: Params, kv_dtype: torch.dtype) -> bool:
     """Whether these layers can run the model: fp32 activations and KV, every projection packed."""
-    packed = quantized.BlockWeight, quantized.Int4Weight, quantized.SplitInt8Weight, quantized.Int8Weight
+    packed = (quantized.BlockWeight, quantized.Int4Weight, quantized.SplitInt8Weight, quantized.Int8Weight,
+              quantized.KQuantWeight, quantized.StackedWeight)
     return (params.dtype == torch.float32 and kv_dtype == torch.float32
             and all(isinstance(getattr(lp, f), packed) for lp in params.layers
                     for f in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")))
@@ -57,6 +59,8 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
             # then round the sum to bf16 once, as one rank rounds its whole output.
             if isinstance(w, quantized.BlockWeight):
                 part = cpu_native.block_matmul(rows, w, native.lib, torch.float32)
+            elif isinstance(w, quantized.KQuantWeight):
+                part = cpu_native.kquant_matmul(rows, w, native.lib, torch.float32)
             else:
                 part = quantized.packed_matmul(rows, w).float()
             return reduce(part).to(torch.bfloat16)
@@ -72,7 +76,7 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
               cfg: ModelConfig) -> torch.Tensor:
         entry = structs.get(id(lp))
         if entry is None or entry[0] is not lp:
-            if not all(isinstance(getattr(lp, f), quantized.BlockWeight) for f in BLOCK_FIELDS):
+            if not all(takes_whole(getattr(lp, f)) for f in BLOCK_FIELDS):
                 entry = (lp, None)  # (torch's packed kernels: one call per piece)
             else:
                 entry = (lp, cpu_native.block_layer(lp))
@@ -90,6 +94,14 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
 
 
 BLOCK_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def takes_whole(w) -> bool:
+    """Whether block_layer_forward multiplies `w`: group blocks, K-quant super-blocks, or a
+    stack of them (a fused matrix of mixed types: its segments one after another)."""
+    if isinstance(w, quantized.StackedWeight):
+        return all(takes_whole(p) for p in w.parts)
+    return isinstance(w, (quantized.BlockWeight, quantized.KQuantWeight))
 
 
 class NativeAttentionMetadata(NamedTuple):

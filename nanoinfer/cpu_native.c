@@ -517,8 +517,8 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
 /* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above: bf16, or fp32 where y_f32 (a
  * tensor-parallel rank's partial sum, rounded only once the ranks' parts are added). Returns
  * 0, or -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes). */
-int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
-                 int n, void *y, int y_f32, int threads) {
+static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m,
+                           int bits, int n, void *y, int64_t ldy, int y_f32, int threads) {
 #if BLOCK_DOT
     int groups = k / 32;
     int64_t row_bytes = (int64_t)k * bits / 8;
@@ -535,9 +535,9 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
             float v = row_dot(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
                               xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits);
             if (y_f32)
-                ((float *)y)[(int64_t)t * n + r] = v;
+                ((float *)y)[(int64_t)t * ldy + r] = v;
             else
-                ((uint16_t *)y)[(int64_t)t * n + r] = f32_to_bf16(v);
+                ((uint16_t *)y)[(int64_t)t * ldy + r] = f32_to_bf16(v);
         }
     }
     free(xq);
@@ -545,17 +545,38 @@ int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uin
     return 0;
 }
 
+/* block_matmul_to over y [rows, n] (what cpu_native.py binds) */
+int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
+                 int n, void *y, int y_f32, int threads) {
+    return block_matmul_to(x, rows, k, q, d, m, bits, n, y, n, y_f32, threads);
+}
+
+#include "cpu_native_kquants.h"
+
 /* ---- A whole layer in one call ----
  *
  * The pieces above, composed as cpu_layers.py composes them one call each (the same functions,
  * so the same bits): on a decode step the calls' Python and ctypes overhead had cost about as
  * long as the matmuls. The weights' pointers are set up once per layer (block_layer), the
  * step's tables once per step (block_step); both are cpu_native.py's ctypes Structures. */
-typedef struct {
+typedef struct block_mat {
     const uint8_t *q;
     const uint16_t *d, *m;
     int bits, n;
+    int type;                    /* 0: groups of 32 (q, d, m, bits); 12, 13, 14: K-quant rows (q), ggml's type id */
+    const struct block_mat *next; /* the rows after these n, in another form (a fused matrix of mixed types), or NULL */
 } block_mat;
+
+static int mat_rows(const block_mat *M) { return M ? M->n + mat_rows(M->next) : 0; }
+
+/* y [rows, mat_rows(M)] bf16 = x [rows, k] @ M.T, each segment of rows in its own form. */
+static int mat_matmul(const uint16_t *x, int rows, int k, const block_mat *M, uint16_t *y, int threads) {
+    int failed = 0, n = mat_rows(M), col = 0;
+    for (; M; col += M->n, M = M->next)
+        failed |= M->type ? kquant_matmul_to(x, rows, k, M->q, M->type, M->n, y + col, n, 0, threads)
+                          : block_matmul_to(x, rows, k, M->q, M->d, M->m, M->bits, M->n, y + col, n, 0, threads);
+    return failed;
+}
 
 typedef struct {
     block_mat qkv, o, gate_up, down;
@@ -576,7 +597,7 @@ typedef struct {
 int block_layer_forward(const block_layer *L, const block_step *S, const float *cos, const float *sin,
                         float *k_pool, float *v_pool, const float *x, float *x_out) {
     int64_t T = S->tokens, H = S->hidden, qs = (int64_t)S->heads * S->d;
-    int64_t width = qs + 2 * (int64_t)S->kv_heads * S->d, inter = L->gate_up.n / 2;
+    int64_t width = qs + 2 * (int64_t)S->kv_heads * S->d, inter = mat_rows(&L->gate_up) / 2;
     int64_t u16 = T * (H + width + qs + H + 2 * inter + inter + H), f32 = T * (2 * qs + (L->qkv_bias ? width : 0));
     float *fbuf = malloc(sizeof(float) * f32 + sizeof(uint16_t) * u16);
     if (!fbuf) return -1;
@@ -585,7 +606,7 @@ int block_layer_forward(const block_layer *L, const block_step *S, const float *
     uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * inter, *down = act + T * inter;
     int failed = 0;
     rms_norm_bf16(x, L->attn_norm, h, T, H, S->eps);
-    failed |= block_matmul(h, T, H, L->qkv.q, L->qkv.d, L->qkv.m, L->qkv.bits, width, qkv, 0, S->threads);
+    failed |= mat_matmul(h, T, H, &L->qkv, qkv, S->threads);
     if (L->qkv_bias) { /* (as the pieces add it: to the bf16 output, in fp32) */
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < width; i++) qkv_f[t * width + i] = bf16_to_f32(qkv[t * width + i]) + L->qkv_bias[i];
@@ -597,12 +618,11 @@ int block_layer_forward(const block_layer *L, const block_step *S, const float *
     failed |= paged_attention(q, T, k_pool, v_pool, S->tables, S->table_stride, S->lens, S->query_start, S->seqs,
                               S->block_size, S->window, S->heads, S->kv_heads, S->d, S->scale, S->threads, attn);
     for (int64_t i = 0; i < T * qs; i++) attn16[i] = f32_to_bf16(attn[i]);
-    failed |= block_matmul(attn16, T, qs, L->o.q, L->o.d, L->o.m, L->o.bits, H, o, 0, S->threads);
+    failed |= mat_matmul(attn16, T, qs, &L->o, o, S->threads);
     add_rms_norm_bf16(x, o, L->mlp_norm, x_out, h, T, H, S->eps);
-    failed |= block_matmul(h, T, H, L->gate_up.q, L->gate_up.d, L->gate_up.m, L->gate_up.bits, 2 * inter, gate_up, 0,
-                           S->threads);
+    failed |= mat_matmul(h, T, H, &L->gate_up, gate_up, S->threads);
     silu_mul_bf16(gate_up, act, T, inter);
-    failed |= block_matmul(act, T, inter, L->down.q, L->down.d, L->down.m, L->down.bits, H, down, 0, S->threads);
+    failed |= mat_matmul(act, T, inter, &L->down, down, S->threads);
     for (int64_t i = 0; i < T * H; i++) x_out[i] += bf16_to_f32(down[i]);
     free(fbuf);
     return failed ? -1 : 0;

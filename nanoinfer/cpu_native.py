@@ -29,7 +29,7 @@ from nanoinfer.layers import rms_norm, swiglu
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-HEADERS = (Path(__file__).with_name("cpu_native_arm.h"),)  # what SOURCE includes (its NEON path)
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_native_arm.h", "cpu_native_kquants.h"))  # SOURCE's includes
 
 
 def native_flag(machine: str) -> str:
@@ -54,6 +54,8 @@ SIGNATURES = {
     "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
     "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
+    "kquant_matmul": (_P, _I, _I, _P, _I, _I, _P, _I, _I),
+    "quantize_q8k": (_P, _I, _I, _P, _P, _P),  # (kquant_matmul's first step, bound for the tests)
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
 }
 
@@ -118,7 +120,7 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    for name in ("block_dot_isa", "block_matmul", "paged_attention", "block_layer_forward"):
+    for name in ("block_dot_isa", "block_matmul", "kquant_matmul", "paged_attention", "block_layer_forward"):
         getattr(lib, name).restype = ctypes.c_int
     lib.block_dot_name.restype = ctypes.c_char_p
     return lib
@@ -154,8 +156,8 @@ def describe(lib: ctypes.CDLL | None) -> str:
         return "torch ops (cpu_native.c did not build)"
     if not has_block_matmul(lib):
         return "fused layers, torch's int4/int8 matmuls (no SIMD group dot product for this CPU)"
-    return (f"{block_dot_name(lib)} (q4_0, q4_1, q4_k, q8_0 packed in groups of 32, int8 activations; "
-            "fused layers)")
+    return (f"{block_dot_name(lib)} (q4_0, q4_1, q5_0, q5_1, q8_0 packed in groups of 32; q4_k, q5_k, q6_k in "
+            "their super-blocks; int8 activations; fused layers)")
 
 
 def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
@@ -192,10 +194,32 @@ def block_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
     return out
 
 
-class BlockMat(ctypes.Structure):
-    """cpu_native.c's block_mat: a BlockWeight's pointers."""
+def kquant_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """rows [tokens, in] bf16 @ w.T -> [tokens, out] in `out_dtype` for a kquants.KQuantWeight,
+    the rows rounded to int8 per 256 (llama.cpp's Q8_K); kquants.reference_kquant_matmul is
+    its torch reference."""
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError("a KQuantWeight needs cpu_native's kquant_matmul, which this machine did not build")
+    if rows.dtype != torch.bfloat16 or rows.shape[-1] != w.cols:
+        raise TypeError(f"kquant_matmul takes bf16 rows of {w.cols}, not {rows.dtype} {tuple(rows.shape)}")
+    rows = rows.contiguous()
+    (tokens, cols), out_features = rows.shape, w.data.shape[0]
+    out = torch.empty(tokens, out_features, dtype=out_dtype)
+    if lib.kquant_matmul(rows.data_ptr(), tokens, cols, w.data.data_ptr(), w.qtype, out_features, out.data_ptr(),
+                         out_dtype == torch.float32, torch.get_num_threads()):
+        raise MemoryError(f"kquant_matmul: no memory to quantize {tokens} x {cols} activations")
+    return out
 
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("bits", _I), ("n", _I)]
+
+class BlockMat(ctypes.Structure):
+    """cpu_native.c's block_mat: a BlockWeight's or KQuantWeight's pointers, and the next
+    segment's of a StackedWeight."""
+
+
+BlockMat._fields_ = [("q", _P), ("d", _P), ("m", _P), ("bits", _I), ("n", _I), ("type", _I),
+                     ("next", ctypes.POINTER(BlockMat))]
 
 
 class BlockLayer(ctypes.Structure):
@@ -215,15 +239,27 @@ class BlockStep(ctypes.Structure):
 
 
 def block_mat(w) -> BlockMat:
-    return BlockMat(w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits, w.q.shape[0])
+    """The struct of a BlockWeight, KQuantWeight or StackedWeight of them (its segments chained:
+    ctypes keeps the chained structs alive with the head's `next`)."""
+    parts = getattr(w, "parts", (w,))
+    mats = [BlockMat(p.data.data_ptr(), None, None, 0, p.data.shape[0], p.qtype) if hasattr(p, "qtype")
+            else BlockMat(p.q.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.bits, p.q.shape[0], 0)
+            for p in parts]
+    for mat, after in zip(mats, mats[1:]):
+        mat.next = ctypes.pointer(after)
+    mats[0].chain = mats  # (and this keeps them alive with the head, for block_layer's copy of it)
+    return mats[0]
 
 
 def block_layer(lp) -> BlockLayer:
-    """The pointers of a LayerParams whose projections are BlockWeights (their tensors contiguous;
+    """The pointers of a LayerParams whose projections are BlockWeights, KQuantWeights or
+    StackedWeights of them (their tensors contiguous;
     the caller keeps `lp` alive while the struct is used)."""
-    return BlockLayer(block_mat(lp.qkv_proj), block_mat(lp.o_proj), block_mat(lp.gate_up_proj), block_mat(lp.down_proj),
-                      lp.attn_norm.data_ptr(), lp.mlp_norm.data_ptr(), _ptr(lp.q_norm), _ptr(lp.k_norm),
-                      _ptr(lp.qkv_bias))
+    mats = [block_mat(w) for w in (lp.qkv_proj, lp.o_proj, lp.gate_up_proj, lp.down_proj)]
+    layer = BlockLayer(*mats, lp.attn_norm.data_ptr(), lp.mlp_norm.data_ptr(), _ptr(lp.q_norm), _ptr(lp.k_norm),
+                       _ptr(lp.qkv_bias))
+    layer.mats = mats  # (their chained segments, which the copies in `layer` point to)
+    return layer
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

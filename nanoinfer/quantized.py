@@ -18,8 +18,11 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
   which rounds the activations to int8 per group as llama.cpp does and multiplies in
   integers (torch's int4 kernel multiplies in fp32 and is bound by the cores' FMA rate). The
   CPU's form wherever that library builds with a SIMD dot product; fp16 scales and mins.
+- `KQuantWeight` (nanoinfer.kquants): GGUF's Q4_K, Q5_K and Q6_K super-blocks as the file
+  stores them, cpu_native.c's `kquant_matmul`; `StackedWeight`: a fused matrix whose parts
+  have different forms (Q4_K_M's Q4_K q/k with a Q6_K v), each multiplied in its own.
 - `Int8Weight`: per-output-channel int8 (`_weight_int8pack_mm` on the CPU), for formats
-  with no exact packed form (K-quants of 5 and 6 bits), rounded to the nearest int8, and
+  with no exact packed form (K-quants where cpu_native does not build), rounded to the nearest int8, and
   `quantization="int8"` of any checkpoint (CUDA: nanoinfer.gemv's GEMV at batch 1).
 - `Int4CudaWeight`: 4-bit groups of 32-256 inputs packed eight to an int32, a scale and a
   min per group (fp16 where that is exact, else fp32): nanoinfer.gemv's CUDA kernels read
@@ -40,7 +43,8 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
-from nanoinfer import cpu_native
+from nanoinfer import cpu_native, kquants
+from nanoinfer.kquants import KQuantWeight, StackedWeight
 
 @dataclass(frozen=True)
 class GroupedWeight:
@@ -283,7 +287,7 @@ class Int4CudaWeight:
 
 
 Weight = Union[torch.Tensor, GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight,
-               Int4CudaWeight]
+               Int4CudaWeight, KQuantWeight, StackedWeight]
 
 
 def pack(w: GroupedWeight, blocks: bool = False) -> BlockWeight | Int4Weight | SplitInt8Weight:
@@ -303,7 +307,7 @@ def take_rows(w: Weight, index: torch.Tensor) -> Weight:
     """The rows at `index` of a row-wise weight (dense, grouped or per-channel int8)."""
     if isinstance(w, torch.Tensor):
         return w[index]
-    if isinstance(w, GroupedWeight):
+    if isinstance(w, (GroupedWeight, KQuantWeight)):
         return w.rows(index)
     if isinstance(w, (Int8Weight, Fp8Weight)):
         return type(w)(w.q[index], w.scale[index])
@@ -321,8 +325,27 @@ def concat_rows(parts: list[Weight]) -> Weight:
         return GroupedWeight.cat(parts)
     if all(isinstance(p, Fp8Weight) for p in parts):
         return Fp8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    if any(isinstance(p, KQuantWeight) for p in parts) and all(
+            isinstance(p, KQuantWeight) or isinstance(p, GroupedWeight) and p.cols is None for p in parts):
+        return _stack(parts)
     int8 = [p if isinstance(p, Int8Weight) else Int8Weight.quantize(dequantize(p)) for p in parts]
     return Int8Weight(torch.cat([p.q for p in int8]), torch.cat([p.scale for p in int8]))
+
+
+def _stack(parts: list[Weight]) -> Weight:
+    """K-quant and grouped parts: runs of one form merged, the rest a StackedWeight."""
+    runs: list[list[Weight]] = []
+    for p in parts:
+        last = runs[-1][-1] if runs else None
+        same = isinstance(p, KQuantWeight) and isinstance(last, KQuantWeight) and p.qtype == last.qtype or (
+            isinstance(p, GroupedWeight) and isinstance(last, GroupedWeight) and p.bits == last.bits)
+        if same:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [KQuantWeight(torch.cat([p.data for p in run]), run[0].qtype, run[0].cols)
+              if isinstance(run[0], KQuantWeight) else GroupedWeight.cat(run) for run in runs]
+    return merged[0] if len(merged) == 1 else StackedWeight(tuple(merged))
 
 
 def _same_cols(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -351,6 +374,10 @@ def dequantize(w: Weight) -> torch.Tensor:
         return dequantize(w.groups())
     if isinstance(w, (Int8Weight, Fp8Weight)):
         return w.q.float() * w.scale.float()[:, None]
+    if isinstance(w, KQuantWeight):
+        return kquants.dequantize(w)
+    if isinstance(w, StackedWeight):
+        return torch.cat([dequantize(p) for p in w.parts])
     raise TypeError(f"not a weight: {type(w).__name__}")
 
 
@@ -378,6 +405,10 @@ def packed_matmul(rows: torch.Tensor, w: Weight) -> torch.Tensor:
     kernels take (int4 groups, split int8, per-row int8), or cpu_native's (BlockWeight)."""
     if isinstance(w, BlockWeight):
         return cpu_native.block_matmul(rows, w)
+    if isinstance(w, KQuantWeight):
+        return cpu_native.kquant_matmul(rows, w)
+    if isinstance(w, StackedWeight):
+        return torch.cat([packed_matmul(rows, p) for p in w.parts], dim=1)
     if isinstance(w, Int4Weight):
         return w.matmul(rows)
     if isinstance(w, SplitInt8Weight):
@@ -399,7 +430,7 @@ def reference_block_matmul(rows: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     return ((torch.round(x * inv) * (amax / 127)).flatten(1)) @ dequantize(w).t()
 
 
-def embedding(table: torch.Tensor | GroupedWeight | Int8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def embedding(table: torch.Tensor | GroupedWeight | Int8Weight | KQuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding table, dense or quantized row-wise, in `dtype`."""
     if isinstance(table, torch.Tensor):
         return table[ids]
@@ -410,11 +441,14 @@ def map_weight(fn: Callable[[torch.Tensor], torch.Tensor], w: Weight) -> Weight:
     """`fn` applied to each tensor a weight holds (a dense weight is its own tensor)."""
     if isinstance(w, torch.Tensor):
         return fn(w)
+    if isinstance(w, StackedWeight):
+        return StackedWeight(tuple(map_weight(fn, p) for p in w.parts))
     return dataclasses.replace(w, **{f.name: map_weight(fn, getattr(w, f.name)) for f in dataclasses.fields(w)
                                      if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED))})
 
 
-QUANTIZED = (GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight, Int4CudaWeight)
+QUANTIZED = (GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight, Int4CudaWeight,
+             KQuantWeight, StackedWeight)
 
 
 def nbytes(w: Weight | None) -> int:
@@ -423,5 +457,7 @@ def nbytes(w: Weight | None) -> int:
         return 0
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
+    if isinstance(w, StackedWeight):
+        return sum(nbytes(p) for p in w.parts)
     return sum(nbytes(getattr(w, f.name)) for f in dataclasses.fields(w)
                if isinstance(getattr(w, f.name), (torch.Tensor, *QUANTIZED)))

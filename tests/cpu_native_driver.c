@@ -7,6 +7,7 @@
  *   isa                                    -> DIR/isa: block_dot_isa() in decimal; DIR/name: block_dot_name()
  *   quantize NAME rows k                   x (bf16) -> xq, xd, xs
  *   matmul NAME rows k n bits              x, q, d, m -> y (fp32, block_matmul's y_f32)
+ *   kquant NAME rows k n type bytes        x, w (bytes per row) -> y (fp32, kquant_matmul's y_f32)
  *   attention NAME tokens seqs table_stride block_size window heads kv_heads d scale
  *                                          q, kv, tables, lens, query_start -> out
  *     (scale as C reads it: a hex float keeps its fp32 bits)
@@ -22,6 +23,8 @@ const char *block_dot_name(void);
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs);
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
                  int n, void *y, int y_f32, int threads);
+int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y, int y_f32,
+                  int threads);
 int paged_attention(const float *q, int tokens, const float *k_pool, const float *v_pool, const int32_t *tables,
                     int64_t table_stride, const int32_t *lens, const int32_t *query_start, int seqs, int block_size,
                     int window, int heads, int kv_heads, int d, float scale, int threads, float *out);
@@ -92,6 +95,15 @@ int main(int argc, char **argv) {
             if (block_matmul(x, rows, k, q, d, m, bits, n, y, 1, 1)) fail("block_matmul", "no memory");
             write_array(dir, name, "y", y, sizeof(float) * rows * n);
             free(x), free(q), free(d), free(m), free(y);
+        } else if (!strcmp(op, "kquant")) {
+            int rows, k, n, type, bytes;
+            if (sscanf(line, "%*s %255s %d %d %d %d %d", name, &rows, &k, &n, &type, &bytes) != 6) fail("bad line", line);
+            uint16_t *x = read_array(dir, name, "x", (size_t)rows * k * 2);
+            uint8_t *w = read_array(dir, name, "w", (size_t)n * bytes);
+            float *y = malloc(sizeof(float) * rows * n);
+            if (kquant_matmul(x, rows, k, w, type, n, y, 1, 1)) fail("kquant_matmul", "no memory or a bad type");
+            write_array(dir, name, "y", y, sizeof(float) * rows * n);
+            free(x), free(w), free(y);
         } else if (!strcmp(op, "attention")) {
             int tokens, seqs, stride, block, window, heads, kv_heads, d;
             float scale;

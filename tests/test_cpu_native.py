@@ -242,7 +242,8 @@ def test_the_chosen_kernels_are_logged_once_and_named(native, monkeypatch, caplo
         assert lines == [f"cpu kernels: {cpu_native.describe(lib)}"]
         if cpu_native.has_block_matmul(lib):
             name = {1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}[lib.block_dot_isa()]
-            assert cpu_native.describe(lib).startswith(f"{name} (q4_0, q4_1, q4_k, q8_0 packed")
+            assert cpu_native.describe(lib).startswith(f"{name} (q4_0, q4_1, q5_0, q5_1, q8_0 packed")
+            assert "q4_k, q5_k, q6_k in their super-blocks" in cpu_native.describe(lib)
             monkeypatch.setenv(cpu_native.ISA_VARIABLE, "avx2")
             cpu_native.library.cache_clear()
             assert cpu_native.library().block_dot_isa() == 1

@@ -1,7 +1,7 @@
 """cpu_native.c's ARM NEON path (nanoinfer/cpu_native_arm.h) at each tier, cross-compiled for aarch64
 and run under qemu-aarch64 (tests/cpu_native_driver.c calls the kernels on arrays written here):
-block_matmul and quantize_groups_q8 bit for bit against the x86 build, attention against it
-within the x86 path's own tolerance to torch."""
+block_matmul, kquant_matmul and quantize_groups_q8 bit for bit against the x86 build, attention
+against it within the x86 path's own tolerance to torch."""
 
 import shutil
 import subprocess
@@ -13,7 +13,9 @@ import torch
 
 from nanoinfer import cpu_native
 from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kquants import KQuantWeight, reference_kquant_matmul
 from nanoinfer.quantized import BlockWeight, GroupedWeight, reference_block_matmul
+from tools.kquant_quantize import quantize as kquant_quantize
 
 CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 DRIVER = Path(__file__).with_name("cpu_native_driver.c")
@@ -21,6 +23,7 @@ DRIVER = Path(__file__).with_name("cpu_native_driver.c")
 TIERS = {"neon": ("armv8-a", 4), "neon-dotprod": ("armv8.2-a+dotprod", 5),
          "neon-i8mm": ("armv8.2-a+dotprod+i8mm", 6)}
 MATMULS = [(37, 32, 1), (64, 256, 3), (16, 288, 2), (40, 576, 1), (9, 1536, 5), (7, 224, 2)]  # every chunk size
+KQUANTS = [(12, 37, 256, 1), (13, 9, 768, 3), (14, 16, 1536, 2)]  # type (Q4_K, Q5_K, Q6_K), out, cols, tokens
 ATTENTION = [(None, 4, 2, 16), (5, 4, 2, 16), (None, 9, 3, 64), (None, 4, 4, 8)]  # window, heads, kv_heads, d
 BF16_ULP = 2.0**-7
 
@@ -55,6 +58,11 @@ def activations(tokens: int, cols: int) -> torch.Tensor:
     return x
 
 
+def kquant_weight(qtype: int, out: int, cols: int) -> KQuantWeight:
+    w = randn(out, cols, seed=qtype + out) * 0.05
+    return KQuantWeight(torch.from_numpy(kquant_quantize(w.numpy(), qtype)), qtype, cols)
+
+
 def attention_case(window, heads, kv_heads, d):
     """A prefill chunk among decodes, contexts of 1 to 23 keys, blocks out of order (as
     tests/test_cpu_native.py's)."""
@@ -77,6 +85,11 @@ def write_cases(root: Path) -> None:
             for array, t in (("x", activations(tokens, cols)), ("q", w.q), ("d", w.scale), ("m", w.min)):
                 raw(t).tofile(root / f"{name}.{array}")
             lines.append(f"matmul {name} {tokens} {cols} {out} {bits}")
+    for qtype, out, cols, tokens in KQUANTS:
+        name, w = f"kquant{qtype}", kquant_weight(qtype, out, cols)
+        raw(activations(tokens, cols)).tofile(root / f"{name}.x")
+        w.data.numpy().tofile(root / f"{name}.w")
+        lines.append(f"kquant {name} {tokens} {cols} {out} {qtype} {w.data.shape[1]}")
     for i, (window, heads, kv_heads, d) in enumerate(ATTENTION):
         batch, kv, q, scale = attention_case(window, heads, kv_heads, d)
         for array, t in (("q", q), ("kv", kv), ("tables", batch.block_tables), ("lens", batch.seq_lens),
@@ -159,6 +172,16 @@ def test_block_matmul_is_the_x86_builds_bits(arm, x86, bits, out, cols, tokens):
         pytest.skip("this x86 CPU has no AVX2: the ARM path was held to the torch reference only")
     # the same integer sums, the same fp32 operations in the same order: the same bits
     assert torch.equal(got.view(torch.int32), cpu_native.block_matmul(x, w, x86, torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype, out, cols, tokens", KQUANTS)
+def test_kquant_matmul_is_the_references_and_the_x86_builds_bits(arm, x86, qtype, out, cols, tokens):
+    """Integer sums, then fp32 operations in one order: the same bits on every tier."""
+    _, root = arm
+    w, x = kquant_weight(qtype, out, cols), activations(tokens, cols)
+    got = torch.from_numpy(read(root, f"kquant{qtype}.y", np.float32).reshape(tokens, out))
+    assert torch.equal(got, reference_kquant_matmul(x, w))
+    assert torch.equal(got, cpu_native.kquant_matmul(x, w, x86, torch.float32))
 
 
 @pytest.mark.parametrize("case", range(len(ATTENTION)))

@@ -15,11 +15,12 @@ from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model import Params
+from nanoinfer.kquants import KQuantWeight
 from nanoinfer.quantized import GroupedWeight, Int8Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TYPES = frozenset(
-    QT[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+    QT[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
 
 # GGUF tensor name (per block, after "blk.{i}.") -> transformers' name (after "model.layers.{i}.")
@@ -116,13 +117,15 @@ def is_quantized(reader: GGUFReader) -> bool:
 
 # -- GGUF's 4- and 8-bit blocks read as a GroupedWeight, without dequantizing ---------------
 #
-# Q4_0, Q4_1, Q4_K and Q8_0 store, per group of 32 inputs, unsigned integers with one scale
-# and one min (Q4_K derives them from a 256-wide superblock's two fp16 factors and 6-bit
-# multipliers), so `GroupedWeight` holds the file's values exactly and its packed forms compute
-# with them. The layouts are ggml's (ggml-quants.c); tests check every one against gguf-py's
-# dequantization.
+# Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q8_0 store, per group of 32 inputs, unsigned integers with
+# one scale and one min (Q4_K derives them from a 256-wide superblock's two fp16 factors and
+# 6-bit multipliers; 5 bits fit GroupedWeight's 8-bit form), so `GroupedWeight` holds the file's
+# values exactly and its packed forms compute with them. The layouts are ggml's (ggml-quants.c);
+# tests check every one against gguf-py's dequantization. On the CPU the K-quants (Q4_K, Q5_K,
+# Q6_K) load as KQuantWeight instead, the file's super-blocks as they are.
 
-GROUPED_TYPES = frozenset((QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q8_0))
+GROUPED_TYPES = frozenset((QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q8_0))
+KQUANT_TYPES = frozenset((QT.Q4_K, QT.Q5_K, QT.Q6_K))
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -147,6 +150,12 @@ def grouped_weight(data: np.ndarray, qtype: QT, rows: int, cols: int) -> Grouped
     elif qtype == QT.Q4_1:  # d, m, qs[16]: w = d * q + m
         d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
         q, scale, low = _nibbles(blocks[:, 4:]), d, m
+    elif qtype in (QT.Q5_0, QT.Q5_1):  # d, (m,) qh[4], qs[16]: w = d * (q - 16) or d * q + m, q of 5 bits
+        d, start = _f16(blocks[:, :2]), 2 if qtype == QT.Q5_0 else 4
+        low = -16 * d if qtype == QT.Q5_0 else _f16(blocks[:, 2:4])
+        qh = blocks[:, start:start + 4].copy().view("<u4")  # bit i: the high bit of element i
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q, scale, bits = _nibbles(blocks[:, start + 4:]) | high << 4, d, 8
     elif qtype == QT.Q8_0:  # d, qs[32] int8: w = d * q = d * (q + 128) - 128 d
         d = _f16(blocks[:, :2])
         q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
@@ -165,11 +174,23 @@ def grouped_weight(data: np.ndarray, qtype: QT, rows: int, cols: int) -> Grouped
                          torch.from_numpy(np.ascontiguousarray(low, dtype=np.float32).reshape(rows, groups)), bits)
 
 
+def packed_matrix(tensor) -> KQuantWeight | GroupedWeight | None:
+    """A quantized matrix read as the file holds it, or None for a type or width with no such
+    form (`build_params` then puts it in the device's form: params.device_form, kquant_form)."""
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+    if tensor.tensor_type in KQUANT_TYPES and cols % 256 == 0:
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+        return KQuantWeight(data, int(tensor.tensor_type), cols)
+    if tensor.tensor_type in GROUPED_TYPES and cols % 32 == 0:
+        return grouped_weight(tensor.data, tensor.tensor_type, rows, cols)
+    return None
+
+
 def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
                      progress: bool = True, packed: bool = False) -> Params:
     """`packed`: quantized matrices stay quantized (nanoinfer.quantized, CPU kernels): Q4_0,
-    Q4_1, Q4_K and Q8_0 exactly, other quantized types as per-row int8; without it every
-    tensor is dequantized to `dtype`."""
+    Q4_1, Q5_0, Q5_1 and Q8_0 in groups, Q4_K, Q5_K and Q6_K in their super-blocks (both exact;
+    `build_params` puts them in the device's form); without it every tensor is dequantized to `dtype`."""
     by_hf_name = {}
     for tensor in reader.tensors:
         name = tensor.name
@@ -200,9 +221,7 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: the reader maps the file read-only
 
     def matrix(tensor):
-        if tensor.tensor_type in GROUPED_TYPES and tensor.shape[0] % 32 == 0:
-            return grouped_weight(tensor.data, tensor.tensor_type, int(tensor.shape[1]), int(tensor.shape[0]))
-        return Int8Weight.quantize(dequant(tensor))
+        return packed_matrix(tensor) or Int8Weight.quantize(dequant(tensor))
 
     def get(hf_name: str):
         tensor = by_hf_name.get(hf_name)

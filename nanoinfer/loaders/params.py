@@ -19,6 +19,7 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.model import LayerParams, Params
+from nanoinfer.kquants import Q4_K, KQuantWeight, StackedWeight
 from nanoinfer.quantized import (
     GroupedWeight,
     Int4CudaWeight,
@@ -58,6 +59,22 @@ def device_form(w: GroupedWeight, device: torch.device, dtype: torch.dtype) -> "
         return dequantize(w).to(dtype)
     # (`library()` builds cpu_native.c on a machine's first packed load)
     return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
+
+
+def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: torch.dtype) -> "Weight":
+    """K-quant super-blocks (alone or stacked with grouped parts) in the form `device`'s kernels
+    read: on a CPU where cpu_native builds they stay as they are (grouped parts packed in
+    blocks); elsewhere Q4_K goes to its exact groups of 32 (device_form), anything else per-row int8."""
+    if device.type == "cpu" and cpu_native.has_block_matmul(cpu_native.library()):
+        if isinstance(w, KQuantWeight):
+            return w
+        return StackedWeight(tuple(p if isinstance(p, KQuantWeight) else pack(p, blocks=True) for p in w.parts))
+    if isinstance(w, KQuantWeight) and w.qtype == Q4_K:
+        from nanoinfer.loaders.gguf import grouped_weight  # (the GGUF loader's reader of Q4_K's groups)
+        from gguf import GGMLQuantizationType
+
+        return device_form(grouped_weight(w.data.cpu().numpy(), GGMLQuantizationType.Q4_K, *w.shape), device, dtype)
+    return Int8Weight.quantize(dequantize(w))
 
 
 def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
@@ -106,6 +123,8 @@ def build_params(
         return map_weight(lambda t: t.to(device), tensor)  # (a quantized matrix keeps its types)
 
     def matrix(w):
+        if isinstance(w, (KQuantWeight, StackedWeight)):
+            return kquant_form(w, torch.device(device), dtype)
         return w if not isinstance(w, GroupedWeight) else device_form(w, torch.device(device), dtype)
 
     hidden = cfg.hidden_size
