@@ -3,7 +3,7 @@ transformers (eager) in the same run.
 
     python bench/latency.py [--shapes qwen3-0.6b llama-3.2-1b llama-3.1-8b] [--new-tokens 200]
                             [--quantization none int8 fp8 int4 gpt-fast-int8 gpt-fast-int4]
-                            [--tensor-parallel-size 1 2]
+                            [--tensor-parallel-size 1 2] [--variants overlap no-overlap eager]
                             [--plot FILE.png]
 
 5-token prompt, greedy, `ignore_eos`. Decode tok/s counts the tokens after the first; achieved
@@ -90,6 +90,8 @@ def main():
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "fp8", "int4", "gpt-fast-int8", "gpt-fast-int4"])
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--variants", nargs="+", default=["overlap", "no-overlap", "eager"],
+                        choices=["overlap", "no-overlap", "eager"], help="which of our engine's paths to time")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="tok/s bars per shape and variant, with each one's speedup over our eager path")
     args = parser.parse_args()
@@ -120,7 +122,9 @@ def main():
                 model = dense if form == "none" else dataclasses.replace(
                     dense, params=quantize_params(dense.params, form), quantization=form)
             nbytes = weight_bytes(model)
-            variants = (("graphs, overlap", False, True), ("graphs, no overlap", False, False), ("eager", True, True))
+            variants = [v for key, v in (("overlap", ("graphs, overlap", False, True)),
+                                         ("no-overlap", ("graphs, no overlap", False, False)),
+                                         ("eager", ("eager", True, True))) if key in args.variants]
             linear = nanoinfer.gemv.linear
             if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.gemv.linear when the engine starts)
                 nanoinfer.gemv.linear = quantized.linear

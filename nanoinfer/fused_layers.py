@@ -5,10 +5,13 @@ layer the unfused parts launch an RMSNorm before the QKV projection, a residual 
 after the output projection, SiLU * up before the down projection and a residual add after
 it, each a few microseconds for a few KB (bench/RESULTS.md). Here each folds into the GEMV
 next to it (nanoinfer.gemv.fused_gemv), so a layer is four GEMVs, the RoPE/KV-write kernel and
-attention. Same signatures as nanoinfer.model's `qkv_projection` and
-`attention_output_and_mlp`, which run instead wherever this does not apply: more than one
-token, a tensor-parallel sum between a projection and its residual, or a weight the GEMV does
-not read. Those unfused functions are the reference (tests/test_gpu.py).
+attention. Under tensor parallelism (a `model.RankSum` between a projection and its residual)
+the lead rank adds the residual into its partial output and the others do not, so the sum
+over ranks is the new residual stream with no add of its own. Same signatures as
+nanoinfer.model's `qkv_projection` and `attention_output_and_mlp`, which run instead wherever
+this does not apply: more than one token, a sum over ranks other than a RankSum, or a weight
+the GEMV does not read. Those unfused functions are the reference (tests/test_gpu.py,
+tests/test_gpu_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from nanoinfer import model
 from nanoinfer.config import ModelConfig
 from nanoinfer.gemv import fused_gemv
-from nanoinfer.model import LayerParams
+from nanoinfer.model import LayerParams, RankSum
 from nanoinfer.quantized import Fp8Weight, Int8Weight
 
 
@@ -49,13 +52,15 @@ def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: C
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable, reduce: Callable = model._same) -> torch.Tensor:
-    if not (reduce is model._same and _takes(x, lp.o_proj, lp.gate_up_proj, lp.down_proj)
+    one_rank = reduce is model._same
+    if not ((one_rank or isinstance(reduce, RankSum)) and _takes(x, lp.o_proj, lp.gate_up_proj, lp.down_proj)
             and lp.mlp_norm.dtype == x.dtype):
         return model.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+    lead = one_rank or reduce.lead
     x = x.contiguous()
     w, scale = _operands(lp.o_proj, x)
-    x = fused_gemv(attn.reshape(1, cfg.q_size).contiguous(), w, scale, None, 0.0, False, x)
+    x = reduce(fused_gemv(attn.reshape(1, cfg.q_size).contiguous(), w, scale, None, 0.0, False, x if lead else None))
     w, scale = _operands(lp.gate_up_proj, x)
     gate_up = fused_gemv(x, w, scale, lp.mlp_norm, cfg.rms_norm_eps, False, None)
     w, scale = _operands(lp.down_proj, x)
-    return fused_gemv(gate_up, w, scale, None, 0.0, True, x)
+    return reduce(fused_gemv(gate_up, w, scale, None, 0.0, True, x if lead else None))

@@ -100,6 +100,19 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@dataclass(frozen=True)
+class RankSum:
+    """A sum over tensor-parallel ranks after a row-parallel projection (LayerFunctions.all_reduce),
+    and whether this rank leads. A part that adds the residual inside the projection's kernel
+    (nanoinfer.fused_layers) adds it on the lead rank only, so that the sum carries it once."""
+
+    sum: Callable[[torch.Tensor], torch.Tensor]
+    lead: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sum(x)
+
+
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable = quantized.linear, reduce: Callable = _same) -> torch.Tensor:
     """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual.

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import RequestError
-from nanoinfer.model import LayerFunctions, LayerParams, Params
+from nanoinfer.model import LayerFunctions, LayerParams, Params, RankSum
 from nanoinfer.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, Weight,
                                  concat_rows, embedding, map_weight, take_rows)
 
@@ -178,6 +178,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# The default group's sums as ranks 0 and 1.. see them (model.RankSum): module-level, so that
+# compiled parts guard on each once for every engine in the process, as on `all_reduce`.
+LEAD_SUM, FOLLOWER_SUM = RankSum(all_reduce, True), RankSum(all_reduce, False)
+
+
 def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=None) -> LayerFunctions:
     """`base` with the collectives of rank `shard.rank`: sums after the row-parallel
     projections, the vocab-parallel embedding, the gathered logits. `group`: the process group
@@ -185,7 +190,7 @@ def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=N
     layers only, since the sum is then a plain call, which Dynamo would trace into)."""
     rank, size = shard
     if group is None:
-        reduce = all_reduce
+        reduce = LEAD_SUM if rank == 0 else FOLLOWER_SUM
     else:
         def reduce(x: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(x, group=group)

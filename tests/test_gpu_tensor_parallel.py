@@ -1,0 +1,101 @@
+"""Tensor parallelism on two CUDA GPUs (NCCL ranks): the one-token fused layer parts under a sum
+over ranks are as close to the exact model as the unfused parts are, and add each residual
+once (the lead rank's partial carries it). Skipped with fewer than two GPUs."""
+
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanoinfer.attention.reference import REFERENCE
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model import EAGER, forward, map_params
+from nanoinfer.tensor_parallel import Shard, layer_functions, shard_config, shard_params
+from tests.tiny import random_params, tiny_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs two CUDA GPUs")
+
+BS = 16
+
+
+def _model():
+    cfg = tiny_config(architecture="qwen3", qk_norm=True, vocab_size=1000, hidden_size=256, intermediate_size=512,
+                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64)
+    return cfg, map_params(lambda t: t.to(torch.bfloat16), random_params(cfg, seed=7))
+
+
+def _steps(cfg, params, kv, layer_fns, backend, device):
+    """A 9-token prefill, then four one-token steps: every logits row."""
+    table, tokens = [0, 1], [3, 14, 15, 92, 65, 35, 89, 79, 32]
+    out = [forward(params, kv, build_batch([SeqChunk(tokens, 0, table, True)], BS, device), cfg, backend, layer_fns)]
+    for i, t in enumerate((7, 8, 9, 10)):  # (fixed tokens: no argmax to fork the runs)
+        batch = build_batch([SeqChunk([t], len(tokens) + i, table, True)], BS, device)
+        out.append(forward(params, kv, batch, cfg, backend, layer_fns))
+    return torch.cat(out)
+
+
+def _rank(rank: int, size: int, init_file: str, results) -> None:
+    from nanoinfer import fused_layers
+    from nanoinfer.gemv import linear
+    from nanoinfer.kernels import kernels_for
+    from nanoinfer.rope_write import rope_and_write
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size, device_id=device)
+    try:
+        cfg, params = _model()
+        local = shard_config(cfg, rank, size)
+        part = map_params(lambda t: t.to(device), shard_params(params, cfg, rank, size))
+        kernels = kernels_for(local, device, BS)
+        calls = []
+
+        def counted(*args):
+            calls.append(args[-1] is not None)  # (whether this GEMV added a residual)
+            return real(*args)
+
+        real, fused_layers.fused_gemv = fused_layers.fused_gemv, counted
+        try:  # the fused parts uncompiled, so that each call is seen
+            fused = EAGER._replace(qkv_projection=fused_layers.qkv_projection, linear=linear,
+                                   attention_output_and_mlp=fused_layers.attention_output_and_mlp,
+                                   rope_and_write=rope_and_write)
+            runs = {"fused-eager": _steps(local, part, allocate_kv_pool(local, 4, BS, torch.bfloat16, device),
+                                          layer_functions(fused, Shard(rank, size), cfg.vocab_size),
+                                          kernels.attention, device)}
+        finally:
+            fused_layers.fused_gemv = real
+        for name, base in (("unfused", EAGER), ("compiled", kernels.layer_fns)):
+            runs[name] = _steps(local, part, allocate_kv_pool(local, 4, BS, torch.bfloat16, device),
+                                layer_functions(base, Shard(rank, size), cfg.vocab_size), kernels.attention, device)
+        results.put((rank, calls, {name: t.float().cpu().numpy() for name, t in runs.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = dict((rank, (calls, runs)) for rank, calls, runs in (results.get(timeout=300) for _ in ranks))
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0
+    layers, decode_steps = 3, 4
+    # Per layer and one-token step: QKV (norm folded in), output projection, gate/up, down; the
+    # lead rank adds the residual in two of them, the other rank in none.
+    lead, follower = got[0][0], got[1][0]
+    assert len(lead) == len(follower) == 4 * layers * decode_steps
+    assert sum(lead) == 2 * layers * decode_steps and sum(follower) == 0
+    cfg, params = _model()
+    exact = _steps(cfg, map_params(torch.Tensor.float, params), allocate_kv_pool(cfg, 4, BS, torch.float32, "cpu"),
+                   EAGER, REFERENCE, "cpu")
+    runs = {name: torch.from_numpy(t) for name, t in got[0][1].items()}
+    err = {name: (t - exact).abs().max().item() for name, t in runs.items()}
+    for name in ("fused-eager", "compiled"):
+        assert err[name] <= 1.5 * err["unfused"] + 1e-2, err
+    assert torch.equal(runs["compiled"].argmax(-1), exact.argmax(-1)), err
