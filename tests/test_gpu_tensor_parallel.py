@@ -99,3 +99,34 @@ def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
     for name in ("fused-eager", "compiled"):
         assert err[name] <= 1.5 * err["unfused"] + 1e-2, err
     assert torch.equal(runs["compiled"].argmax(-1), exact.argmax(-1)), err
+
+
+def test_close_over_two_gpus_leaves_no_group_behind():
+    """With CUDA graphs that captured NCCL's all-reduces, `close()` destroys the process groups
+    on every rank (a graph alive kept NCCL's destroy waiting, and the group was left behind:
+    the next engine in the process failed with "initialize the default process group twice"),
+    so a second engine over two GPUs runs in the same process and gives the same tokens."""
+    from pathlib import Path
+
+    from nanoinfer.loaders import LoadedModel
+    from nanoinfer.sampling import SamplingParams
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
+
+    cfg, params = _model()
+    model = LoadedModel(cfg, map_params(lambda t: t.cuda(), params), None, Path("tiny-tp"))
+    outputs = []
+    for _ in range(2):
+        core = EngineCore(model, engine_config(block_size=16, num_blocks=64, max_model_len=256, tensor_parallel_size=2))
+        try:
+            assert core.executor.graphs is not None  # (the case at stake: graphs that captured collectives)
+            core.add_request([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            tokens = []
+            while core.has_unfinished():
+                tokens += [out.token_id for out in core.step() if out.token_id is not None]
+            outputs.append(tokens)
+        finally:
+            core.close()
+        assert not dist.is_initialized()
+        assert all(p.poll() is not None for p in core.executor.tp.procs)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8

@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import logging
 import os
 import threading
@@ -436,7 +437,11 @@ class TensorParallelRunner(ModelRunner):
             return super()._forward(batch)
 
     def close(self) -> None:
-        """Stop the other ranks (idempotent)."""
+        """Stop the other ranks (idempotent). The CUDA graphs go first, as on every rank: NCCL
+        destroys a communicator only once no graph that captured its collectives lives (its
+        commDestroySync waits on them), and a graph in flight is freed when it completes."""
+        self.graphs = None
+        gc.collect()
         self.tp.close()
 
 # Every order starts with a fixed header of int64s over the control group: its kind and, for a
@@ -530,6 +535,7 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
     part = map_params(lambda t: t.to(device), part)
     backend = _backend(device)
     stopped = False  # (by rank 0's order: then every rank leaves the groups together)
+    graphs = None
     try:
         control = _join(rendezvous, backend, rank, size)
         groups = _stage_groups(grid, rank, TIMEOUT)
@@ -553,6 +559,8 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
                 else:
                     step(body)
     finally:  # (an error goes on to this process's stderr, whose tail rank 0 reports: RankLost)
+        graphs = None  # (first: see TensorParallelRunner.close)
+        gc.collect()
         _leave_groups(backend, together=stopped)
 
 
