@@ -9,7 +9,7 @@ request, with NANOINFER_AUTOTUNE=full: every key tunes over all its configs, wha
 ship. Then each nanoinfer.gemv Autotuner's cache (key -> the winning Config) is merged into
 `<out>/<device file stem>.json` (nanoinfer.tuned_configs), which a start on the same GPU model
 reads to compile one config per key instead of all of them. Keys already in the file and not
-tuned here are kept; keys tuned here replace theirs.
+tuned here are kept; keys tuned here replace theirs. The file is written after each shape.
 
 Triton's own autotune cache (TRITON_CACHE_DIR) may answer a key from an earlier full tuning on
 this machine; that is a full tuning's winner too. Needs a CUDA GPU; stops at the first error.
@@ -39,7 +39,7 @@ def gemv_autotuners() -> dict:
     """nanoinfer.gemv's Autotuners by the kernel name their ShippedChoice hook looks tables up by."""
     from triton.runtime.autotuner import Autotuner
 
-    import nanoinfer.gemv as gemv
+    from nanoinfer import gemv
     from nanoinfer.tuned_configs import ShippedChoice
 
     found = {}
@@ -124,19 +124,18 @@ def main() -> None:
             t = time.perf_counter()
             say(f"{shape} ({quantization}): starting an engine, tuning every GEMV key it runs ...")
             warm_up(shape, quantization, args.device)
+            tuned = {name: KernelTable(tuple(tuner.keys), choices_from_cache(tuner.cache))
+                     for name, tuner in tuners.items() if tuner.cache}
+            if not tuned:
+                raise SystemExit(f"{shape} ({quantization}): no GEMV key was tuned: the engine never ran a Triton "
+                                 "GEMV (weights the kernels do not take?); nothing written")
+            # (written after each shape: a run cut short keeps what it tuned)
+            table = merge(before, tuned)
+            write_table(path, device_name, table, triton.__version__)
             counts = ", ".join(f"{name} {len(tuner.cache)}" for name, tuner in tuners.items())
-            say(f"{shape} ({quantization}): done in {time.perf_counter() - t:.1f} s; keys tuned so far: {counts}")
-
-    tuned = {name: KernelTable(tuple(tuner.keys), choices_from_cache(tuner.cache))
-             for name, tuner in tuners.items() if tuner.cache}
-    if not tuned:
-        raise SystemExit("no GEMV key was tuned: the engines never ran a Triton GEMV (not a CUDA device? "
-                         "weights the kernels do not take?); nothing written")
-    table = merge(before, tuned)
-    write_table(path, device_name, table, triton.__version__)
-    say(f"wrote {path}: {sum(len(k.choices) for k in tuned.values())} choices tuned here, "
-        f"{sum(len(k.choices) for k in table.values())} in the file, in {time.perf_counter() - start:.1f} s")
-
+            say(f"{shape} ({quantization}): done in {time.perf_counter() - t:.1f} s; keys tuned so far: {counts}; "
+                f"{path} holds {sum(len(k.choices) for k in table.values())} choices")
+    say(f"done in {time.perf_counter() - start:.1f} s: {path}")
 
 if __name__ == "__main__":
     main()
