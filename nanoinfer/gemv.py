@@ -37,6 +37,7 @@ import triton.testing
 
 from nanoinfer import quantized
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
+from nanoinfer.tuned_configs import ShippedChoice
 
 
 def _quick_bench(kernel_call, quantiles):
@@ -46,6 +47,8 @@ def _quick_bench(kernel_call, quantiles):
 
 
 # cache_results: the winners go to Triton's cache directory, so a second start skips tuning.
+# ShippedChoice: a GPU model with a table in nanoinfer/tuned/ compiles only the config that won
+# there, not every config of each shape (nanoinfer.tuned_configs; NANOINFER_AUTOTUNE=full tunes).
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
              for n, k, w, s in ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 8, 3), (16, 256, 4, 3),
@@ -54,6 +57,7 @@ def _quick_bench(kernel_call, quantiles):
                                 # (an H100 sweep: .scratch-era numbers in bench/RESULTS.md)
                                 (2, 4096, 4, 3), (2, 2048, 4, 4), (4, 2048, 4, 4))],
     key=["N", "K", "W_BYTES", "ROWS", "NORM", "SILU"], do_bench=_quick_bench, cache_results=True,
+    prune_configs_by={"early_config_prune": ShippedChoice("_gemv_kernel")},
 )
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES, norm_ptr, res_ptr,
@@ -137,6 +141,7 @@ ROWS_MAX = 16
              for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (16, 1024, 4, 3), (16, 512, 4, 4), (32, 256, 4, 3),
                                 (32, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 5))],
     key=["N", "K", "W_BYTES"], do_bench=_quick_bench, cache_results=True,
+    prune_configs_by={"early_config_prune": ShippedChoice("_rows_kernel")},
 )
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, W_BYTES,
@@ -224,6 +229,7 @@ def _(x, w, scale, norm, eps, silu, residual):
              for n, g, w in ((8, 4, 4), (8, 8, 8), (16, 4, 8), (16, 4, 2), (32, 4, 2), (16, 8, 4), (4, 8, 4),
                              (32, 2, 4), (64, 2, 8), (8, 16, 8))],
     key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
+    prune_configs_by={"early_config_prune": ShippedChoice("_int4_gemv_kernel")},
 )
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
@@ -266,6 +272,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
                                    (32, 64, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 8, 3),
                                    (128, 128, 128, 8, 3), (128, 64, 128, 4, 4), (128, 256, 128, 8, 3))],
     key=["ROWS", "N", "K", "GROUP"], do_bench=_quick_bench, cache_results=True,
+    prune_configs_by={"early_config_prune": ShippedChoice("_int4_mm_kernel")},
 )
 @triton.jit
 def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
