@@ -58,6 +58,27 @@ def test_stages_emit_what_one_rank_does(model, sizes):
     assert staged == one
 
 
+def test_stages_replaying_graphs_emit_what_one_rank_does(model, monkeypatch, tmp_path):
+    """Each stage's CUDA graphs (one per padded micro-batch size: the first stage's of tokens,
+    a middle one's and the last one's of the activations they receive), emulated on the CPU
+    (tests/fake_cuda_graphs.py), with the sends and receives between replays: one rank's
+    tokens, through forks, and every rank replays."""
+    from runtime.executor import tensor_parallel
+    from tests import fake_cuda_graphs
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, seed=1, top_k=2)
+    small = dict(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
+    one, _ = engine_outputs(model, PROMPTS, params, **small)
+    fake_cuda_graphs.install(monkeypatch.setattr)
+    monkeypatch.setattr(fake_cuda_graphs, "REPLAYS", [0])
+    monkeypatch.setattr(tensor_parallel, "RANK_MODULE", "tests.fake_cuda_graphs")
+    monkeypatch.setenv("NANOINFER_TEST_REPLAYS", str(tmp_path))
+    staged, _ = engine_outputs(model, PROMPTS, params, pipeline_parallel_size=3, **small)
+    assert staged == one
+    replays = {p.name: int(p.read_text()) for p in tmp_path.iterdir()}
+    assert replays.keys() == {"1", "2"} and min(replays.values()) > 0 and fake_cuda_graphs.REPLAYS[0] > 0
+
+
 def test_stages_follow_preemption_by_swap(model):
     """A pool too small for the batch: every stage swaps its own layers' blocks out and in."""
     config = dict(block_size=4, num_blocks=12, preemption_mode="swap", swap_space=1 << 20)
