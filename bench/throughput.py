@@ -70,10 +70,11 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default="auto", help="as load_model takes it (with --shape: int8 or fp8 "
                                                                  "quantize the random weights)")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages over GPUs cuda:0.. (eager)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="stages over GPUs cuda:0.. (each replays CUDA graphs where T=1)")
     parser.add_argument("--pipeline-micro-batches", type=int, default=None, help="default: the pipeline's size")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as pipeline stages run)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,

@@ -18,6 +18,11 @@ token and finite flag, so a greedy step samples inside the graph).
 Padding rows carry slot -1 (the KV write skips them) and belong to a sequence with a context
 of 0 keys (attention writes zeros); their outputs are sliced off.
 
+A pipeline stage (runtime/executor/pipeline_parallel.py) captures the same graphs of its own
+forward, which takes the previous stage's activations besides the batch (`stage_input`: a
+static buffer of its own, which the received activations are copied into before a replay) and,
+but on the last stage, returns activations for every token (`per_token`) rather than logits.
+
 Every graph reads its batch from its own region of one device buffer (the regions overlap:
 one graph replays at a time, in stream order), laid out field after field. A batch built on
 the host (`HostBatch`) is written, padded, straight into a pinned copy of that region and
@@ -149,14 +154,18 @@ class StepGraphs:
         largest decode bucket (a step of more sequences runs eagerly)."""
         return min(max_num_seqs, DEFAULT_BUCKETS[-1])
 
-    def __init__(self, step: Callable[[Batch], Sequence[torch.Tensor]], device: torch.device, max_batch: int,
+    def __init__(self, step: Callable[..., Sequence[torch.Tensor]], device: torch.device, max_batch: int,
                  max_blocks: int, buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
-                 token_buckets=DEFAULT_TOKEN_BUCKETS, rows_per_seq: int = 1):
+                 token_buckets=DEFAULT_TOKEN_BUCKETS, rows_per_seq: int = 1,
+                 stage_input: tuple[int, torch.dtype] | None = None, per_token: bool = False):
         """`step(batch)`: the forward to capture (it writes the batch's KV); it returns a tuple
         of tensors whose rows are the batch's logits rows. `rows_per_seq` > 1 (speculative
         decoding verifies rows_per_seq - 1 drafts per sequence) also captures mixed graphs
-        of fewer tokens than `max_batch`."""
+        of fewer tokens than `max_batch`. A pipeline stage's: `stage_input` (width, dtype) of
+        the activations it takes, `step(batch, hidden)` then reading them as [tokens, width];
+        `per_token`: its outputs' rows are the batch's tokens, not its logits rows."""
         self.step = step
+        self.per_token = per_token
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.widths = tuple(sorted({w for w in widths if 0 < w < max_blocks})) + (max_blocks,)
         # Mixed steps have more tokens than sequences: buckets past the decode sizes only, but
@@ -177,6 +186,10 @@ class StepGraphs:
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         self.decode_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one row per sequence
         self.decode_rows = torch.arange(max_batch, dtype=torch.int64, device=device)
+        # The activations a stage takes: every graph reads its first rows (padding rows keep what
+        # they held, finite: their outputs are sliced off, and they write no KV).
+        self.hidden = None if stage_input is None else torch.zeros(
+            max((self.buckets[-1], *self.token_buckets)), stage_input[0], dtype=stage_input[1], device=device)
         self.graphs: dict[tuple[int, int], Captured] = {}  # decode, by (size, width)
         self.mixed: dict[int, Captured] = {}  # by token bucket
         self.pool = None
@@ -199,6 +212,10 @@ class StepGraphs:
         """Logits rows a mixed bucket computes (`max_rows`, or one per token if fewer)."""
         return min(tokens, self.max_rows)
 
+    def _step(self, batch: Batch) -> Sequence[torch.Tensor]:
+        """The captured step over a graph's inputs (a stage's: its activations' rows too)."""
+        return self.step(batch) if self.hidden is None else self.step(batch, self.hidden[:batch.num_tokens])
+
     def _capture(self, inputs: _Inputs) -> Captured:
         # Capture-time batch: every token in the first sequence, no keys read or written.
         batch = self._views(inputs)
@@ -212,11 +229,11 @@ class StepGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
-            self.step(batch)
+            self._step(batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            outputs = tuple(self.step(batch))
+            outputs = tuple(self._step(batch))
         self.pool = graph.pool()
         return Captured(graph, outputs, inputs, batch)
 
@@ -247,10 +264,13 @@ class StepGraphs:
             return False
         return batch.logits_indices.shape[0] <= self._mixed_rows(next(b for b in self.token_buckets if b >= t))
 
-    def run(self, batch: Batch | HostBatch, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """The step's outputs (rows: len(batch.logits_indices)) for a batch that `can_run`, by
-        graph replay. A HostBatch moves in one copy; `input_ids` on the device, if given,
-        replace the batch's own (tokens that never went to the host)."""
+    def run(self, batch: Batch | HostBatch, input_ids: torch.Tensor | None = None,
+            hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The step's outputs (rows: len(batch.logits_indices), or its tokens with `per_token`)
+        for a batch that `can_run`, by graph replay. A HostBatch moves in one copy; `input_ids`
+        on the device, if given, replace the batch's own (tokens that never went to the host).
+        `hidden`: a stage's input activations [tokens, width]. The outputs are the graph's own
+        memory: the next replay of any graph of this pool may overwrite them."""
         n, t = batch.num_seqs, batch.num_tokens
         if t == n:
             width = batch.block_tables.shape[1]
@@ -266,6 +286,8 @@ class StepGraphs:
             _fill(views, batch)
         if input_ids is not None:
             views.input_ids[:t].copy_(input_ids, non_blocking=True)
+        if hidden is not None:
+            self.hidden[:t].copy_(hidden, non_blocking=True)
         captured.graph.replay()
-        rows = batch.logits_indices.shape[0]
+        rows = t if self.per_token else batch.logits_indices.shape[0]
         return tuple(out[:rows] for out in captured.outputs)

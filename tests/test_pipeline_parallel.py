@@ -58,6 +58,82 @@ def test_stages_emit_what_one_rank_does(model, sizes):
     assert staged == one
 
 
+def test_stages_replaying_graphs_emit_what_one_rank_does(model, monkeypatch, tmp_path):
+    """Each stage's CUDA graphs (one per padded micro-batch size: the first stage's of tokens,
+    a middle one's and the last one's of the activations they receive), emulated on the CPU
+    (tests/fake_cuda_graphs.py), with the sends and receives between replays: one rank's
+    tokens, through forks, and every rank replays."""
+    from runtime.executor import tensor_parallel
+    from tests import fake_cuda_graphs
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, seed=1, top_k=2)
+    small = dict(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
+    one, _ = engine_outputs(model, PROMPTS, params, **small)
+    fake_cuda_graphs.install(monkeypatch.setattr)
+    monkeypatch.setattr(fake_cuda_graphs, "REPLAYS", [0])
+    monkeypatch.setattr(tensor_parallel, "RANK_MODULE", "tests.fake_cuda_graphs")
+    monkeypatch.setenv("NANOINFER_TEST_REPLAYS", str(tmp_path))
+    staged, _ = engine_outputs(model, PROMPTS, params, pipeline_parallel_size=3, **small)
+    assert staged == one
+    replays = {p.name: int(p.read_text()) for p in tmp_path.iterdir()}
+    assert replays.keys() == {"1", "2"} and min(replays.values()) > 0 and fake_cuda_graphs.REPLAYS[0] > 0
+
+
+def test_a_stages_graphs_replay_its_forward_and_write_only_the_batch_slots(model, monkeypatch):
+    """Each stage's graphs (emulated: tests/fake_cuda_graphs.py) against its eager forward, over
+    a decode batch (3 sequences padded to 4) and a mixed one (10 tokens padded to 16): the same
+    activations and logits, and the KV pools (random, so a stray write shows) written at the
+    batch's slots alike and nowhere else, padding rows included."""
+    import torch
+
+    from nanoinfer.batch import SeqChunk, build_batch
+    from nanoinfer.graphs import GraphSizes
+    from nanoinfer.kv_cache import allocate_kv_pool
+    from nanoinfer.model import forward
+    from nanoinfer.pipeline import Stage, stage_config, stage_params
+    from runtime.executor import tensor_parallel
+    from runtime.executor.pipeline_parallel import capture_stage, graph_or_eager
+    from tests import fake_cuda_graphs
+
+    fake_cuda_graphs.install(monkeypatch.setattr)
+    cfg, bs = model.config, 4
+    batches = [build_batch([SeqChunk([5], 6, [0, 1], True), SeqChunk([7], 2, [2], True),
+                            SeqChunk([9], 12, [3, 4, 5, 6], True)], bs),
+               build_batch([SeqChunk([1, 2, 3, 4, 5, 6, 7], 0, [8, 9], True), SeqChunk([8], 6, [0, 1], True),
+                            SeqChunk([3, 4], 2, [2], True)], bs)]
+    sizes = GraphSizes(max_batch=4, max_blocks=8, widths=(2,), max_tokens=16)
+    hidden = {}  # each batch's activations into the last stage (the eager ones)
+    for index in range(2):
+        stage = Stage(index, 2)
+        local, part = stage_config(cfg, stage), stage_params(model.params, cfg, stage)
+        kernels = tensor_parallel.kernels_for(local, torch.device("cpu"), bs)
+        start = allocate_kv_pool(local, 16, bs, torch.float32, "cpu")
+        start.normal_(generator=torch.Generator().manual_seed(1))
+        pools = {"eager": start.clone(), "graphs": start.clone()}
+
+        def step(kv):
+            return lambda batch, h: forward(part, kv, batch, local, kernels.attention, kernels.layer_fns,
+                                            logits_dtype=None, hidden=h)
+
+        graphs = capture_stage(step(pools["graphs"]), stage, sizes, cfg.hidden_size, torch.float32, torch.device("cpu"))
+        compute = graph_or_eager(step(pools["graphs"]), graphs)
+        for i, batch in enumerate(batches):
+            assert graphs.can_run(batch)
+            h = hidden.get(i)
+            with torch.inference_mode():  # (as the engine and the ranks run steps)
+                eager, replayed = step(pools["eager"])(batch, h), compute(batch, h)
+            assert replayed.shape == eager.shape == ((batch.num_tokens, cfg.hidden_size) if index == 0 else
+                                                    (batch.num_seqs, cfg.vocab_size))
+            torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+            hidden[i] = eager
+            torch.testing.assert_close(pools["graphs"], pools["eager"], rtol=1e-5, atol=1e-5)
+        written = torch.zeros(16 * bs, dtype=torch.bool)
+        written[torch.cat([b.slot_mapping for b in batches])] = True
+        flat = {k: v.view(*v.shape[:2], 16 * bs, -1) for k, v in pools.items()}
+        assert torch.equal(flat["graphs"][:, :, ~written], start.view_as(flat["graphs"])[:, :, ~written])
+    assert fake_cuda_graphs.REPLAYS[0] >= 4
+
+
 def test_stages_follow_preemption_by_swap(model):
     """A pool too small for the batch: every stage swaps its own layers' blocks out and in."""
     config = dict(block_size=4, num_blocks=12, preemption_mode="swap", swap_space=1 << 20)

@@ -16,8 +16,16 @@ on each other), which samples as with one rank.
 
 Within a step the stages overlap but for the pipeline's fill and drain: with M micro-batches
 over P stages, each stage idles about (P - 1) / (M + P - 1) of the step. Steps do not overlap:
-rank 0 samples a step's tokens before the next step can run. Stages run eagerly (on CUDA the
-runner turns enforce_eager on: a captured graph would hold the sends and receives).
+rank 0 samples a step's tokens before the next step can run.
+
+On CUDA, where a stage has one rank, it computes a micro-batch by replaying a CUDA graph of its
+forward (nanoinfer/graphs.py: one per padded micro-batch size, as one GPU captures one per
+batch size; the compiled layer parts inside), and the sends and receives stay outside, eager
+NCCL calls between replays: the received activations are copied into the graph's static input,
+and its output copied out before it is sent on (the next replay reuses that memory while the
+send may still be reading it). A micro-batch no graph fits runs eagerly. Stages of several
+ranks run eagerly (the runner turns enforce_eager on): their all-reduce over the stage's
+process group is a plain call that Dynamo would trace into, so their layers stay uncompiled.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ import torch.distributed as dist
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.pipeline import MicroBatches, split_batch
+from nanoinfer.graphs import GraphSizes, StepGraphs
+from nanoinfer.pipeline import MicroBatches, Stage, split_batch
 from nanoinfer.sampling import greedy_and_finite
 from runtime.executor.model_runner import ForwardOutput
 from runtime.executor.tensor_parallel import TensorParallelRunner
@@ -75,6 +84,32 @@ def links(tp: int, pp: int, rank: int) -> Links:
 Compute = Callable[[Batch, "torch.Tensor | None"], torch.Tensor]  # a micro-batch, its input activations -> output
 
 
+def capture_stage(step: Compute, stage: Stage, sizes: GraphSizes, hidden_size: int, dtype: torch.dtype,
+                  device: torch.device) -> StepGraphs:
+    """CUDA graphs of a stage's forward `step` at one GPU's sizes: each takes the batch and,
+    after the first stage, the activations [tokens, hidden_size] in a static buffer; each
+    returns activations per token, or on the last stage the logits at the logits rows."""
+    graphs = StepGraphs(lambda batch, hidden=None: (step(batch, hidden),), device, **sizes._asdict(),
+                        stage_input=None if stage.first else (hidden_size, dtype), per_token=not stage.last)
+    graphs.capture()
+    return graphs
+
+
+def graph_or_eager(step: Compute, graphs: StepGraphs | None) -> Compute:
+    """A stage's forward of a micro-batch: a replay of `graphs` where one fits it, else `step`."""
+    if graphs is None:
+        return step
+
+    def compute(batch: Batch, hidden: torch.Tensor | None) -> torch.Tensor:
+        if not graphs.can_run(batch):
+            return step(batch, hidden)
+        # (a copy: the graph's output is its pool's memory, which the next micro-batch's replay
+        # overwrites while the send of this one may still be reading it)
+        return graphs.run(batch, hidden=hidden)[0].clone()
+
+    return compute
+
+
 def run_stage(compute: Compute, micro: MicroBatches, link: Links, groups: StageGroups, hidden_size: int,
               dtype: torch.dtype, device: torch.device) -> list:
     """This rank's stage over the micro-batches in order: each one's activations received (after
@@ -113,7 +148,7 @@ class PipelineParallelRunner(TensorParallelRunner):
     stages and samples the logits the last one sends back."""
 
     def __init__(self, model, config, max_model_len: int, draft=None):
-        if model.params.device.type == "cuda" and not config.enforce_eager:
+        if model.params.device.type == "cuda" and config.tensor_parallel_size > 1 and not config.enforce_eager:
             config = dataclasses.replace(config, enforce_eager=True)  # (see the module's docstring)
         self._step_input = None  # the step being launched: its layout on the host
         super().__init__(model, config, max_model_len, draft)
@@ -123,6 +158,15 @@ class PipelineParallelRunner(TensorParallelRunner):
 
     def _micro_batches(self) -> int:
         return self.config.pipeline_micro_batches or self.tp.grid.pp
+
+    def _capture(self, **sizes) -> None:
+        """Graphs of the first stage's forward (the other ranks capture their stages' alike)."""
+        self.graphs = capture_stage(self._first_stage, Stage(0, self.tp.grid.pp), GraphSizes(**sizes),
+                                    self.cfg.hidden_size, self.model.params.dtype, self.device)
+
+    def _first_stage(self, batch: Batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0's stage: the batch's tokens embedded and through its layers."""
+        return self._forward_logits(batch)
 
     def launch(self, inp, *args, **kwargs):
         self._step_input = inp
@@ -147,8 +191,8 @@ class PipelineParallelRunner(TensorParallelRunner):
         micro = self._split(batch)
         dtype, vocab = self.model.params.dtype, self.cfg.vocab_size
         with self.tp.watching():
-            sends = run_stage(lambda mb, _: self._forward_logits(mb), micro, self.link, self.tp.stage_groups,
-                              self.cfg.hidden_size, dtype, self.device)
+            sends = run_stage(graph_or_eager(self._first_stage, self.graphs), micro, self.link,
+                              self.tp.stage_groups, self.cfg.hidden_size, dtype, self.device)
             parts = []
             for rows in micro.logits_rows():
                 part = torch.empty(rows, vocab, dtype=dtype, device=self.device)

@@ -577,11 +577,22 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
     def step(batch: Batch, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor]:
         return (forward(part, pools.kv, batch, local, kernels.attention, fns, logits_dtype=None, hidden=hidden),)
 
-    if grid.pp > 1:  # (eager: graphs of a stage would hold its sends and receives)
-        from runtime.executor.pipeline_parallel import stage_step
+    if grid.pp > 1:  # (its micro-batches' graphs, if any, are its stage step's: sends and receives between them)
+        from nanoinfer.pipeline import Stage
+        from runtime.executor.pipeline_parallel import (
+            capture_stage,
+            graph_or_eager,
+            stage_step,
+        )
 
-        return pools, stage_step(lambda b, h: step(b, h)[0], grid.tp, grid.pp, rank, groups, setup.micro_batches,
-                                 local, part.dtype, device), None
+        def compute(batch: Batch, hidden: torch.Tensor | None) -> torch.Tensor:
+            return step(batch, hidden)[0]
+
+        if kernels.graphs and setup.graphs is not None:  # (one rank a stage: see pipeline_parallel.py)
+            compute = graph_or_eager(compute, capture_stage(compute, Stage(grid.place(rank)[0], grid.pp),
+                                                            setup.graphs, local.hidden_size, part.dtype, device))
+        return pools, stage_step(compute, grid.tp, grid.pp, rank, groups, setup.micro_batches, local, part.dtype,
+                                 device), None
     graphs = None
     if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
         graphs = StepGraphs(step, device, **setup.graphs._asdict())
