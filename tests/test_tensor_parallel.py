@@ -466,3 +466,37 @@ def test_a_failed_start_stops_the_ranks_cleanly(monkeypatch):
         EngineCore(tiny_split_model(), engine_config(num_blocks=16, block_size=4, tensor_parallel_size=2))
     (ranks,) = started
     assert ranks.closed and [p.returncode for p in ranks.procs] == [0]
+
+
+def test_only_real_copies_and_swaps_reach_the_other_ranks():
+    """A new block for a sequence is an empty copy list: the pools that follow rank 0's (the other
+    ranks', each order a round trip over the control group) hear only of copies and swaps that
+    move something. Before, every step in which sequences crossed a block boundary sent one
+    order per sequence: 2.5 ms of PP=2's 8 ms step on two H100s."""
+    from runtime.executor.kv_pools import KVPools
+
+    cfg = tiny_config()
+    pools = KVPools(cfg, num_blocks=8, num_cpu_blocks=4, block_size=BS, dtype=torch.float32, device=torch.device("cpu"))
+    pools.kv.normal_()
+    heard = []
+
+    class Follower:
+        def copy_blocks(self, copies):
+            heard.append(("copy", copies))
+
+        def swap_out(self, copies):
+            heard.append(("swap_out", copies))
+
+        def swap_in(self, copies):
+            heard.append(("swap_in", copies))
+
+    pools.followers.append(Follower())
+    pools.copy_blocks([])
+    pools.swap_out([])
+    pools.swap_in([])
+    assert heard == []
+    pools.copy_blocks([(1, 2)])
+    pools.swap_out([(2, 0)])
+    pools.swap_in([(0, 3)])
+    assert heard == [("copy", [(1, 2)]), ("swap_out", [(2, 0)]), ("swap_in", [(0, 3)])]
+    assert torch.equal(pools.kv[:, :, 3], pools.kv[:, :, 1])  # (the copy and the round trip took place here too)

@@ -24,16 +24,22 @@ class KVPools:
         self.followers: list = []  # objects with the same three methods, applied after ours
 
     def copy_blocks(self, copies) -> None:
+        if not copies:  # (most new blocks: a copy order to other ranks is a round trip of its own)
+            return
         copy_blocks(self.kv, copies)
         for other in self.followers:
             other.copy_blocks(copies)
 
     def swap_out(self, copies) -> None:
+        if not copies:
+            return
         swap_blocks(self.kv, self.cpu_kv, copies)
         for other in self.followers:
             other.swap_out(copies)
 
     def swap_in(self, copies) -> None:
+        if not copies:
+            return
         swap_blocks(self.cpu_kv, self.kv, copies)
         for other in self.followers:
             other.swap_in(copies)
