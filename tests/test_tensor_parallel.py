@@ -500,3 +500,20 @@ def test_only_real_copies_and_swaps_reach_the_other_ranks():
     pools.swap_in([(0, 3)])
     assert heard == [("copy", [(1, 2)]), ("swap_out", [(2, 0)]), ("swap_in", [(0, 3)])]
     assert torch.equal(pools.kv[:, :, 3], pools.kv[:, :, 1])  # (the copy and the round trip took place here too)
+
+
+def test_the_profiling_step_runs_on_a_ranks_shard():
+    """What sizes a GPU's KV pool runs rank 0's own part of the model (kv_budget.run_peak_step):
+    its LM head holds a share of the vocabulary, and the sampler it profiles sees the whole
+    vocabulary, as the gathered logits of a real step have it. On two H100s an 8B model with
+    tensor_parallel_size=2 and no num_blocks failed to start: "The size of tensor a (128256)
+    must match the size of tensor b (64128)"."""
+    from nanoinfer.loaders import LoadedModel
+    from runtime.async_engine import engine_config
+    from runtime.executor.kv_budget import run_peak_step
+
+    cfg = tiny_config(vocab_size=96)  # (48 a rank)
+    params = random_params(cfg, seed=3)
+    local = shard_config(cfg, 0, 2)
+    model = LoadedModel(local, shard_params(params, cfg, 0, 2), None, Path("tiny"))
+    run_peak_step(model, engine_config(max_num_batched_tokens=64, max_num_seqs=8), REFERENCE)
