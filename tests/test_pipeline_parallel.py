@@ -331,3 +331,48 @@ def test_the_default_path_runs_no_pipeline_code():
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+def _order_rank(rank: int, init_file: str, results) -> None:
+    """Rank 0 sends two forwards, one with its Cut; rank 1 receives them as a stage rank does."""
+    import torch
+    import torch.distributed as dist
+
+    from nanoinfer.batch import SeqChunk, build_batch
+    from runtime.executor.tensor_parallel import Cut, TensorParallelRanks, _receive
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        control = dist.new_group(backend="gloo")
+        batch = build_batch([SeqChunk([5, 6, 7], 0, [0], True), SeqChunk([8], 4, [1, 2], True)], 4)
+        if rank == 0:
+            ranks = TensorParallelRanks.__new__(TensorParallelRanks)  # (only what forward() needs)
+            ranks.control, ranks.check_ranks = control, lambda: None
+            ranks.watching = lambda: __import__("contextlib").nullcontext()
+            ranks.forward(batch, Cut([0, 3, 4], [2, 3]))
+            ranks.forward(batch)
+        else:
+            got = [_receive(torch.device("cpu"), control) for _ in range(2)]
+            results.put([(kind, [t.tolist() for t in b], c) for kind, (b, c) in got]
+                        + [[t.tolist() for t in batch]])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path):
+    """Stage ranks cut the step into micro-batches from rank 0's host layout (the Cut sent with the
+    forward), never from their GPU copies of the batch, whose reading waited for the step before:
+    the batch arrives whole, with the Cut where rank 0 sent one and None where it did not."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_order_rank, args=(r, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    (kind, batch, cut), (kind2, batch2, cut2), sent = results.get(timeout=60)
+    for p in ranks:
+        p.join(30)
+        assert p.exitcode == 0
+    assert kind == kind2 == "forward" and batch == batch2 == sent
+    assert cut == ([0, 3, 4], [2, 3]) and cut2 is None

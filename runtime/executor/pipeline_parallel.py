@@ -44,7 +44,7 @@ from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.pipeline import MicroBatches, Stage, split_batch
 from nanoinfer.sampling import greedy_and_finite
 from runtime.executor.model_runner import ForwardOutput
-from runtime.executor.tensor_parallel import TensorParallelRunner
+from runtime.executor.tensor_parallel import Cut, TensorParallelRunner
 
 
 class StageGroups(NamedTuple):
@@ -130,13 +130,14 @@ def run_stage(compute: Compute, micro: MicroBatches, link: Links, groups: StageG
 
 
 def stage_step(compute: Compute, tp: int, pp: int, rank: int, groups: StageGroups, micro_batches: int,
-               cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Callable[[Batch], None]:
-    """A rank other than 0: its step over the Batch that rank 0 broadcast."""
+               cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Callable[[Batch, Cut | None], None]:
+    """A rank other than 0: its step over the Batch that rank 0 broadcast, cut where rank 0's Cut
+    says (None: where the batch's own tensors say)."""
     link = links(tp, pp, rank)
 
-    def step(batch: Batch) -> None:
-        for work, _ in run_stage(compute, split_batch(batch, micro_batches), link, groups, cfg.hidden_size, dtype,
-                                 device):
+    def step(batch: Batch, cut: Cut | None) -> None:
+        micro = split_batch(batch, micro_batches, *(cut or ()))
+        for work, _ in run_stage(compute, micro, link, groups, cfg.hidden_size, dtype, device):
             work.wait()
 
     return step
@@ -175,20 +176,21 @@ class PipelineParallelRunner(TensorParallelRunner):
         finally:
             self._step_input = None
 
-    def _split(self, batch: Batch) -> MicroBatches:
-        """The step's micro-batches, cut from the host's layout where the launch gave it (reading a
-        GPU's index tensors back would wait for the step before)."""
+    def _cut(self, batch: Batch) -> Cut:
+        """The step's layout on the host, where the launch gave it (reading a GPU's index tensors
+        back would wait for the step before), for every rank to cut its micro-batches alike."""
         inp = self._step_input
         qsl = None if inp is None else np.concatenate([[0], np.cumsum([c.num_tokens for c in inp.chunks])]).tolist()
         if qsl is None or qsl[-1] != batch.num_tokens:  # (not the launch's batch: its own tensors say)
-            return split_batch(batch, self._micro_batches())
-        return split_batch(batch, self._micro_batches(), qsl, list(inp.logits_rows))
+            return Cut(batch.query_start_loc.tolist(), batch.logits_indices.tolist())
+        return Cut(qsl, list(inp.logits_rows))
 
     def _forward(self, batch: Batch) -> ForwardOutput:
-        """Every rank receives the batch; rank 0 computes the first stage of each micro-batch, then
-        receives their logits from the last stage."""
-        self.tp.forward(batch)
-        micro = self._split(batch)
+        """Every rank receives the batch and its cut; rank 0 computes the first stage of each
+        micro-batch, then receives their logits from the last stage."""
+        cut = self._cut(batch)
+        self.tp.forward(batch, cut)
+        micro = split_batch(batch, self._micro_batches(), *cut)
         dtype, vocab = self.model.params.dtype, self.cfg.vocab_size
         with self.tp.watching():
             sends = run_stage(graph_or_eager(self._first_stage, self.graphs), micro, self.link,

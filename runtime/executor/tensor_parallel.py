@@ -234,12 +234,16 @@ class TensorParallelRanks:
         with self.watching():
             dist.barrier(group=self.control)
 
-    def forward(self, batch: Batch) -> None:
+    def forward(self, batch: Batch, cut: Cut | None = None) -> None:
         """Before rank 0's own forward over `batch`: the other ranks receive it and start theirs
-        (a graph's replay where rank 0's graphs take it: theirs are the same)."""
+        (a graph's replay where rank 0's graphs take it: theirs are the same). `cut`: the batch's
+        layout on the host, for ranks that cut it into micro-batches (pipeline parallelism)."""
         self.check_ranks()
         with self.watching():
-            dist.broadcast(_forward_header(batch), src=0, group=self.control)
+            dist.broadcast(_forward_header(batch, cut is not None), src=0, group=self.control)
+            if cut is not None:
+                dist.broadcast(torch.tensor([*cut.query_start_loc, *cut.logits_indices], dtype=torch.int64), src=0,
+                               group=self.control)
             dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in batch]), src=0)
 
     def copy_blocks(self, copies) -> None:
@@ -447,14 +451,25 @@ class TensorParallelRunner(ModelRunner):
 # Every order starts with a fixed header of int64s over the control group: its kind and, for a
 # forward (every step), each batch tensor's rows, columns (-1: 1-D) and dtype, so that the
 # step's path pickles nothing; the batch's tensors then follow as one int64 broadcast (on
-# CUDA over NCCL). Any other order follows its header as a pickled (kind, body).
-FORWARD, OBJECT = 0, 1
+# CUDA over NCCL). A forward with its cut (FORWARD_CUT) first sends the batch's Cut over the
+# control group. Any other order follows its header as a pickled (kind, body).
+FORWARD, OBJECT, FORWARD_CUT = 0, 1, 2
 _DTYPES = (torch.int32, torch.int64)
 HEADER = 1 + 3 * len(Batch._fields)
 
 
-def _forward_header(batch: Batch) -> torch.Tensor:
-    fields = [FORWARD]
+class Cut(NamedTuple):
+    """A batch's query_start_loc and logits_indices on the host: the ranks that cut a step into
+    micro-batches take them from rank 0 rather than from their GPU copies, whose reading would
+    wait for the work queued before (a rank's host then launched a step only once its GPU had
+    finished the last one)."""
+
+    query_start_loc: list[int]
+    logits_indices: list[int]
+
+
+def _forward_header(batch: Batch, cut: bool = False) -> torch.Tensor:
+    fields = [FORWARD_CUT if cut else FORWARD]
     for t in batch:
         fields += (t.shape[0], t.shape[1] if t.dim() == 2 else -1, _DTYPES.index(t.dtype))
     return torch.tensor(fields, dtype=torch.int64)
@@ -497,14 +512,20 @@ def serve_rank(cfg: ModelConfig, params: Params, grid: Grid | None = None) -> No
 
 
 def _receive(device: torch.device, control):
-    """The next order: ("forward", Batch on this rank's device) or a pickled (kind, body)."""
+    """The next order: ("forward", (Batch on this rank's device, its Cut or None)) or a pickled (kind, body)."""
     header = torch.empty(HEADER, dtype=torch.int64)
     dist.broadcast(header, src=0, group=control)
-    if header[0] == FORWARD:
+    if header[0] in (FORWARD, FORWARD_CUT):
         layout = _layout(header)
+        cut = None
+        if header[0] == FORWARD_CUT:  # (sizes: the batch's query_start_loc and logits_indices rows)
+            seqs, rows = layout[Batch._fields.index("query_start_loc")][0], layout[-1][0]
+            host = torch.empty(seqs + rows, dtype=torch.int64)
+            dist.broadcast(host, src=0, group=control)
+            cut = Cut(host[:seqs].tolist(), host[seqs:].tolist())
         flat = torch.empty(sum(n for *_, n in layout), dtype=torch.int64, device=device)
         dist.broadcast(flat, src=0)
-        return "forward", _unpack_batch(layout, flat)
+        return "forward", (_unpack_batch(layout, flat), cut)
     message = [None]
     dist.broadcast_object_list(message, src=0, group=control)
     return message[0]
@@ -554,10 +575,10 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
                     break
                 if kind != "forward":
                     orders[kind](body)
-                elif graphs is not None and graphs.can_run(body):
-                    graphs.run(body)
+                elif graphs is not None and graphs.can_run(body[0]):
+                    graphs.run(body[0])
                 else:
-                    step(body)
+                    step(*body)
     finally:  # (an error goes on to this process's stderr, whose tail rank 0 reports: RankLost)
         graphs = None  # (first: see TensorParallelRunner.close)
         gc.collect()
@@ -566,7 +587,7 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
 
 def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part: Params, setup: RankSetup,
                 device: torch.device, groups):
-    """A rank's KV pools, its step (a forward over a Batch; a pipeline stage's over its
+    """A rank's KV pools, its step (a forward over a Batch and its Cut; a pipeline stage's over its
     micro-batches) and its CUDA graphs (None: eager)."""
     kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
     fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp)
@@ -597,4 +618,4 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
     if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
         graphs = StepGraphs(step, device, **setup.graphs._asdict())
         graphs.capture()
-    return pools, step, graphs
+    return pools, lambda batch, cut: step(batch), graphs
