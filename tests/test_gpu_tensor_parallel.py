@@ -105,7 +105,8 @@ def test_close_over_two_gpus_leaves_no_group_behind():
     """With CUDA graphs that captured NCCL's all-reduces, `close()` destroys the process groups
     on every rank (a graph alive kept NCCL's destroy waiting, and the group was left behind:
     the next engine in the process failed with "initialize the default process group twice"),
-    so a second engine over two GPUs runs in the same process and gives the same tokens."""
+    so a second engine over two GPUs runs in the same process and gives the same tokens (this one
+    with its KV pool sized by the profiling step, which failed on rank 0's vocabulary share)."""
     from pathlib import Path
 
     from nanoinfer.loaders import LoadedModel
@@ -116,8 +117,8 @@ def test_close_over_two_gpus_leaves_no_group_behind():
     cfg, params = _model()
     model = LoadedModel(cfg, map_params(lambda t: t.cuda(), params), None, Path("tiny-tp"))
     outputs = []
-    for _ in range(2):
-        core = EngineCore(model, engine_config(block_size=16, num_blocks=64, max_model_len=256, tensor_parallel_size=2))
+    for sized in (dict(num_blocks=64), {}):  # (the second sizes its pool by profiling a step on rank 0's shard)
+        core = EngineCore(model, engine_config(block_size=16, max_model_len=256, tensor_parallel_size=2, **sized))
         try:
             assert core.executor.graphs is not None  # (the case at stake: graphs that captured collectives)
             core.add_request([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
