@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -32,6 +33,15 @@ import time
 import httpx
 
 from runtime.eval.speed import percentile
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux's /proc; None elsewhere)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def one_client(http, url, prompt, max_tokens, ttfts, itls):
@@ -110,7 +120,9 @@ def main():
         idle_ttfts = []
         for prompt in prompts[:args.idle_requests]:  # one at a time: an idle server's TTFT
             idle_ttfts += asyncio.run(run_clients(url, [prompt], [8]))[2]
+        cpu_before = cpu_seconds(server.pid)
         tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
+        cpu_after = cpu_seconds(server.pid)
     finally:
         server.terminate()
         server.wait(60)
@@ -136,6 +148,10 @@ def main():
           f"{ms(statistics.median(ttfts)) + '/' + ms(percentile(ttfts, 99)):>18}"
           f"{ms(statistics.median(itls)) + '/' + ms(percentile(itls, 99)):>17}")
     print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
+    if cpu_before is not None:  # (with data parallelism the server's process is the front alone)
+        cpu = cpu_after - cpu_before
+        print(f"server process CPU {cpu:.2f} s over the run: {cpu / elapsed:.0%} of a core, "
+              f"{cpu / max(tokens, 1) * 1e6:.0f} us a token")
     if requests == args.clients:  # (offline runs every request at once: the same load only then)
         print(f"server keeps {served_tps / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
     print(f"idle server TTFT p50 {ms(statistics.median(idle_ttfts))} ms over {len(idle_ttfts)} requests "
