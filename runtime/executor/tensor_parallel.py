@@ -59,6 +59,7 @@ from nanoinfer.config import ModelConfig
 from nanoinfer.errors import RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.kernels import kernels_for, mark_weights_static
+from nanoinfer.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import (
@@ -111,6 +112,18 @@ class Grid(NamedTuple):
     def place(self, rank: int) -> tuple[int, int]:
         """(stage, shard) of `rank`."""
         return divmod(rank, self.tp)
+
+
+def rank_config(cfg: ModelConfig, grid: Grid, rank: int) -> ModelConfig:
+    """Rank `rank`'s view of the model (rank_part's config, without the weights)."""
+    stage, shard = grid.place(rank)
+    if grid.pp > 1:
+        from nanoinfer.pipeline import Stage, stage_config
+
+        cfg = stage_config(cfg, Stage(stage, grid.pp))
+        if grid.tp == 1:
+            return cfg
+    return shard_config(cfg, shard, grid.tp)
 
 
 def rank_part(cfg: ModelConfig, params: Params, grid: Grid, rank: int) -> tuple[ModelConfig, Params]:
@@ -423,6 +436,14 @@ class TensorParallelRunner(ModelRunner):
     def _layer_functions(self, kernels):
         """Rank 0's layers, with the collectives that join the ranks."""
         return kernels._replace(layer_fns=self.tp.layer_functions(kernels.layer_fns))
+
+    def _kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
+        """The largest of the ranks' bytes per block: every rank's pool has the same number of
+        blocks, of its own heads and layers (KV heads the ranks do not divide, as 3 over 2,
+        give rank 0 the fewest), and each must fit the budget."""
+        grid = self.tp.grid
+        return max(kv_bytes_per_block(rank_config(self.tp.cfg, grid, rank), self.config.block_size, kv_dtype)
+                   for rank in range(grid.size))
 
     def _before_pools(self, kv_dtype: torch.dtype) -> None:
         """The ranks size their pools, and capture their graphs now, in step with rank 0's."""
