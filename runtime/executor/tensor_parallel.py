@@ -56,7 +56,7 @@ from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_tim
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import DeviceLost, RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.kernels import kernels_for, mark_weights_static
 from nanoinfer.kv_cache import kv_bytes_per_block
@@ -328,6 +328,22 @@ class TensorParallelRanks:
                 raise
             raise lost.lost() from exc
 
+    @contextlib.contextmanager
+    def in_step(self):
+        """Rank 0's part of a step that the other ranks run with it: a failure inside (out of
+        memory mid-forward) leaves them waiting in collectives that rank 0 will not make, and
+        every later one out of step, so it ends the engine (DeviceLost) rather than one step."""
+        try:
+            yield
+        except DeviceLost:
+            raise
+        except Exception as exc:
+            if self.size == 1:  # (no peer: the step is contained as on one GPU)
+                raise
+            raise DeviceLost(f"rank 0 failed in the middle of a step that the other {self.size - 1} tensor- or "
+                             f"pipeline-parallel ranks run with it ({exc!r}): their collectives are out of step "
+                             f"with its, so nothing can run on them again") from exc
+
     def _send(self, message) -> None:
         """An order other than a forward: (kind, body), pickled."""
         self.check_ranks()
@@ -458,7 +474,7 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, batch: Batch):
         """The other ranks receive the batch first and decide alike (graph or eager)."""
         self.tp.forward(batch)
-        with self.tp.watching():  # (the layers' collectives)
+        with self.tp.in_step(), self.tp.watching():  # (the layers' collectives)
             return super()._forward(batch)
 
     def close(self) -> None:
