@@ -376,3 +376,25 @@ def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path):
         assert p.exitcode == 0
     assert kind == kind2 == "forward" and batch == batch2 == sent
     assert cut == ([0, 3, 4], [2, 3]) and cut2 is None
+
+
+def test_the_profiling_step_samples_on_the_first_stage(monkeypatch):
+    """What sizes rank 0's KV pool on a GPU (kv_budget.run_peak_step) runs rank 0's part of the
+    model: under pipeline parallelism the first stage, which has no LM head. Rank 0 still
+    receives the last stage's logits and samples them, so the profile must take the sampler's
+    peak ([rows, vocab] tables, top-k/top-p sort) too; it stopped after the stage's layers, and
+    the pool it sized left no room for the first big sampled step."""
+    from nanoinfer.attention.reference import REFERENCE
+    from nanoinfer.loaders import LoadedModel
+    from nanoinfer.pipeline import Stage, stage_config, stage_params
+    from runtime.async_engine import engine_config
+    from runtime.executor import kv_budget
+
+    cfg = tiny_config(num_layers=4)
+    params = random_params(cfg, seed=3)
+    first = LoadedModel(stage_config(cfg, Stage(0, 2)), stage_params(params, cfg, Stage(0, 2)), None, Path("tiny"))
+    sampled = []
+    real = kv_budget.sample
+    monkeypatch.setattr(kv_budget, "sample", lambda logits, st: sampled.append(logits.shape) or real(logits, st))
+    kv_budget.run_peak_step(first, engine_config(max_num_batched_tokens=64, max_num_seqs=8), REFERENCE)
+    assert sampled == [(8, cfg.vocab_size)]

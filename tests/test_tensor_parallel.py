@@ -517,3 +517,26 @@ def test_the_profiling_step_runs_on_a_ranks_shard():
     local = shard_config(cfg, 0, 2)
     model = LoadedModel(local, shard_params(params, cfg, 0, 2), None, Path("tiny"))
     run_peak_step(model, engine_config(max_num_batched_tokens=64, max_num_seqs=8), REFERENCE)
+
+
+def test_every_ranks_kv_pool_fits_the_budget():
+    """The KV pool's blocks are counted from a budget of bytes (kv_cache_memory; on a GPU, what
+    its memory leaves) and every rank allocates that many blocks of its own heads. With KV
+    heads the ranks do not divide (the default model's 3 over 2 ranks: 1 + 2), rank 0 holds
+    the fewest: blocks counted at its bytes gave rank 1 a pool of twice the budget (on a GPU,
+    more memory than it has), and twice the swap space."""
+    from nanoinfer.kv_cache import kv_bytes_per_block
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
+
+    model = tiny_split_model()
+    largest = max(kv_bytes_per_block(shard_config(model.config, rank, 2), BS, torch.float32) for rank in range(2))
+    assert largest > kv_bytes_per_block(shard_config(model.config, 0, 2), BS, torch.float32)
+    budget = 40 * largest
+    core = EngineCore(model, engine_config(block_size=BS, kv_cache_memory=budget, swap_space=10 * largest,
+                                           tensor_parallel_size=2))
+    try:
+        assert core.executor.num_blocks * largest <= budget
+        assert core.executor.num_cpu_blocks * largest <= 10 * largest
+    finally:
+        core.close()

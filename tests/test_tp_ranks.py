@@ -233,3 +233,51 @@ def test_a_rank_that_hangs_at_close_is_killed(failing_rank):
     core.close()
     assert time.monotonic() - begun < BOUND
     assert_gone(started)
+
+
+@pytest.mark.parametrize("grid", [dict(size=2), dict(size=1, pipeline_parallel_size=2)], ids=["tp", "pp"])
+def test_rank_0_failing_mid_forward_ends_the_engine(grid):
+    """Rank 0 runs out of memory in the middle of a forward that the other ranks run with it
+    (on a GPU, a large step's activations): they wait in a collective (or for a stage's
+    activations) that rank 0 will not make. The engine used to contain it as one GPU does
+    (retrying the step in smaller parts), and its next step then waited forever, for
+    collectives out of step; now it ends at once (EngineDead naming the failure), and close
+    returns."""
+    import threading
+
+    import torch
+
+    from runtime.engine.faults import EngineDead
+
+    core = engine(**grid)
+    runner = core.executor
+    fns = runner.kernels.layer_fns
+    calls = []
+
+    def out_of_memory_in_step_3(x, attn, lp, cfg, linear, reduce):
+        calls.append(1)
+        if len(calls) == 2 * runner.cfg.num_layers + 2:  # (in the second or third step)
+            raise torch.OutOfMemoryError("test: out of memory mid-forward")
+        return fns.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+
+    runner.kernels = runner.kernels._replace(layer_fns=fns._replace(attention_output_and_mlp=out_of_memory_in_step_3))
+    raised = []
+
+    def run():
+        try:
+            greedy(core)
+        except Exception as exc:  # noqa: BLE001 - (what the step raised: asserted below)
+            raised.append(exc)
+
+    try:
+        steps = threading.Thread(target=run, daemon=True)
+        steps.start()
+        steps.join(6 * BOUND)  # (generous: the hang it was is the collectives' timeout, 10 minutes)
+        assert not steps.is_alive(), "the engine waited on the other rank after rank 0's failure"
+        (dead,) = raised
+        assert isinstance(dead, EngineDead)
+        assert "out of memory mid-forward" in str(dead)
+    finally:
+        begun = time.monotonic()
+        core.close()
+        assert time.monotonic() - begun < BOUND

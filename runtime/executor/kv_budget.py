@@ -82,8 +82,8 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
     rows = min(tokens, len(lens) * per_sampler)
     with torch.inference_mode():
         logits = forward_of(cfg)(model.params, scratch, batch, cfg, backend)
-        if model.params.lm_head is None:  # (a pipeline's first stage: its activations go on, the logits come back)
-            return
+        if model.params.lm_head is None:  # (a pipeline's first stage: the last one's logits come back to sample)
+            logits = torch.zeros(logits_rows, cfg.vocab_size, dtype=model.params.dtype, device=dev)
         if logits.shape[-1] < cfg.vocab_size:  # (a tensor-parallel rank's share: a real step gathers them all)
             logits = torch.nn.functional.pad(logits, (0, cfg.vocab_size - logits.shape[-1]))
         st = SamplingTensors.build([costly] * rows, [0] * rows, cfg.vocab_size, dev, prompts=[[0]] * rows,

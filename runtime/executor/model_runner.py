@@ -54,7 +54,7 @@ class ModelRunner(DeviceModel):
         super().__init__(model, config)
         cfg, dtype = self.cfg, self.kv_dtype
         self.attention = self.kernels.attention
-        per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
+        per_block = self._kv_bytes_per_block(dtype)
         if draft is not None:
             from runtime.executor.draft_runner import draft_bytes_per_block
 
@@ -91,6 +91,11 @@ class ModelRunner(DeviceModel):
             # in one pass (no reduce kernel).
             widths=(self.attention.partition_size // c.block_size,),
             rows_per_seq=1 + (0 if spec is None else spec.num_speculative_tokens))
+
+    def _kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
+        """Bytes of one KV block, which the pool's size is counted in (the tensor-parallel
+        subclass: the largest of its ranks')."""
+        return kv_bytes_per_block(self.cfg, self.config.block_size, kv_dtype)
 
     def _before_pools(self, kv_dtype: torch.dtype) -> None:
         """(A seam of tensor_parallel.py's subclass: the ranks' setup.)"""

@@ -56,9 +56,10 @@ from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_tim
 
 from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import DeviceLost, RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.kernels import kernels_for, mark_weights_static
+from nanoinfer.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import Params, forward, map_params
 from nanoinfer.tensor_parallel import (
@@ -111,6 +112,18 @@ class Grid(NamedTuple):
     def place(self, rank: int) -> tuple[int, int]:
         """(stage, shard) of `rank`."""
         return divmod(rank, self.tp)
+
+
+def rank_config(cfg: ModelConfig, grid: Grid, rank: int) -> ModelConfig:
+    """Rank `rank`'s view of the model (rank_part's config, without the weights)."""
+    stage, shard = grid.place(rank)
+    if grid.pp > 1:
+        from nanoinfer.pipeline import Stage, stage_config
+
+        cfg = stage_config(cfg, Stage(stage, grid.pp))
+        if grid.tp == 1:
+            return cfg
+    return shard_config(cfg, shard, grid.tp)
 
 
 def rank_part(cfg: ModelConfig, params: Params, grid: Grid, rank: int) -> tuple[ModelConfig, Params]:
@@ -315,6 +328,22 @@ class TensorParallelRanks:
                 raise
             raise lost.lost() from exc
 
+    @contextlib.contextmanager
+    def in_step(self):
+        """Rank 0's part of a step that the other ranks run with it: a failure inside (out of
+        memory mid-forward) leaves them waiting in collectives that rank 0 will not make, and
+        every later one out of step, so it ends the engine (DeviceLost) rather than one step."""
+        try:
+            yield
+        except DeviceLost:
+            raise
+        except Exception as exc:
+            if self.size == 1:  # (no peer: the step is contained as on one GPU)
+                raise
+            raise DeviceLost(f"rank 0 failed in the middle of a step that the other {self.size - 1} tensor- or "
+                             f"pipeline-parallel ranks run with it ({exc!r}): their collectives are out of step "
+                             f"with its, so nothing can run on them again") from exc
+
     def _send(self, message) -> None:
         """An order other than a forward: (kind, body), pickled."""
         self.check_ranks()
@@ -424,6 +453,14 @@ class TensorParallelRunner(ModelRunner):
         """Rank 0's layers, with the collectives that join the ranks."""
         return kernels._replace(layer_fns=self.tp.layer_functions(kernels.layer_fns))
 
+    def _kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
+        """The largest of the ranks' bytes per block: every rank's pool has the same number of
+        blocks, of its own heads and layers (KV heads the ranks do not divide, as 3 over 2,
+        give rank 0 the fewest), and each must fit the budget."""
+        grid = self.tp.grid
+        return max(kv_bytes_per_block(rank_config(self.tp.cfg, grid, rank), self.config.block_size, kv_dtype)
+                   for rank in range(grid.size))
+
     def _before_pools(self, kv_dtype: torch.dtype) -> None:
         """The ranks size their pools, and capture their graphs now, in step with rank 0's."""
         c = self.config
@@ -437,7 +474,7 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, batch: Batch):
         """The other ranks receive the batch first and decide alike (graph or eager)."""
         self.tp.forward(batch)
-        with self.tp.watching():  # (the layers' collectives)
+        with self.tp.in_step(), self.tp.watching():  # (the layers' collectives)
             return super()._forward(batch)
 
     def close(self) -> None:
