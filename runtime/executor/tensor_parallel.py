@@ -591,6 +591,11 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
     local, part = rank_part(cfg, params, grid, rank)
     del params  # (rank 0's whole weights: only this rank's part stays)
     part = map_params(lambda t: t.to(device), part)
+    if device.type == "cuda":
+        # Cutting rank 0's shared weights allocated this part's fused pieces (concatenations)
+        # on rank 0's GPU; freed, they would stay in this process's cache there, memory rank 0
+        # counts as its own when it sizes its KV pool.
+        torch.cuda.empty_cache()
     backend = _backend(device)
     stopped = False  # (by rank 0's order: then every rank leaves the groups together)
     graphs = None
