@@ -95,6 +95,9 @@ def test_chat_keeps_history_stops_on_ctrl_c_and_resets(smollm2_gguf):
         first_reply = child.before
         assert "Paris" in first_reply
         child.sendline("Write a very long story about the sea.")
+        # (the terminal echoes the line first: words of the echo are not the reply, and a Ctrl-C
+        # sent before the reply starts may reach readline rather than the stream)
+        child.expect_exact("Write a very long story about the sea.")
         child.expect(r"\w+ \w+")  # the reply has started streaming
         child.sendintr()  # Ctrl-C stops the reply, not the program
         child.expect(r"\[stopped\]")

@@ -192,7 +192,7 @@ class PipelineParallelRunner(TensorParallelRunner):
         self.tp.forward(batch, cut)
         micro = split_batch(batch, self._micro_batches(), *cut)
         dtype, vocab = self.model.params.dtype, self.cfg.vocab_size
-        with self.tp.in_step(), self.tp.watching():
+        with self.tp.watching(step=True):
             sends = run_stage(graph_or_eager(self._first_stage, self.graphs), micro, self.link,
                               self.tp.stage_groups, self.cfg.hidden_size, dtype, self.device)
             parts = []

@@ -316,29 +316,21 @@ class TensorParallelRanks:
             self.launch.check()
 
     @contextlib.contextmanager
-    def watching(self):
-        """Collectives inside: their failure because a rank died is reported as that rank's loss."""
-        try:
-            yield
-        except Exception as exc:
-            if self.launch is None or not _maybe_a_peer(exc):
-                raise
-            lost = self.launch.wait_lost(2.0)  # (its socket closes a moment before its exit is seen)
-            if lost is None:
-                raise
-            raise lost.lost() from exc
-
-    @contextlib.contextmanager
-    def in_step(self):
-        """Rank 0's part of a step that the other ranks run with it: a failure inside (out of
-        memory mid-forward) leaves them waiting in collectives that rank 0 will not make, and
-        every later one out of step, so it ends the engine (DeviceLost) rather than one step."""
+    def watching(self, step: bool = False):
+        """Collectives inside: their failure because a rank died is reported as that rank's loss.
+        `step`: rank 0's part of a step that the other ranks run with it, where any failure (out
+        of memory mid-forward) leaves them waiting in collectives that rank 0 will not make, and
+        every later one out of step: it ends the engine (DeviceLost) rather than one step."""
         try:
             yield
         except DeviceLost:
             raise
         except Exception as exc:
-            if self.size == 1:  # (no peer: the step is contained as on one GPU)
+            if self.launch is not None and _maybe_a_peer(exc):
+                lost = self.launch.wait_lost(2.0)  # (its socket closes a moment before its exit is seen)
+                if lost is not None:
+                    raise lost.lost() from exc
+            if not step or self.size == 1:  # (no peer: the step is contained as on one GPU)
                 raise
             raise DeviceLost(f"rank 0 failed in the middle of a step that the other {self.size - 1} tensor- or "
                              f"pipeline-parallel ranks run with it ({exc!r}): their collectives are out of step "
@@ -474,7 +466,7 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, batch: Batch):
         """The other ranks receive the batch first and decide alike (graph or eager)."""
         self.tp.forward(batch)
-        with self.tp.in_step(), self.tp.watching():  # (the layers' collectives)
+        with self.tp.watching(step=True):  # (the layers' collectives)
             return super()._forward(batch)
 
     def close(self) -> None:
