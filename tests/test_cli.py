@@ -1,6 +1,7 @@
 """`nanoinfer generate` streams the completion to stdout; bad flags fail with a clear message."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -85,9 +86,12 @@ def test_serve_prints_its_url_serves_and_stops_gracefully(smollm2_gguf):
 def test_chat_keeps_history_stops_on_ctrl_c_and_resets(smollm2_gguf):
     import pexpect
 
+    # (a user at a terminal: Ctrl-C delivered, even where this test runs in the background, whose
+    # processes inherit SIGINT ignored and so would ignore it too)
     child = pexpect.spawn(sys.executable, ["-m", "runtime.cli", "chat", "--model", str(smollm2_gguf), "--device",
                                            "cpu", "--temperature", "0", "--max-tokens", "400"],
-                          encoding="utf-8", timeout=120)
+                          encoding="utf-8", timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         child.expect(">>> ")
         child.sendline("What is the capital of France? Answer in one word.")
