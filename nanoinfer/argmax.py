@@ -19,6 +19,24 @@ import triton.language as tl
 
 CHUNK = 4096  # logits per program (4 loads of BLOCK)
 BLOCK = 1024
+NO_INDEX = tl.constexpr(2**31 - 1)  # above every index: loses each first-index minimum
+
+
+@triton.jit
+def first_max(val, idx):
+    """(the largest of `val`, the lowest of the `idx` where it stands): torch.argmax's tie rule.
+    nanoinfer.draw_triton reduces with it too."""
+    top = tl.max(val, 0)
+    return top, tl.min(tl.where(val == top, idx, NO_INDEX), 0)
+
+
+@triton.jit
+def chunk_winners(val_ptr, idx_ptr, row, num_chunks, CHUNKS: tl.constexpr):
+    """`first_max` over a row's chunk winners (each chunk's largest value and first index)."""
+    offs = tl.arange(0, CHUNKS)
+    valid = offs < num_chunks
+    val = tl.load(val_ptr + row * num_chunks + offs, mask=valid, other=float("-inf"))
+    return first_max(val, tl.load(idx_ptr + row * num_chunks + offs, mask=valid, other=NO_INDEX))
 
 
 @triton.jit
@@ -26,7 +44,7 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, fin_ptr, vocab, stride_row, num_chunk
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 2**31 - 1, tl.int32)
+    best_idx = tl.full([BLOCK], NO_INDEX, tl.int32)
     finite = tl.full([BLOCK], 1, tl.int32)
     for start in tl.static_range(0, CHUNK, BLOCK):
         offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
@@ -36,10 +54,10 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, fin_ptr, vocab, stride_row, num_chunk
         take = x > best  # strictly: each lane keeps its first index of its largest value
         best = tl.where(take, x, best)
         best_idx = tl.where(take, offs, best_idx)
-    top = tl.max(best, 0)
+    top, first = first_max(best, best_idx)
     out = row * num_chunks + chunk
     tl.store(val_ptr + out, top)
-    tl.store(idx_ptr + out, tl.min(tl.where(best == top, best_idx, 2**31 - 1), 0))
+    tl.store(idx_ptr + out, first)
     tl.store(fin_ptr + out, tl.min(finite, 0))
 
 
@@ -47,12 +65,9 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, fin_ptr, vocab, stride_row, num_chunk
 def _combine_kernel(val_ptr, idx_ptr, fin_ptr, token_ptr, finite_ptr, num_chunks, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNKS)
-    valid = offs < num_chunks
-    val = tl.load(val_ptr + row * num_chunks + offs, mask=valid, other=float("-inf"))
-    idx = tl.load(idx_ptr + row * num_chunks + offs, mask=valid, other=2**31 - 1)
-    fin = tl.load(fin_ptr + row * num_chunks + offs, mask=valid, other=1)
-    top = tl.max(val, 0)
-    tl.store(token_ptr + row, tl.min(tl.where(val == top, idx, 2**31 - 1), 0).to(tl.int64))
+    fin = tl.load(fin_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=1)
+    _, token = chunk_winners(val_ptr, idx_ptr, row, num_chunks, CHUNKS)
+    tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(finite_ptr + row, tl.min(fin, 0) != 0)
 
 

@@ -93,6 +93,6 @@ def exponential_race(probs: torch.Tensor, exponential: torch.Tensor) -> torch.Te
 def random_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """One token per row, drawn with probability `probs` [rows, vocab]: the exponential race
     over the counter-based noise of each row's (seed, step). Eager, it makes ~40 passes over
-    [rows, vocab] int64 tensors (the hash); compiled (nanoinfer.kernels on CUDA) it is one
-    reduction that computes the noise in registers."""
+    [rows, vocab] int64 tensors (the hash); on CUDA nanoinfer.draw_triton draws the same tokens
+    in one pass, the noise computed in registers. This stays its oracle."""
     return exponential_race(probs, -torch.log(uniform_noise(seeds, steps, probs.shape[-1])))

@@ -4,9 +4,9 @@
 The one place that decides, per family and per device. A family with a dataflow of its own
 (nanochat) has its module imported only for a model of that family. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections (with the norms, SwiGLU and residual adds folded in:
-nanoinfer.fused_layers), the fused q/k-norm + RoPE + KV-write kernel, and
-torch.compile'd dense layer parts and the sampler's random draw (unless `eager`); CUDA
-graphs may then capture steps. On the CPU: a packed (quantized) model's layers run
+nanoinfer.fused_layers), the fused q/k-norm + RoPE + KV-write kernel, torch.compile'd
+dense layer parts and the sampler's random draw as a Triton kernel (nanoinfer.draw_triton),
+unless `eager`; CUDA graphs may then capture steps. On the CPU: a packed (quantized) model's layers run
 nanoinfer.cpu_layers (packed matmuls, the rest in a few C calls, unless `eager`); any other
 model batched torch attention, eager layers and RoPE with the KV write in a few ops
 (nanoinfer.rope_write_cpu). Where each op costs microseconds, fewer ops is the CPU's
@@ -44,7 +44,7 @@ class Kernels(NamedTuple):
     attention: AttentionBackend
     layer_fns: LayerFunctions
     graphs: bool  # steps may be captured in CUDA graphs
-    draw: Callable | None = None  # the sampler's random draw, compiled; None: nanoinfer.draw.random_draw, eager
+    draw: Callable | None = None  # the sampler's random draw, fused; None: nanoinfer.draw.random_draw, eager
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:
@@ -79,6 +79,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     if eager:
         return Kernels(attention, EAGER, False)
     from nanoinfer import fused_layers
+    from nanoinfer.draw_triton import triton_draw
     from nanoinfer.gemv import linear
     from nanoinfer.hub import cache_dir
     from nanoinfer.rope_write import rope_and_write
@@ -88,24 +89,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     # (one token: the norms, SwiGLU and residual adds inside the GEMVs)
     parts = EAGER._replace(qkv_projection=fused_layers.qkv_projection,
                            attention_output_and_mlp=fused_layers.attention_output_and_mlp)
-    return Kernels(attention, compiled_layer_functions(linear, rope_and_write, parts), True, compiled_draw())
-
-
-def compiled_draw() -> Callable:
-    """`random_draw` compiled: one pass over the probabilities with the noise computed in
-    registers (sampling 256 rows x 152k at a temperature on an H200: 0.5 ms, eager 8.1).
-    Shape-dynamic; a single row is drawn twice, since a size of 1 would compile a graph of
-    its own in the middle of serving (and unbacked sizes make the kernel slow)."""
-    from nanoinfer.draw import random_draw
-
-    compiled = torch.compile(random_draw, dynamic=True, fullgraph=True)
-
-    def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        if probs.shape[0] == 1:
-            return compiled(probs.repeat(2, 1), seeds.repeat(2), steps.repeat(2))[:1]
-        return compiled(probs, seeds, steps)
-
-    return draw
+    return Kernels(attention, compiled_layer_functions(linear, rope_and_write, parts), True, triton_draw)
 
 
 def mark_weights_static(params: Params) -> None:
@@ -121,10 +105,10 @@ def prepare(kernels: Kernels, params: Params, vocab_size: int) -> None:
     """Before the first step, where the kernels compile: the weights' shapes are static to the
     compiler (with every size dynamic, a first step of 4,096 tokens made the QKV weight's
     4,096 rows equal to the token count, and the next step compiled again), and the sampler's
-    draw compiles now rather than at the first sampled step."""
+    Triton draw compiles now rather than at the first sampled step."""
     if not kernels.graphs:
         return
     mark_weights_static(params)
-    probs = torch.full((2, vocab_size), 1.0 / vocab_size, device=params.device)
-    zeros = torch.zeros(2, dtype=torch.int64, device=params.device)
+    probs = torch.full((1, vocab_size), 1.0 / vocab_size, device=params.device)
+    zeros = torch.zeros(1, dtype=torch.int64, device=params.device)
     kernels.draw(probs, zeros, zeros)

@@ -43,7 +43,7 @@ UNUSED = ("nanoinfer.nanochat", "nanoinfer.nanochat_tokenizer", "nanoinfer.loade
           "nanoinfer.loaders.hf_hub", "nanoinfer.loaders.llama2c", "nanoinfer.loaders.dummy",
           "nanoinfer.loaders.quantize", "nanoinfer.penalties", "nanoinfer.structured", "nanoinfer.lark_check",
           "nanoinfer.speculative", "nanoinfer.ngram", "nanoinfer.tensor_parallel", "nanoinfer.graphs",
-          "nanoinfer.gemv", "nanoinfer.rope_write", "nanoinfer.argmax",
+          "nanoinfer.gemv", "nanoinfer.rope_write", "nanoinfer.argmax", "nanoinfer.draw_triton",
           # The chat template (and jinja2) load at the first chat request, an HF directory's tokenizer files'
           # readers with such a load.
           "nanoinfer.chat_template", "nanoinfer.tokenizer_hf",

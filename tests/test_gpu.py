@@ -193,23 +193,39 @@ def test_engine_on_cuda_with_nvtx_ranges_and_phase_times(hf_and_ours):
     assert set(engine.timer.phase_times) == {"schedule", "batch", "forward", "sample", "resolve"}
 
 
-def test_compiled_random_draw_equals_eager():
-    """The fused draw (CUDA's kernels) picks the same token as the eager hash + race, masked
-    tokens never win, and rows with a different (seed, step) draw differently."""
+def test_triton_random_draw_equals_eager():
+    """The Triton draw (CUDA's kernels) picks the same token as the eager hash + race, masked
+    tokens never win, and rows with a different (seed, step) draw differently; captured in a
+    CUDA graph and replayed on new inputs it still does (tests/test_draw_triton.py has the edge cases)."""
     from nanoinfer.draw import random_draw
+    from nanoinfer.draw_triton import triton_draw
 
-    compiled = kernels_for(tiny_cfg(), torch.device("cuda"), 16).draw
-    assert compiled is not random_draw
+    assert kernels_for(tiny_cfg(), torch.device("cuda"), 16).draw is triton_draw
     g = torch.Generator(device="cuda").manual_seed(0)
-    for rows, vocab in ((1, 97), (7, 151936), (256, 32000)):
+
+    def inputs(rows, vocab):
         probs = torch.rand(rows, vocab, device="cuda", generator=g) ** 8
         probs[:, ::3] = 0.0  # masked tokens
         probs /= probs.sum(dim=-1, keepdim=True)
-        seeds = torch.randint(0, 1 << 40, (rows,), device="cuda", generator=g)
-        steps = torch.randint(0, 5000, (rows,), device="cuda", generator=g)
-        eager, fused = random_draw(probs, seeds, steps), compiled(probs, seeds, steps)
+        seeds = torch.randint(-(1 << 62), 1 << 62, (rows,), device="cuda", generator=g)
+        return probs, seeds, torch.randint(0, 5000, (rows,), device="cuda", generator=g)
+
+    for rows, vocab in ((1, 97), (7, 151936), (256, 32000), (70, 49152 + 7)):
+        probs, seeds, steps = inputs(rows, vocab)
+        eager, fused = random_draw(probs, seeds, steps), triton_draw(probs, seeds, steps)
         assert torch.equal(eager, fused), (rows, vocab)
         assert (probs.gather(1, fused[:, None]) > 0).all()
+        assert len(set(fused.tolist())) > rows // 2
+    static = inputs(33, 151936)
+    triton_draw(*static)  # (compiled before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens = triton_draw(*static)
+    for _ in range(3):
+        for buffer, new in zip(static, inputs(33, 151936)):
+            buffer.copy_(new)
+        graph.replay()
+        assert torch.equal(tokens, random_draw(*static))
 
 
 @pytest.mark.parametrize("vocab", [7, 4096, 4097, 49152, 128256, 151936])
