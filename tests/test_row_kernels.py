@@ -1,0 +1,142 @@
+"""nanoinfer.row_kernels (RMSNorm, residual add + RMSNorm, SiLU · up) and the many-token layer
+parts made of them (nanoinfer.batched_layers) against the eager functions they replace.
+
+Needs CUDA and Triton; skipped cleanly without them. With TRITON_INTERPRET=1 the kernels run on
+CPU tensors in Triton's interpreter: `TRITON_INTERPRET=1 python -m pytest tests/test_row_kernels.py`.
+The kernels round as the eager ops do, so the tolerance is a rounding step of the dtype: the fp32
+sums run in another order (and the interpreter truncates fp32 to bf16 where a GPU rounds).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanoinfer import batched_layers, model, quantized, row_kernels  # noqa: E402
+from nanoinfer.config import ModelConfig  # noqa: E402
+from nanoinfer.layers import rms_norm, swiglu  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the row kernels need CUDA")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TOLERANCE = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9, torch.float32: 1e-5}
+TOKENS = (1, 2, 17, 70)
+HIDDEN = (576, 896, 1000)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    tol = TOLERANCE[want.dtype]
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item()), (
+        (got.float() - want.float()).abs().max().item())
+
+
+def randn(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def gain(hidden, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_rms_norm_matches_the_eager_norm(dtype, tokens, hidden):
+    x, w = randn(tokens, hidden, dtype=dtype, seed=tokens, scale=4), gain(hidden, dtype, hidden)
+    close(row_kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_add_rms_norm_is_the_residual_sum_and_its_norm(dtype, tokens, hidden):
+    x = randn(tokens, hidden, dtype=dtype, seed=tokens, scale=4)
+    y = randn(tokens, hidden, dtype=dtype, seed=tokens + 1)
+    w = gain(hidden, dtype, hidden)
+    total, normed = row_kernels.add_rms_norm(x, y, w, 1e-5)
+    close(total, x + y)
+    close(normed, rms_norm(x + y, w, 1e-5))
+    if dtype != torch.bfloat16 or not INTERPRET:  # (the interpreter truncates the sum to bf16: see the docstring)
+        assert torch.equal(total, x + y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("inter", (896, 1000, 3000))
+def test_silu_mul_matches_swiglu(dtype, tokens, inter):
+    gate_up = randn(tokens, 2 * inter, dtype=dtype, seed=inter + tokens, scale=3)
+    close(row_kernels.silu_mul(gate_up), swiglu(gate_up))
+
+
+def test_the_widest_row_and_strided_rows():
+    """A hidden size of 8,192 in one block; rows that are a wider tensor's columns (as
+    nanoinfer.model's parts may hand over a slice)."""
+    x, w = randn(3, 8192, dtype=torch.bfloat16, seed=0, scale=2), gain(8192, torch.bfloat16, 1)
+    close(row_kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    wide = randn(5, 1200, dtype=torch.float16, seed=2)
+    close(row_kernels.rms_norm(wide[:, :1000], w[:1000].half(), 1e-6), rms_norm(wide[:, :1000], w[:1000].half(), 1e-6))
+    close(row_kernels.silu_mul(wide[:, :1000]), swiglu(wide[:, :1000]))
+
+
+def test_no_tokens_and_bad_shapes():
+    empty = torch.empty(0, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.ones(64, device=DEVICE, dtype=torch.bfloat16)
+    assert row_kernels.rms_norm(empty, w, 1e-6).shape == (0, 64)
+    assert [t.shape for t in row_kernels.add_rms_norm(empty, empty, w, 1e-6)] == [(0, 64), (0, 64)]
+    assert row_kernels.silu_mul(empty).shape == (0, 32)
+    with pytest.raises(ValueError, match="at most 8192"):
+        row_kernels.rms_norm(torch.ones(1, 8193, device=DEVICE), torch.ones(8193, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="2-D tensor with contiguous rows"):
+        row_kernels.rms_norm(torch.ones(2, 8, device=DEVICE).T, torch.ones(2, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="expected y like x"):
+        row_kernels.add_rms_norm(torch.ones(2, 8, device=DEVICE), torch.ones(3, 8, device=DEVICE),
+                                 torch.ones(8, device=DEVICE), 1e-6)
+
+
+def layer(hidden: int, inter: int, dtype: torch.dtype, bias: bool):
+    heads, d = hidden // 64, 64
+    cfg = ModelConfig(architecture="qwen2" if bias else "llama", vocab_size=256, hidden_size=hidden,
+                      intermediate_size=inter, num_layers=1, num_heads=heads, num_kv_heads=heads // 3, head_dim=d,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+                      qkv_bias=bias)
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    lp = model.LayerParams(
+        attn_norm=gain(hidden, dtype, 1), qkv_proj=randn(qkv, hidden, dtype=dtype, seed=2, scale=hidden ** -0.5),
+        qkv_bias=randn(qkv, dtype=dtype, seed=3) if bias else None, q_norm=None, k_norm=None,
+        o_proj=randn(hidden, cfg.q_size, dtype=dtype, seed=4, scale=cfg.q_size ** -0.5), mlp_norm=gain(hidden, dtype, 5),
+        gate_up_proj=randn(2 * inter, hidden, dtype=dtype, seed=6, scale=hidden ** -0.5),
+        down_proj=randn(hidden, inter, dtype=dtype, seed=7, scale=inter ** -0.5))
+    return cfg, lp
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", (1, 5, 70))
+@pytest.mark.parametrize("hidden,inter,bias", [(576, 1536, False), (960, 2560, True)])
+def test_batched_layer_parts_match_the_eager_parts(dtype, tokens, hidden, inter, bias):
+    """The parts end to end, a sum over ranks between projection and residual included: a
+    rounding step of the eager parts (bf16 and fp16 round the residual stream each layer)."""
+    cfg, lp = layer(hidden, inter, dtype, bias)
+    x = randn(tokens, hidden, dtype=dtype, seed=8, scale=4)
+    attn = randn(tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, seed=9)
+    linear = quantized.linear
+    close(batched_layers.qkv_projection(x, lp, cfg, linear), model.qkv_projection(x, lp, cfg, linear))
+    close(batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear),
+          model.attention_output_and_mlp(x, attn, lp, cfg, linear))
+    sums = []
+
+    def double(t: torch.Tensor) -> torch.Tensor:  # (two ranks holding the same partial sum)
+        sums.append(t.shape)
+        return t * 2
+
+    close(batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double),
+          model.attention_output_and_mlp(x, attn, lp, cfg, linear, double))
+    assert sums == [(tokens, hidden)] * 4  # (two per part: after o_proj and after down_proj)
