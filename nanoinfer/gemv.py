@@ -23,9 +23,9 @@ cores, at every row count (a prefill too: the weight is never written out dequan
 
 `linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
-per token in e4m3 and `torch._scaled_mm`). The kernels are one torch custom op, so
-torch.compile keeps them inside a compiled graph as one opaque call (the way it keeps a
-cuBLAS call) and CUDA graphs capture it.
+per token in e4m3 and `torch._scaled_mm`). They are plain functions, not torch custom ops:
+nothing compiles around them (calling a custom op imports Dynamo, seconds of a start), and
+CUDA graphs capture their launches.
 """
 
 from __future__ import annotations
@@ -169,11 +169,10 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@torch.library.custom_op("nanoinfer::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (w[N, K] * scale[N, None]).T -> [M, N] in x's dtype, fp32 accumulation
     (`scale`: a quantized weight's per-row scale; None for a dense one). The row count picks
-    the kernel here, at run time, so torch.compile's graphs need no guard on it."""
+    the kernel here, at run time."""
     n, k = w.shape
     m = x.shape[0]
     x = x.contiguous()
@@ -195,12 +194,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     return out
 
 
-@gemv.register_fake
-def _(x, w, scale=None):
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-@torch.library.custom_op("nanoinfer::fused_gemv", mutates_args=())
 def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
                silu: bool, residual: torch.Tensor | None) -> torch.Tensor:
     """`gemv` of one row with its neighbours folded in, one kernel where they took one each:
@@ -216,11 +209,6 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
         x if norm is None else norm, x if residual is None else residual, eps, HAS_SCALE=scale is not None,
         INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu, RESIDUAL=residual is not None)
     return out
-
-
-@fused_gemv.register_fake
-def _(x, w, scale, norm, eps, silu, residual):
-    return x.new_empty((1, w.shape[0]))
 
 
 @triton.autotune(
@@ -307,7 +295,6 @@ def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_x
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@torch.library.custom_op("nanoinfer::int4_mm", mutates_args=())
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16 or fp16) @ the Int4CudaWeight (packed, scale, low: its min).T -> [M, N],
     fp32 accumulation; one row in the GEMV kernel, more in the tensor-core one."""
@@ -325,11 +312,6 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
             x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
             triton.next_power_of_2(m), GROUP=group)
     return out
-
-
-@int4_mm.register_fake
-def _(x, packed, scale, low):
-    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 def int4_kernels_take(w: Int4CudaWeight) -> bool:

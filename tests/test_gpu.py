@@ -22,7 +22,7 @@ from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
 from nanoinfer.layers import rms_norm  # noqa: E402
 from nanoinfer.loaders import LoadedModel  # noqa: E402
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config  # noqa: E402
-from nanoinfer.model import forward, map_params  # noqa: E402
+from nanoinfer.model import EAGER, forward, map_params  # noqa: E402
 from nanoinfer.sampling import SamplingParams  # noqa: E402
 from runtime.async_engine import engine_config  # noqa: E402
 from runtime.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
@@ -112,14 +112,17 @@ def test_cuda_layer_parts_match_eager_and_replay_exactly(hf_and_ours):
         assert torch.equal(forward(model.params, kv, decode, cfg, backend, parts).clone(), graphs.run(decode)[0].clone())
 
 
-def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours):
+@pytest.mark.parametrize("layers", ["eager", "cuda"])
+def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours, layers):
     """Prefill chunks beside decodes, padded to a token bucket and to the graphs' sequence
-    count, replay what the eager forward computes; padding writes no KV."""
+    count, replay what the eager forward computes; padding writes no KV. With CUDA's layer
+    parts (`cuda`: Triton row kernels at every token count, captured at each bucket)."""
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
-    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend),), kv.device, max_batch=8, max_blocks=16,
-                        buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
+    parts = cuda_layer_functions() if layers == "cuda" else EAGER
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, parts),), kv.device, max_batch=8,
+                        max_blocks=16, buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
     graphs.capture()
     assert set(graphs.mixed) == {16, 32, 64}
     steps = [  # chunks: (tokens, start, blocks, sample); the last step fills all 8 sequences
@@ -136,7 +139,7 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
         assert graphs.can_run(batch) and batch.num_tokens > batch.num_seqs
         eager_kv = kv.clone()
         with torch.inference_mode():
-            eager = forward(model.params, eager_kv, batch, cfg, backend)
+            eager = forward(model.params, eager_kv, batch, cfg, backend, parts)
             replayed = graphs.run(batch)[0].clone()
             # Staged from the host in one copy: the same inputs, the same outputs.
             assert torch.equal(graphs.run(host_batch(seq_chunks, bs))[0], replayed)

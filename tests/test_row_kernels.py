@@ -9,7 +9,11 @@ sums run in another order (and the interpreter truncates fp32 to bf16 where a GP
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +144,49 @@ def test_batched_layer_parts_match_the_eager_parts(dtype, tokens, hidden, inter,
     close(batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double),
           model.attention_output_and_mlp(x, attn, lp, cfg, linear, double))
     assert sums == [(tokens, hidden)] * 4  # (two per part: after o_proj and after down_proj)
+
+
+# A forward of CUDA's layer parts (nanoinfer.kernels.cuda_layer_functions) beside the eager parts, both
+# with the reference attention (the interpreter's bf16 tl.dot is no oracle), in a process of its own:
+# what it imported is what a start's layers would.
+FORWARD = """
+import json, sys, torch
+from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.kernels import cuda_layer_functions
+from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model import EAGER, forward, map_params
+from tests.tiny import random_params, tiny_config
+
+device, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+cfg = tiny_config(hidden_size=192, intermediate_size=320, num_heads=6, num_kv_heads=2, head_dim=32, qkv_bias=True)
+params = map_params(lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device), random_params(cfg))
+parts = cuda_layer_functions()
+errors = []
+for chunks in ([SeqChunk(list(range(3, 40)), 0, [0, 1, 2], True), SeqChunk([5, 6], 0, [3], True)],
+               [SeqChunk([9], 37, [0, 1, 2], True)]):
+    batch = build_batch(chunks, 16, device)
+    kv = allocate_kv_pool(cfg, 8, 16, dtype, device).zero_()
+    with torch.inference_mode():
+        eager = forward(params, kv.clone(), batch, cfg, None, EAGER)
+        got = forward(params, kv.clone(), batch, cfg, None, parts)
+        exact = forward(map_params(torch.Tensor.float, params), kv.float(), batch, cfg)
+    errors.append([(got - exact).abs().max().item(), (eager - exact).abs().max().item()])
+print(json.dumps({"errors": errors, "compiler": sorted(m for m in ("torch._dynamo", "torch._inductor")
+                                                        if m in sys.modules)}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler(dtype):
+    """A prefill step (37 tokens and 2, Qwen2's QKV bias) and a decode step: CUDA's layer parts
+    are about as close to the fp32 model as the eager parts, and import neither Dynamo nor Inductor."""
+    if dtype == "bfloat16" and DEVICE == "cpu":  # (its truncations, compounded over a model, double the error)
+        pytest.skip("the interpreter truncates fp32 to bf16 where a GPU rounds")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", FORWARD, DEVICE, dtype], capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["compiler"] == []
+    for ours, eager in result["errors"]:  # (to an fp32 oracle: about as close as eager is)
+        assert ours <= 1.5 * eager + (1e-5 if dtype == "float32" else 1e-2), result["errors"]
