@@ -37,6 +37,7 @@ import triton.testing
 
 from nanoinfer import quantized
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
+from nanoinfer.row_kernels import quantize_rows_fp8
 from nanoinfer.tuned_configs import ShippedChoice
 
 
@@ -325,11 +326,14 @@ def int4_kernels_take(w: Int4CudaWeight) -> bool:
 def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     """`quantized.linear` on a CUDA tensor: `gemv` for a dense or int8 weight (its kernels up to
     ROWS_MAX rows, cuBLAS past them), `int4_mm` for a 4-bit one, and for an fp8 weight at one
-    row (several keep its per-token activation scaling, quantized.fp8_matmul)."""
+    row (several keep its per-token activation scaling, quantized.fp8_matmul, the scaling in
+    one kernel of nanoinfer.row_kernels)."""
     if not x.is_cuda or x.dim() != 2:
         return quantized.linear(x, w, b)
     if isinstance(w, Int8Weight) or isinstance(w, Fp8Weight) and x.shape[0] == 1:
         out = gemv(x, w.q, w.scale)
+    elif isinstance(w, Fp8Weight):
+        out = quantized.fp8_matmul(x.contiguous(), w, quantize_rows_fp8)
     elif isinstance(w, Int4CudaWeight) and x.dtype in (torch.bfloat16, torch.float16) and int4_kernels_take(w):
         out = int4_mm(x if w.cols is None else x.index_select(1, w.cols), w.packed, w.scale, w.min)
     elif isinstance(w, torch.Tensor) and w.stride(1) == 1:

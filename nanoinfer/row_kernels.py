@@ -1,5 +1,5 @@
 """Triton kernels for the element-wise steps between a many-token step's projections: RMSNorm,
-residual add + RMSNorm, and SiLU(gate) · up.
+residual add + RMSNorm, SiLU(gate) · up, and an fp8 projection's per-row activation scaling.
 
 These were torch.compile'd layer parts, whose Dynamo tracing and Inductor compiling cost most of
 a cold start (bench/RESULTS.md, issue 35 item 3); three small kernels of our own compile in a
@@ -21,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer import quantized
+
 MAX_HIDDEN = 8192  # the widest row a norm holds in one block (Llama-3 70B's hidden size)
-SILU_BLOCK = 1024  # the columns of a SiLU · up program
+SILU_BLOCK = 1024  # the columns of a SiLU · up program, and of one step over a row to quantize
 
 
 @triton.jit
@@ -73,6 +75,27 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.conste
     # F.silu rounds to the model's dtype, then the product rounds again
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (silu * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, n, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    # Two passes over the row (an intermediate row is wider than a block holds): its largest
+    # magnitude, then the row divided by its scale, saturated and rounded to e4m3. IEEE
+    # divisions (div_rn), as torch's: the same e4m3 values as quantized.quantize_rows_fp8.
+    row = tl.program_id(0).to(tl.int64)
+    top = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.abs(x))
+    scale = tl.maximum(tl.div_rn(tl.max(top, 0), FP8_MAX), 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor, what: str) -> int:
@@ -127,3 +150,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, SILU_BLOCK))](gate_up, out, n, gate_up.stride(0),
                                                                           out.stride(0), BLOCK=SILU_BLOCK)
     return out
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoinfer.quantized.quantize_rows_fp8 in one kernel: [tokens, in] -> (e4m3 [tokens, in],
+    fp32 scale [tokens, 1]), each row's largest magnitude at e4m3's largest value. (An fp8
+    weight's projection of several rows quantizes its activations so: eager, that was about
+    eight kernels a projection.)"""
+    n = _rows(x, "quantize_rows_fp8")
+    q = x.new_empty(x.shape, dtype=quantized.FP8)
+    scale = x.new_empty((x.shape[0], 1), dtype=torch.float32)
+    if x.shape[0]:
+        _fp8_rows_kernel[(x.shape[0],)](x, q, scale, n, x.stride(0), q.stride(0), FP8_MAX=quantized.FP8_MAX,
+                                        BLOCK=SILU_BLOCK)
+    return q, scale

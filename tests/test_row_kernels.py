@@ -81,6 +81,30 @@ def test_silu_mul_matches_swiglu(dtype, tokens, inter):
     close(row_kernels.silu_mul(gate_up), swiglu(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", (1, 2, 70))
+@pytest.mark.parametrize("width", (576, 1000, 3000))
+def test_quantize_rows_fp8_gives_the_reference_values(dtype, tokens, width):
+    """The same scales and e4m3 values as quantized.quantize_rows_fp8 (a row of zeros included:
+    its scale is the floor, its values zero). The interpreter's own e4m3 conversion is rough (ties
+    away from zero, subnormals, and a carry into the exponent dropped: 127.4 gives 64, not 128):
+    there, within an e4m3 step but for those carries."""
+    x = randn(tokens, width, dtype=dtype, seed=width + tokens, scale=3)
+    x[-1, :7] = 0
+    if tokens > 1:
+        x[0] = 0
+    q, scale = row_kernels.quantize_rows_fp8(x)
+    want_q, want_scale = quantized.quantize_rows_fp8(x)
+    assert q.dtype == want_q.dtype and scale.shape == (tokens, 1) and torch.equal(scale, want_scale)
+    got, want = q.float(), want_q.float()
+    wrong = got != want
+    if INTERPRET and DEVICE == "cpu":
+        step = torch.maximum(want.abs() * 2 ** -3, torch.full_like(want, 2 ** -9))
+        assert bool(((got - want).abs() <= step)[wrong & (got * 2 != want)].all())
+    else:
+        assert not wrong.any()
+
+
 def test_the_widest_row_and_strided_rows():
     """A hidden size of 8,192 in one block; rows that are a wider tensor's columns (as
     nanoinfer.model's parts may hand over a slice)."""
