@@ -7,11 +7,11 @@ Triton GEMV for batch-1 projections (with the norms, SwiGLU and residual adds fo
 nanoinfer.fused_layers), Triton row kernels for those steps at more tokens
 (nanoinfer.batched_layers), the fused q/k-norm + RoPE + KV-write kernel, and the sampler's
 compiled random draw (unless `eager`); CUDA graphs may then capture steps. The layer parts are
-kernels of our own, not torch.compile'd: Dynamo and Inductor took most of a cold start. On the CPU: a packed (quantized) model's layers run
-nanoinfer.cpu_layers (packed matmuls, the rest in a few C calls, unless `eager`); any other
-model batched torch attention, eager layers and RoPE with the KV write in a few ops
-(nanoinfer.rope_write_cpu). Where each op costs microseconds, fewer ops is the CPU's
-fusion: torch.compile's per-call guards measured slower. Each
+kernels of our own, not torch.compile'd: Dynamo and Inductor took most of a cold start. On the
+CPU: a packed (quantized) model's layers run nanoinfer.cpu_layers (packed matmuls, the rest in
+a few C calls, unless `eager`); any other model batched torch attention, eager layers and RoPE
+with the KV write in a few ops (nanoinfer.rope_write_cpu). Where each op costs microseconds,
+fewer ops is the CPU's fusion: torch.compile's per-call guards measured slower. Each
 fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
 nanoinfer.model's eager layer parts for the fused ones), which stays the oracle.
 """

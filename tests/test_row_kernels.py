@@ -140,7 +140,8 @@ def layer(hidden: int, inter: int, dtype: torch.dtype, bias: bool):
     lp = model.LayerParams(
         attn_norm=gain(hidden, dtype, 1), qkv_proj=randn(qkv, hidden, dtype=dtype, seed=2, scale=hidden ** -0.5),
         qkv_bias=randn(qkv, dtype=dtype, seed=3) if bias else None, q_norm=None, k_norm=None,
-        o_proj=randn(hidden, cfg.q_size, dtype=dtype, seed=4, scale=cfg.q_size ** -0.5), mlp_norm=gain(hidden, dtype, 5),
+        o_proj=randn(hidden, cfg.q_size, dtype=dtype, seed=4, scale=cfg.q_size ** -0.5),
+        mlp_norm=gain(hidden, dtype, 5),
         gate_up_proj=randn(2 * inter, hidden, dtype=dtype, seed=6, scale=hidden ** -0.5),
         down_proj=randn(hidden, inter, dtype=dtype, seed=7, scale=inter ** -0.5))
     return cfg, lp
