@@ -28,12 +28,12 @@ SILU_BLOCK = 1024  # the columns of a SiLU · up program, and of one step over a
 
 
 @triton.jit
-def _norm_row(s, w_ptr, offs, mask, n, eps, x_dtype: tl.constexpr, ROUND: tl.constexpr):
+def _norm_row(s, w_ptr, offs, mask, n, eps, x_ptr, ROUND: tl.constexpr):
     # `s`: the row in fp32 (zeros past n). rms_norm's order: x * rsqrt(mean(x²) + eps) in fp32,
     # rounded to x's dtype (ROUND: not for fp32), then times the gain in fp32 (the caller rounds).
     normed = s * tl.rsqrt(tl.sum(s * s, 0) / n + eps)
     if ROUND:
-        normed = normed.to(x_dtype).to(tl.float32)
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * normed
 
 
@@ -44,7 +44,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, stride_x, stride_out, eps, ROUND:
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     s = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = _norm_row(s, w_ptr, offs, mask, n, eps, x_ptr.dtype.element_ty, ROUND)
+    normed = _norm_row(s, w_ptr, offs, mask, n, eps, x_ptr, ROUND)
     tl.store(out_ptr + row * stride_out + offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -60,7 +60,7 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, n, stride_x, str
     # (the new residual stream rounded first, as `x + y` in the model's dtype stores it; the norm reads that)
     s = (x + y).to(dtype)
     tl.store(sum_ptr + row * stride_out + offs, s, mask=mask)
-    normed = _norm_row(s.to(tl.float32), w_ptr, offs, mask, n, eps, dtype, ROUND)
+    normed = _norm_row(s.to(tl.float32), w_ptr, offs, mask, n, eps, sum_ptr, ROUND)
     tl.store(out_ptr + row * stride_out + offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
