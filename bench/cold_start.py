@@ -47,8 +47,8 @@ def one(model: str, load_format: str, device: str) -> dict:
         torch.cuda.synchronize()
     clock = mark("load weights", clock)
     # Split the engine's start: its kernels (Triton and torch.compile set up), the sampler
-    # draw's compile, KV pool sizing (a profiling step), graph capture (the layers' compile and
-    # the GEMV autotuning), the rest.
+    # draw's compile, KV pool sizing (a profiling step), graph capture (the layers' Triton
+    # kernels compiled and the GEMVs autotuned), the rest.
     from nanoinfer.graphs import StepGraphs
     from runtime.executor import device_model
 

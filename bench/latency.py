@@ -99,10 +99,6 @@ def main():
 
     import dataclasses
 
-    # One process here starts engines over several weight forms; each is a recompile of the
-    # layer functions, past Dynamo's default limit of 8 (a server holds one model).
-    torch._dynamo.config.recompile_limit = 64
-
     import nanoinfer.gemv
     from bench.shapes import random_model, weight_bytes
     from nanoinfer import quantized

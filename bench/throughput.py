@@ -74,7 +74,7 @@ def main():
                         help="stages over GPUs cuda:0.. (each replays CUDA graphs where T=1)")
     parser.add_argument("--pipeline-micro-batches", type=int, default=None, help="default: the pipeline's size")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled layers")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,

@@ -8,10 +8,10 @@ next to it (nanoinfer.gemv.fused_gemv), so a layer is four GEMVs, the RoPE/KV-wr
 attention. Under tensor parallelism (a `model.RankSum` between a projection and its residual)
 the lead rank adds the residual into its partial output and the others do not, so the sum
 over ranks is the new residual stream with no add of its own. Same signatures as
-nanoinfer.model's `qkv_projection` and `attention_output_and_mlp`, which run instead wherever
-this does not apply: more than one token, a sum over ranks other than a RankSum, or a weight
-the GEMV does not read. Those unfused functions are the reference (tests/test_gpu.py,
-tests/test_gpu_tensor_parallel.py).
+nanoinfer.model's `qkv_projection` and `attention_output_and_mlp`, which are the reference
+(tests/test_gpu.py, tests/test_gpu_tensor_parallel.py); nanoinfer.batched_layers' parts run
+instead wherever this does not apply: more than one token, a sum over ranks other than a
+RankSum, an fp32 model, or a weight the GEMV does not read.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from nanoinfer import model
+from nanoinfer import batched_layers, model
 from nanoinfer.config import ModelConfig
 from nanoinfer.gemv import fused_gemv
 from nanoinfer.model import LayerParams, RankSum
@@ -37,14 +37,13 @@ def _operands(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | 
 
 
 def _takes(x: torch.Tensor, *weights) -> bool:
-    # (one token is a size Dynamo specializes anyway: this branch adds no recompile)
     return x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(
         _operands(w, x) is not None for w in weights)
 
 
 def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable) -> torch.Tensor:
     if not (_takes(x, lp.qkv_proj) and lp.attn_norm.dtype == x.dtype):
-        return model.qkv_projection(x, lp, cfg, linear)
+        return batched_layers.qkv_projection(x, lp, cfg, linear)
     w, scale = _operands(lp.qkv_proj, x)
     out = fused_gemv(x.contiguous(), w, scale, lp.attn_norm, cfg.rms_norm_eps, False, None)
     return out if lp.qkv_bias is None else out + lp.qkv_bias
@@ -55,7 +54,7 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
     one_rank = reduce is model._same
     if not ((one_rank or isinstance(reduce, RankSum)) and _takes(x, lp.o_proj, lp.gate_up_proj, lp.down_proj)
             and lp.mlp_norm.dtype == x.dtype):
-        return model.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+        return batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
     lead = one_rank or reduce.lead
     x = x.contiguous()
     w, scale = _operands(lp.o_proj, x)

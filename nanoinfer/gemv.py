@@ -23,9 +23,9 @@ cores, at every row count (a prefill too: the weight is never written out dequan
 
 `linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
-per token in e4m3 and `torch._scaled_mm`). The kernels are one torch custom op, so
-torch.compile keeps them inside a compiled graph as one opaque call (the way it keeps a
-cuBLAS call) and CUDA graphs capture it.
+per token in e4m3 and `torch._scaled_mm`). They are plain functions, not torch custom ops:
+nothing compiles around them (calling a custom op imports Dynamo, seconds of a start), and
+CUDA graphs capture their launches.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import triton.testing
 
 from nanoinfer import quantized
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
+from nanoinfer.row_kernels import quantize_rows_fp8
 from nanoinfer.tuned_configs import ShippedChoice
 
 
@@ -169,11 +170,10 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@torch.library.custom_op("nanoinfer::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (w[N, K] * scale[N, None]).T -> [M, N] in x's dtype, fp32 accumulation
     (`scale`: a quantized weight's per-row scale; None for a dense one). The row count picks
-    the kernel here, at run time, so torch.compile's graphs need no guard on it."""
+    the kernel here, at run time."""
     n, k = w.shape
     m = x.shape[0]
     x = x.contiguous()
@@ -195,12 +195,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     return out
 
 
-@gemv.register_fake
-def _(x, w, scale=None):
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-@torch.library.custom_op("nanoinfer::fused_gemv", mutates_args=())
 def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
                silu: bool, residual: torch.Tensor | None) -> torch.Tensor:
     """`gemv` of one row with its neighbours folded in, one kernel where they took one each:
@@ -216,11 +210,6 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
         x if norm is None else norm, x if residual is None else residual, eps, HAS_SCALE=scale is not None,
         INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu, RESIDUAL=residual is not None)
     return out
-
-
-@fused_gemv.register_fake
-def _(x, w, scale, norm, eps, silu, residual):
-    return x.new_empty((1, w.shape[0]))
 
 
 @triton.autotune(
@@ -307,7 +296,6 @@ def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_x
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@torch.library.custom_op("nanoinfer::int4_mm", mutates_args=())
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16 or fp16) @ the Int4CudaWeight (packed, scale, low: its min).T -> [M, N],
     fp32 accumulation; one row in the GEMV kernel, more in the tensor-core one."""
@@ -327,11 +315,6 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     return out
 
 
-@int4_mm.register_fake
-def _(x, packed, scale, low):
-    return x.new_empty((x.shape[0], packed.shape[0]))
-
-
 def int4_kernels_take(w: Int4CudaWeight) -> bool:
     """Whether `int4_mm` takes `w`: groups of a power of two from 32 up (a word's eight inputs
     share a group); others (GPTQ's one group per row of 14,336, say) run the
@@ -343,11 +326,14 @@ def int4_kernels_take(w: Int4CudaWeight) -> bool:
 def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     """`quantized.linear` on a CUDA tensor: `gemv` for a dense or int8 weight (its kernels up to
     ROWS_MAX rows, cuBLAS past them), `int4_mm` for a 4-bit one, and for an fp8 weight at one
-    row (several keep its per-token activation scaling, quantized.fp8_matmul)."""
+    row (several keep its per-token activation scaling, quantized.fp8_matmul, the scaling in
+    one kernel of nanoinfer.row_kernels)."""
     if not x.is_cuda or x.dim() != 2:
         return quantized.linear(x, w, b)
     if isinstance(w, Int8Weight) or isinstance(w, Fp8Weight) and x.shape[0] == 1:
         out = gemv(x, w.q, w.scale)
+    elif isinstance(w, Fp8Weight):
+        out = quantized.fp8_matmul(x.contiguous(), w, quantize_rows_fp8)
     elif isinstance(w, Int4CudaWeight) and x.dtype in (torch.bfloat16, torch.float16) and int4_kernels_take(w):
         out = int4_mm(x if w.cols is None else x.index_select(1, w.cols), w.packed, w.scale, w.min)
     elif isinstance(w, torch.Tensor) and w.stride(1) == 1:

@@ -123,9 +123,9 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
 
 
 class LayerFunctions(NamedTuple):
-    """The dense parts of a layer; attention sits between them. Swapping in compiled
-    versions (`compiled_layer_functions`) fuses the dozens of small element-wise kernels
-    a layer otherwise launches, without touching the attention backend's kernels. `linear`
+    """The dense parts of a layer; attention sits between them. Swapping in fused versions
+    (CUDA: nanoinfer.kernels.cuda_layer_functions) saves the dozens of small element-wise
+    kernels a layer otherwise launches, without touching the attention backend's kernels. `linear`
     computes every projection and the LM head (`quantized.linear`: any weight form; CUDA
     uses nanoinfer.gemv.linear: a Triton GEMV at batch 1).
     With `rope_and_write` (CUDA: nanoinfer.rope_write; CPU: nanoinfer.rope_write_cpu),
@@ -149,20 +149,6 @@ class LayerFunctions(NamedTuple):
 
 
 EAGER = LayerFunctions()
-
-
-def compiled_layer_functions(linear: Callable = quantized.linear, rope_and_write: Callable | None = None,
-                             parts: LayerFunctions = EAGER) -> LayerFunctions:
-    """torch.compile'd layer parts (`parts`' own: these by default), shape-dynamic in the token
-    count (one compile serves every batch size; batch 1 gets its own graph). Set
-    TORCHINDUCTOR_CACHE_DIR to keep the kernels across starts. (`linear` is passed at each
-    call rather than bound with a partial: Dynamo then guards on one module-level function,
-    and engines share the compiled code.)"""
-    def compiled(fn):
-        return torch.compile(fn, dynamic=True, fullgraph=True)
-
-    return LayerFunctions(compiled(parts.attention_inputs), compiled(parts.attention_output_and_mlp), linear,
-                          compiled(parts.qkv_projection), rope_and_write)
 
 
 def forward(

@@ -229,11 +229,12 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(x.float() / scale), scale
 
 
-def fp8_matmul(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x [tokens, in] @ w.T in x's dtype: activations per token in e4m3, then on CUDA one
+def fp8_matmul(x: torch.Tensor, w: Fp8Weight, quantize: Callable | None = None) -> torch.Tensor:
+    """x [tokens, in] @ w.T in x's dtype: activations per token in e4m3 (by `quantize`, CUDA's
+    kernel: nanoinfer.row_kernels; default `quantize_rows_fp8`), then on CUDA one
     `torch._scaled_mm` with row-wise scales (Hopper's fp8 tensor cores). Elsewhere the same
     arithmetic in fp32: the reference."""
-    xq, sx = quantize_rows_fp8(x)
+    xq, sx = (quantize or quantize_rows_fp8)(x)
     if x.is_cuda:
         return torch._scaled_mm(xq, w.q.t(), scale_a=sx, scale_b=w.scale[None, :], out_dtype=x.dtype)
     return ((xq.float() @ w.q.float().t()) * sx * w.scale[None, :]).to(x.dtype)

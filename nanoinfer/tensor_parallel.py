@@ -157,37 +157,21 @@ def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Para
                                layers=tuple(layer(lp) for lp in params.layers))
 
 
-@torch.library.custom_op("nanoinfer::all_reduce_", mutates_args=("x",))
-def all_reduce_(x: torch.Tensor) -> None:
-    """Sums `x` over the default process group's ranks, in place. A custom op so that a
-    compiled layer part keeps the collective as one opaque call (Dynamo would trace into
-    torch.distributed), which a CUDA graph then captures like any kernel."""
-    dist.all_reduce(x)
-
-
-@all_reduce_.register_fake
-def _(x: torch.Tensor) -> None:
-    return None
-
-
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """`x` summed over the ranks (in place). One module-level function: compiled layer parts
-    that take it as an argument guard on it once for every engine in the process, where a
-    closure per engine made each new engine recompile them."""
-    all_reduce_(x)
+    """`x` summed over the default process group's ranks (in place); a CUDA graph captures it
+    like any kernel."""
+    dist.all_reduce(x)
     return x
 
 
-# The default group's sums as ranks 0 and 1.. see them (model.RankSum): module-level, so that
-# compiled parts guard on each once for every engine in the process, as on `all_reduce`.
+# The default group's sums as ranks 0 and 1.. see them (model.RankSum).
 LEAD_SUM, FOLLOWER_SUM = RankSum(all_reduce, True), RankSum(all_reduce, False)
 
 
 def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=None) -> LayerFunctions:
     """`base` with the collectives of rank `shard.rank`: sums after the row-parallel
     projections, the vocab-parallel embedding, the gathered logits. `group`: the process group
-    of the shard's ranks where it is not the default one (a pipeline stage's ranks: eager
-    layers only, since the sum is then a plain call, which Dynamo would trace into)."""
+    of the shard's ranks where it is not the default one (a pipeline stage's ranks)."""
     rank, size = shard
     if group is None:
         reduce = LEAD_SUM if rank == 0 else FOLLOWER_SUM

@@ -112,7 +112,7 @@ class EngineConfig:
                                           "bytes of bf16; values saturate at +-448, unscaled)", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "keep computed prompt blocks and reuse them for requests that share "
                                                 "a prefix (a system prompt, a conversation's history)")
-    enforce_eager: bool = setting(False, "no CUDA graphs and no torch.compile")
+    enforce_eager: bool = setting(False, "no CUDA graphs; the dense layer parts and the sampler's draw in torch ops")
     tensor_parallel_size: int = setting(1, "ranks the model's heads and units are split over, one process each "
                                            "(gloo on the CPU, NCCL over GPUs; steps run eagerly)", minimum=1)
     pipeline_parallel_size: int = setting(1, "stages the model's layers are split over, one process each (times "

@@ -67,9 +67,6 @@ def tensor_parallel_path(request, monkeypatch):
     from runtime.executor import executor
 
     monkeypatch.setattr(executor, "uses_ranks", lambda config: True)
-    # Compiled layer parts then guard on two reductions (the tests' direct forwards keep the
-    # plain one) for every weight form: more variants than Dynamo's default limit of 8.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()

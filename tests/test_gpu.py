@@ -1,5 +1,5 @@
 """GPU-only checks (skipped without CUDA): CUDA-graph replay equals eager bit for bit, the
-Triton GEMV against an fp32 matmul, the compiled batch-1 path against an fp32 oracle, async
+Triton GEMV against an fp32 matmul, CUDA's fused layer parts against an fp32 oracle, async
 scheduling changes no token, and bf16 greedy decoding agrees with transformers up to near-ties."""
 
 import pytest
@@ -17,12 +17,12 @@ import transformers  # noqa: E402
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from nanoinfer.batch import SeqChunk, build_batch, host_batch  # noqa: E402
 from nanoinfer.graphs import StepGraphs  # noqa: E402
-from nanoinfer.kernels import kernels_for  # noqa: E402
+from nanoinfer.kernels import cuda_layer_functions, kernels_for  # noqa: E402
 from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
 from nanoinfer.layers import rms_norm  # noqa: E402
 from nanoinfer.loaders import LoadedModel  # noqa: E402
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config  # noqa: E402
-from nanoinfer.model import compiled_layer_functions, forward, map_params  # noqa: E402
+from nanoinfer.model import EAGER, forward, map_params  # noqa: E402
 from nanoinfer.sampling import SamplingParams  # noqa: E402
 from runtime.async_engine import engine_config  # noqa: E402
 from runtime.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
@@ -86,39 +86,43 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
         assert torch.equal(eager, staged) and torch.equal(eager, other), contexts
 
 
-def test_compiled_forward_matches_eager_and_replays_exactly(hf_and_ours):
+def test_cuda_layer_parts_match_eager_and_replay_exactly(hf_and_ours):
+    """A mixed step (a 40-token chunk beside a decode: nanoinfer.batched_layers' row kernels)."""
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
-    compiled = compiled_layer_functions()
+    parts = cuda_layer_functions()
     mixed = build_batch([SeqChunk(list(range(5, 45)), 3, list(range(0, 3)), True),
                          SeqChunk([9], 70, list(range(10, 15)), True)], bs, "cuda")
     with torch.inference_mode():
         eager = forward(model.params, kv, mixed, cfg, backend)
-        fused = forward(model.params, kv, mixed, cfg, backend, compiled)
+        fused = forward(model.params, kv, mixed, cfg, backend, parts)
         # The oracle: fp32 weights and cache, the reference attention.
         exact = forward(map_params(torch.Tensor.float, model.params), kv.float(), mixed, cfg)
-    # Fusion keeps intermediates in fp32 where eager rounds each op to bf16: the compiled path
+    # Fusion keeps intermediates in fp32 where eager rounds some ops to bf16: the fused path
     # must be about as close to the fp32 oracle as eager is (not bitwise equal to eager).
     eager_err = (eager - exact).abs().max().item()
     fused_err = (fused - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
-    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, compiled),), kv.device, max_batch=4,
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, parts),), kv.device, max_batch=4,
                         max_blocks=16, buckets=(1, 4))
     graphs.capture()
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
-        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
+        assert torch.equal(forward(model.params, kv, decode, cfg, backend, parts).clone(), graphs.run(decode)[0].clone())
 
 
-def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours):
+@pytest.mark.parametrize("layers", ["eager", "cuda"])
+def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours, layers):
     """Prefill chunks beside decodes, padded to a token bucket and to the graphs' sequence
-    count, replay what the eager forward computes; padding writes no KV."""
+    count, replay what the eager forward computes; padding writes no KV. With CUDA's layer
+    parts (`cuda`: Triton row kernels at every token count, captured at each bucket)."""
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
-    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend),), kv.device, max_batch=8, max_blocks=16,
-                        buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
+    parts = cuda_layer_functions() if layers == "cuda" else EAGER
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, parts),), kv.device, max_batch=8,
+                        max_blocks=16, buckets=(1, 8), max_tokens=64, token_buckets=(16, 32))
     graphs.capture()
     assert set(graphs.mixed) == {16, 32, 64}
     steps = [  # chunks: (tokens, start, blocks, sample); the last step fills all 8 sequences
@@ -135,7 +139,7 @@ def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_our
         assert graphs.can_run(batch) and batch.num_tokens > batch.num_seqs
         eager_kv = kv.clone()
         with torch.inference_mode():
-            eager = forward(model.params, eager_kv, batch, cfg, backend)
+            eager = forward(model.params, eager_kv, batch, cfg, backend, parts)
             replayed = graphs.run(batch)[0].clone()
             # Staged from the host in one copy: the same inputs, the same outputs.
             assert torch.equal(graphs.run(host_batch(seq_chunks, bs))[0], replayed)
@@ -316,27 +320,24 @@ def test_rope_and_write_matches_the_reference_composition(qk_norm, head_dim, kv_
     assert torch.equal(ours.view(2, 8 * bs, -1)[:, untouched], kv.view(2, 8 * bs, -1)[:, untouched])
 
 
-def test_compiled_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours):
-    from nanoinfer.gemv import linear
-    from nanoinfer.rope_write import rope_and_write
-
+def test_batch1_path_with_gemv_is_as_close_to_fp32_as_eager(hf_and_ours):
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
-    compiled = compiled_layer_functions(linear, rope_and_write)
+    parts = cuda_layer_functions()
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
         eager = forward(model.params, kv.clone(), decode, cfg, backend)
-        fused = forward(model.params, kv.clone(), decode, cfg, backend, compiled)
+        fused = forward(model.params, kv.clone(), decode, cfg, backend, parts)
         exact = forward(map_params(torch.Tensor.float, model.params), kv.float(), decode, cfg)
     eager_err = (eager - exact).abs().max().item()
     fused_err = (fused - exact).abs().max().item()
     assert fused_err <= 1.5 * eager_err + 1e-2, (fused_err, eager_err)
-    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, compiled),), kv.device, max_batch=2,
+    graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, parts),), kv.device, max_batch=2,
                         max_blocks=16, buckets=(1, 2))
     graphs.capture()
     with torch.inference_mode():
-        assert torch.equal(forward(model.params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
+        assert torch.equal(forward(model.params, kv, decode, cfg, backend, parts).clone(), graphs.run(decode)[0].clone())
 
 
 def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
@@ -399,7 +400,7 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
 def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
     """nanoinfer.fused_layers at one token against nanoinfer.model's parts: the same roundings,
     so the same bf16 numbers up to the order of the fp32 sums (one bf16 step at most)."""
-    from nanoinfer import fused_layers, model, quantized
+    from nanoinfer import batched_layers, fused_layers, model, quantized
     from nanoinfer.config import ModelConfig
     from nanoinfer.gemv import linear
 
@@ -428,12 +429,13 @@ def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
     for got, want in pairs:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=2**-7 * want.abs().max().item())
-    # Two tokens, or a tensor-parallel sum between a projection and its residual: the unfused parts.
+    # Two tokens, or a tensor-parallel sum between a projection and its residual: the row kernels' parts.
     x2 = x.repeat(2, 1)
-    assert torch.equal(fused_layers.qkv_projection(x2, lp, cfg, linear), model.qkv_projection(x2, lp, cfg, linear))
+    assert torch.equal(fused_layers.qkv_projection(x2, lp, cfg, linear),
+                       batched_layers.qkv_projection(x2, lp, cfg, linear))
     double = lambda t: t * 2  # noqa: E731
     assert torch.equal(fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double),
-                       model.attention_output_and_mlp(x, attn, lp, cfg, linear, double))
+                       batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double))
 
 
 # --- quantized weights (issue 12) ---------------------------------------------------------------
@@ -506,14 +508,12 @@ def test_int4_mm_matches_its_dequantized_reference(rows, n, k, group, halves, re
 
 @pytest.mark.parametrize("form", ["int8", "fp8", "int4"])
 def test_quantized_batch1_path_is_as_close_to_its_weights_as_bf16(hf_and_ours, form):
-    """The compiled batch-1 path over quantized weights (GEMVs, fused RoPE) against the same
+    """The fused batch-1 path over quantized weights (GEMVs, fused RoPE) against the same
     weights dequantized in fp32, as close as the bf16 model is to fp32; CUDA graphs replay it
     exactly. (Token agreement with bf16 is no test here: this random model's quantization error
     alone moves its logits by 11% RMS for int8. Quality on a real model: bench/RESULTS.md.)"""
     from nanoinfer import quantized
-    from nanoinfer.gemv import linear
     from nanoinfer.loaders.quantize import PROJECTIONS, quantize_params
-    from nanoinfer.rope_write import rope_and_write
 
     _, model = hf_and_ours
     cfg, bs = model.config, 16
@@ -523,20 +523,20 @@ def test_quantized_batch1_path_is_as_close_to_its_weights_as_bf16(hf_and_ours, f
         dataclasses.replace(lp, **{n: quantized.dequantize(getattr(q, n)) for n in PROJECTIONS})
         for lp, q in zip(p32.layers, params.layers)))
     kv, backend = random_pool_and_backend(cfg, bs)
-    compiled = compiled_layer_functions(linear, rope_and_write)
+    parts = cuda_layer_functions()
     decode = build_batch([SeqChunk([3], 40, list(range(20, 23)), True)], bs, "cuda")
     with torch.inference_mode():
-        fused = forward(params, kv.clone(), decode, cfg, backend, compiled)
+        fused = forward(params, kv.clone(), decode, cfg, backend, parts)
         exact = forward(oracle, kv.float(), decode, cfg)
         bf16_err = (forward(model.params, kv.clone(), decode, cfg, backend)
                     - forward(p32, kv.float(), decode, cfg)).abs().max().item()
     err = (fused - exact).abs().max().item()
     assert err <= 1.5 * bf16_err + 1e-2, (err, bf16_err)
-    graphs = StepGraphs(lambda b: (forward(params, kv, b, cfg, backend, compiled),), kv.device, max_batch=2,
+    graphs = StepGraphs(lambda b: (forward(params, kv, b, cfg, backend, parts),), kv.device, max_batch=2,
                         max_blocks=16, buckets=(1, 2))
     graphs.capture()
     with torch.inference_mode():
-        assert torch.equal(forward(params, kv, decode, cfg, backend, compiled).clone(), graphs.run(decode)[0].clone())
+        assert torch.equal(forward(params, kv, decode, cfg, backend, parts).clone(), graphs.run(decode)[0].clone())
 
 
 @pytest.mark.parametrize("form", ["int8", "fp8", "int4"])

@@ -58,7 +58,7 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
             return real(*args)
 
         real, fused_layers.fused_gemv = fused_layers.fused_gemv, counted
-        try:  # the fused parts uncompiled, so that each call is seen
+        try:  # (the fused parts as kernels_for gives them, with each GEMV call counted)
             fused = EAGER._replace(qkv_projection=fused_layers.qkv_projection, linear=linear,
                                    attention_output_and_mlp=fused_layers.attention_output_and_mlp,
                                    rope_and_write=rope_and_write)
@@ -67,7 +67,7 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
                                           kernels.attention, device)}
         finally:
             fused_layers.fused_gemv = real
-        for name, base in (("unfused", EAGER), ("compiled", kernels.layer_fns)):
+        for name, base in (("unfused", EAGER), ("kernels", kernels.layer_fns)):
             runs[name] = _steps(local, part, allocate_kv_pool(local, 4, BS, torch.bfloat16, device),
                                 layer_functions(base, Shard(rank, size), cfg.vocab_size), kernels.attention, device)
         results.put((rank, calls, {name: t.float().cpu().numpy() for name, t in runs.items()}))
@@ -96,9 +96,9 @@ def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
                    EAGER, REFERENCE, "cpu")
     runs = {name: torch.from_numpy(t) for name, t in got[0][1].items()}
     err = {name: (t - exact).abs().max().item() for name, t in runs.items()}
-    for name in ("fused-eager", "compiled"):
+    for name in ("fused-eager", "kernels"):
         assert err[name] <= 1.5 * err["unfused"] + 1e-2, err
-    assert torch.equal(runs["compiled"].argmax(-1), exact.argmax(-1)), err
+    assert torch.equal(runs["kernels"].argmax(-1), exact.argmax(-1)), err
 
 
 def test_close_over_two_gpus_leaves_no_group_behind():

@@ -106,9 +106,6 @@ def main() -> None:
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         raise SystemExit(f"--device {args.device}: a CUDA GPU is needed (torch.cuda.is_available() is "
                          f"{torch.cuda.is_available()})")
-    # One process starts an engine per shape and form, each a recompile of the layer functions
-    # past Dynamo's default limit of 8 (as bench/latency.py).
-    torch._dynamo.config.recompile_limit = 64
     import triton
 
     device_name = torch.cuda.get_device_name(torch.device(args.device))

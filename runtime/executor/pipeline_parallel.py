@@ -20,12 +20,13 @@ rank 0 samples a step's tokens before the next step can run.
 
 On CUDA, where a stage has one rank, it computes a micro-batch by replaying a CUDA graph of its
 forward (nanoinfer/graphs.py: one per padded micro-batch size, as one GPU captures one per
-batch size; the compiled layer parts inside), and the sends and receives stay outside, eager
+batch size; the layer parts' kernels inside), and the sends and receives stay outside, eager
 NCCL calls between replays: the received activations are copied into the graph's static input,
 and its output copied out before it is sent on (the next replay reuses that memory while the
 send may still be reading it). A micro-batch no graph fits runs eagerly. Stages of several
 ranks run eagerly (the runner turns enforce_eager on): their all-reduce over the stage's
-process group is a plain call that Dynamo would trace into, so their layers stay uncompiled.
+process group was a plain call that Dynamo traced into when the layer parts were compiled; they
+are not now (nanoinfer.kernels), but graphs of such stages are untried.
 """
 
 from __future__ import annotations

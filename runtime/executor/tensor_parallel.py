@@ -58,7 +58,7 @@ from nanoinfer.batch import Batch
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import DeviceLost, RequestError
 from nanoinfer.graphs import GraphSizes, StepGraphs
-from nanoinfer.kernels import kernels_for, mark_weights_static
+from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.model import Params, forward, map_params
@@ -93,7 +93,7 @@ class RankSetup(NamedTuple):
     num_cpu_blocks: int
     block_size: int
     kv_dtype: torch.dtype
-    eager: bool  # kernels_for's (enforce_eager): no compiled or fused layers, no graphs
+    eager: bool  # kernels_for's (enforce_eager): no fused layers, no graphs
     graphs: GraphSizes | None  # the CUDA graphs rank 0 captures, which every rank captures alike
     micro_batches: int = 1  # pipeline parallelism: the most micro-batches a step is cut into
 
@@ -625,8 +625,6 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
     micro-batches) and its CUDA graphs (None: eager)."""
     kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
     fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp)
-    if kernels.graphs:
-        mark_weights_static(part)
     pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
 
     def step(batch: Batch, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor]:
