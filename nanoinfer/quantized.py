@@ -224,8 +224,11 @@ class Fp8Weight:
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, in] -> (e4m3 [tokens, in], fp32 scale [tokens, 1]), each row's largest
-    magnitude at e4m3's largest value."""
-    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    magnitude at e4m3's largest value. The scale is that magnitude times 1/448 rounded to fp32,
+    spelled out: torch's CUDA division by a Python number multiplies by its reciprocal where
+    the CPU's divides, and at e4m3's rounding ties the two scales gave different values; so
+    both devices and the fused kernel (nanoinfer.row_kernels) compute the same."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() * (1.0 / FP8_MAX)).clamp(min=1e-12)
     return to_fp8(x.float() / scale), scale
 
 

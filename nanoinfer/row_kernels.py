@@ -80,15 +80,15 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.conste
 @triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, n, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     # Two passes over the row (an intermediate row is wider than a block holds): its largest
-    # magnitude, then the row divided by its scale, saturated and rounded to e4m3. IEEE
-    # divisions (div_rn), as torch's: the same e4m3 values as quantized.quantize_rows_fp8.
+    # magnitude, then the row divided by its scale, saturated and rounded to e4m3. An IEEE
+    # division (div_rn), as torch's: the same e4m3 values as quantized.quantize_rows_fp8.
     row = tl.program_id(0).to(tl.int64)
     top = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n, other=0.0).to(tl.float32)
         top = tl.maximum(top, tl.abs(x))
-    scale = tl.maximum(tl.div_rn(tl.max(top, 0), FP8_MAX), 1e-12)
+    scale = tl.maximum(tl.max(top, 0) * (1.0 / FP8_MAX), 1e-12)  # (times 1/448 in fp32, as the reference)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
