@@ -155,6 +155,9 @@ class PipelineParallelRunner(TensorParallelRunner):
         super().__init__(model, config, max_model_len, draft)
         grid = self.tp.grid
         self.link = links(grid.tp, grid.pp, 0)
+        # Two steps of disjoint sequences in flight, so that stage 0 computes one while the last
+        # stage computes the other; speculative decoding reads each step before planning the next.
+        self.steps_in_flight = 2 if config.speculative_config is None else 1
         self.last = (grid.pp - 1) * grid.tp
 
     def _micro_batches(self) -> int:
