@@ -7,7 +7,8 @@ out token for token as in the synchronous loop, through chunked prefill, preempt
 and a single request (the fallback: one group has nothing to run); no step holds a sequence
 of the step launched just before it unless its own group had nothing to run; between steps
 no sequence has more than one unread step. Pipeline stages over processes with two steps in
-flight are in tests/test_pipeline_parallel.py.
+flight are in tests/test_pipeline_parallel.py; grammars, whose masks need the step before read
+during the launch, come out as in the synchronous loop too.
 """
 
 import pytest
@@ -98,3 +99,19 @@ def test_a_single_request_falls_back_to_one_group(two_in_flight):
         tokens.append(seq.output_token_ids)
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
     assert all(serial for _, serial in two_in_flight[1:])
+
+
+def test_grammars_with_two_steps_in_flight(two_in_flight, tiny_chat_model):
+    """Constrained sequences (each step's masks need the grammar to have consumed its sequences'
+    tokens of the step before: read during the launch) and free ones, n = 3, chunked prefills:
+    the same tokens as the synchronous loop."""
+    from tests.test_structured_output import PERSON, prompts
+    from tests.test_structured_output import run as run_constrained
+
+    ps = prompts(tiny_chat_model, 6, seed=2)
+    reqs = [(p, SamplingParams(temperature=0.9, seed=i, n=3 if i % 2 else 1, max_tokens=40,
+                               structured_outputs={"json": PERSON} if i % 3 else None)) for i, p in enumerate(ps)]
+    base = run_constrained(tiny_chat_model, reqs)
+    two_in_flight.clear()
+    assert run_constrained(tiny_chat_model, reqs, async_scheduling=True, max_num_batched_tokens=24) == base
+    assert_alternating(two_in_flight)

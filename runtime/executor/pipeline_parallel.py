@@ -186,12 +186,10 @@ class PipelineParallelRunner(TensorParallelRunner):
         seq_ids = frozenset(c.seq.seq_id for c in inp.chunks)
         self.sampling.before_launch(seq_ids, self.batch.joining)
         try:
-            step = super().launch(inp, *args, **kwargs)
-            self.sampling.launched(frozenset(seq.seq_id for seq, _ in inp.samplers))
-            return step
+            return super().launch(inp, *args, **kwargs)
         finally:
             self._step_input = None
-            self.sampling.back_to_main()
+            self.sampling.done(seq_ids.union(seq.seq_id for seq, _ in inp.samplers))  # (forks sample too)
 
     def _build(self, inp, draft_tokens):
         built = super()._build(inp, draft_tokens)

@@ -34,8 +34,10 @@ class SampleStream:
         self.cuda = device.type == "cuda"
         self.main = torch.cuda.current_stream(device) if self.cuda else None
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        # The last two launches' sampling: (event recorded after it on the side stream, its sequences' ids).
+        # The last two launches' side-stream work: (an event recorded after it, the ids of the
+        # sequences it computed or sampled). (Older steps are read: the host waited for them.)
         self.sampled: deque[tuple[torch.cuda.Event, frozenset[int]]] = deque(maxlen=2)
+        self.switched = False  # the launch in progress queues on the side stream
 
     def before_launch(self, seq_ids: frozenset[int], joining: bool) -> None:
         """The main stream waits for the earlier steps' sampling that this launch may read or
@@ -56,6 +58,7 @@ class SampleStream:
         if self.cuda:
             self.side.wait_stream(self.main)
             torch.cuda.set_stream(self.side)
+            self.switched = True
 
     def wait(self, work, tensor: torch.Tensor) -> None:
         """Once switched: a collective that the side stream (not the main one) waits for, and the
@@ -63,14 +66,12 @@ class SampleStream:
         work.wait()  # (NCCL: the current stream waits, not the host; gloo: the host)
         self.hand_over(tensor)
 
-    def launched(self, seq_ids: frozenset[int]) -> None:
-        """The launch's sampling is queued (on the side stream): later launches wait for it where they must."""
-        if self.cuda:
+    def done(self, seq_ids: frozenset[int]) -> None:
+        """The launch returned (or failed): what it queued on the side stream is remembered for
+        later launches to wait for where they must, and the main stream is current again."""
+        if self.switched:
             event = torch.cuda.Event()
             event.record(self.side)
             self.sampled.append((event, seq_ids))
-
-    def back_to_main(self) -> None:
-        """The launch is done (or failed): the main stream is current again."""
-        if self.cuda:
             torch.cuda.set_stream(self.main)
+            self.switched = False
