@@ -101,13 +101,16 @@ def assert_same(got, want):
             assert logprob_values(mine) == pytest.approx(logprob_values(theirs), abs=1e-5)
 
 
-@pytest.mark.parametrize("engine_args", [
+CASES = pytest.mark.parametrize("engine_args", [
     dict(num_blocks=512),
     dict(num_blocks=512, max_num_batched_tokens=5),  # chunked prefill, prompt logprobs over chunks
     dict(num_blocks=40, preemption_mode="recompute"),
     dict(num_blocks=40, preemption_mode="swap", swap_space=1 << 20),
     dict(num_blocks=512, max_num_seqs=3),
 ], ids=["roomy", "chunked", "recompute", "swap", "few-seqs"])
+
+
+@CASES
 def test_async_equals_sync(engine_args):
     sync, _ = run(False, **engine_args)
     overlapped, core = run(True, **engine_args)

@@ -48,8 +48,9 @@ def model():
 
 @pytest.mark.parametrize("sizes", [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
                                    dict(pipeline_parallel_size=2, tensor_parallel_size=2),
-                                   dict(pipeline_parallel_size=2, pipeline_micro_batches=8)],
-                         ids=["pp2", "pp3", "tp2xpp2", "pp2-8-micro-batches"])
+                                   dict(pipeline_parallel_size=2, pipeline_micro_batches=8),
+                                   dict(pipeline_parallel_size=2, async_scheduling=True)],
+                         ids=["pp2", "pp3", "tp2xpp2", "pp2-8-micro-batches", "pp2-two-steps-in-flight"])
 def test_stages_emit_what_one_rank_does(model, sizes):
     """Forks sharing blocks (n=2, copy-on-write copies on every stage) and top-k sampling by seed."""
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, seed=1, top_k=2)
@@ -140,6 +141,57 @@ def test_stages_follow_preemption_by_swap(model):
     one, stats_one = engine_outputs(model, PROMPTS, GREEDY, **config)
     two, stats_two = engine_outputs(model, PROMPTS, GREEDY, pipeline_parallel_size=2, **config)
     assert two == one and stats_two["num_preemptions"] == stats_one["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_two_steps_in_flight_over_stages_emit_what_one_rank_does(model, preemption_mode):
+    """Async scheduling over two stages keeps two steps of disjoint sequences in flight
+    (runtime/engine/virtual_engines.py): many sequences of different lengths and limits (some
+    finish while the other group's step is in flight), chunked prefills, forks, and a pool
+    small enough to preempt; and a single request (its group runs every step)."""
+    prompts = [[(5 * i + j) % 60 + 3 for j in range(2 + 3 * i)] for i in range(10)]
+    limits = [SamplingParams(temperature=0, max_tokens=3 + 2 * (i % 5), ignore_eos=True, n=1 + (i % 3 == 0))
+              for i in range(len(prompts))]
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
+
+    config = dict(block_size=4, num_blocks=24, max_num_batched_tokens=16, preemption_mode=preemption_mode,
+                  swap_space=1 << 20)
+    for prompt_set, params in ((prompts, limits), (PROMPTS[:1], [GREEDY])):
+        runs = []
+        for size in (1, 2):
+            core = EngineCore(model, engine_config(pipeline_parallel_size=size, async_scheduling=size == 2, **config))
+            try:
+                assert core.steps_in_flight == (2 if size == 2 else 0)
+                seqs = []  # every completion (forks included)
+                for p, sp in zip(prompt_set, params):
+                    seqs += core.scheduler.requests[core.add_request(p, sp).request]
+                while core.has_unfinished():
+                    core.step()
+                runs.append(([seq.output_token_ids for seq in seqs], core.scheduler.num_preemptions))
+            finally:
+                core.close()
+        assert runs[1][0] == runs[0][0]
+        if len(prompt_set) > 1:
+            assert runs[1][1] > 0 and runs[0][1] > 0
+
+
+def test_pipeline_overlap_off_keeps_one_step_in_flight(model):
+    """`pipeline_overlap=False` (CUDA's default until its side stream has run on GPUs): async
+    scheduling over the stages with one step in flight, one rank's tokens."""
+    from runtime.async_engine import engine_config
+    from runtime.engine.engine_core import EngineCore
+
+    one, _ = engine_outputs(model, PROMPTS[:3], GREEDY)
+    core = EngineCore(model, engine_config(pipeline_parallel_size=2, async_scheduling=True, pipeline_overlap=False))
+    try:
+        assert core.steps_in_flight == 1 and core.scheduler.lanes is None
+        seqs = [core.add_request(p, GREEDY) for p in PROMPTS[:3]]
+        while core.has_unfinished():
+            core.step()
+        assert [seq.output_token_ids for seq in seqs] == [tokens for _, tokens in one]
+    finally:
+        core.close()
 
 
 def test_prompt_logprobs_come_back_in_order(model):

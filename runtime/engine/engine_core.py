@@ -17,6 +17,7 @@ resolve (runtime/engine/speculative.py), structured output at submit and resolve
 from __future__ import annotations
 
 import random
+from collections import deque
 from typing import Hashable, Sequence as Seq
 
 import torch
@@ -50,7 +51,14 @@ class EngineCore:
         self.executor = make_executor(model, config, self.max_model_len, draft_model)
         blocks = BlockManager(self.executor.num_blocks, config.block_size, self.executor.num_cpu_blocks,
                               prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, blocks, self.executor)
+        # Overlap host and device where the device runs asynchronously (see runtime/executor/step.py):
+        # the executor's steps_in_flight stay launched and unread between steps (2: the pipeline's
+        # stages overlap two steps of disjoint sequences, runtime/engine/virtual_engines.py).
+        # A step that verifies drafts is resolved at once (the next one's drafts depend on it).
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self.steps_in_flight = self.executor.steps_in_flight if self.async_scheduling else 0
+        self.scheduler = Scheduler(config.scheduler, blocks, self.executor, self.steps_in_flight)
         self.limits = RequestLimits(cfg.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
                                     blocks.block_size, blocks.num_blocks)
         self.resolver = Resolver(self.scheduler, cfg.eos_token_ids)
@@ -61,14 +69,10 @@ class EngineCore:
 
             self.speculator = self.resolver.speculator = Speculator(config.speculative_config)
         self.structured = None  # runtime/engine/structured.py, from the first request that asks for it
-        # Overlap host and device where the device runs asynchronously (see runtime/executor/step.py).
-        # A step that verifies drafts is resolved at once (the next one's drafts depend on it).
-        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
-                                 else config.async_scheduling)
         self.step_count = 0
         self._next_id = 0
         self._seed_source = random.Random()
-        self._in_flight: InFlightStep | None = None  # launched, results not yet applied
+        self._in_flight: deque[InFlightStep] = deque()  # launched, results not yet applied: oldest first
 
     # -- requests -------------------------------------------------------------------------
 
@@ -118,7 +122,7 @@ class EngineCore:
         """Fail every request (the device is gone, or the step loop met an error it cannot
         place); one output per failed sequence."""
         outputs = []
-        self._in_flight = None
+        self._in_flight.clear()
         for seqs in list(self.scheduler.requests.values()):
             outputs += self.scheduler.fail(seqs[0], error)
         return outputs
@@ -142,12 +146,13 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Plan and launch one forward over the scheduled sequences; return the tokens sampled
-        by the step before it (async scheduling) or by this one (synchronous), and the
-        sequences failed meanwhile. A failed launch is contained (runtime/engine/faults.py); only a
-        fatal device error raises (EngineDead)."""
+        by the oldest step in flight (async scheduling: `steps_in_flight` stay unread) or by
+        this one (synchronous), and the sequences failed meanwhile. A failed launch is contained
+        (runtime/engine/faults.py); only a fatal device error raises (EngineDead)."""
         start = self.timer.start()
-        previous, self._in_flight = self._in_flight, None
-        outputs, drafts, chunks = [], {}, ()
+        fifo = self._in_flight
+        previous = fifo.popleft() if fifo and len(fifo) >= self.steps_in_flight else None
+        outputs, drafts, chunks, step = [], {}, (), None
         if self.speculator is not None:
             before, previous, start, drafts = self.speculator.begin_step(self.scheduler.running, previous,
                                                                          self.resolver, start)
@@ -157,8 +162,10 @@ class EngineCore:
             outputs += failed
             self.step_count += 1
             chunks = p.chunks
+            if fifo:  # (two steps in flight)
+                previous = self._to_resolve(previous, bool(chunks), outputs)
             if chunks:
-                self._in_flight, failed, previous = self._launch(p, drafts, previous)
+                step, failed, previous = self._launch(p, drafts, previous)
                 outputs += failed
         finally:
             if drafts:
@@ -166,15 +173,34 @@ class EngineCore:
         self.timer.next("resolve")
         if previous is not None:
             outputs += self.resolver.resolve(previous)
-        step, before = self._in_flight, self.resolver.generated_tokens
-        if step is not None and (not self.async_scheduling or step.verified):
-            outputs += self.resolver.resolve(step)
-            self._in_flight = None
+        before, unread = self.resolver.generated_tokens, False
+        if step is not None:
+            if not self.async_scheduling or step.verified:
+                outputs += self.resolver.resolve(step)
+            else:
+                fifo.append(step)
+                unread = True
         if self.speculator is not None:
-            tokens = self.resolver.generated_tokens - before if self._in_flight is None else len(step.rows)
+            tokens = len(step.rows) if unread else self.resolver.generated_tokens - before
             self.speculator.end_step(chunks, step, tokens, start)
         self.timer.end()
         return outputs
+
+    def _to_resolve(self, previous: InFlightStep | None, launching: bool,
+                    outputs: list[TokenOutput]) -> InFlightStep | None:
+        """With two steps in flight, the step this call reads after its launch. Without a launch,
+        the oldest. A plan of the same group as the newest step (runtime/engine/virtual_engines.py:
+        its own group had nothing to run) needs that step's tokens: the older steps are read now,
+        and the newest as with one step in flight (after the launch, or during it if constrained)."""
+        fifo = self._in_flight
+        if not launching:
+            return previous if previous is not None else fifo.popleft()
+        if self.scheduler.lanes is not None and self.scheduler.lanes.serial:
+            while fifo:
+                if previous is not None:
+                    outputs += self.resolver.resolve(previous)
+                previous = fifo.popleft()
+        return previous
 
     def _launch(self, p: Plan, drafts: dict,
                 previous: InFlightStep | None) -> tuple[InFlightStep | None, list, InFlightStep | None]:

@@ -23,9 +23,16 @@ NOTHING = Plan((), (), (), ())
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, executor):
-        """`executor`: where the rows and the KV pools are (runtime/executor/executor.py)."""
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, executor, steps_in_flight: int = 1):
+        """`executor`: where the rows and the KV pools are (runtime/executor/executor.py).
+        `steps_in_flight` 2: each step plans one of two groups of sequences, alternately
+        (runtime/engine/virtual_engines.py)."""
         self.config, self.blocks, self.executor = config, blocks, executor
+        self.lanes = None
+        if steps_in_flight > 1:
+            from runtime.engine.virtual_engines import VirtualEngines
+
+            self.lanes = VirtualEngines(steps_in_flight)
         self.waiting = WaitingQueue(config)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -38,21 +45,33 @@ class Scheduler:
         """Queue a request's n sequences (the first runs; the others fork off its prefill)."""
         seqs[0].forks = seqs[1:]
         self.requests[seqs[0].request] = seqs
+        if self.lanes is not None:
+            self.lanes.assign(seqs)
         self.waiting.add(seqs[0])
 
-    def plan(self, now: int) -> Plan:
+    def plan(self, now: int, group: int | None = None) -> Plan:
+        """The next step's plan (of one group of sequences only: runtime/engine/virtual_engines.py)."""
+        if self.lanes is not None and group is None:
+            return self.lanes.plan(self, now)
+        running, swapped = self.running, self.swapped
+        if group is not None:  # (the other group's running sequences count as idle below: max_num_seqs)
+            running = [s for s in running if s.virtual_engine == group]
+            swapped = [s for s in swapped if s.virtual_engine == group and not s.num_unresolved]
         # A sequence whose last token (still in flight) reaches its length limit has nothing
         # left to compute; it only waits for that token (and keeps its place in the batch).
-        running = [s for s in self.running if s.num_tokens < s.max_total_tokens]
+        running = [s for s in running if s.num_tokens < s.max_total_tokens]
         num_idle = len(self.running) - len(running)
         config = self.config
         if self.isolation is not None:  # narrowing a failure down (runtime/engine/faults.py)
             config, running, num_idle, only = self.isolation.narrow(config, running, num_idle)
             if only:
                 return plan((), running, (), self.blocks, config, now, num_idle)
-        if not self.waiting and not self.swapped and (p := decode_plan(running, self.blocks, config)) is not None:
+        if not self.waiting and not swapped and (p := decode_plan(running, self.blocks, config)) is not None:
             return p
-        return plan(self.waiting.in_rank_order(now), running, self.swapped, self.blocks, config, now, num_idle)
+        waiting = self.waiting.in_rank_order(now)
+        if group is not None:
+            waiting = (s for s in waiting if s.virtual_engine == group and not s.num_unresolved)
+        return plan(waiting, running, swapped, self.blocks, config, now, num_idle)
 
     def apply(self, p: Plan) -> tuple[Plan, list[TokenOutput]]:
         """Carry out the plan's preemptions, swaps and allocations, in that order; the part of
@@ -173,6 +192,8 @@ class Scheduler:
         for seq, _ in inp.samplers:
             if not seq.is_finished:
                 seq.num_unresolved += 1  # known once this step is resolved
+        if self.lanes is not None:
+            self.lanes.launched()
 
     def _fork(self, seq: Sequence) -> None:
         """`seq`'s prefill is done: its pending completions join the batch, sharing its blocks."""
@@ -223,6 +244,8 @@ class Scheduler:
             self.waiting.discard(seq)  # (a completion not yet forked off was never queued)
         self.blocks.free(seq)
         self.executor.remove(seq)
+        if self.lanes is not None and not seq.is_finished:
+            self.lanes.finished(seq)
         seq.num_unresolved = 0  # (tokens of a step still in flight are dropped when it resolves)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -50,6 +50,7 @@ class Sequence:
     num_preemptions: int = 0
     scheduled_at: float | None = None  # time.monotonic() when it first got a step (queue time ends)
     index: int = 0  # which of the request's n completions this is
+    virtual_engine: int = 0  # its group of sequences, with two steps in flight (runtime/engine/virtual_engines.py)
     # Completions 1..n-1 of the request, waiting to fork off this one's prompt blocks when
     # its prefill ends: one prefill for all n.
     forks: list["Sequence"] = field(default_factory=list)

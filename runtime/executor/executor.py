@@ -24,6 +24,9 @@ class Executor(Protocol):
     num_cpu_blocks: int  # host blocks for swapped-out sequences
     row_of: dict[int, int]  # seq_id -> its row, for the sequences that have one
     pools: KVPools  # the KV blocks: the block manager's copies and swaps are applied to them
+    # Launched steps the engine keeps unread with async scheduling: 1, or 2 where two steps of
+    # disjoint sequences overlap on the devices (pipeline parallelism: runtime/engine/virtual_engines.py)
+    steps_in_flight: int
 
     def add(self, seq: Sequence) -> None:
         """`seq` starts running: give it a row."""

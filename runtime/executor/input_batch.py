@@ -68,6 +68,11 @@ class InputBatch:
         self._joined.append((row, seq))
         return row
 
+    @property
+    def joining(self) -> bool:
+        """Rows joined since the last flush (it writes their state on the device)."""
+        return bool(self._joined)
+
     def remove(self, seq: Sequence) -> None:
         row = self.row_of.pop(seq.seq_id, None)
         if row is not None:

@@ -47,6 +47,8 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner(DeviceModel):
+    steps_in_flight = 1  # (the Executor protocol's: one step overlaps the host's work on the next)
+
     def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
                  draft: LoadedModel | None = None):
         """`draft`: the draft model of speculative decoding, if any (its KV pool takes its share

@@ -15,8 +15,13 @@ communicator run in order, and logits coming back against activations going out 
 on each other), which samples as with one rank.
 
 Within a step the stages overlap but for the pipeline's fill and drain: with M micro-batches
-over P stages, each stage idles about (P - 1) / (M + P - 1) of the step. Steps do not overlap:
-rank 0 samples a step's tokens before the next step can run.
+over P stages, each stage idles about (P - 1) / (M + P - 1) of the step. With async scheduling
+steps overlap too: the engine keeps two steps of disjoint sequences in flight
+(`steps_in_flight`, runtime/engine/virtual_engines.py), and on CUDA rank 0 receives and samples
+a step's logits on a side stream (sample_stream.py), so that its main stream computes stage 0
+of the next step while the last stage computes this one. Rank 0 neither waits on its main
+stream for its sends nor for the batch's broadcast (the side stream does): the other ranks
+take the broadcast only once their GPU is done with the step before.
 
 On CUDA, where a stage has one rank, it computes a micro-batch by replaying a CUDA graph of its
 forward (nanoinfer/graphs.py: one per padded micro-batch size, as one GPU captures one per
@@ -45,6 +50,7 @@ from nanoinfer.graphs import GraphSizes, StepGraphs
 from nanoinfer.pipeline import MicroBatches, Stage, split_batch
 from nanoinfer.sampling import greedy_and_finite
 from runtime.executor.model_runner import ForwardOutput
+from runtime.executor.sample_stream import SampleStream
 from runtime.executor.tensor_parallel import Cut, TensorParallelRunner
 
 
@@ -156,6 +162,12 @@ class PipelineParallelRunner(TensorParallelRunner):
         super().__init__(model, config, max_model_len, draft)
         grid = self.tp.grid
         self.link = links(grid.tp, grid.pp, 0)
+        # Two steps of disjoint sequences in flight, so that stage 0 computes one while the last
+        # stage computes the other; speculative decoding reads each step before planning the next.
+        # (Off by default on CUDA: its side stream has not run on GPUs yet.)
+        overlap = config.pipeline_overlap if config.pipeline_overlap is not None else self.device.type != "cuda"
+        self.steps_in_flight = 2 if overlap and config.speculative_config is None else 1
+        self.sampling = SampleStream(self.device, enabled=overlap)
         self.last = (grid.pp - 1) * grid.tp
 
     def _micro_batches(self) -> int:
@@ -171,11 +183,21 @@ class PipelineParallelRunner(TensorParallelRunner):
         return self._forward_logits(batch)
 
     def launch(self, inp, *args, **kwargs):
+        """ModelRunner's launch: its inputs and stage 0 on the main stream, the rest on the side
+        one from `_forward` on (sample_stream.py)."""
         self._step_input = inp
+        seq_ids = frozenset(c.seq.seq_id for c in inp.chunks)
+        self.sampling.before_launch(seq_ids, self.batch.joining)
         try:
             return super().launch(inp, *args, **kwargs)
         finally:
             self._step_input = None
+            self.sampling.done(seq_ids.union(seq.seq_id for seq, _ in inp.samplers))  # (forks sample too)
+
+    def _build(self, inp, draft_tokens):
+        built = super()._build(inp, draft_tokens)
+        self.sampling.hand_over(*built[2])  # (the sampler's rows and steps: read by the sampling)
+        return built
 
     def _cut(self, batch: Batch) -> Cut:
         """The step's layout on the host, where the launch gave it (reading a GPU's index tensors
@@ -190,21 +212,24 @@ class PipelineParallelRunner(TensorParallelRunner):
         """Every rank receives the batch and its cut; rank 0 computes the first stage of each
         micro-batch, then receives their logits from the last stage."""
         cut = self._cut(batch)
-        self.tp.forward(batch, cut)
+        flat, broadcast = self.tp.forward(batch, cut)
         micro = split_batch(batch, self._micro_batches(), *cut)
         dtype, vocab = self.model.params.dtype, self.cfg.vocab_size
         with self.tp.watching(step=True):
             sends = run_stage(graph_or_eager(self._first_stage, self.graphs), micro, self.link,
                               self.tp.stage_groups, self.cfg.hidden_size, dtype, self.device)
+            self.sampling.switch()  # (stage 0 is queued: the rest of the launch goes on the side stream)
+            self.sampling.wait(broadcast, flat)
+            for work, out in sends:
+                self.sampling.wait(work, out)
             parts = []
             for rows in micro.logits_rows():
                 part = torch.empty(rows, vocab, dtype=dtype, device=self.device)
                 if rows:
                     dist.recv(part, src=self.last, group=self.tp.stage_groups.logits)
                 parts.append(part)
-            for work, _ in sends:
-                work.wait()
         logits = torch.cat(parts)
         if micro.restore is not None:
+            self.sampling.hand_over(micro.restore)
             logits = logits.index_select(0, micro.restore)
         return ForwardOutput(logits, *greedy_and_finite(logits))

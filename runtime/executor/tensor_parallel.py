@@ -247,17 +247,21 @@ class TensorParallelRanks:
         with self.watching():
             dist.barrier(group=self.control)
 
-    def forward(self, batch: Batch, cut: Cut | None = None) -> None:
+    def forward(self, batch: Batch, cut: Cut | None = None) -> tuple[torch.Tensor, object]:
         """Before rank 0's own forward over `batch`: the other ranks receive it and start theirs
         (a graph's replay where rank 0's graphs take it: theirs are the same). `cut`: the batch's
-        layout on the host, for ranks that cut it into micro-batches (pipeline parallelism)."""
+        layout on the host, for ranks that cut it into micro-batches (pipeline parallelism):
+        then the batch's broadcast is returned unwaited, (its tensor, its work), for the caller
+        to wait for where rank 0's own work does not depend on it (on NCCL the other ranks
+        take it only once their GPU is done with the step before)."""
         self.check_ranks()
         with self.watching():
             dist.broadcast(_forward_header(batch, cut is not None), src=0, group=self.control)
             if cut is not None:
                 dist.broadcast(torch.tensor([*cut.query_start_loc, *cut.logits_indices], dtype=torch.int64), src=0,
                                group=self.control)
-            dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in batch]), src=0)
+            flat = torch.cat([t.reshape(-1).to(torch.int64) for t in batch])
+            return flat, dist.broadcast(flat, src=0, async_op=cut is not None)
 
     def copy_blocks(self, copies) -> None:
         self._send(("copy", copies))
