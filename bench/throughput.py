@@ -3,7 +3,7 @@
     python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
                                [--model M] [--device cpu] [--baseline-batch 16] [--temperature 0]
                                [--kv-cache-dtype auto|fp8] [--quantization none|int8|fp8]
-                               [--pipeline-parallel-size P] [--pipeline-micro-batches M]
+                               [--pipeline-parallel-size P] [--pipeline-micro-batches M] [--pipeline-overlap]
                                [--tensor-parallel-size T] [--enforce-eager]
 
 Prompts are random token ids, lengths uniform in the given ranges (fixed seed), generation
@@ -73,12 +73,15 @@ def main():
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="stages over GPUs cuda:0.. (each replays CUDA graphs where T=1)")
     parser.add_argument("--pipeline-micro-batches", type=int, default=None, help="default: the pipeline's size")
+    parser.add_argument("--pipeline-overlap", action="store_true",
+                        help="two steps of disjoint sequences in flight over the stages (virtual engines)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,
                     pipeline_micro_batches=args.pipeline_micro_batches,
+                    pipeline_overlap=args.pipeline_overlap or None,
                     tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
 
     from nanoinfer import LLM
@@ -138,7 +141,8 @@ def main():
             theirs = run_transformers(hf_model, prompts, outputs, args.baseline_batch, 0)
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
     print(f"model {model_path.name}  device {args.device}  tp {args.tensor_parallel_size}  pp "
-          f"{args.pipeline_parallel_size} (micro-batches {args.pipeline_micro_batches})  eager {args.enforce_eager}  "
+          f"{args.pipeline_parallel_size} (micro-batches {args.pipeline_micro_batches}, overlap "
+          f"{args.pipeline_overlap})  eager {args.enforce_eager}  "
           f"kv cache {args.kv_cache_dtype}  quantization "
           f"{args.quantization}  temperature {args.temperature}  seqs {args.num_seqs}  "
           f"input {args.input_len}  "
