@@ -4,9 +4,10 @@ capture, first token).
 
     python bench/cold_start.py CHECKPOINT_DIR [--load-format dummy] [--device cuda]
 
-Each start is a new process (`--one`) with TORCHINDUCTOR_CACHE_DIR pointing at a fresh
-directory (cold), then the same directory again (warm: Inductor's compiled kernels and
-Triton's are on disk). Make a weightless checkpoint with bench/dummy_checkpoint.py.
+Each start is a new process (`--one`) with TRITON_CACHE_DIR (and TORCHINDUCTOR_CACHE_DIR, should
+anything still use Inductor) pointing at a fresh directory (cold), then the same directory again
+(warm: Triton's compiled kernels are on disk). Make a weightless checkpoint with
+bench/dummy_checkpoint.py.
 """
 
 from __future__ import annotations
