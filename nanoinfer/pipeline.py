@@ -87,6 +87,8 @@ def split_batch(batch: Batch, parts: int, query_start_loc: list[int] | None = No
     `query_start_loc` and `logits_indices`: the batch's, on the host, where the caller has them
     (reading them off a GPU waits for the work queued before). Sequences never read each
     other's keys and values within a step, so the micro-batches run in any order."""
+    if parts <= 1 or batch.query_start_loc.shape[0] <= 2:  # (one micro-batch: the step itself, no copies)
+        return MicroBatches((batch,), None)
     qsl = batch.query_start_loc.tolist() if query_start_loc is None else list(query_start_loc)
     wanted = batch.logits_indices.tolist() if logits_indices is None else list(logits_indices)
     seqs, total = len(qsl) - 1, qsl[-1]

@@ -121,7 +121,7 @@ class EngineConfig:
                                           minimum=1)
     pipeline_micro_batches: int | None = setting(None, "the most micro-batches a step's sequences are cut into "
                                                        "under pipeline parallelism (default: "
-                                                       "pipeline_parallel_size)", minimum=1, optional=True)
+                                                       "pipeline_parallel_size, or 1 with pipeline_overlap)", minimum=1, optional=True)
     pipeline_overlap: bool | None = setting(None, "under pipeline parallelism with async scheduling, two steps of "
                                                   "disjoint sequences in flight over the stages (virtual engines; "
                                                   "default: on for CPU ranks, off on CUDA, where it has not run "

@@ -134,3 +134,14 @@ def test_micro_batches_share_tokens_evenly_by_whole_sequences():
     host = split_batch(batch, 3, batch.query_start_loc.tolist(), batch.logits_indices.tolist())
     for a, b in zip(host.batches, split_batch(batch, 3).batches):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_one_micro_batch_is_the_step_itself():
+    """Cut into one part (or a step of one sequence), the micro-batch is the step's own Batch:
+    no index tensors copied (rank 0's host pays each copy every step)."""
+    from nanoinfer.pipeline import split_batch
+
+    batch = _mixed_batch([9, 0, 3, 6, 11, 7])
+    micro = split_batch(batch, 1, batch.query_start_loc.tolist(), batch.logits_indices.tolist())
+    assert len(micro.batches) == 1 and micro.batches[0] is batch and micro.restore is None
+    assert split_batch(batch, 4).batches[0] is not batch
