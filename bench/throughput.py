@@ -72,16 +72,18 @@ def main():
                                                                  "quantize the random weights)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="stages over GPUs cuda:0.. (each replays CUDA graphs where T=1)")
-    parser.add_argument("--pipeline-micro-batches", type=int, default=None, help="default: the pipeline's size")
-    parser.add_argument("--pipeline-overlap", action="store_true",
-                        help="two steps of disjoint sequences in flight over the stages (virtual engines)")
+    parser.add_argument("--pipeline-micro-batches", type=int, default=None,
+                        help="default: the pipeline's size, or 1 with two steps in flight")
+    parser.add_argument("--pipeline-overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="two steps of disjoint sequences in flight over the stages (virtual engines); "
+                             "default: the engine's")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,
                     pipeline_micro_batches=args.pipeline_micro_batches,
-                    pipeline_overlap=args.pipeline_overlap or None,
+                    pipeline_overlap=args.pipeline_overlap,
                     tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
 
     from nanoinfer import LLM
