@@ -52,6 +52,7 @@ moved in one copy; a batch already on the device is copied field by field.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Callable, NamedTuple, Sequence
 
@@ -160,6 +161,22 @@ def _fill(to: Batch, batch: Batch | HostBatch) -> None:
     to.query_start_loc[n + 1:] = tokens
     to.logits_indices[:r] = batch.logits_indices
     to.logits_indices[r:] = 0
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """The heap out of the collector's way while graphs are captured: a torch.cuda.graph() may
+    begin with gc.collect() (torch's force_cudagraph_gc), which walks every object, compiling's
+    included, but skips frozen ones (as vLLM does). Unless something froze it already: unfreezing
+    thaws every frozen object, and a server froze what its start made (runtime/serve/server.py)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class StepGraphs:
@@ -281,27 +298,19 @@ class StepGraphs:
         decode = sorted(self.decode_inputs, reverse=True)  # (the first: max_batch at max_blocks)
         if self.lazy:
             mixed, decode = mixed[:1], decode[:1]
-        # A torch.cuda.graph() may begin with gc.collect() (torch's force_cudagraph_gc), which walks
-        # every object on the heap, compiling's included: frozen objects are skipped (as vLLM does).
         gc.collect()
-        gc.freeze()
-        try:
+        with _frozen_heap():
             for key in (*mixed, *decode):
                 self._capture(key)
             torch.cuda.synchronize()
-        finally:
-            gc.unfreeze()
         self.started = True
 
     @torch.inference_mode()
     def _capture_on_first_use(self, key: Key) -> Captured:
         """`key`'s graph, captured now, mid-run (`lazy`): between the steps queued before and
         its replay, in stream order (see the module's docstring)."""
-        gc.freeze()  # (as capture(), without its collect: that would walk the heap mid-serving)
-        try:
+        with _frozen_heap():  # (as capture(), without its collect: that would walk the heap mid-serving)
             return self._capture(key)
-        finally:
-            gc.unfreeze()
 
     def _key(self, batch: Batch | HostBatch) -> Key:
         """The bucket that replays `batch` (one that `can_run`)."""

@@ -125,6 +125,26 @@ def test_capturing_all_takes_every_bucket_at_start_largest_first(fakes):
     assert fake.CAPTURES == [16, 8, (4, 8), (4, 2), (2, 8), (2, 2), (1, 8), (1, 2)]
 
 
+def test_captures_leave_the_heap_frozen_as_they_found_it(fakes):
+    """A server freezes what its start made (runtime/serve/server.py); a capture on first use
+    mid-serving must not thaw it (gc.unfreeze thaws everything), nor leave a heap frozen that
+    was not."""
+    import gc
+
+    graphs = StepGraphs(lambda b: (b.input_ids[b.logits_indices],), torch.device("cpu"), max_batch=4, max_blocks=8,
+                        widths=(2,), max_tokens=16, lazy=True)
+    graphs.capture()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with torch.inference_mode():
+            graphs.run(build_batch([SeqChunk([5], 6, [3, 1], True)], BS))
+        assert len(graphs.graphs) == 2 and gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_lazy_capture_emits_what_capturing_all_does_capturing_only_the_buckets_used(model, fakes, async_scheduling):
     """Greedy tokens of an engine that captures on first use equal capturing every bucket's and
