@@ -5,7 +5,9 @@ A "graph" records the step StepGraphs ran inside its capture, over the graph's s
 and a replay runs that step again over the same tensors, copying its results into the outputs
 the capture returned: what a replay does, the static buffers' reuse and the padding included,
 but not the GPU's streams (but for one of their effects: a step's results copied to the host
-before the next step's replay overwrites them, which async scheduling relies on). `install` also makes the CPU kernels claim graphs (eager layers).
+before the next step's replay overwrites them, which async scheduling relies on), nor the
+pinned staging copy of a batch built on the host (it replays as a batch on the device). `install`
+also makes the CPU kernels claim graphs (eager layers).
 
 Run as `python -m tests.fake_cuda_graphs RANK SIZE HOST:PORT`, as tensor_parallel.RANK_MODULE:
 a rank with the emulation installed; where NANOINFER_TEST_REPLAYS names a folder, the rank
@@ -108,6 +110,17 @@ def _claiming_graphs(kernels_for, partition_blocks: int):
     return claiming
 
 
+def _unpinned(real_run):
+    """StepGraphs.run taking a batch built on the host (a draft model's passes) as one on the
+    device: its one staging copy needs pinned memory, which the CPU has not."""
+    from nanoinfer.batch import HostBatch
+
+    def run(self, batch, *args, **kwargs):
+        return real_run(self, batch.to(self.device) if isinstance(batch, HostBatch) else batch, *args, **kwargs)
+
+    return run
+
+
 def _copying(real_init):
     """DeviceToHost's constructor, copying: on the CPU its "copies" are the tensors themselves,
     which for a replay's results are the graph's outputs, and with async scheduling the next
@@ -133,6 +146,7 @@ def install(setattr=setattr, partition_blocks: int = 2) -> None:
     setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     setattr(StepGraphs, "_step", _recording(StepGraphs._step))
     setattr(StepGraphs, "_capture", _counting(StepGraphs._capture))
+    setattr(StepGraphs, "run", _unpinned(StepGraphs.run))
     setattr(step.DeviceToHost, "__init__", _copying(step.DeviceToHost.__init__))
     for module in (device_model, tensor_parallel):
         setattr(module, "kernels_for", _claiming_graphs(module.kernels_for, partition_blocks))

@@ -41,37 +41,58 @@ def model():
 
 @pytest.fixture
 def fakes(monkeypatch):
-    """The emulation installed (undone after the test), its capture log emptied, and the
-    buckets of the batches that `run` replayed, as the test computes them."""
+    """The emulation installed (undone after the test), its capture log emptied; and a log of
+    each StepGraphs' captures and of the buckets of the batches it replayed (`expected_key`)."""
     from tests import fake_cuda_graphs
 
     fake_cuda_graphs.install(monkeypatch.setattr)
     monkeypatch.setattr(fake_cuda_graphs, "CAPTURES", [])
-    replayed = []
-    real_run = StepGraphs.run
+    log = {"captured": [], "replayed": []}  # (the StepGraphs, a bucket)
+    real_run, real_capture = StepGraphs.run, StepGraphs._capture
 
     def run(self, batch, *args, **kwargs):
-        replayed.append(expected_key(batch))
+        log["replayed"].append((self, expected_key(self, batch)))
         return real_run(self, batch, *args, **kwargs)
 
+    def capture(self, key):
+        log["captured"].append((self, key))
+        return real_capture(self, key)
+
     monkeypatch.setattr(StepGraphs, "run", run)
-    return fake_cuda_graphs, replayed
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    return fake_cuda_graphs, log
 
 
-def expected_key(batch):
-    """The bucket a batch replays at the engine's sizes above (this test's own reckoning)."""
+def expected_key(graphs: StepGraphs, batch):
+    """The bucket a batch replays: the smallest of `graphs`' sizes that holds it (this test's
+    own reckoning)."""
     n, t = batch.num_seqs, batch.num_tokens
     if n == t:
-        return (min(b for b in DECODE_SIZES if b >= n), min(w for w in WIDTHS if w >= batch.block_tables.shape[1]))
-    return min(b for b in TOKEN_BUCKETS if b >= t)
+        width = batch.block_tables.shape[1]
+        return min(b for b in graphs.buckets if b >= n), min(w for w in graphs.widths if w >= width)
+    return min(b for b in graphs.token_buckets if b >= t)
 
 
-def greedy_run(model, **config) -> list[list[int]]:
+def assert_captured_on_first_use(log) -> int:
+    """Each StepGraphs (the target's, a draft's) captured its largest mixed and decode buckets,
+    then each bucket it replayed, at its first use, once, and nothing else. Returns the
+    captures on first use."""
+    late = 0
+    for graphs in {id(g): g for g, _ in log["captured"]}.values():
+        captured = [k for g, k in log["captured"] if g is graphs]
+        used = list(dict.fromkeys(k for g, k in log["replayed"] if g is graphs))
+        start = [max(graphs.token_buckets), (max(graphs.buckets), max(graphs.widths))]
+        assert captured == start + [k for k in used if k not in start]
+        late += len(captured) - len(start)
+    return late
+
+
+def greedy_run(model, draft_model=None, **config) -> list[list[int]]:
     """Each request's tokens (PROMPTS, then LATE three steps in), greedy."""
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
 
-    core = EngineCore(model, engine_config(**SMALL, **config))
+    core = EngineCore(model, engine_config(**SMALL, **config), draft_model=draft_model)
     try:
         ids = [core.add_request(p, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True))
                for i, p in enumerate(PROMPTS)]
@@ -150,20 +171,42 @@ def test_lazy_capture_emits_what_capturing_all_does_capturing_only_the_buckets_u
     """Greedy tokens of an engine that captures on first use equal capturing every bucket's and
     running eagerly; it captures the start's two buckets, then each bucket a step used, once,
     and nothing else; the run met several decode and mixed buckets (some at their first use)."""
-    fake, replayed = fakes
+    fake, log = fakes
     eager = greedy_run(model, enforce_eager=True, async_scheduling=async_scheduling)
-    assert fake.CAPTURES == [] and replayed == []
+    assert fake.CAPTURES == [] and log["replayed"] == []
     everything = greedy_run(model, cuda_graph_capture="all", async_scheduling=async_scheduling)
     assert len(fake.CAPTURES) == len(DECODE_SIZES) * len(WIDTHS) + len(TOKEN_BUCKETS)
     fake.CAPTURES.clear()
-    replayed.clear()
+    log["replayed"].clear()
+    log["captured"].clear()
     lazy = greedy_run(model, async_scheduling=async_scheduling)
     assert lazy == everything == eager
-    used = list(dict.fromkeys(replayed))  # (in order of first use)
+    used = list(dict.fromkeys(k for _, k in log["replayed"]))  # (in order of first use)
     assert fake.CAPTURES[:2] == START
     assert fake.CAPTURES[2:] == [key for key in used if key not in START]
+    assert assert_captured_on_first_use(log) == len(fake.CAPTURES) - 2
     assert len({k for k in used if isinstance(k, tuple)}) >= 4 and len({k for k in used if isinstance(k, int)}) >= 2
     assert len(fake.CAPTURES) < len(DECODE_SIZES) * len(WIDTHS) + len(TOKEN_BUCKETS)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-model"])
+def test_speculative_verification_and_draft_graphs_captured_on_first_use_emit_what_eager_does(model, fakes, method):
+    """Verification steps (a few rows per sequence: mixed buckets below the batch size) and a
+    draft model's passes (graphs of its own) replay graphs captured on first use: the tokens of
+    no graphs and of every graph at start; each StepGraphs captures its start's buckets, then
+    those it used."""
+    _, log = fakes
+    spec = {"num_speculative_tokens": 2, "adaptive": False}  # (timing-free)
+    spec.update({"method": "ngram"} if method == "ngram" else {"model": "d"})
+    draft = model if method == "draft-model" else None  # (the target itself: its drafts are accepted)
+    eager = greedy_run(model, draft, enforce_eager=True, speculative_config=spec)
+    everything = greedy_run(model, draft, cuda_graph_capture="all", speculative_config=spec)
+    log["replayed"].clear()
+    log["captured"].clear()
+    assert greedy_run(model, draft, speculative_config=spec) == everything == eager
+    assert len({id(g) for g, _ in log["captured"]}) == (2 if draft is not None else 1)
+    assert any(isinstance(k, int) and k <= 8 for _, k in log["replayed"])  # (a verification bucket)
+    assert assert_captured_on_first_use(log) > 0
 
 
 def test_tensor_parallel_ranks_capture_the_buckets_rank_0_does_in_its_order(model, fakes, monkeypatch, tmp_path):
