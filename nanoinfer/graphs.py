@@ -32,17 +32,20 @@ the largest mixed bucket and the largest decode bucket (the widest), and every o
 captured the first time a step needs it (`run`). Why those two: a graph's memory comes from the
 pool, the private pool of the caching allocator, which never gives back what a capture took;
 captured first, the largest graphs' intermediates are freed into the pool for every later
-(smaller) capture to reuse, so a later capture adds only its outputs (its logits rows), and
-the pool's size is settled, beside the KV pool that was sized before it (kv_budget.py),
-while the engine starts rather than mid-serving. (Smaller graphs captured first would leave
-their freed blocks too small for a larger one's, which then takes new memory on top.)
-A capture mid-serving is stream-ordered: torch.cuda.graph first waits for the device (the
-steps already queued, a pipeline's side stream included) and empties the allocator's cache
-for the pool; it captures in "thread_local" mode, so only this thread is barred from calls a
-capture forbids, not another thread's (as torch.compile's own mid-run captures do). Every
-tensor-parallel rank and pipeline stage captures on first use too: they run the same batches
-(micro-batches) in the same order, so each captures the same buckets at the same step, their
-collectives inside in step with each other's.
+(smaller) capture to reuse, so a later capture adds little but its outputs (its logits rows):
+the pool takes its size, beside the KV pool sized before it (kv_budget.py), while the engine
+starts, not mid-serving, and holds at most about what capturing every bucket would. (Smaller
+graphs captured first would leave their freed blocks too small for a larger one's, which would
+then take new memory on top.)
+
+A capture mid-serving is stream-ordered, at the cost of one wait per bucket: torch.cuda.graph
+first waits for the device (the steps already queued, a pipeline's side stream included) and
+empties the allocator's cache for the pool. It captures in "thread_local" mode, so only this
+thread is barred from the calls a capture forbids, not another thread (the grammars' thread
+allocates pinned memory: nanoinfer/structured.py), as torch.compile's own captures mid-run do.
+Every tensor-parallel rank and pipeline stage captures on first use too: they run the same
+batches (micro-batches) in the same order, so each captures the same buckets at the same step,
+their collectives inside in step with each other's.
 
 Every graph reads its batch from its own region of one device buffer (the regions overlap:
 one graph replays at a time, in stream order), laid out field after field. A batch built on
