@@ -79,15 +79,16 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    # Every CUDA graph at start: the timed run's batch sizes are not all in the warm-up's, and a
-    # graph captured on first use (the default) would be captured inside the timed run.
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,
                     pipeline_micro_batches=args.pipeline_micro_batches,
                     pipeline_overlap=args.pipeline_overlap or None,
-                    tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                    cuda_graph_capture="all")
+                    tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
 
     from nanoinfer import LLM
+
+    # Every CUDA graph at start: the timed run's batch sizes are not all in the warm-up's, and a
+    # graph captured on first use (the engine's default) would be captured inside the timed run.
+    parallel["cuda_graph_capture"] = "all"
 
     if args.shape:
         import dataclasses
