@@ -83,7 +83,7 @@ def main():
 
         model = load_model(args.model, device=args.device, progress=False)
     longest = args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens)
-    engine_args = dict(max_model_len=longest + 16)
+    engine_args = dict(max_model_len=longest + 16, cuda_graph_capture="all")  # (no capture in a timed turn)
     print(f"model {model.path.name}  device {args.device}  {args.conversations} conversations x {args.turns} turns, "
           f"system prompt {args.system_tokens} tokens, user {args.user_tokens}, reply {args.reply_tokens}")
     results = {}

@@ -25,7 +25,7 @@ def profile(model, batch, context, steps, rows):
     from runtime.config import SchedulerConfig
 
     engine = EngineCore(model, EngineConfig(block_size=16, max_model_len=max(2048, context + 4 * steps + 64),
-                                            gpu_memory_utilization=0.8,
+                                            gpu_memory_utilization=0.8, cuda_graph_capture="all",
                                             scheduler=SchedulerConfig(max_num_seqs=max(batch, 1),
                                                                       max_num_batched_tokens=8192)))
     rng = random.Random(0)

@@ -109,6 +109,7 @@ def main():
     common = (["--model", args.model] if args.model else []) + ["--device", args.device, "--load-format",
                                                                  args.load_format] + \
         (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
+    common += ["--cuda-graph-capture", "all"]  # (no graph captured on first use in a timed request)
 
     served = ["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else []
     server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0", *common, *served],
@@ -129,7 +130,7 @@ def main():
 
     from nanoinfer import LLM, SamplingParams
 
-    with LLM(args.model, device=args.device, progress=False, load_format=args.load_format,
+    with LLM(args.model, device=args.device, progress=False, load_format=args.load_format, cuda_graph_capture="all",
              **({"num_blocks": args.num_blocks} if args.num_blocks else {})) as llm:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
         llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4)] * len(prompts), use_tqdm=False)  # warm-up

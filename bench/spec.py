@@ -98,7 +98,8 @@ def gpu(args):
         drafts["int8"] = LoadedModel(draft.config, quantize_params(draft.params, "int8"), None, draft.path)
 
     def decode(spec, form="bf16"):
-        core = EngineCore(target, engine_config(num_blocks=512, max_model_len=4096, speculative_config=spec),
+        core = EngineCore(target, engine_config(num_blocks=512, max_model_len=4096, speculative_config=spec,
+                                                cuda_graph_capture="all"),
                           draft_model=drafts[form] if spec else None)
         for tokens in (16, n):  # (a warm-up request, then the measured one)
             core.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))

@@ -78,7 +78,8 @@ def main():
     results, phases = {}, {}
     for name, engine_args in (("async", {}), ("sync", {"async_scheduling": False})):
         with LLM(args.model, device=args.device, load_format=args.load_format, progress=False,
-                 max_num_seqs=max(args.num_seqs, 8), max_model_len=2048, **engine_args) as llm:
+                 max_num_seqs=max(args.num_seqs, 8), max_model_len=2048, cuda_graph_capture="all",
+                 **engine_args) as llm:
             prompts = [[{"role": "user", "content": f"Describe person number {i} as JSON."}]
                        for i in range(args.num_seqs)]
             constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens,

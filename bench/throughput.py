@@ -88,6 +88,10 @@ def main():
 
     from nanoinfer import LLM
 
+    # Every CUDA graph at start: the timed run's batch sizes are not all in the warm-up's, and a
+    # graph captured on first use (the engine's default) would be captured inside the timed run.
+    parallel["cuda_graph_capture"] = "all"
+
     if args.shape:
         import dataclasses
 

@@ -23,6 +23,30 @@ forward, which takes the previous stage's activations besides the batch (`stage_
 static buffer of its own, which the received activations are copied into before a replay) and,
 but on the last stage, returns activations for every token (`per_token`) rather than logits.
 
+Capture. A bucket's capture runs its forward once eagerly (the warm-up: Triton compiles and
+specializes the kernels for its shapes, seconds each on a cold cache) and records it; all
+graphs share one memory pool. Capturing every bucket at start (`lazy` False; the engine's
+`cuda_graph_capture="all"`) took most of a cold start (~17 s of ~31 s for Qwen3-0.6B on an
+H100), for buckets most runs never meet. So by default (`lazy`) `capture()` takes at start only
+the largest mixed bucket and the largest decode bucket (the widest), and every other bucket is
+captured the first time a step needs it (`run`). Why those two: a graph's memory comes from the
+pool, the private pool of the caching allocator, which never gives back what a capture took;
+captured first, the largest graphs' intermediates are freed into the pool for every later
+(smaller) capture to reuse, so a later capture adds little but its outputs (its logits rows):
+the pool takes its size, beside the KV pool sized before it (kv_budget.py), while the engine
+starts, not mid-serving, and holds at most about what capturing every bucket would. (Smaller
+graphs captured first would leave their freed blocks too small for a larger one's, which would
+then take new memory on top.)
+
+A capture mid-serving is stream-ordered, at the cost of one wait per bucket: torch.cuda.graph
+first waits for the device (the steps already queued, a pipeline's side stream included) and
+empties the allocator's cache for the pool. It captures in "thread_local" mode, so only this
+thread is barred from the calls a capture forbids, not another thread (the grammars' thread
+allocates pinned memory: nanoinfer/structured.py), as torch.compile's own captures mid-run do.
+Every tensor-parallel rank and pipeline stage captures on first use too: they run the same
+batches (micro-batches) in the same order, so each captures the same buckets at the same step,
+their collectives inside in step with each other's.
+
 Every graph reads its batch from its own region of one device buffer (the regions overlap:
 one graph replays at a time, in stream order), laid out field after field. A batch built on
 the host (`HostBatch`) is written, padded, straight into a pinned copy of that region and
@@ -31,6 +55,7 @@ moved in one copy; a batch already on the device is copied field by field.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Callable, NamedTuple, Sequence
 
@@ -50,14 +75,15 @@ DEFAULT_TOKEN_BUCKETS = ((8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224) + tuple
 
 
 class GraphSizes(NamedTuple):
-    """What StepGraphs captures (its constructor's size arguments): tensor-parallel ranks
-    capture the same graphs as rank 0 from these."""
+    """What StepGraphs captures, and when (its constructor's size arguments and `lazy`):
+    tensor-parallel ranks and pipeline stages capture the same graphs as rank 0 from these."""
 
     max_batch: int
     max_blocks: int
     widths: tuple[int, ...] = ()
     max_tokens: int = 0
     rows_per_seq: int = 1
+    lazy: bool = False
 
 
 _ALIGN = 64  # bytes: each field starts aligned (Triton specializes kernels on 16-byte pointer alignment)
@@ -102,6 +128,9 @@ class _Inputs(NamedTuple):
                        for f in self.fields))
 
 
+Key = tuple[int, int] | int  # a bucket: a decode graph's (batch size, block-table width), a mixed graph's tokens
+
+
 class Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
     outputs: tuple[torch.Tensor, ...]
@@ -137,6 +166,22 @@ def _fill(to: Batch, batch: Batch | HostBatch) -> None:
     to.logits_indices[r:] = 0
 
 
+@contextlib.contextmanager
+def _frozen_heap():
+    """The heap out of the collector's way while graphs are captured: a torch.cuda.graph() may
+    begin with gc.collect() (torch's force_cudagraph_gc), which walks every object, compiling's
+    included, but skips frozen ones (as vLLM does). Unless something froze it already: unfreezing
+    thaws every frozen object, and a server froze what its start made (runtime/serve/server.py)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class StepGraphs:
     """Graphs of a forward `step` for batches of up to `max_batch` sequences whose block tables
     are at most `max_blocks` wide: decode batches (one query row each), and, when
@@ -146,6 +191,9 @@ class StepGraphs:
     `max_blocks`): attention kernels size their launch from that width (the longest
     context it allows), so a step of short contexts replays a graph sized for them rather
     than one that splits every sequence's keys for the longest context the model allows.
+
+    `lazy`: `capture()` takes the largest buckets only, and `run` captures each other bucket
+    on its first use (see the module's docstring).
     """
 
     @staticmethod
@@ -157,15 +205,17 @@ class StepGraphs:
     def __init__(self, step: Callable[..., Sequence[torch.Tensor]], device: torch.device, max_batch: int,
                  max_blocks: int, buckets=DEFAULT_BUCKETS, widths: tuple[int, ...] = (), max_tokens: int = 0,
                  token_buckets=DEFAULT_TOKEN_BUCKETS, rows_per_seq: int = 1,
-                 stage_input: tuple[int, torch.dtype] | None = None, per_token: bool = False):
+                 stage_input: tuple[int, torch.dtype] | None = None, per_token: bool = False, lazy: bool = False):
         """`step(batch)`: the forward to capture (it writes the batch's KV); it returns a tuple
         of tensors whose rows are the batch's logits rows. `rows_per_seq` > 1 (speculative
         decoding verifies rows_per_seq - 1 drafts per sequence) also captures mixed graphs
         of fewer tokens than `max_batch`. A pipeline stage's: `stage_input` (width, dtype) of
         the activations it takes, `step(batch, hidden)` then reading them as [tokens, width];
-        `per_token`: its outputs' rows are the batch's tokens, not its logits rows."""
+        `per_token`: its outputs' rows are the batch's tokens, not its logits rows. `lazy`:
+        capture each bucket but the largest on its first use."""
         self.step = step
         self.per_token = per_token
+        self.lazy = lazy
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.widths = tuple(sorted({w for w in widths if 0 < w < max_blocks})) + (max_blocks,)
         # Mixed steps have more tokens than sequences: buckets past the decode sizes only, but
@@ -193,6 +243,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], Captured] = {}  # decode, by (size, width)
         self.mixed: dict[int, Captured] = {}  # by token bucket
         self.pool = None
+        self.started = False  # capture() ran: steps replay graphs from then on
 
     def _views(self, inputs: _Inputs) -> Batch:
         """A graph's inputs in the device buffer (a decode graph's constants added)."""
@@ -216,10 +267,13 @@ class StepGraphs:
         """The captured step over a graph's inputs (a stage's: its activations' rows too)."""
         return self.step(batch) if self.hidden is None else self.step(batch, self.hidden[:batch.num_tokens])
 
-    def _capture(self, inputs: _Inputs) -> Captured:
+    def _capture(self, key: Key) -> Captured:
+        """Capture `key`'s graph (at start, or on its first use) into the pool."""
+        decode = isinstance(key, tuple)
+        inputs = self.decode_inputs[key] if decode else self.mixed_inputs[key]
         # Capture-time batch: every token in the first sequence, no keys read or written.
         batch = self._views(inputs)
-        self.buffer.zero_()
+        self.buffer.zero_()  # (in stream order: after the replays queued before, which read it)
         batch.slot_mapping.fill_(-1)
         if not inputs.decode:
             batch.query_start_loc[1:].fill_(batch.num_tokens)
@@ -232,31 +286,48 @@ class StepGraphs:
             self._step(batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             outputs = tuple(self._step(batch))
         self.pool = graph.pool()
-        return Captured(graph, outputs, inputs, batch)
+        captured = Captured(graph, outputs, inputs, batch)
+        (self.graphs if decode else self.mixed)[key] = captured
+        return captured
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
-        # Each torch.cuda.graph() begins with gc.collect(), which walks every object on the
-        # heap, compiling's included: frozen objects are skipped (as vLLM does).
+        """Capture every bucket, or (`lazy`) the largest mixed and decode ones: largest first,
+        so that the smaller ones reuse their memory in the pool (see the module's docstring)."""
+        mixed = sorted(self.token_buckets, reverse=True)
+        decode = sorted(self.decode_inputs, reverse=True)  # (the first: max_batch at max_blocks)
+        if self.lazy:
+            mixed, decode = mixed[:1], decode[:1]
         gc.collect()
-        gc.freeze()
-        try:
-            for tokens in sorted(self.token_buckets, reverse=True):
-                self.mixed[tokens] = self._capture(self.mixed_inputs[tokens])
-            for key in sorted(self.decode_inputs, reverse=True):
-                self.graphs[key] = self._capture(self.decode_inputs[key])
+        with _frozen_heap():
+            for key in (*mixed, *decode):
+                self._capture(key)
             torch.cuda.synchronize()
-        finally:
-            gc.unfreeze()
+        self.started = True
+
+    @torch.inference_mode()
+    def _capture_on_first_use(self, key: Key) -> Captured:
+        """`key`'s graph, captured now, mid-run (`lazy`): between the steps queued before and
+        its replay, in stream order (see the module's docstring)."""
+        with _frozen_heap():  # (as capture(), without its collect: that would walk the heap mid-serving)
+            return self._capture(key)
+
+    def _key(self, batch: Batch | HostBatch) -> Key:
+        """The bucket that replays `batch` (one that `can_run`)."""
+        n, t = batch.num_seqs, batch.num_tokens
+        if t == n:
+            width = batch.block_tables.shape[1]
+            return next(b for b in self.buckets if b >= n), next(w for w in self.widths if w >= width)
+        return next(b for b in self.token_buckets if b >= t)
 
     def can_run(self, batch: Batch | HostBatch) -> bool:
-        """A step within the captured sizes: decode, or mixed when mixed graphs were captured."""
+        """A step within the captured sizes, once `capture()` ran: decode, or mixed where mixed
+        graphs are captured (a bucket not captured yet is captured by `run`)."""
         n, t = batch.num_seqs, batch.num_tokens
-        if not self.graphs or n > self.max_batch or batch.block_tables.shape[1] > self.max_blocks:
+        if not self.started or n > self.max_batch or batch.block_tables.shape[1] > self.max_blocks:
             return False
         if t == n:
             return batch.logits_indices.shape[0] == n
@@ -270,13 +341,13 @@ class StepGraphs:
         for a batch that `can_run`, by graph replay. A HostBatch moves in one copy; `input_ids`
         on the device, if given, replace the batch's own (tokens that never went to the host).
         `hidden`: a stage's input activations [tokens, width]. The outputs are the graph's own
-        memory: the next replay of any graph of this pool may overwrite them."""
-        n, t = batch.num_seqs, batch.num_tokens
-        if t == n:
-            width = batch.block_tables.shape[1]
-            captured = self.graphs[next(b for b in self.buckets if b >= n), next(w for w in self.widths if w >= width)]
-        else:
-            captured = self.mixed[next(b for b in self.token_buckets if b >= t)]
+        memory: the next replay of any graph of this pool may overwrite them. A bucket's first
+        use captures it (`lazy`)."""
+        t = batch.num_tokens
+        key = self._key(batch)
+        captured = (self.graphs if isinstance(key, tuple) else self.mixed).get(key)
+        if captured is None:
+            captured = self._capture_on_first_use(key)
         views = captured.views
         if isinstance(batch, HostBatch):
             staging = torch.empty(captured.inputs.nbytes, dtype=torch.uint8, pin_memory=True)  # (see host_copy.py)

@@ -19,6 +19,7 @@ POLICIES = ("fcfs", "priority")
 # sizing (runtime/executor/kv_budget.py) reserves room for this many rows.
 PROMPT_LOGPROB_ROWS = 512
 PREEMPTION_MODES = ("recompute", "swap")
+GRAPH_CAPTURES = ("lazy", "all")  # cuda_graph_capture's (nanoinfer/graphs.py: StepGraphs' `lazy`)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,10 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "keep computed prompt blocks and reuse them for requests that share "
                                                 "a prefix (a system prompt, a conversation's history)")
     enforce_eager: bool = setting(False, "no CUDA graphs; the dense layer parts and the sampler's draw in torch ops")
+    cuda_graph_capture: str = setting("lazy", "when CUDA graphs are captured: lazy (the largest batch sizes at "
+                                              "start, each other on the first step that needs it: a shorter start) "
+                                              "or all (every size at start: no capture mid-run, as benchmarks want)",
+                                      choices=GRAPH_CAPTURES)
     tensor_parallel_size: int = setting(1, "ranks the model's heads and units are split over, one process each "
                                            "(gloo on the CPU, NCCL over GPUs; steps run eagerly)", minimum=1)
     pipeline_parallel_size: int = setting(1, "stages the model's layers are split over, one process each (times "

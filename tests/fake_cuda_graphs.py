@@ -4,16 +4,21 @@
 A "graph" records the step StepGraphs ran inside its capture, over the graph's static inputs,
 and a replay runs that step again over the same tensors, copying its results into the outputs
 the capture returned: what a replay does, the static buffers' reuse and the padding included,
-but not the GPU's streams. `install` also makes the CPU kernels claim graphs (eager layers).
+but not the GPU's streams (but for one of their effects: a step's results copied to the host
+before the next step's replay overwrites them, which async scheduling relies on), nor the
+pinned staging copy of a batch built on the host (it replays as a batch on the device). `install`
+also makes the CPU kernels claim graphs (eager layers).
 
 Run as `python -m tests.fake_cuda_graphs RANK SIZE HOST:PORT`, as tensor_parallel.RANK_MODULE:
 a rank with the emulation installed; where NANOINFER_TEST_REPLAYS names a folder, the rank
-writes its count of replays there (a file named by its rank) once it stops.
+writes its count of replays there (a file named by its rank) once it stops, and where
+NANOINFER_TEST_CAPTURES does, the buckets it captured, in order (JSON).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,6 +28,7 @@ import torch
 from nanoinfer.graphs import StepGraphs
 
 REPLAYS = [0]  # this process's replays
+CAPTURES: list = []  # this process's captured buckets, in order (StepGraphs._capture's keys)
 _CAPTURING: list[FakeGraph] = []
 
 
@@ -46,12 +52,20 @@ class _FakeStream:
 
 
 @contextlib.contextmanager
-def _graph(graph: FakeGraph, pool=None, stream=None):
+def _graph(graph: FakeGraph, pool=None, stream=None, capture_error_mode="global"):
     _CAPTURING.append(graph)
     try:
         yield
     finally:
         _CAPTURING.pop()
+
+
+def _counting(real_capture):
+    def capture(self, key):
+        CAPTURES.append(key)
+        return real_capture(self, key)
+
+    return capture
 
 
 def _recording(real_step):
@@ -96,9 +110,33 @@ def _claiming_graphs(kernels_for, partition_blocks: int):
     return claiming
 
 
+def _unpinned(real_run):
+    """StepGraphs.run taking a batch built on the host (a draft model's passes) as one on the
+    device: its one staging copy needs pinned memory, which the CPU has not."""
+    from nanoinfer.batch import HostBatch
+
+    def run(self, batch, *args, **kwargs):
+        return real_run(self, batch.to(self.device) if isinstance(batch, HostBatch) else batch, *args, **kwargs)
+
+    return run
+
+
+def _copying(real_init):
+    """DeviceToHost's constructor, copying: on the CPU its "copies" are the tensors themselves,
+    which for a replay's results are the graph's outputs, and with async scheduling the next
+    step's replay would overwrite them before they are read; a GPU copies them to the host in
+    stream order, before that replay."""
+    from runtime.executor.step import map_tensors
+
+    def init(self, tree):
+        real_init(self, map_tensors(torch.clone, tree))
+
+    return init
+
+
 def install(setattr=setattr, partition_blocks: int = 2) -> None:
     """The emulation, through `setattr` (pytest's monkeypatch.setattr undoes it after a test)."""
-    from runtime.executor import device_model, tensor_parallel
+    from runtime.executor import device_model, step, tensor_parallel
 
     setattr(torch.cuda, "CUDAGraph", FakeGraph)
     setattr(torch.cuda, "graph", _graph)
@@ -107,6 +145,9 @@ def install(setattr=setattr, partition_blocks: int = 2) -> None:
     setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     setattr(StepGraphs, "_step", _recording(StepGraphs._step))
+    setattr(StepGraphs, "_capture", _counting(StepGraphs._capture))
+    setattr(StepGraphs, "run", _unpinned(StepGraphs.run))
+    setattr(step.DeviceToHost, "__init__", _copying(step.DeviceToHost.__init__))
     for module in (device_model, tensor_parallel):
         setattr(module, "kernels_for", _claiming_graphs(module.kernels_for, partition_blocks))
 
@@ -118,6 +159,8 @@ def main() -> None:
     tp_rank.main(sys.argv[1:])
     if os.environ.get("NANOINFER_TEST_REPLAYS"):
         (Path(os.environ["NANOINFER_TEST_REPLAYS"]) / sys.argv[1]).write_text(str(REPLAYS[0]))
+    if os.environ.get("NANOINFER_TEST_CAPTURES"):
+        (Path(os.environ["NANOINFER_TEST_CAPTURES"]) / sys.argv[1]).write_text(json.dumps(CAPTURES))
 
 
 if __name__ == "__main__":

@@ -359,6 +359,45 @@ def test_async_scheduling_on_cuda_gives_the_same_tokens(hf_and_ours):
     assert outs[0] == outs[1]
 
 
+def test_graphs_captured_on_first_use_mid_run_give_the_tokens_of_capturing_all(hf_and_ours):
+    """Lazy capture (the default) with async scheduling: buckets first met while earlier steps
+    are queued (requests arriving mid-run, sequences finishing one by one, contexts growing past
+    the narrow width) are captured between them; every token equals capturing every bucket at
+    start, bit for bit, and only the start's buckets and those used are captured."""
+    _, model = hf_and_ours
+    outs, captured = [], []
+    for mode in ("all", "lazy"):
+        engine = EngineCore(model, engine_config(block_size=16, num_blocks=512, max_model_len=1024, max_num_seqs=16,
+                                                 max_num_batched_tokens=512, cuda_graph_capture=mode))
+        assert engine.async_scheduling
+        graphs = engine.executor.graphs
+        assert (len(graphs.graphs), len(graphs.mixed)) == ((1, 1) if mode == "lazy" else
+                                                           (len(graphs.decode_inputs), len(graphs.token_buckets)))
+        seqs, steps = [], 0
+
+        def add():  # (prompts of 30 to 534 tokens, 4 to 184 tokens out)
+            i = len(seqs)
+            seqs.append(engine.add_request(list(range(100 + i, 130 + 37 * i)),
+                                           SamplingParams(temperature=0.8 if i % 3 == 1 else 0, seed=i,
+                                                          max_tokens=4 + 60 * (i % 4), ignore_eos=True)))
+
+        for _ in range(6):
+            add()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps in (5, 40, 90):
+                for _ in range(3):
+                    add()
+        engine.close()
+        outs.append([s.output_token_ids for s in seqs])
+        captured.append((set(graphs.graphs), set(graphs.mixed)))
+        assert engine.scheduler.blocks.num_free_blocks == 512
+    assert outs[1] == outs[0]
+    (all_decode, all_mixed), (decode, mixed) = captured
+    assert decode < all_decode and mixed < all_mixed and len(decode) + len(mixed) > 2
+
+
 def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
     """Issue 10 on the GPU path (async scheduling, CUDA graphs): an out-of-memory forward is
     retried, a request whose logits turn NaN fails alone, the others run to their length."""

@@ -63,7 +63,10 @@ def test_stages_replaying_graphs_emit_what_one_rank_does(model, monkeypatch, tmp
     """Each stage's CUDA graphs (one per padded micro-batch size: the first stage's of tokens,
     a middle one's and the last one's of the activations they receive), emulated on the CPU
     (tests/fake_cuda_graphs.py), with the sends and receives between replays: one rank's
-    tokens, through forks, and every rank replays."""
+    tokens, through forks, and every rank replays; each captures on first use (nanoinfer/graphs.py)
+    the buckets of the same micro-batches, in the same order."""
+    import json
+
     from runtime.executor import tensor_parallel
     from tests import fake_cuda_graphs
 
@@ -73,11 +76,19 @@ def test_stages_replaying_graphs_emit_what_one_rank_does(model, monkeypatch, tmp
     fake_cuda_graphs.install(monkeypatch.setattr)
     monkeypatch.setattr(fake_cuda_graphs, "REPLAYS", [0])
     monkeypatch.setattr(tensor_parallel, "RANK_MODULE", "tests.fake_cuda_graphs")
-    monkeypatch.setenv("NANOINFER_TEST_REPLAYS", str(tmp_path))
+    monkeypatch.setattr(fake_cuda_graphs, "CAPTURES", [])
+    monkeypatch.setenv("NANOINFER_TEST_REPLAYS", str(tmp_path / "replays"))
+    monkeypatch.setenv("NANOINFER_TEST_CAPTURES", str(tmp_path / "captures"))
+    (tmp_path / "replays").mkdir()
+    (tmp_path / "captures").mkdir()
     staged, _ = engine_outputs(model, PROMPTS, params, pipeline_parallel_size=3, **small)
     assert staged == one
-    replays = {p.name: int(p.read_text()) for p in tmp_path.iterdir()}
+    replays = {p.name: int(p.read_text()) for p in (tmp_path / "replays").iterdir()}
     assert replays.keys() == {"1", "2"} and min(replays.values()) > 0 and fake_cuda_graphs.REPLAYS[0] > 0
+    captures = [json.loads(json.dumps(fake_cuda_graphs.CAPTURES))]
+    captures += [json.loads((tmp_path / "captures" / rank).read_text()) for rank in ("1", "2")]
+    # (at start the largest mixed and decode buckets, then those the steps used)
+    assert captures[0][:2] == [32, [8, 128]] and len(captures[0]) > 2 and captures[1] == captures[2] == captures[0]
 
 
 def test_a_stages_graphs_replay_its_forward_and_write_only_the_batch_slots(model, monkeypatch):

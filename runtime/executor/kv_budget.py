@@ -45,7 +45,9 @@ def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend) -> int:
     peak = torch.cuda.max_memory_allocated(dev)
     torch.cuda.empty_cache()
     _, total = torch.cuda.mem_get_info(dev)
-    # Headroom for CUDA graphs and allocator fragmentation.
+    # Headroom for CUDA graphs and allocator fragmentation. (The graphs' pool is taken after the KV
+    # pool, its largest graphs at start, which settle its size even where the others are captured
+    # on first use: nanoinfer/graphs.py.)
     return int(total * config.gpu_memory_utilization) - peak - (512 << 20)
 
 

@@ -92,7 +92,8 @@ class ModelRunner(DeviceModel):
             # Steps whose contexts fit one split-K partition get graphs whose attention runs
             # in one pass (no reduce kernel).
             widths=(self.attention.partition_size // c.block_size,),
-            rows_per_seq=1 + (0 if spec is None else spec.num_speculative_tokens))
+            rows_per_seq=1 + (0 if spec is None else spec.num_speculative_tokens),
+            lazy=c.cuda_graph_capture == "lazy")
 
     def _kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
         """Bytes of one KV block, which the pool's size is counted in (the tensor-parallel

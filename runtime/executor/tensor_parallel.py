@@ -651,7 +651,8 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
         return pools, stage_step(compute, grid.tp, grid.pp, rank, groups, setup.micro_batches, local, part.dtype,
                                  device), None
     graphs = None
-    if setup.graphs is not None:  # (rank 0 captures the same buckets in the same order: their collectives meet)
+    # (rank 0 captures the same buckets in the same order, at start and on first use: their collectives meet)
+    if setup.graphs is not None:
         graphs = StepGraphs(step, device, **setup.graphs._asdict())
         graphs.capture()
     return pools, lambda batch, cut: step(batch), graphs
