@@ -213,5 +213,7 @@ def test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["compiler"] == []
-    for ours, eager in result["errors"]:  # (to an fp32 oracle: about as close as eager is)
-        assert ours <= 1.5 * eager + (1e-5 if dtype == "float32" else 1e-2), result["errors"]
+    # To an fp32 oracle: about as close as eager is. In fp32 eager is the oracle's own ops (error 0)
+    # while the kernels sum rows in another order: 1.05e-5 seen on an H100, so 5e-5 (bf16/fp16: 1e-2).
+    for ours, eager in result["errors"]:
+        assert ours <= 1.5 * eager + (5e-5 if dtype == "float32" else 1e-2), result["errors"]
