@@ -385,13 +385,21 @@ def test_the_default_path_runs_no_pipeline_code():
     assert done.stdout.splitlines()[-1] == "[]"
 
 
-def _order_rank(rank: int, init_file: str, results) -> None:
-    """Rank 0 sends two forwards, one with its Cut; rank 1 receives them as a stage rank does."""
+def _order_rank(rank: int, init_file: str, results, ring) -> None:
+    """Rank 0 sends two forwards, one with its Cut; rank 1 receives them as a stage rank does
+    (over the control channel in `ring`, a shared tensor; None: over the control group)."""
     import torch
     import torch.distributed as dist
 
     from nanoinfer.batch import SeqChunk, build_batch
-    from runtime.executor.tensor_parallel import Cut, TensorParallelRanks, _receive
+    from runtime.executor.control_channel import ChannelReader, ChannelWriter
+    from runtime.executor.tensor_parallel import (
+        SLOT_SIZE,
+        SLOTS,
+        Cut,
+        TensorParallelRanks,
+        _receive,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -401,25 +409,39 @@ def _order_rank(rank: int, init_file: str, results) -> None:
             ranks = TensorParallelRanks.__new__(TensorParallelRanks)  # (only what forward() needs)
             ranks.control, ranks.check_ranks = control, lambda: None
             ranks.watching = lambda: __import__("contextlib").nullcontext()
+            ranks.channel = None if ring is None else ChannelWriter(ring.numpy(), SLOTS, SLOT_SIZE, 1)
             ranks.forward(batch, Cut([0, 3, 4], [2, 3]))
             ranks.forward(batch)
         else:
-            got = [_receive(torch.device("cpu"), control) for _ in range(2)]
+            channel = None if ring is None else ChannelReader(ring.numpy(), 0)
+            got = [_receive(torch.device("cpu"), control, channel) for _ in range(2)]
             results.put([(kind, [t.tolist() for t in b], c) for kind, (b, c) in got]
                         + [[t.tolist() for t in batch]])
     finally:
         dist.destroy_process_group()
 
 
-def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path):
+@pytest.mark.parametrize("channel", [True, False], ids=["control-channel", "control-group"])
+def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path, channel):
     """Stage ranks cut the step into micro-batches from rank 0's host layout (the Cut sent with the
     forward), never from their GPU copies of the batch, whose reading waited for the step before:
-    the batch arrives whole, with the Cut where rank 0 sent one and None where it did not."""
+    the batch arrives whole, with the Cut where rank 0 sent one and None where it did not. Over
+    the control channel (the ranks the engine starts) and the control group (torchrun's) alike."""
     import multiprocessing
 
+    import torch
+
+    from runtime.executor.control_channel import ChannelWriter, channel_bytes
+    from runtime.executor.tensor_parallel import SLOT_SIZE, SLOTS
+
+    ring = None
+    if channel:  # (its layout written before either rank starts)
+        ring = torch.zeros(channel_bytes(SLOTS, SLOT_SIZE, 1), dtype=torch.uint8).share_memory_()
+        ChannelWriter(ring.numpy(), SLOTS, SLOT_SIZE, 1)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    ranks = [ctx.Process(target=_order_rank, args=(r, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    ranks = [ctx.Process(target=_order_rank, args=(r, str(tmp_path / "rendezvous"), results, ring))
+             for r in range(2)]
     for p in ranks:
         p.start()
     (kind, batch, cut), (kind2, batch2, cut2), sent = results.get(timeout=60)
