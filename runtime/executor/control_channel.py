@@ -35,6 +35,9 @@ import numpy as np
 MAGIC = 0x4E49_4348_414E  # "NICHAN"
 LINE = 64  # bytes: a cache line
 WAIT_MIN, WAIT_MAX = 50e-6, 1e-3  # seconds a waiting side sleeps, first and at most (after its spin)
+# Each sleep this much longer than the one before: the last sleep, by which a wait can overrun
+# the message, stays within a quarter of the wait so far; the longest comes after ~4 ms idle.
+GROWTH = 1.25
 FULL_CHECK = 0.05  # seconds between the writer's checks for a dead reader while the ring is full
 
 
@@ -133,7 +136,7 @@ class ChannelWriter:
             if now > deadline:
                 return False
             time.sleep(pause)
-            pause = min(2 * pause, WAIT_MAX)
+            pause = min(GROWTH * pause, WAIT_MAX)
         return True
 
 
@@ -180,5 +183,5 @@ class ChannelReader:
         while written[0] <= self.count:
             if time.perf_counter() - begun > self.spin:
                 time.sleep(pause)
-                pause = min(2 * pause, WAIT_MAX)
+                pause = min(GROWTH * pause, WAIT_MAX)
         _fence()
