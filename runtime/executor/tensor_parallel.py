@@ -28,11 +28,11 @@ Ranks take the weights from rank 0 (shared memory on the CPU, CUDA IPC on GPUs) 
 Across hosts, torchrun starts every rank instead (each loads the model itself: `serve_rank`),
 and they meet at its rendezvous (env://).
 The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA. The orders (all but
-the batch's tensors) go to the ranks this engine started over a ring in shared memory
-(control_channel.py: a few microseconds an order, where a gloo broadcast took a quarter of a
-millisecond of rank 0's step), to torchrun's, maybe on other hosts, over a gloo group (the
-control group, which the channel's ranks keep for the `ready` barrier). A rank waits for orders
-without a timeout: an engine may idle.
+the batch's tensors) go over a ring in shared memory (control_channel.py: a few microseconds an
+order, where a gloo broadcast took a quarter of a millisecond of rank 0's step) to the ranks
+this engine started, and to torchrun's where all are on this host (LOCAL_WORLD_SIZE is
+WORLD_SIZE: `_named_channel`); across hosts over a gloo group (the control group, which every
+rank keeps for the `ready` barrier). A rank waits for orders without a timeout: an engine may idle.
 The default process group is the process's: one tensor-parallel engine per process at a time.
 With pipeline parallelism the ranks form a grid (`Grid`: stages of tensor-parallel ranks;
 runtime/executor/pipeline_parallel.py runs the stages): the same processes, orders and faults.
@@ -49,6 +49,7 @@ import datetime
 import functools
 import gc
 import logging
+import mmap
 import os
 import pickle
 import threading
@@ -201,6 +202,7 @@ class TensorParallelRanks:
             dist.init_process_group(self.backend, init_method="env://", rank=0, world_size=size, timeout=TIMEOUT)
             self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
             self.stage_groups = _stage_groups(grid, 0, TIMEOUT)
+            self.channel = _named_channel(self.control, 0, size)
         else:
             self.control = self._start(cfg, params, size)
         self.closed = False
@@ -611,6 +613,43 @@ def _receive(device: torch.device, control, channel: ChannelReader | None = None
     return "forward", (_unpack_batch(layout, flat), cut)
 
 
+def _named_channel(control, rank: int, size: int, spin: float = 0.0) -> ChannelWriter | ChannelReader | None:
+    """torchrun's side of the control channel (every rank calls it, at the same point): where every
+    rank is on this host (LOCAL_WORLD_SIZE is WORLD_SIZE), rank 0 makes the ring as a file in
+    /dev/shm, names it to the others over the control group, and removes the name once they have
+    all mapped it (from then on nothing can be left behind, however the processes end); else
+    None, and the orders go over the control group."""
+    nbytes = channel_bytes(SLOTS, SLOT_SIZE, max(1, size - 1))
+    if rank != 0:
+        named = [None]
+        dist.broadcast_object_list(named, src=0, group=control)
+        if named[0] is None:
+            return None
+        fd = os.open(named[0], os.O_RDWR)
+        try:
+            channel = ChannelReader(mmap.mmap(fd, nbytes), rank - 1, spin=spin)
+        finally:
+            os.close(fd)
+        dist.barrier(group=control)
+        return channel
+    if size == 1 or os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE") \
+            or not os.path.isdir("/dev/shm"):
+        dist.broadcast_object_list([None], src=0, group=control)
+        return None
+    path = f"/dev/shm/nanoinfer-control-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        channel = ChannelWriter(mmap.mmap(fd, nbytes), SLOTS, SLOT_SIZE, size - 1, timeout=TIMEOUT.total_seconds(),
+                                names=lambda i: f"tensor-parallel rank {i + 1}")  # (the layout the readers check)
+        dist.broadcast_object_list([path], src=0, group=control)
+        dist.barrier(group=control)  # (every rank has mapped it)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return channel
+
+
 def _join(rendezvous: Rendezvous, backend: str, rank: int, size: int):
     """A rank other than 0 joins the process group (having checked in at rank 0's store, when
     rank 0 started it); the control group returned, over which it waits for orders."""
@@ -647,6 +686,8 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
     try:
         control = _join(rendezvous, backend, rank, size)
         groups = _stage_groups(grid, rank, TIMEOUT)
+        if rendezvous.host is None:  # (torchrun's rank: rank 0 names a channel if every rank is on its host)
+            channel = _named_channel(control, rank, size, SPIN.get(device.type, SPIN["cpu"]))
         kind, setup = _receive(device, control, channel)
         if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
             stopped = True
