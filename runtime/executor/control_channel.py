@@ -9,8 +9,9 @@ Nothing is a system call on the writer's side, which never waits unless the ring
 
 The buffer (`channel_bytes` of them, zeroed) is the caller's: any writable memory shared by the
 processes (tensor_parallel.py passes a torch tensor in shared memory to the ranks it starts,
-with the weights: no name is left in /dev/shm, whoever dies). Its layout, in 64-byte lines, so
-that no two counters share a cache line:
+with the weights: no name is left in /dev/shm, whoever dies; torchrun's ranks map a file in
+/dev/shm, removed once they have). Its layout, in 64-byte lines, so that no two counters share
+a cache line:
 
 - line 0: MAGIC, slots, slot size, readers (the writer's; a reader checks them);
 - line 1: `written`, the number of slots published; line 2 + i: reader i's count of slots read;
@@ -42,7 +43,7 @@ FULL_CHECK = 0.05  # seconds between the writer's checks for a dead reader while
 
 
 def channel_bytes(slots: int, slot_size: int, readers: int) -> int:
-    """The buffer's size for `slots` slots of `slot_size` payload bytes (a multiple of 64) and `readers` readers."""
+    """The buffer's size for `slots` slots of `slot_size` payload bytes (a multiple of 8) and `readers` readers."""
     return LINE * (2 + readers) + slots * (8 + slot_size)
 
 
