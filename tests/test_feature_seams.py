@@ -79,7 +79,8 @@ print(json.dumps({"text": out[0].outputs[0].text,
 # request (or the failure) that needs it.
 UNUSED_IN_RUNTIME = ("runtime.engine.speculative", "runtime.engine.structured", "runtime.engine.faults",
                      "runtime.executor.draft_runner", "runtime.executor.verify", "runtime.executor.grammar_masks",
-                     "runtime.executor.tensor_parallel", "runtime.serve", "runtime.async_engine", "runtime.worker",
+                     "runtime.executor.tensor_parallel", "runtime.executor.control_channel", "runtime.serve",
+                     "runtime.async_engine", "runtime.worker",
                      "runtime.data_parallel", "runtime.replica_router", "runtime.dp_client", "runtime.dp_messages",
                      "runtime.dp_replica")
 

@@ -396,41 +396,69 @@ def test_the_default_path_runs_no_pipeline_code():
     assert done.stdout.splitlines()[-1] == "[]"
 
 
-def _order_rank(rank: int, init_file: str, results) -> None:
-    """Rank 0 sends two forwards, one with its Cut; rank 1 receives them as a stage rank does."""
+def _order_rank(rank: int, init_file: str, results, transport: str, ring) -> None:
+    """Rank 0 sends two forwards, one with its Cut; rank 1 receives them as a stage rank does, over
+    `transport`: "channel" (in `ring`, a shared tensor: the ranks the engine starts), "named"
+    (torchrun's ranks on one host: a ring rank 0 names) or "group" (the control group)."""
     import torch
     import torch.distributed as dist
 
     from nanoinfer.batch import SeqChunk, build_batch
-    from runtime.executor.tensor_parallel import Cut, TensorParallelRanks, _receive
+    from runtime.executor.control_channel import ChannelReader, ChannelWriter
+    from runtime.executor.tensor_parallel import (
+        SLOT_SIZE,
+        SLOTS,
+        Cut,
+        TensorParallelRanks,
+        _named_channel,
+        _receive,
+    )
 
+    os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2" if transport == "named" else "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         control = dist.new_group(backend="gloo")
+        channel = _named_channel(control, rank, 2)
+        assert (channel is not None) == (transport == "named")
+        if transport == "channel":
+            channel = ChannelWriter(ring.numpy(), SLOTS, SLOT_SIZE, 1) if rank == 0 else ChannelReader(ring.numpy(), 0)
         batch = build_batch([SeqChunk([5, 6, 7], 0, [0], True), SeqChunk([8], 4, [1, 2], True)], 4)
         if rank == 0:
             ranks = TensorParallelRanks.__new__(TensorParallelRanks)  # (only what forward() needs)
-            ranks.control, ranks.check_ranks = control, lambda: None
+            ranks.control, ranks.check_ranks, ranks.channel = control, lambda: None, channel
             ranks.watching = lambda: __import__("contextlib").nullcontext()
             ranks.forward(batch, Cut([0, 3, 4], [2, 3]))
             ranks.forward(batch)
         else:
-            got = [_receive(torch.device("cpu"), control) for _ in range(2)]
+            got = [_receive(torch.device("cpu"), control, channel) for _ in range(2)]
             results.put([(kind, [t.tolist() for t in b], c) for kind, (b, c) in got]
                         + [[t.tolist() for t in batch]])
     finally:
         dist.destroy_process_group()
 
 
-def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path):
+@pytest.mark.parametrize("transport", ["channel", "named", "group"])
+def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path, transport):
     """Stage ranks cut the step into micro-batches from rank 0's host layout (the Cut sent with the
     forward), never from their GPU copies of the batch, whose reading waited for the step before:
-    the batch arrives whole, with the Cut where rank 0 sent one and None where it did not."""
+    the batch arrives whole, with the Cut where rank 0 sent one and None where it did not. Over
+    the control channel (the ranks the engine starts; torchrun's on one host, whose ring leaves
+    nothing in /dev/shm) and the control group (torchrun's over hosts) alike."""
     import multiprocessing
 
+    import torch
+
+    from runtime.executor.control_channel import ChannelWriter, channel_bytes
+    from runtime.executor.tensor_parallel import SLOT_SIZE, SLOTS
+
+    ring = None
+    if transport == "channel":  # (its layout written before either rank starts)
+        ring = torch.zeros(channel_bytes(SLOTS, SLOT_SIZE, 1), dtype=torch.uint8).share_memory_()
+        ChannelWriter(ring.numpy(), SLOTS, SLOT_SIZE, 1)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    ranks = [ctx.Process(target=_order_rank, args=(r, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    ranks = [ctx.Process(target=_order_rank, args=(r, str(tmp_path / "rendezvous"), results, transport, ring))
+             for r in range(2)]
     for p in ranks:
         p.start()
     (kind, batch, cut), (kind2, batch2, cut2), sent = results.get(timeout=60)
@@ -439,6 +467,7 @@ def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path):
         assert p.exitcode == 0
     assert kind == kind2 == "forward" and batch == batch2 == sent
     assert cut == ([0, 3, 4], [2, 3]) and cut2 is None
+    assert not any(name.startswith(f"nanoinfer-control-{ranks[0].pid}-") for name in os.listdir("/dev/shm"))
 
 
 def test_the_profiling_step_samples_on_the_first_stage(monkeypatch):

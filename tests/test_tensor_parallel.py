@@ -7,6 +7,7 @@ model as one rank is; and for the default model, exact and packed."""
 
 import dataclasses
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,8 @@ def engine_outputs(model, prompts, params, draft_model=None, **config):
             for out in core.step():
                 outs.setdefault(out.seq.seq_id, []).append(out.token_id)
         stats = core.stats()
+        if hasattr(core.executor, "tp") and core.executor.tp.size > 1:  # (the orders went over the control channel)
+            assert core.executor.tp.channel.count > 0
     finally:
         core.close()
     procs = core.executor.tp.procs if hasattr(core.executor, "tp") else []
@@ -431,7 +434,9 @@ def running(pid: int) -> bool:
 
 def test_torchrun_starts_the_ranks(smollm2_gguf):
     """`torchrun --nproc-per-node 2 -m runtime.cli generate ... --tensor-parallel-size 2`: every
-    rank runs the command line, rank 0 the engine; the text is one process's."""
+    rank runs the command line, rank 0 the engine; the text is one process's. (Both ranks on
+    this host: the orders go over a control channel whose ring rank 0 names in /dev/shm, and
+    removes once mapped.)"""
     import subprocess
     import sys
 
@@ -445,6 +450,7 @@ def test_torchrun_starts_the_ranks(smollm2_gguf):
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and one.stdout.strip()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("nanoinfer-control-")]
 
 
 def test_a_failed_start_stops_the_ranks_cleanly(monkeypatch):

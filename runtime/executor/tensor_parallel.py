@@ -7,8 +7,8 @@ The engine stays one process (rank 0: scheduler, sampler, its own shard of the m
 (nanoinfer/tensor_parallel.py) and a KV pool of its own heads, indexed by rank 0's block
 tables. Rank 0 tells the others what to do, in the order it does it:
 
-- `forward`: before each of its forwards, the step's Batch (a header with the shapes over
-  the control group, then the tensors in one broadcast). Every rank runs the same forward, so
+- `forward`: before each of its forwards, the step's Batch (a header with the shapes, then
+  the tensors in one broadcast). Every rank runs the same forward, so
   their collectives (an all-reduce after each row-parallel projection, the vocab-parallel
   embedding, the gathered logits) meet; only rank 0 samples.
 - `copy`, `swap_out`, `swap_in`: the block copies of copy-on-write and preemption.
@@ -27,8 +27,12 @@ aborted, since destroying them waits on peers).
 Ranks take the weights from rank 0 (shared memory on the CPU, CUDA IPC on GPUs) and shard them themselves.
 Across hosts, torchrun starts every rank instead (each loads the model itself: `serve_rank`),
 and they meet at its rendezvous (env://).
-The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA, with a gloo group for
-the control messages (on which a rank waits for orders without a timeout: an engine may idle).
+The collectives are torch.distributed's: gloo on the CPU, NCCL on CUDA. The orders (all but
+the batch's tensors) go over a ring in shared memory (control_channel.py: a few microseconds an
+order, where a gloo broadcast took a quarter of a millisecond of rank 0's step) to the ranks
+this engine started, and to torchrun's where all are on this host (LOCAL_WORLD_SIZE is
+WORLD_SIZE: `_named_channel`); across hosts over a gloo group (the control group, which every
+rank keeps for the `ready` barrier). A rank waits for orders without a timeout: an engine may idle.
 The default process group is the process's: one tensor-parallel engine per process at a time.
 With pipeline parallelism the ranks form a grid (`Grid`: stages of tensor-parallel ranks;
 runtime/executor/pipeline_parallel.py runs the stages): the same processes, orders and faults.
@@ -45,10 +49,13 @@ import datetime
 import functools
 import gc
 import logging
+import mmap
 import os
+import pickle
 import threading
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -69,6 +76,7 @@ from nanoinfer.tensor_parallel import (
     shard_config,
     shard_params,
 )
+from runtime.executor.control_channel import ChannelReader, ChannelWriter, channel_bytes
 from runtime.executor.kv_pools import KVPools
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.tp_processes import RankLost, RankProcesses
@@ -83,6 +91,13 @@ RENDEZVOUS = datetime.timedelta(seconds=6)
 # ends the wait sooner: its sockets close, and the ranks watch their parent).
 IDLE = datetime.timedelta(days=365)
 LEAVE_WAIT = 3.0  # seconds rank 0 gives leaving the process groups at close
+# The control channel's ring (control_channel.py): a step's order (its header and Cut) fits a
+# slot up to a few hundred sequences; a longer order takes several slots.
+SLOTS, SLOT_SIZE = 32, 4096
+# Seconds a rank polls for rank 0's next order before it sleeps between polls: on a GPU rank the
+# whole wait of a step (its host core is idle meanwhile, and a sleep's wake-up would add up to a
+# millisecond to every step); on CPU ranks a moment, since they share the cores with the model.
+SPIN = {"cuda": 0.05, "cpu": 100e-6}
 RANK_MODULE = "runtime.executor.tp_rank"  # what a rank this engine starts runs (`python -m`)
 
 
@@ -167,6 +182,8 @@ class TensorParallelRanks:
     """Rank 0's side: starts the other ranks, joins them in a process group, and sends them
     each step's work."""
 
+    channel: ChannelWriter | None = None  # the orders' way to the ranks this engine started (None: the control group)
+
     def __init__(self, cfg: ModelConfig, params: Params, grid: Grid | int):
         grid = grid if isinstance(grid, Grid) else Grid(grid)
         _check_grid(cfg, grid)
@@ -185,6 +202,7 @@ class TensorParallelRanks:
             dist.init_process_group(self.backend, init_method="env://", rank=0, world_size=size, timeout=TIMEOUT)
             self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
             self.stage_groups = _stage_groups(grid, 0, TIMEOUT)
+            self.channel = _named_channel(self.control, 0, size)
         else:
             self.control = self._start(cfg, params, size)
         self.closed = False
@@ -195,8 +213,17 @@ class TensorParallelRanks:
         start within moments (RankLost), not at the rendezvous's timeout."""
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         device = params.device
+        # The orders' ring goes with the weights: a tensor in shared memory, which reaches each rank
+        # as a file descriptor and has no name (none is left in /dev/shm, however the processes end).
+        ring = None
+        if size > 1:  # (a world of one, as a test's on one GPU, has nobody to order)
+            ring = torch.zeros(channel_bytes(SLOTS, SLOT_SIZE, size - 1), dtype=torch.uint8).share_memory_()
+            self.channel = ChannelWriter(ring.numpy(), SLOTS, SLOT_SIZE, size - 1, check=self.check_ranks,
+                                         timeout=TIMEOUT.total_seconds(),
+                                         names=lambda i: f"tensor-parallel rank {i + 1}")
         self.launch = RankProcesses(size, ("127.0.0.1", store.port),
-                                    lambda rank: (cfg, params, _rank_device(device, rank), self.grid), RANK_MODULE)
+                                    lambda rank: (cfg, params, _rank_device(device, rank), self.grid, ring),
+                                    RANK_MODULE)
         try:
             # The ranks check in once their shard is ready, just before the rendezvous: waiting for
             # that, rank 0 sees a rank that dies; the rendezvous itself then takes a moment, and a
@@ -256,10 +283,15 @@ class TensorParallelRanks:
         take it only once their GPU is done with the step before)."""
         self.check_ranks()
         with self.watching():
-            dist.broadcast(_forward_header(batch, cut is not None), src=0, group=self.control)
-            if cut is not None:
-                dist.broadcast(torch.tensor([*cut.query_start_loc, *cut.logits_indices], dtype=torch.int64), src=0,
-                               group=self.control)
+            header = _forward_header(batch, cut is not None)
+            if self.channel is not None:  # (the header and the cut as one message)
+                self.channel.write(np.array(header if cut is None else
+                                            [*header, *cut.query_start_loc, *cut.logits_indices], np.int64))
+            else:
+                dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.control)
+                if cut is not None:
+                    dist.broadcast(torch.tensor([*cut.query_start_loc, *cut.logits_indices], dtype=torch.int64),
+                                   src=0, group=self.control)
             flat = torch.cat([t.reshape(-1).to(torch.int64) for t in batch])
             return flat, dist.broadcast(flat, src=0, async_op=cut is not None)
 
@@ -294,7 +326,8 @@ class TensorParallelRanks:
             try:
                 if self.launch.first_lost() is None:
                     self._send(("stop", None))
-                    delivered.set()
+                    if self.channel is None or self.channel.drained(LEAVE_WAIT):  # (written is not yet taken)
+                        delivered.set()
             except Exception:  # noqa: BLE001 - a rank gone: the others are stopped all the same (killed if need be)
                 log.warning("stopping the tensor-parallel ranks: a rank was gone")
 
@@ -311,6 +344,7 @@ class TensorParallelRanks:
             sending.join(LEAVE_WAIT)
             # Last, with no peer left to wait for (NCCL's communicators are aborted, not destroyed).
             _bounded(lambda: _leave_groups(self.backend), LEAVE_WAIT)
+        self.channel = None  # (its memory goes with the last process that maps it)
         for error in lost:
             log.error("%s", error)
 
@@ -343,9 +377,12 @@ class TensorParallelRanks:
     def _send(self, message) -> None:
         """An order other than a forward: (kind, body), pickled."""
         self.check_ranks()
-        header = torch.zeros(HEADER, dtype=torch.int64)
-        header[0] = OBJECT
         with self.watching():
+            if self.channel is not None:
+                self.channel.write(_OBJECT + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+                return
+            header = torch.zeros(HEADER, dtype=torch.int64)
+            header[0] = OBJECT
             dist.broadcast(header, src=0, group=self.control)
             dist.broadcast_object_list([message], src=0, group=self.control)
 
@@ -481,14 +518,16 @@ class TensorParallelRunner(ModelRunner):
         gc.collect()
         self.tp.close()
 
-# Every order starts with a fixed header of int64s over the control group: its kind and, for a
-# forward (every step), each batch tensor's rows, columns (-1: 1-D) and dtype, so that the
-# step's path pickles nothing; the batch's tensors then follow as one int64 broadcast (on
-# CUDA over NCCL). A forward with its cut (FORWARD_CUT) first sends the batch's Cut over the
-# control group. Any other order follows its header as a pickled (kind, body).
+# Every order starts with a fixed header of int64s: its kind and, for a forward (every step),
+# each batch tensor's rows, columns (-1: 1-D) and dtype, so that the step's path pickles
+# nothing; the batch's tensors then follow as one int64 broadcast (on CUDA over NCCL). A forward
+# with its cut (FORWARD_CUT) sends the batch's Cut too. Any other order follows its kind as a
+# pickled (kind, body). Over the control channel an order is one message (the header, then the
+# cut's int64s or the pickle); over the control group (torchrun's ranks) a broadcast each.
 FORWARD, OBJECT, FORWARD_CUT = 0, 1, 2
 _DTYPES = (torch.int32, torch.int64)
 HEADER = 1 + 3 * len(Batch._fields)
+_OBJECT = np.int64(OBJECT).tobytes()
 
 
 class Cut(NamedTuple):
@@ -501,17 +540,17 @@ class Cut(NamedTuple):
     logits_indices: list[int]
 
 
-def _forward_header(batch: Batch, cut: bool = False) -> torch.Tensor:
+def _forward_header(batch: Batch, cut: bool = False) -> list[int]:
     fields = [FORWARD_CUT if cut else FORWARD]
     for t in batch:
         fields += (t.shape[0], t.shape[1] if t.dim() == 2 else -1, _DTYPES.index(t.dtype))
-    return torch.tensor(fields, dtype=torch.int64)
+    return fields
 
 
-def _layout(header: torch.Tensor) -> list[tuple[int, int, int, int]]:
+def _layout(header: list[int]) -> list[tuple[int, int, int, int]]:
     """Per batch tensor of a forward's header: rows, columns (-1: 1-D), dtype index, elements."""
     return [(rows, cols, dtype, rows if cols < 0 else rows * cols)
-            for rows, cols, dtype in header[1:].view(-1, 3).tolist()]
+            for rows, cols, dtype in zip(header[1:HEADER:3], header[2:HEADER:3], header[3:HEADER:3])]
 
 
 def _unpack_batch(layout: list[tuple[int, int, int, int]], flat: torch.Tensor) -> Batch:
@@ -544,24 +583,71 @@ def serve_rank(cfg: ModelConfig, params: Params, grid: Grid | None = None) -> No
     rank_main(rank, size, Rendezvous(), cfg, params, params.device, grid)
 
 
-def _receive(device: torch.device, control):
-    """The next order: ("forward", (Batch on this rank's device, its Cut or None)) or a pickled (kind, body)."""
-    header = torch.empty(HEADER, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=control)
-    if header[0] in (FORWARD, FORWARD_CUT):
-        layout = _layout(header)
-        cut = None
-        if header[0] == FORWARD_CUT:  # (sizes: the batch's query_start_loc and logits_indices rows)
-            seqs, rows = layout[Batch._fields.index("query_start_loc")][0], layout[-1][0]
+def _receive(device: torch.device, control, channel: ChannelReader | None = None):
+    """The next order, from the control channel where rank 0 gave one, else the control group:
+    ("forward", (Batch on this rank's device, its Cut or None)) or a pickled (kind, body)."""
+    if channel is not None:
+        message = channel.read()
+        if np.frombuffer(message, np.int64, count=1)[0] == OBJECT:
+            return pickle.loads(memoryview(message)[len(_OBJECT):])
+        header = np.frombuffer(message, np.int64).tolist()  # (then the Cut's, if any)
+    else:
+        received = torch.empty(HEADER, dtype=torch.int64)
+        dist.broadcast(received, src=0, group=control)
+        header = received.tolist()
+        if header[0] == OBJECT:
+            message = [None]
+            dist.broadcast_object_list(message, src=0, group=control)
+            return message[0]
+    layout = _layout(header)
+    cut = None
+    if header[0] == FORWARD_CUT:  # (sizes: the batch's query_start_loc and logits_indices rows)
+        seqs, rows = layout[Batch._fields.index("query_start_loc")][0], layout[-1][0]
+        if channel is None:
             host = torch.empty(seqs + rows, dtype=torch.int64)
             dist.broadcast(host, src=0, group=control)
-            cut = Cut(host[:seqs].tolist(), host[seqs:].tolist())
-        flat = torch.empty(sum(n for *_, n in layout), dtype=torch.int64, device=device)
-        dist.broadcast(flat, src=0)
-        return "forward", (_unpack_batch(layout, flat), cut)
-    message = [None]
-    dist.broadcast_object_list(message, src=0, group=control)
-    return message[0]
+            header = [*header[:HEADER], *host.tolist()]
+        cut = Cut(header[HEADER:HEADER + seqs], header[HEADER + seqs:])
+    flat = torch.empty(sum(n for *_, n in layout), dtype=torch.int64, device=device)
+    dist.broadcast(flat, src=0)
+    return "forward", (_unpack_batch(layout, flat), cut)
+
+
+def _named_channel(control, rank: int, size: int, spin: float = 0.0) -> ChannelWriter | ChannelReader | None:
+    """torchrun's side of the control channel (every rank calls it, at the same point): where every
+    rank is on this host (LOCAL_WORLD_SIZE is WORLD_SIZE), rank 0 makes the ring as a file in
+    /dev/shm, names it to the others over the control group, and removes the name once they have
+    all mapped it (from then on nothing can be left behind, however the processes end); else
+    None, and the orders go over the control group."""
+    nbytes = channel_bytes(SLOTS, SLOT_SIZE, max(1, size - 1))
+    if rank != 0:
+        named = [None]
+        dist.broadcast_object_list(named, src=0, group=control)
+        if named[0] is None:
+            return None
+        fd = os.open(named[0], os.O_RDWR)
+        try:
+            channel = ChannelReader(mmap.mmap(fd, nbytes), rank - 1, spin=spin)
+        finally:
+            os.close(fd)
+        dist.barrier(group=control)
+        return channel
+    if size == 1 or os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE") \
+            or not os.path.isdir("/dev/shm"):
+        dist.broadcast_object_list([None], src=0, group=control)
+        return None
+    path = f"/dev/shm/nanoinfer-control-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        channel = ChannelWriter(mmap.mmap(fd, nbytes), SLOTS, SLOT_SIZE, size - 1, timeout=TIMEOUT.total_seconds(),
+                                names=lambda i: f"tensor-parallel rank {i + 1}")  # (the layout the readers check)
+        dist.broadcast_object_list([path], src=0, group=control)
+        dist.barrier(group=control)  # (every rank has mapped it)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return channel
 
 
 def _join(rendezvous: Rendezvous, backend: str, rank: int, size: int):
@@ -577,10 +663,12 @@ def _join(rendezvous: Rendezvous, backend: str, rank: int, size: int):
 
 
 def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, params: Params,
-              device: torch.device, grid: Grid | None = None) -> None:
+              device: torch.device, grid: Grid | None = None, ring: torch.Tensor | None = None) -> None:
     """Rank `rank`'s process: its part of the model (its stage's layers, its shard of them), its KV
-    pool, then rank 0's orders until `stop`."""
+    pool, then rank 0's orders until `stop` (over the control channel in `ring` where rank 0
+    started this rank, else over the control group)."""
     grid = grid or Grid(size)
+    channel = None if ring is None else ChannelReader(ring.numpy(), rank - 1, spin=SPIN.get(device.type, SPIN["cpu"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
@@ -598,7 +686,9 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
     try:
         control = _join(rendezvous, backend, rank, size)
         groups = _stage_groups(grid, rank, TIMEOUT)
-        kind, setup = _receive(device, control)
+        if rendezvous.host is None:  # (torchrun's rank: rank 0 names a channel if every rank is on its host)
+            channel = _named_channel(control, rank, size, SPIN.get(device.type, SPIN["cpu"]))
+        kind, setup = _receive(device, control, channel)
         if kind == "stop":  # (rank 0 failed to start: it stops the ranks before their setup)
             stopped = True
             return
@@ -607,7 +697,7 @@ def rank_main(rank: int, size: int, rendezvous: Rendezvous, cfg: ModelConfig, pa
                   "ready": lambda _: dist.barrier(group=control)}
         with torch.inference_mode():
             while True:
-                kind, body = _receive(device, control)
+                kind, body = _receive(device, control, channel)
                 if kind == "stop":
                     stopped = True
                     break

@@ -3,7 +3,8 @@
 HOST:PORT is rank 0's rendezvous (its TCPStore). The rest of the rank's arguments come on
 stdin (runtime/executor/tp_processes.py): rank 0's authkey, which its resource sharer asks of
 whoever fetches the shared weights, then (config, weights, device) pickled as
-torch.multiprocessing pickles them, and the ranks' grid (tensor- by pipeline-parallel). Then
+torch.multiprocessing pickles them, the ranks' grid (tensor- by pipeline-parallel) and the
+control channel's memory (a shared tensor, as the weights: control_channel.py). Then
 the rank follows rank 0's orders until `stop` (runtime/executor/tensor_parallel.py: `rank_main`).
 """
 
@@ -44,11 +45,11 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, size, address = int(argv[0]), int(argv[1]), argv[2]
     host, port = address.rsplit(":", 1)
-    cfg, params, device, grid = read_arguments(sys.stdin.buffer)
+    cfg, params, device, grid, ring = read_arguments(sys.stdin.buffer)
 
     from runtime.executor.tensor_parallel import Rendezvous, rank_main
 
-    rank_main(rank, size, Rendezvous(host, int(port)), cfg, params, device, grid)
+    rank_main(rank, size, Rendezvous(host, int(port)), cfg, params, device, grid, ring)
 
 
 if __name__ == "__main__":
