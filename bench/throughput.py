@@ -83,8 +83,9 @@ def main():
     torch.set_num_threads(args.threads)
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,
                     pipeline_micro_batches=args.pipeline_micro_batches,
-                    pipeline_overlap=args.pipeline_overlap,
                     tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+    if args.pipeline_overlap is not None:
+        parallel["pipeline_overlap"] = args.pipeline_overlap
 
     from nanoinfer import LLM
 

@@ -127,10 +127,10 @@ class EngineConfig:
     pipeline_micro_batches: int | None = setting(None, "the most micro-batches a step's sequences are cut into "
                                                        "under pipeline parallelism (default: "
                                                        "pipeline_parallel_size, or 1 with pipeline_overlap)", minimum=1, optional=True)
-    pipeline_overlap: bool | None = setting(None, "under pipeline parallelism with async scheduling, two steps of "
-                                                  "disjoint sequences in flight over the stages (virtual engines; "
-                                                  "default: on for CPU ranks, off on CUDA, where it has not run "
-                                                  "yet)", optional=True)
+    pipeline_overlap: bool = setting(True, "under pipeline parallelism with async scheduling, two steps of "
+                                           "disjoint sequences in flight over the stages (virtual engines); off: "
+                                           "one step at a time, cut into micro-batches (faster where the host "
+                                           "bounds the step: a small model)")
     data_parallel_size: int = setting(1, "engine replicas behind one server, each a whole engine on its own "
                                          "GPU(s) (replica i from cuda:i*tensor_parallel_size); a request goes to the "
                                          "replica holding the longest cached prefix of its prompt, else the least "

@@ -188,7 +188,7 @@ def test_two_steps_in_flight_over_stages_emit_what_one_rank_does(model, preempti
 
 
 def test_pipeline_overlap_off_keeps_one_step_in_flight(model):
-    """`pipeline_overlap=False` (CUDA's default until its side stream has run on GPUs): async
+    """`pipeline_overlap=False` (for a small model whose step rank 0's host bounds): async
     scheduling over the stages with one step in flight, one rank's tokens."""
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore

@@ -162,9 +162,9 @@ class PipelineParallelRunner(TensorParallelRunner):
         self._step_input = None  # the step being launched: its layout on the host
         # Two steps of disjoint sequences in flight, so that stage 0 computes one while the last
         # stage computes the other; speculative decoding reads each step before planning the next.
-        # (Off by default on CUDA: its side stream has not run on GPUs yet.)
-        overlap = (config.pipeline_overlap if config.pipeline_overlap is not None
-                   else model.params.device.type != "cuda")
+        # (2x H100, throughput workload: the 8B shape 8,205 tok/s against 6,060 one step at a
+        # time; Qwen3-0.6B, whose step rank 0's host bounds, 14,585 against 18,151.)
+        overlap = config.pipeline_overlap
         self.steps_in_flight = 2 if overlap and config.speculative_config is None else 1
         super().__init__(model, config, max_model_len, draft)
         grid = self.tp.grid
