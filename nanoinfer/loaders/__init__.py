@@ -101,6 +101,10 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
     if hub_id is None and config.gguf_file is not None:  # (a local directory of GGUF files)
         path = path / config.gguf_file
     dev = resolve_device(config.device)
+    if dev.type == "cuda":  # (Triton's own set-up overlaps the load: nanoinfer/triton_setup.py)
+        from nanoinfer import triton_setup
+
+        triton_setup.begin()
     # A nanochat checkpoint is a model_<step>.pt, or a directory holding them (and perhaps HF files too).
     nanochat_files = None
     if path.is_dir() or (path.suffix == ".pt" and path.is_file()):
