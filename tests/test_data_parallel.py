@@ -276,11 +276,15 @@ def slow_replica_1(index, engine):
 
 
 def descendants(pid: int) -> set[int]:
-    """The live processes below `pid` (from /proc)."""
+    """The live processes below `pid` (from /proc), but multiprocessing's resource tracker: an
+    earlier test of this process that made shared memory or a spawn context's queue started it,
+    and it lives as long as the process (by multiprocessing's design, not an engine's leak)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            if b"multiprocessing.resource_tracker" in (stat.parent / "cmdline").read_bytes():
+                continue
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
