@@ -77,6 +77,17 @@ class LoadedModel:
         return self.name or (name[:-len(".gguf")] if name.endswith(".gguf") else name)
 
 
+def _load_device(config: LoadConfig) -> torch.device:
+    """The device `config` loads onto; on CUDA, Triton's own set-up begins meanwhile on a thread
+    (nanoinfer/triton_setup.py), so that it overlaps the load."""
+    dev = resolve_device(config.device)
+    if dev.type == "cuda":
+        from nanoinfer import triton_setup
+
+        triton_setup.begin()
+    return dev
+
+
 def load_model(model: str | Path | None = None, config: LoadConfig | None = None, **load_args) -> LoadedModel:
     """Load `model` (None = the default model) as `config` says, or LoadConfig's `load_args`
     (device, dtype, quantization, load_format, gguf_file, progress; an unknown one is a
@@ -100,11 +111,7 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
             path, hub_id = hf_hub.resolve_hub_model(name, config.gguf_file), name.partition("@")[0]
     if hub_id is None and config.gguf_file is not None:  # (a local directory of GGUF files)
         path = path / config.gguf_file
-    dev = resolve_device(config.device)
-    if dev.type == "cuda":  # (Triton's own set-up overlaps the load: nanoinfer/triton_setup.py)
-        from nanoinfer import triton_setup
-
-        triton_setup.begin()
+    dev = _load_device(config)
     # A nanochat checkpoint is a model_<step>.pt, or a directory holding them (and perhaps HF files too).
     nanochat_files = None
     if path.is_dir() or (path.suffix == ".pt" and path.is_file()):
