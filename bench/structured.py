@@ -7,11 +7,13 @@ batch free, each request producing the same number of tokens.
 
 The constrained run goes first (temperature 0.8, seeded); each free request then gets
 max_tokens = its constrained twin's output length and ignore_eos, so both runs produce the
-same tokens in the same steps. Reported: output tok/s of each, the host time spent filling
-grammar masks (llguidance; it runs while the device computes the forward), and a free run
-without async scheduling. With async scheduling a constrained step is read during the next
-step's launch, once its forward is queued: the grammars consume and fill the next masks while
-the device runs that forward, and only the sampling waits for them (runtime/engine/engine_core.py).
+same tokens in the same steps. Reported: output tok/s of each, the engine thread's time in
+`grammar_masks`, the time llguidance's fill took (with async scheduling on a thread of its own,
+beside the engine thread), and a free run without async scheduling. With async scheduling a
+constrained step is read during the next step's launch, once its forward is queued: the
+grammars consume its tokens, the next masks are filled on their own thread while the engine
+thread plans and builds the step after, and that step's launch first queues the masked
+sampling (runtime/executor/grammar_masks.py).
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ def main():
     tok_s, masks, valid, tokens, fills, consumes = best["constrained"]
     print(f"device={device} schema={args.schema} seqs={args.num_seqs} tokens={tokens} (mean {tokens / args.num_seqs:.0f}/request), "
           f"valid JSON {valid}/{args.num_seqs}")
-    print(f"constrained: {tok_s:8.1f} tok/s  (grammar masks: {1e6 * masks / tokens:.1f} µs host time per token, "
-          f"{1e6 * fills / tokens:.1f} of it in llguidance's fill; consuming tokens {1e6 * consumes / tokens:.1f})")
+    print(f"constrained: {tok_s:8.1f} tok/s  (grammar masks: {1e6 * masks / tokens:.1f} µs of the engine thread per "
+          f"token, llguidance's fill {1e6 * fills / tokens:.1f}; consuming tokens {1e6 * consumes / tokens:.1f})")
     for key in ("free-async", "free-sync"):
         print(f"{key:12s} {best[key][0]:8.1f} tok/s  (constrained at {tok_s / best[key][0]:.2f}x)")
     for key, per_step in phases.items():  # (the last repeat's)

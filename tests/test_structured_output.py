@@ -6,6 +6,7 @@ a request whose grammar goes wrong fails alone; bad grammars are named at submit
 import json
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -399,7 +400,7 @@ def test_a_constrained_step_is_planned_before_the_step_before_it_resolves(tiny_c
         return plan(*args)
 
     def filling(self, rows, bitmask):
-        filled.append((seq.num_unresolved, len(seq.output_token_ids)))
+        filled.append(len(seq.output_token_ids))
         return fill(self, rows, bitmask)
 
     monkeypatch.setattr(core.scheduler, "plan", planning)
@@ -411,4 +412,41 @@ def test_a_constrained_step_is_planned_before_the_step_before_it_resolves(tiny_c
     # (the last plan comes after the end: nothing in flight, nothing to run)
     assert len(planned) > 3 and planned[0] == planned[-1] == 0 and set(planned[1:-1]) == {1}, planned
     # ...and every mask is filled from all the tokens before it: the k-th after k tokens.
-    assert filled == [(0, k) for k in range(len(filled))], filled
+    assert filled == list(range(len(filled))), filled
+
+
+def test_masks_are_filled_while_the_next_step_is_planned(tiny_chat_model, monkeypatch):
+    """Async scheduling: a constrained step's masks are filled on a thread of their own while
+    the engine thread plans the next step (its sampling queued by the next launch). Each fill
+    here waits for that plan: filled on the engine thread, it would wait in vain."""
+    from nanoinfer import structured
+
+    core = EngineCore(tiny_chat_model, engine_config(block_size=16, num_blocks=64, async_scheduling=True))
+    seq = core.add_request(prompts(tiny_chat_model, 1, seed=7)[0],
+                           SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z]{30}"}))
+    plans, submitted, seen = [0], {}, []
+    plan, fill, fill_later = core.scheduler.plan, structured.Grammars.fill, structured.Grammars.fill_later
+
+    def planning(*args):
+        plans[0] += 1
+        return plan(*args)
+
+    def filling_later(self, rows, bitmask):
+        submitted[bitmask.data_ptr()] = plans[0]
+        return fill_later(self, rows, bitmask)
+
+    def filling(self, rows, bitmask):  # (the plans made since the launch that asked for these masks)
+        before = submitted.get(bitmask.data_ptr(), plans[0])
+        deadline = time.monotonic() + (2 if all(seen) else 0)
+        while plans[0] == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen.append(plans[0] > before)
+        return fill(self, rows, bitmask)
+
+    monkeypatch.setattr(structured.Grammars, "fill_later", filling_later)
+    monkeypatch.setattr(core.scheduler, "plan", planning)
+    monkeypatch.setattr(structured.Grammars, "fill", filling)
+    while core.has_unfinished():
+        core.step()
+    assert seq.finish_reason == "stop" and re.fullmatch("[a-z]{30}", text(tiny_chat_model, seq.output_token_ids))
+    assert len(seen) == len(seq.output_token_ids) and all(seen), seen

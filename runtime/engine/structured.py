@@ -37,6 +37,10 @@ class StructuredOutput:
     @staticmethod
     def off_grammar(seq: Sequence, token: int) -> Exception:
         constraint = seq.constraint
+        if constraint.failure is not None:  # its mask could not be filled (nanoinfer.structured.Grammars.fill_later)
+            failure = constraint.failure
+            return failure if isinstance(failure, (RequestError, RequestFailed)) else RequestFailed.because(
+                "internal error while computing this request's grammar mask", failure)
         if constraint.too_complex:  # the client's grammar, not our fault (a 400)
             return RequestError(f"the {constraint.spec.kind} is too complex to follow after {seq.num_output_tokens} "
                                 f"output tokens ({constraint.error}): simplify it", param=constraint.spec.param)

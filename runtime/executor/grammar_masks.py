@@ -1,11 +1,17 @@
 """Structured output's masks for a step: each constrained row's allowed tokens, filled on the host.
 
-The runner (runtime/executor/model_runner.py) asks for them while the device runs the step's
-forward, and applies them to the logits before sampling (or verification). Only a step with a
-constrained sequence comes here.
+The runner (runtime/executor/model_runner.py) asks for them once the step's forward is queued,
+and applies them to the logits before sampling (or verification). Filled now (`later=False`:
+the runner queues the sampling at once), or on a thread of their own (`later=True`): the
+runner then leaves the step's sampling to be queued by the next launch, so that the host plans
+and builds that step while llguidance fills these masks (`PendingSampling`, runtime/executor/
+step.py). Only a step with a constrained sequence comes here.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
@@ -22,18 +28,36 @@ def offsets(counts) -> list[int]:
     return result
 
 
-def grammar_masks(runner, rows: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+class StepMasks(NamedTuple):
+    """A step's grammar masks on the host: `bitmask` row i masks logits row `at[i]`."""
+
+    bitmask: torch.Tensor  # [len(at), words] int32, pinned where CUDA is
+    at: list[int]
+    filling: Future | None  # done once every row is filled (None: filled already)
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bitmask and the logits rows it masks, on `device` (waiting for the fill first)."""
+        if self.filling is not None:
+            self.filling.result()
+        (at_t,) = to_device_packed([self.at], torch.int64, device)
+        return self.bitmask.to(device, non_blocking=True), at_t
+
+
+def grammar_masks(runner, rows: list, later: bool = False) -> StepMasks | None:
     """The bitmask rows of the constrained sequences among `rows` (sequence, first logits row,
-    drafts it verifies) and the logits rows they mask, on the device; None if no sequence is
-    constrained. (A finished sequence's rows are dropped when the step resolves: its grammar
-    is not asked.)"""
+    drafts it verifies), filled now or, with `later`, on the grammars' own thread; None if no
+    sequence is constrained. (A finished sequence's rows are dropped when the step resolves:
+    its grammar is not asked.)"""
     constrained = [(seq, first, drafts) for seq, first, drafts in rows
                    if seq.constraint is not None and not seq.is_finished]
     if not constrained:
         return None
     at = [first + i for _, first, drafts in constrained for i in range(len(drafts) + 1)]
-    bitmask = allocate_bitmask(len(at), runner.cfg.vocab_size)
-    runner.grammars.fill([(seq.constraint, row, drafts) for (seq, _, drafts), row in
-                          zip(constrained, offsets(len(drafts) + 1 for _, _, drafts in constrained))], bitmask)
-    (at_t,) = to_device_packed([at], torch.int64, runner.device)
-    return bitmask.to(runner.device, non_blocking=True), at_t
+    # (a draft the grammar rejects leaves the rows after it unfilled: those must allow every token)
+    bitmask = allocate_bitmask(len(at), runner.cfg.vocab_size, every_token=any(drafts for _, _, drafts in constrained))
+    items = [(seq.constraint, row, drafts) for (seq, _, drafts), row in
+             zip(constrained, offsets(len(drafts) + 1 for _, _, drafts in constrained))]
+    if later:
+        return StepMasks(bitmask, at, runner.grammars.fill_later(items, bitmask))
+    runner.grammars.fill(items, bitmask)
+    return StepMasks(bitmask, at, None)

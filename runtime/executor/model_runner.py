@@ -31,6 +31,7 @@ from runtime.executor.device_model import DeviceModel
 from runtime.executor.step import (
     DeviceToHost,
     InFlightStep,
+    PendingSampling,
     SampledRow,
     StepInput,
     StepTensors,
@@ -48,6 +49,7 @@ class ForwardOutput(NamedTuple):
 
 class ModelRunner(DeviceModel):
     steps_in_flight = 1  # (the Executor protocol's: one step overlaps the host's work on the next)
+    defers_sampling = True  # (a masked step's sampling may wait for the next launch: see __init__)
 
     def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
                  draft: LoadedModel | None = None):
@@ -78,6 +80,11 @@ class ModelRunner(DeviceModel):
             self.draft = DraftRunner(draft, config, self.num_blocks, self.num_cpu_blocks, self.batch)
             self.pools.followers.append(self.draft.pools)
         self.constrained: set[int] = set()  # ids of the sequences with rows that a grammar constrains
+        # With async scheduling a step's masks are filled while the host plans the next step,
+        # and its sampling is queued by the next launch (`_pending` until then): grammar_masks.py.
+        self.defer_sampling = self.defers_sampling and (
+            self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling))
+        self._pending: PendingSampling | None = None
         self._grammars = None
         if self.kernels.graphs:
             self._capture(**self._graph_sizes()._asdict())
@@ -204,7 +211,10 @@ class ModelRunner(DeviceModel):
         between the two, for the step's phase timings.) `before_sampling` runs once the forward
         is queued, before the grammar masks are filled: the engine reads the step before there,
         so that its grammars consume their tokens while the device runs this forward (the
-        forward needs no mask; only the sampler does)."""
+        forward needs no mask; only the sampler does). With async scheduling, a step whose
+        masks are still being filled leaves its sampling pending (`PendingSampling`): the next
+        launch queues it first, or reading the step does."""
+        self.queue_pending()
         draft_tokens = draft_probs = None
         draft_computed = ()
         if self.draft is not None:  # a draft model proposes now that the plan gave its slots
@@ -222,40 +232,62 @@ class ModelRunner(DeviceModel):
         forward_done()
         st = self.batch.sampling(sampler_rows, sampler_rows_t, steps_t)  # (before_sampling may free rows)
         before_sampling()
-        # Grammar masks are filled on the host while the device runs the forward.
         masks = None
         if self.constrained:  # (no pass over rows when no sequence is constrained)
             from runtime.executor.grammar_masks import grammar_masks
 
-            masks = grammar_masks(self, [(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)])
-        full, all_logits = out, out.logits
-        sample_at = [i for _, i in inp.samplers]
-        if sample_at != list(range(out.logits.shape[0])):  # (a pure decode step needs no gather)
-            (index,) = to_device_packed([sample_at], torch.int64, self.device)
-            out = ForwardOutput(*(t.index_select(0, index) for t in out))
-        logits = out.logits
-        if st.all_greedy and st.penalties is None and masks is None:
-            tokens = out.greedy  # (the graph's own argmax: no float copy of the logits, no launch)
-        else:
-            from nanoinfer.structured import apply_bitmask
-
-            logits = logits.float()
-            tokens = sample(logits if masks is None else apply_bitmask(logits, *masks), st, self.kernels.draw,
-                            greedy=out.greedy if masks is None else None)
-        self.batch.sampled(sampler_rows_t, tokens)
+            masks = grammar_masks(self, [(seq, i, ()) for i, (seq, _) in enumerate(inp.samplers)],
+                                  later=self.defer_sampling and verify is None and self.draft is None)
         wanted = [s.params.logprobs for s, _ in inp.samplers]
-        logprobs = None
-        if any(k is not None for k in wanted):
-            logprobs = compute_logprobs(logits, tokens, max(k or 0 for k in wanted))
-        prompt_logprobs = _prompt_logprobs(inp, all_logits, self.device)
-        verified = None if verify is None else verify.run(full)
-        transfer = DeviceToHost(StepTensors(tokens, out.finite, logprobs, prompt_logprobs, verified))
-        if verify is not None:
-            verify.after_transfer(verified)
+
+        def sampling() -> DeviceToHost:
+            return _sample(self, inp, out, st, masks, verify, sampler_rows_t, wanted)
+
+        if masks is not None and masks.filling is not None:
+            transfer = self._pending = PendingSampling(sampling)
+        else:
+            transfer = sampling()
         rows = tuple(SampledRow(seq, k) for (seq, _), k in zip(inp.samplers, wanted))
         return InFlightStep(rows, inp.prompt_rows, transfer, inp.verifiers,
                             constrained=masks is not None or (verify is not None and verify.masks is not None),
                             draft_computed=draft_computed)
+
+    def queue_pending(self) -> None:
+        """Queue the sampling a step left pending, if any (before anything else is queued on
+        the stream: it reads the step's logits, and writes each row's last token)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.queue()
+
+def _sample(runner: ModelRunner, inp: StepInput, out: ForwardOutput, st, masks, verify, sampler_rows_t: torch.Tensor,
+            wanted: list) -> DeviceToHost:
+    """Queue the step's sampling (or verification) over its forward's output `out`, masked
+    by the grammars' `masks` (grammar_masks.StepMasks, or None), and the copy of its
+    results to the host."""
+    full, all_logits = out, out.logits
+    sample_at = [i for _, i in inp.samplers]
+    if sample_at != list(range(out.logits.shape[0])):  # (a pure decode step needs no gather)
+        (index,) = to_device_packed([sample_at], torch.int64, runner.device)
+        out = ForwardOutput(*(t.index_select(0, index) for t in out))
+    logits = out.logits
+    if st.all_greedy and st.penalties is None and masks is None:
+        tokens = out.greedy  # (the graph's own argmax: no float copy of the logits, no launch)
+    else:
+        from nanoinfer.structured import apply_bitmask
+
+        logits = logits.float()
+        tokens = sample(logits if masks is None else apply_bitmask(logits, *masks.on_device(runner.device)), st,
+                        runner.kernels.draw, greedy=out.greedy if masks is None else None)
+    runner.batch.sampled(sampler_rows_t, tokens)
+    logprobs = None
+    if any(k is not None for k in wanted):
+        logprobs = compute_logprobs(logits, tokens, max(k or 0 for k in wanted))
+    prompt_logprobs = _prompt_logprobs(inp, all_logits, runner.device)
+    verified = None if verify is None else verify.run(full)
+    transfer = DeviceToHost(StepTensors(tokens, out.finite, logprobs, prompt_logprobs, verified))
+    if verify is not None:
+        verify.after_transfer(verified)
+    return transfer
 
 
 def _prompt_logprobs(inp: StepInput, all_logits: torch.Tensor, device: torch.device) -> tuple:

@@ -160,13 +160,31 @@ class DeviceToHost:
         return self.host
 
 
+class PendingSampling:
+    """A step's sampling not queued yet, its grammar masks being filled on another thread
+    (runtime/executor/grammar_masks.py): queued by the runner's next launch, before anything
+    else goes on the stream, or when the step is read, whichever comes first. A DeviceToHost
+    in every other respect."""
+
+    def __init__(self, sampling: Callable[[], DeviceToHost]):
+        self._sampling, self._transfer = sampling, None
+
+    def queue(self) -> DeviceToHost:
+        if self._transfer is None:
+            self._transfer, self._sampling = self._sampling(), None
+        return self._transfer
+
+    def wait(self):
+        return self.queue().wait()
+
+
 class InFlightStep(NamedTuple):
     """A launched step: what its rows are, and its results on their way (`transfer.wait()`:
     a StepTensors on the host)."""
 
     rows: tuple[SampledRow, ...]
     prompt_logprobs: tuple[PromptLogprobRows, ...]
-    transfer: DeviceToHost
+    transfer: DeviceToHost | PendingSampling
     verified: tuple[VerifiedRows, ...] = ()
     constrained: bool = False  # some row was masked by its sequence's grammar: the engine reads such
     # a step during the next one's launch, between its forward and its masks (the grammars first consume)

@@ -469,6 +469,8 @@ class TensorParallelRunner(ModelRunner):
     """The executor over `tensor_parallel_size` ranks: rank 0 is this ModelRunner with its shard
     of the model; the other ranks follow its forwards and its block copies."""
 
+    defers_sampling = False  # (a masked step samples at once: the deferral is measured on one GPU only)
+
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
         self.tp = TensorParallelRanks(model.config, model.params,
                                       Grid(config.tensor_parallel_size, config.pipeline_parallel_size))

@@ -76,7 +76,7 @@ class Verification:
         if self.masks is not None:
             from nanoinfer.structured import apply_bitmask
 
-            masked = apply_bitmask(logits, *self.masks)
+            masked = apply_bitmask(logits, *self.masks.on_device(runner.device))
         v = verify(masked, st, drafts_t, draft_probs, draw=runner.kernels.draw)
         wanted = [r.logprobs for r in verifiers]
         logprobs = None
