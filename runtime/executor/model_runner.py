@@ -150,7 +150,6 @@ class ModelRunner(DeviceModel):
     def _build(self, inp: StepInput, draft_tokens: torch.Tensor | None) -> tuple[Batch, np.ndarray, torch.Tensor]:
         """The step's Batch; also the samplers' rows, on the host and the device."""
         rows_of, bs = self.batch.row_of, self.block_size
-        self.batch.flush()
         # One pass over the chunks (it runs for every sequence, every step), then numpy.
         meta: list[int] = []  # row, start, tokens, tokens known on the host: per chunk
         host_tokens: list[int] = []
@@ -186,6 +185,10 @@ class ModelRunner(DeviceModel):
                                                   fill_at, fill_rows, sampler_rows, steps, draft_at], torch.int64,
                                                  self.device)
         seq_lens, qsl_t = to_device_packed([at.seq_lens, at.query_start_loc], torch.int32, self.device)
+        # The step before's sampling, if pending, goes first: it writes the last tokens read below
+        # and that the rows joining now overwrite (the host work above overlaps its masks' fill).
+        self.queue_pending()
+        self.batch.flush()
         if len(fill_at):
             input_ids_t.index_copy_(0, fill_at_t, self.batch.last_token.index_select(0, fill_rows_t))
         if draft_at:
@@ -213,8 +216,7 @@ class ModelRunner(DeviceModel):
         so that its grammars consume their tokens while the device runs this forward (the
         forward needs no mask; only the sampler does). With async scheduling, a step whose
         masks are still being filled leaves its sampling pending (`PendingSampling`): the next
-        launch queues it first, or reading the step does."""
-        self.queue_pending()
+        launch queues it once its inputs are on their way (`_build`), or reading the step does."""
         draft_tokens = draft_probs = None
         draft_computed = ()
         if self.draft is not None:  # a draft model proposes now that the plan gave its slots
