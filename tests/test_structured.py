@@ -168,7 +168,13 @@ def test_fill_in_rounds_over_several_lexers_equals_one_row_at_a_time(vocab, monk
         if not live:
             break
         masks, reference = allocate_bitmask(len(live), size), allocate_bitmask(len(live), size)
-        grammars.fill([(ours, row, ()) for row, (ours, _) in enumerate(live)], masks)
+        rows = [(ours, row, ()) for row, (ours, _) in enumerate(live)]
+        if step % 3 == 0:
+            grammars.fill(rows, masks)
+        elif step % 3 == 1:  # (one call, rows of one lexer waiting for each other)
+            grammars.fill(rows, masks, rounds=False)
+        else:  # (on the grammars' own thread, as the engine fills with async scheduling)
+            assert grammars.fill_later(rows, masks).result() is None
         for row, (_, ref) in enumerate(live):
             ref.fill(reference, row)
         assert torch.equal(masks, reference), step
@@ -183,6 +189,16 @@ def test_fill_in_rounds_over_several_lexers_equals_one_row_at_a_time(vocab, monk
     quote = tokenizer.encode("{", add_special_tokens=False)[0]
     assert grammars.consume([(c, quote if i != 2 else tokenizer.encode("x", add_special_tokens=False)[0])
                              for i, c in enumerate(fresh)]) == [True, True, False, True]
+    # fill_later never raises: the row whose grammar failed allows every token and its constraint
+    # keeps the error (its next token is refused); the other rows are filled as `fill` fills them
+    masks, reference = allocate_bitmask(4, size, every_token=False), allocate_bitmask(4, size)
+    grammars.fill_later([(c, row, ()) for row, c in enumerate(fresh)], masks).result()
+    grammars.fill([(c, row, ()) for row, c in enumerate(fresh) if row != 2], reference)
+    assert torch.equal(masks[[0, 1, 3]], reference[[0, 1, 3]]) and bool((masks[2] == -1).all())
+    assert [c.failure is None for c in fresh] == [True, True, False, True]
+    assert "constraint failed computing the next tokens" in str(fresh[2].failure)
+    allowed = unpack_bitmask(reference, size)[0].nonzero().flatten().tolist()
+    assert fresh[2].consume(allowed[0]) is False and fresh[0].consume(allowed[0]) is True
 
 
 def test_a_spec_gets_compilations_by_threads_size_and_compile_time():
