@@ -2,7 +2,7 @@
 
     python bench/throughput.py [--num-seqs 16] [--input-len 16 64] [--output-len 16 64]
                                [--model M] [--device cpu] [--baseline-batch 16] [--temperature 0]
-                               [--kv-cache-dtype auto|fp8] [--quantization none|int8|fp8]
+                               [--kv-cache-dtype auto|fp8] [--quantization none|int8|fp8|int4]
                                [--pipeline-parallel-size P] [--pipeline-micro-batches M] [--pipeline-overlap]
                                [--tensor-parallel-size T] [--enforce-eager]
 
@@ -68,8 +68,8 @@ def main():
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; nano-vllm's bench samples at 0.6")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--quantization", default="auto", help="as load_model takes it (with --shape: int8 or fp8 "
-                                                                 "quantize the random weights)")
+    parser.add_argument("--quantization", default="auto", help="as load_model takes it (with --shape: int8, fp8 "
+                                                                 "or int4 quantize the random weights)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="stages over GPUs cuda:0.. (each replays CUDA graphs where T=1)")
     parser.add_argument("--pipeline-micro-batches", type=int, default=None,
@@ -100,7 +100,7 @@ def main():
         from nanoinfer.loaders.quantize import quantize_params
 
         model = random_model(args.shape, device=args.device)
-        if args.quantization in ("int8", "fp8"):
+        if args.quantization in ("int8", "fp8", "int4"):
             model = dataclasses.replace(model, params=quantize_params(model.params, args.quantization),
                                         quantization=args.quantization)
         llm = LLM.from_loaded(model, max_model_len=4096, max_num_seqs=args.num_seqs,
