@@ -32,8 +32,10 @@ took 2.5 ms a step on a 16-core host, where one thread does them in ~0.5 ms; two
 masking copies of one compilation took 2.5x one thread's time, a compilation each 1.1x:
 bench/RESULTS.md). So a spec is compiled up to twice per fill
 thread (`Grammars.lexers_for`), its sequences' copies are spread over these lexers, and a fill
-(or consume) runs in rounds that each hold at most one row per lexer (`in_rounds`): rows in one
-round never wait for each other, and copies still share the lexer states their siblings built.
+runs in rounds that each hold at most one row per lexer (`in_rounds`): rows in one round never
+wait for each other, and copies still share the lexer states their siblings built. A fill on
+its own thread (`fill_later`) is one call instead: between rounds that thread would wait for
+the GIL, which the engine thread holds while it plans (measured slower, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -238,10 +240,11 @@ class Grammars:
     and the compiled grammars of recent specs (a request is checked where it is submitted,
     then each of its sequences constrained by a copy where they run). Compiling runs on one
     thread of its own (its stack: COMPILE_STACK_BYTES), queued: callers wait on a future
-    (`compile`), or block (`check`, `constraint`). Masks are filled, and tokens consumed, on
-    `threads` threads (default: llguidance's), a spec's sequences spread over up to `lexers`
-    compilations of it (default: two per thread, so that a round has rows to balance over the
-    threads; the module's docstring says why)."""
+    (`compile`), or block (`check`, `constraint`). Masks are filled on `threads` threads
+    (default: llguidance's), now or on a thread of their own (`fill_later`), a spec's sequences
+    spread over up to `lexers` compilations of it (default: two per thread, so that a round has
+    rows to balance over the threads; the module's docstring says why); tokens are consumed on
+    the caller's thread."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, cache_bytes: int = CACHE_GRAMMAR_BYTES,
                  threads: int | None = None, lexers: int | None = None):
