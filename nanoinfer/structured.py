@@ -79,6 +79,10 @@ LEXER_BYTES = 64 << 20
 # ~0.5 ms each for bench/structured.py's schema, so a grammar that compiles in 20 ms gets one.
 LEXER_COMPILE_S = 0.02
 
+# What a grammar's fill raises when the grammar fails (`Constraint._check`), or llguidance refuses
+# a call (its Python layer's errors); anything else is a bug of ours, not contained as a grammar's.
+GRAMMAR_ERRORS = (RequestError, ValueError, RuntimeError)
+
 # llguidance's errors when one of its parser limits is reached (they say "items", "fuel" or "TooComplex")
 _TOO_COMPLEX = re.compile(r"Too many items|has \d+ items; max is|TooComplex|fuel|lexer states")
 _RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_]\w*[^:\n]*:", re.M)  # (a Lark item starts a line)
@@ -454,11 +458,11 @@ class Grammars:
             started.set()
             try:
                 self.fill(rows, bitmask, rounds=False)
-            except Exception:  # noqa: BLE001 - each row again, alone, to find whose grammar failed
+            except GRAMMAR_ERRORS:  # each row again, alone, to find whose grammar failed
                 for item in rows:
                     try:
                         self.fill([item], bitmask)
-                    except Exception as exc:  # noqa: BLE001 - kept for the request it belongs to
+                    except GRAMMAR_ERRORS as exc:  # kept for the request it belongs to
                         constraint, row, drafts = item
                         constraint.failure = exc
                         bitmask.numpy()[row:row + len(drafts) + 1] = -1

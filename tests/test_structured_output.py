@@ -196,7 +196,11 @@ def test_a_grammar_that_goes_wrong_fails_its_request_alone(tiny_chat_model, monk
     purpose) fails that request with its reason; the others finish."""
     from nanoinfer import structured
 
-    monkeypatch.setattr(structured.Grammars, "fill", lambda self, rows, bitmask: None)  # all allowed
+    def allow_all(self, rows, bitmask, **kwargs):
+        for _, row, _ in rows:
+            bitmask[row] = -1
+
+    monkeypatch.setattr(structured.Grammars, "fill", allow_all)
     ps = prompts(tiny_chat_model, 2, seed=4)
     outs = run(tiny_chat_model, [(ps[0], SamplingParams(temperature=0, max_tokens=20,
                                                         structured_outputs={"regex": "x{5}"})),
@@ -313,12 +317,12 @@ def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model,
 
     real, calls = structured.Grammars.fill, []
 
-    def fill(self, rows, bitmask):
+    def fill(self, rows, bitmask, **kwargs):
         if any(c.spec.kind == "regex" for c, _, _ in rows):
             calls.append(rows)
             if len(calls) >= 3:
                 raise RequestError("regex constraint failed computing the next tokens: broken on purpose")
-        return real(self, rows, bitmask)
+        return real(self, rows, bitmask, **kwargs)
 
     monkeypatch.setattr(structured.Grammars, "fill", fill)
     ps = prompts(tiny_chat_model, 3, seed=5)
@@ -364,8 +368,8 @@ def test_mixed_constrained_batches_are_the_same_with_async_scheduling(tiny_chat_
 
     fill, fills = structured.Grammars.fill, {}
 
-    def breaking(self, rows, bitmask):
-        fill(self, rows, bitmask)
+    def breaking(self, rows, bitmask, **kwargs):
+        fill(self, rows, bitmask, **kwargs)
         for constraint, row, _ in rows:
             if constraint.spec.kind == "regex" and "-x" in str(constraint.spec.value):
                 fills[id(constraint)] = fills.get(id(constraint), 0) + 1
@@ -399,9 +403,9 @@ def test_a_constrained_step_is_planned_before_the_step_before_it_resolves(tiny_c
         planned.append(seq.num_unresolved)
         return plan(*args)
 
-    def filling(self, rows, bitmask):
+    def filling(self, rows, bitmask, **kwargs):
         filled.append(len(seq.output_token_ids))
-        return fill(self, rows, bitmask)
+        return fill(self, rows, bitmask, **kwargs)
 
     monkeypatch.setattr(core.scheduler, "plan", planning)
     monkeypatch.setattr(structured.Grammars, "fill", filling)
@@ -435,13 +439,14 @@ def test_masks_are_filled_while_the_next_step_is_planned(tiny_chat_model, monkey
         submitted[bitmask.data_ptr()] = plans[0]
         return fill_later(self, rows, bitmask)
 
-    def filling(self, rows, bitmask):  # (the plans made since the launch that asked for these masks)
+    def filling(self, rows, bitmask, **kwargs):  # (the plans made since the launch that asked for these masks)
         before = submitted.get(bitmask.data_ptr(), plans[0])
         deadline = time.monotonic() + (2 if all(seen) else 0)
         while plans[0] == before and time.monotonic() < deadline:
             time.sleep(0.001)
         seen.append(plans[0] > before)
-        return fill(self, rows, bitmask)
+        assert kwargs == {"rounds": False} and len(rows) == 1  # (one call: not the fallback row by row)
+        return fill(self, rows, bitmask, **kwargs)
 
     monkeypatch.setattr(structured.Grammars, "fill_later", filling_later)
     monkeypatch.setattr(core.scheduler, "plan", planning)
@@ -450,3 +455,34 @@ def test_masks_are_filled_while_the_next_step_is_planned(tiny_chat_model, monkey
         core.step()
     assert seq.finish_reason == "stop" and re.fullmatch("[a-z]{30}", text(tiny_chat_model, seq.output_token_ids))
     assert len(seen) == len(seq.output_token_ids) and all(seen), seen
+
+
+def test_a_deferred_sampling_that_fails_fails_that_steps_sequences_alone(tiny_chat_model, monkeypatch):
+    """With async scheduling a masked step's sampling is queued by the next launch: if it raises
+    (here: the third, on purpose), that step's sequences fail with the error when it is read (not
+    the next launch's, which goes on), the sampling is not run again, and the engine serves on."""
+    from runtime.executor import model_runner
+
+    real, sampled = model_runner._sample, []
+
+    def broken_once(runner, inp, *args):
+        sampled.append(inp)
+        if len(sampled) == 3:
+            raise RuntimeError("broken on purpose")
+        return real(runner, inp, *args)
+
+    monkeypatch.setattr(model_runner, "_sample", broken_once)
+    core = EngineCore(tiny_chat_model, engine_config(block_size=16, num_blocks=64, async_scheduling=True))
+    ps = prompts(tiny_chat_model, 2, seed=3)
+    regex = SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": "[a-z]{20}"})
+    first = core.add_request(ps[0], regex)
+    while core.has_unfinished():
+        core.step()
+    assert first.finish_reason == "error" and "internal error while sampling" in str(first.error)
+    assert "broken on purpose" in str(first.error) and len(first.output_token_ids) == 2
+    later = core.add_request(ps[1], regex)
+    while core.has_unfinished():
+        core.step()
+    assert later.finish_reason == "stop" and re.fullmatch("[a-z]{20}", text(tiny_chat_model, later.output_token_ids))
+    assert len({id(inp) for inp in sampled}) == len(sampled)  # (each step's sampling ran once)
+    assert core.scheduler.blocks.num_free_blocks == 64

@@ -39,6 +39,8 @@ class Resolver:
             from runtime.engine.faults import fatal_or
 
             fatal_or(exc)
+            if getattr(step.transfer, "failed", None) is exc:  # (a sampling queued after its step: PendingSampling)
+                return self.sampling_failed(step, exc)
             raise
         tokens, finite = host.tokens.tolist(), host.finite.tolist()
         logprobs = [None] * len(tokens) if host.logprobs is None else token_logprobs(
@@ -68,6 +70,18 @@ class Resolver:
             outputs.append(take(seq, token, logprobs[i], prompt_done.get(seq.seq_id)))
         if step.verified:
             outputs += self.speculator.apply_verified(step.verified, host.verified, self)
+        return outputs
+
+    def sampling_failed(self, step: InFlightStep, exc: Exception) -> list[TokenOutput]:
+        """A step whose sampling could not be queued after it (runtime/executor/step.py's
+        PendingSampling): its sequences fail, the engine goes on."""
+        from runtime.engine.faults import RequestFailed
+
+        outputs = []
+        for row in step.rows:
+            if not row.seq.is_finished:
+                outputs += self.scheduler.fail(row.seq, RequestFailed.because(
+                    "internal error while sampling this request's token", exc))
         return outputs
 
     def take(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None,

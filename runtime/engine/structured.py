@@ -37,13 +37,13 @@ class StructuredOutput:
     @staticmethod
     def off_grammar(seq: Sequence, token: int) -> Exception:
         constraint = seq.constraint
+        if constraint.too_complex:  # the client's grammar, not our fault (a 400)
+            return RequestError(f"the {constraint.spec.kind} is too complex to follow after {seq.num_output_tokens} "
+                                f"output tokens ({constraint.error}): simplify it", param=constraint.spec.param)
         if constraint.failure is not None:  # its mask could not be filled (nanoinfer.structured.Grammars.fill_later)
             failure = constraint.failure
             return failure if isinstance(failure, (RequestError, RequestFailed)) else RequestFailed.because(
                 "internal error while computing this request's grammar mask", failure)
-        if constraint.too_complex:  # the client's grammar, not our fault (a 400)
-            return RequestError(f"the {constraint.spec.kind} is too complex to follow after {seq.num_output_tokens} "
-                                f"output tokens ({constraint.error}): simplify it", param=constraint.spec.param)
         return RequestFailed(f"token {token} does not continue this request's {constraint.spec.kind} "
                              f"({constraint.error}): its grammar left nothing to sample (min_tokens, logit_bias "
                              f"or stop_token_ids against what the grammar requires?)")

@@ -163,19 +163,28 @@ class DeviceToHost:
 class PendingSampling:
     """A step's sampling not queued yet, its grammar masks being filled on another thread
     (runtime/executor/grammar_masks.py): queued by the runner's next launch, before anything
-    else goes on the stream, or when the step is read, whichever comes first. A DeviceToHost
-    in every other respect."""
+    else goes on the stream, or when the step is read, whichever comes first, once. A
+    DeviceToHost in every other respect. Queuing it never raises (the next launch is not to
+    blame): reading the step raises the error, where the engine fails the step's sequences
+    (`failed` is then set: runtime/engine/resolve.py)."""
 
     def __init__(self, sampling: Callable[[], DeviceToHost]):
         self._sampling, self._transfer = sampling, None
+        self.failed: Exception | None = None
 
-    def queue(self) -> DeviceToHost:
-        if self._transfer is None:
-            self._transfer, self._sampling = self._sampling(), None
-        return self._transfer
+    def queue(self) -> None:
+        if self._sampling is not None:
+            sampling, self._sampling = self._sampling, None
+            try:
+                self._transfer = sampling()
+            except Exception as exc:  # noqa: BLE001 - raised where the step is read
+                self.failed = exc
 
     def wait(self):
-        return self.queue().wait()
+        self.queue()
+        if self.failed is not None:
+            raise self.failed
+        return self._transfer.wait()
 
 
 class InFlightStep(NamedTuple):
