@@ -255,11 +255,13 @@ class ModelRunner(DeviceModel):
                             draft_computed=draft_computed)
 
     def queue_pending(self) -> None:
-        """Queue the sampling a step left pending, if any (before anything else is queued on
-        the stream: it reads the step's logits, and writes each row's last token)."""
+        """Queue the sampling a step left pending, if any: before anything on the stream that
+        reads or writes what it does (the step's logits, each row's last token and penalty
+        counts: the next forward, and the rows that join)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.queue()
+
 
 def _sample(runner: ModelRunner, inp: StepInput, out: ForwardOutput, st, masks, verify, sampler_rows_t: torch.Tensor,
             wanted: list) -> DeviceToHost:
