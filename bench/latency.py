@@ -32,13 +32,13 @@ import time
 import torch
 
 
-def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1):
+def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1, peer_sums=False):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine.engine_core import EngineConfig, EngineCore
 
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
                                             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-                                            tensor_parallel_size=tensor_parallel_size,
+                                            tensor_parallel_size=tensor_parallel_size, peer_sums=peer_sums,
                                             cuda_graph_capture="all"))  # (none captured in the timed steps)
     prompt = [11, 22, 33, 44, 55]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -91,6 +91,7 @@ def main():
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "fp8", "int4", "gpt-fast-int8", "gpt-fast-int4"])
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--peer-sums", action="store_true", help="TP's one-token sums over peer memory, not NCCL's")
     parser.add_argument("--variants", nargs="+", default=["overlap", "no-overlap", "eager"],
                         choices=["overlap", "no-overlap", "eager"], help="which of our engine's paths to time")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
@@ -133,10 +134,10 @@ def main():
                     for label, eager, overlap in (variants if quant == "none" else variants[:1])]
             for label, eager, overlap, size in runs:
                 tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap,
-                                        tensor_parallel_size=size)
+                                        tensor_parallel_size=size, peer_sums=args.peer_sums)
                 breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
                                                                           "resolve"))
-                label += f", tp={size}" if size > 1 else ""
+                label += (f", tp={size}" + (", peer sums" if args.peer_sums else "")) if size > 1 else ""
                 label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
                 figures.setdefault(name, {})[label] = tps
                 print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")

@@ -7,7 +7,9 @@ it, each a few microseconds for a few KB (bench/RESULTS.md). Here each folds int
 next to it (nanoinfer.gemv.fused_gemv), so a layer is four GEMVs, the RoPE/KV-write kernel and
 attention. Under tensor parallelism (a `model.RankSum` between a projection and its residual)
 the lead rank adds the residual into its partial output and the others do not, so the sum
-over ranks is the new residual stream with no add of its own. Same signatures as
+over ranks is the new residual stream with no add of its own; with a `peer_sum.PeerSum` the
+output and down projections write their partials into the ranks' peer buffers and a pull sums
+them (nanoinfer/peer_sum.py), in place of NCCL's all-reduce. Same signatures as
 nanoinfer.model's `qkv_projection` and `attention_output_and_mlp`, which are the reference
 (tests/test_gpu.py, tests/test_gpu_tensor_parallel.py); nanoinfer.batched_layers' parts run
 instead wherever this does not apply: more than one token, a sum over ranks other than a
@@ -24,6 +26,7 @@ from nanoinfer import batched_layers, model
 from nanoinfer.config import ModelConfig
 from nanoinfer.gemv import fused_gemv
 from nanoinfer.model import LayerParams, RankSum
+from nanoinfer.peer_sum import PeerLinks, PeerSum
 from nanoinfer.quantized import Fp8Weight, Int8Weight
 
 
@@ -56,10 +59,19 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
             and lp.mlp_norm.dtype == x.dtype):
         return batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
     lead = one_rank or reduce.lead
+    links = reduce.links if isinstance(reduce, PeerSum) and reduce.links is not None and reduce.links.ready else None
     x = x.contiguous()
     w, scale = _operands(lp.o_proj, x)
-    x = reduce(fused_gemv(attn.reshape(1, cfg.q_size).contiguous(), w, scale, None, 0.0, False, x if lead else None))
+    x = _summed(fused_gemv(attn.reshape(1, cfg.q_size).contiguous(), w, scale, None, 0.0, False, x if lead else None,
+                           push=links and links.pushes[0]), reduce, links, 0)
     w, scale = _operands(lp.gate_up_proj, x)
     gate_up = fused_gemv(x, w, scale, lp.mlp_norm, cfg.rms_norm_eps, False, None)
     w, scale = _operands(lp.down_proj, x)
-    return reduce(fused_gemv(gate_up, w, scale, None, 0.0, True, x if lead else None))
+    return _summed(fused_gemv(gate_up, w, scale, None, 0.0, True, x if lead else None, push=links and links.pushes[1]),
+                   reduce, links, 1)
+
+
+def _summed(partial: torch.Tensor | None, reduce: Callable, links: PeerLinks | None, slot: int) -> torch.Tensor:
+    """The sum over ranks of a projection's output: NCCL's (`reduce`), or the rows the projection
+    pushed into `slot` of the ranks' peer buffers (nanoinfer.peer_sum)."""
+    return reduce(partial) if links is None else links.pull(slot)

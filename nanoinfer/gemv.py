@@ -21,6 +21,10 @@ min times the sum of their inputs), so a batch-1 step reads half a byte per weig
 dequantize each weight tile to the activations' type in registers and multiply it on tensor
 cores, at every row count (a prefill too: the weight is never written out dequantized).
 
+One row can push its outputs into the tensor-parallel ranks' peer buffers instead of
+writing them (`fused_gemv`'s `push`: nanoinfer.peer_sum), so the sum over ranks needs no
+collective kernel.
+
 `linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
 per token in e4m3 and `torch._scaled_mm`). They are plain functions, not torch custom ops:
@@ -37,6 +41,7 @@ import triton.testing
 
 from nanoinfer import quantized
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
+from nanoinfer.peer_sum import Push
 from nanoinfer.row_kernels import quantize_rows_fp8
 from nanoinfer.tuned_configs import ShippedChoice
 
@@ -62,8 +67,9 @@ def _quick_bench(kernel_call, quantiles):
 )
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES, norm_ptr, res_ptr,
-                 eps, HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
-                 SILU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 eps, push_ptr, HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
+                 SILU: tl.constexpr, RESIDUAL: tl.constexpr, PUSH: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
     # ROWS: 1, or 2 (each weight widened once, multiplied with both rows).
     # One row may fold its neighbours in (fused_gemv): NORM, x is RMSNorm'd on the way in: the
@@ -113,7 +119,20 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
         out *= scale
     if RESIDUAL:
         out = out.to(dtype).to(tl.float32) + tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
+    if PUSH > 0:  # (one row) into each of PUSH ranks' slots (nanoinfer.peer_sum's words)
+        # A word is two outputs and the flag of this use of the slot (1 or 2, from this rank's
+        # count of the slot's uses), stored as one 8-byte store: a rank that reads the flag
+        # reads its outputs, with no fence and no count.
+        flag = (tl.load(tl.load(push_ptr + PUSH).to(tl.pointer_type(tl.int32))) & 1) + 1
+        lo, hi = tl.split(tl.reshape(out.to(dtype), [BLOCK_N // 2, 2]))
+        pair = ((lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+                | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
+        word = (flag.to(tl.int64) << 32) | (pair.to(tl.int64) & 0xFFFFFFFF)
+        offs_w = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        for r in tl.static_range(PUSH):
+            tl.store(tl.load(push_ptr + r).to(tl.pointer_type(tl.int64)) + offs_w, word, mask=offs_w < N // 2)
+    else:
+        tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
     if ROWS == 2:
         out2 = tl.sum(acc2, 1)
         if HAS_SCALE:
@@ -181,8 +200,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     if m == 1 or m == 2 and _two_rows_on_cuda_cores(w):
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
-            x, x, 0.0, HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m, NORM=False, SILU=False,
-            RESIDUAL=False)
+            x, x, 0.0, x, HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m, NORM=False, SILU=False,
+            RESIDUAL=False, PUSH=0)
     elif m <= ROWS_MAX and x.dtype in (torch.bfloat16, torch.float16) and w.dtype in (x.dtype, torch.int8):
         _rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
@@ -196,20 +215,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 
 
 def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
-               silu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+               silu: bool, residual: torch.Tensor | None, push: Push | None = None) -> torch.Tensor | None:
     """`gemv` of one row with its neighbours folded in, one kernel where they took one each:
     `norm` (an RMSNorm weight): rms_norm(x, norm, eps) @ w.T; `silu`: x is [gate | up] and the
     product is (silu(gate) * up) @ w.T; `residual` [1, N] is added to the product. The same
     roundings as those ops unfused but the norm's: its output stays fp32 into the sums
-    (nanoinfer.model's unfused parts are the reference: tests/test_gpu.py)."""
+    (nanoinfer.model's unfused parts are the reference: tests/test_gpu.py).
+    `push`: the product goes to the tensor-parallel ranks' slots instead (nanoinfer.peer_sum),
+    and None is returned."""
     n, k = w.shape
     assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == (2 * k if silu else k)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
-        x if norm is None else norm, x if residual is None else residual, eps, HAS_SCALE=scale is not None,
-        INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu, RESIDUAL=residual is not None)
-    return out
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device) if push is None else x
+    args = (x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
+            x if norm is None else norm, x if residual is None else residual, eps,
+            x if push is None else push.table)
+    flags = dict(HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu,
+                 RESIDUAL=residual is not None)
+    if push is None:
+        _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, PUSH=0)
+        return out
+    # A push adds to the ranks' counts each time it runs, so it never runs in a tuning: it takes
+    # the config that the same product tuned without pushing (a first call here tunes it).
+    if push.config is None:
+        _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            *args[:3], torch.empty((1, n), dtype=x.dtype, device=x.device), *args[4:], **flags, PUSH=0)
+        push.config = _gemv_kernel.best_config
+    config = push.config
+    _gemv_kernel.fn[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+        *args, **flags, PUSH=push.ranks, **config.all_kwargs())
+    return None
 
 
 @triton.autotune(

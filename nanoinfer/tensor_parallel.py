@@ -168,12 +168,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 LEAD_SUM, FOLLOWER_SUM = RankSum(all_reduce, True), RankSum(all_reduce, False)
 
 
-def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=None) -> LayerFunctions:
+def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=None, links=None) -> LayerFunctions:
     """`base` with the collectives of rank `shard.rank`: sums after the row-parallel
     projections, the vocab-parallel embedding, the gathered logits. `group`: the process group
-    of the shard's ranks where it is not the default one (a pipeline stage's ranks)."""
+    of the shard's ranks where it is not the default one (a pipeline stage's ranks). `links`
+    (nanoinfer.peer_sum.PeerLinks, CUDA): the one-token sums go over peer memory."""
     rank, size = shard
-    if group is None:
+    if group is None and links is not None:
+        from nanoinfer.peer_sum import PeerSum
+
+        reduce = PeerSum(all_reduce, rank == 0, links)
+    elif group is None:
         reduce = LEAD_SUM if rank == 0 else FOLLOWER_SUM
     else:
         def reduce(x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Tensor parallelism on two CUDA GPUs (NCCL ranks): the one-token fused layer parts under a sum
 over ranks are as close to the exact model as the unfused parts are, and add each residual
-once (the lead rank's partial carries it). Skipped with fewer than two GPUs."""
+once (the lead rank's partial carries it); their sums over peer memory equal NCCL's. Skipped
+with fewer than two GPUs."""
 
 import multiprocessing
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.model import EAGER, forward, map_params
+from nanoinfer.peer_sum import PeerLinks
 from nanoinfer.tensor_parallel import Shard, layer_functions, shard_config, shard_params
 from tests.tiny import random_params, tiny_config
 
@@ -53,9 +56,9 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
         kernels = kernels_for(local, device, BS)
         calls = []
 
-        def counted(*args):
-            calls.append(args[-1] is not None)  # (whether this GEMV added a residual)
-            return real(*args)
+        def counted(*args, **kwargs):
+            calls.append(args[6] is not None)  # (whether this GEMV added a residual)
+            return real(*args, **kwargs)
 
         real, fused_layers.fused_gemv = fused_layers.fused_gemv, counted
         try:  # (the fused parts as kernels_for gives them, with each GEMV call counted)
@@ -70,6 +73,12 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
         for name, base in (("unfused", EAGER), ("kernels", kernels.layer_fns)):
             runs[name] = _steps(local, part, allocate_kv_pool(local, 4, BS, torch.bfloat16, device),
                                 layer_functions(base, Shard(rank, size), cfg.vocab_size), kernels.attention, device)
+        links = PeerLinks(rank, size, cfg.hidden_size, torch.bfloat16, device)
+        links.connect(dist.group.WORLD.group_name)
+        runs["peer"] = _steps(local, part, allocate_kv_pool(local, 4, BS, torch.bfloat16, device),
+                              layer_functions(kernels.layer_fns, Shard(rank, size), cfg.vocab_size, None, links),
+                              kernels.attention, device)
+        links.close()
         results.put((rank, calls, {name: t.float().cpu().numpy() for name, t in runs.items()}))
     finally:
         dist.destroy_process_group()
@@ -99,6 +108,10 @@ def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
     for name in ("fused-eager", "kernels"):
         assert err[name] <= 1.5 * err["unfused"] + 1e-2, err
     assert torch.equal(runs["kernels"].argmax(-1), exact.argmax(-1)), err
+    # Sums over NVLink peer memory (nanoinfer.peer_sum): two bf16 partials added in fp32 and
+    # rounded once, as NCCL adds them, so the logits are NCCL's to the bit, on both ranks.
+    for rank in (0, 1):
+        assert np.array_equal(got[rank][1]["peer"], got[rank][1]["kernels"]), rank
 
 
 def test_close_over_two_gpus_leaves_no_group_behind():

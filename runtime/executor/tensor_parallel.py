@@ -111,6 +111,7 @@ class RankSetup(NamedTuple):
     eager: bool  # kernels_for's (enforce_eager): no fused layers, no graphs
     graphs: GraphSizes | None  # the CUDA graphs rank 0 captures, which every rank captures alike
     micro_batches: int = 1  # pipeline parallelism: the most micro-batches a step is cut into
+    peer_sums: bool = False  # one-token sums over NVLink peer memory (nanoinfer.peer_sum), connected now
 
 
 class Grid(NamedTuple):
@@ -153,12 +154,22 @@ def rank_part(cfg: ModelConfig, params: Params, grid: Grid, rank: int) -> tuple[
     return shard_config(cfg, shard, grid.tp), shard_params(params, cfg, shard, grid.tp)
 
 
-def rank_layer_functions(base, grid: Grid, rank: int, vocab_size: int, tp_group):
+def rank_layer_functions(base, grid: Grid, rank: int, vocab_size: int, tp_group, links=None):
     """Rank `rank`'s layers with the collectives of its stage's shards (`tp_group`: theirs, None
-    for the default group when there is one stage)."""
+    for the default group when there is one stage; `links`: nanoinfer.peer_sum's, or None)."""
     if grid.pp > 1 and grid.tp == 1:
         return base
-    return layer_functions(base, Shard(grid.place(rank)[1], grid.tp), vocab_size, tp_group)
+    return layer_functions(base, Shard(grid.place(rank)[1], grid.tp), vocab_size, tp_group, links)
+
+
+def peer_links(cfg: ModelConfig, grid: Grid, rank: int, dtype: torch.dtype, device: torch.device):
+    """Rank `rank`'s nanoinfer.peer_sum links where its one-token sums can take them (tensor
+    parallelism alone, on CUDA, in a 16-bit model), else None. Not yet connected."""
+    if device.type != "cuda" or grid.pp > 1 or grid.tp == 1 or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from nanoinfer.peer_sum import PeerLinks
+
+    return PeerLinks(rank, grid.tp, cfg.hidden_size, dtype, device)
 
 
 def _backend(device: torch.device) -> str:
@@ -184,12 +195,13 @@ class TensorParallelRanks:
 
     channel: ChannelWriter | None = None  # the orders' way to the ranks this engine started (None: the control group)
 
-    def __init__(self, cfg: ModelConfig, params: Params, grid: Grid | int):
+    def __init__(self, cfg: ModelConfig, params: Params, grid: Grid | int, peer_sums: bool = False):
         grid = grid if isinstance(grid, Grid) else Grid(grid)
         _check_grid(cfg, grid)
         self.cfg, self.grid, self.size = cfg, grid, grid.size
         size = grid.size
         device = params.device
+        self.links = peer_links(cfg, grid, 0, params.dtype, device) if peer_sums else None
         self.backend = _backend(device)
         self.launch: RankProcesses | None = None
         self.stage_groups = None  # pipeline parallelism's (pipeline_parallel.StageGroups)
@@ -262,10 +274,16 @@ class TensorParallelRanks:
 
     def layer_functions(self, base):
         tp_group = None if self.stage_groups is None else self.stage_groups.tp
-        return rank_layer_functions(base, self.grid, 0, self.cfg.vocab_size, tp_group)
+        return rank_layer_functions(base, self.grid, 0, self.cfg.vocab_size, tp_group, self.links)
 
     def setup(self, setup: RankSetup) -> None:
-        self._send(("setup", setup))
+        """The ranks' setup; they connect the peer links on taking it, as rank 0 does here."""
+        if self.links is not None:  # (a process's second engine fails here, before the ranks wait on it)
+            self.links.claim(dist.group.WORLD.group_name)
+        self._send(("setup", setup._replace(peer_sums=self.links is not None)))
+        if self.links is not None:
+            with self.watching():
+                self.links.connect(dist.group.WORLD.group_name)
 
     def ready(self) -> None:
         """Once rank 0 is set up: wait for every rank to be (a rank that failed its setup fails
@@ -311,6 +329,8 @@ class TensorParallelRanks:
         if self.closed:
             return
         self.closed = True
+        if self.links is not None:  # (before the groups: its memory is mapped through them)
+            self.links.close()
         if self.launch is None:  # (torchrun's ranks, or a world of one: nobody to wait for but the order's peers)
             try:
                 self._send(("stop", None))
@@ -473,7 +493,8 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
         self.tp = TensorParallelRanks(model.config, model.params,
-                                      Grid(config.tensor_parallel_size, config.pipeline_parallel_size))
+                                      Grid(config.tensor_parallel_size, config.pipeline_parallel_size),
+                                      peer_sums=config.peer_sums and not config.enforce_eager)
         try:
             local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units (and layers)
             super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
@@ -720,7 +741,10 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
     """A rank's KV pools, its step (a forward over a Batch and its Cut; a pipeline stage's over its
     micro-batches) and its CUDA graphs (None: eager)."""
     kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
-    fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp)
+    links = peer_links(local, grid, rank, part.dtype, device) if setup.peer_sums else None
+    if links is not None:  # (rank 0 connects on sending the setup)
+        links.connect(dist.group.WORLD.group_name)
+    fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp, links)
     pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
 
     def step(batch: Batch, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor]:

@@ -1,0 +1,181 @@
+"""Sums over tensor-parallel ranks for one token, over NVLink peer memory instead of NCCL.
+
+At batch 1 a tensor-parallel step runs two all-reduces a layer of a few KB each; NCCL's take
+6-10 µs apiece inside a CUDA graph (bench/RESULTS.md: 65 a step, 0.45 ms of an 8B step's
+3.5 ms at TP=2), mostly its kernel's own start and protocol, not bytes. Here the projection
+that makes a partial sum (nanoinfer.gemv.fused_gemv with a `Push`) stores its outputs straight
+into a slot of every rank's buffer, and one small kernel a rank (`PeerLinks.pull`) waits for
+the ranks' outputs there, adds them and writes the sum: no collective kernel, no copy.
+
+The protocol is NCCL's "LL": each 8-byte word holds two outputs and a flag, written with one
+store, so a reader that sees a word's flag sees its outputs, with no fence and no counter to
+wait for (a first version counted each GEMV program's rows with a release at system scope: the
+8B step was slower than with NCCL's sums).
+The flag is 1 or 2 by the parity of the slot's uses, which each rank counts alike (its pull
+adds one once it has read): a word still holding the slot's last use has the other flag.
+Two slots alternate: a layer's output projection sums in slot 0, its down projection in slot 1.
+A rank can be no more than one sum ahead of any peer (every sum waits for all ranks), so the
+slot it writes has been read. The sum is in fp32 in rank order, rounded once: at two ranks the
+same as NCCL's sum of two bf16 values.
+
+The buffers are torch's symmetric memory (each rank maps its peers'), allocated and exchanged
+once (`PeerLinks.connect`, a collective: every rank calls it at the same point, before any
+step). A second tensor-parallel engine in one process hung in that rendezvous on 2x H100, both
+ranks waiting (torch registers a group's store for symmetric memory by the group's name, and
+the second engine's default group has the first one's name). So a process sets up peer sums
+over a group name once (`_CLAIMED`: a second engine fails to start instead), and they are off
+by default (EngineConfig.peer_sums). The reference is `dist.all_reduce`
+(tests/test_gpu_tensor_parallel.py; the kernels alone, with one process's buffers as the
+ranks': tests/test_peer_sum.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoinfer.model import RankSum
+
+_SLOTS = 2
+_HEAD = 128  # bytes before the slots: each slot's count of uses (int32), then the failed pulls' count
+_POLLS = 1 << 22  # (seconds of polling)
+# The process groups this process set up peer sums over: state of the process, as torch's
+# registry of symmetric-memory groups is (see the module docstring).
+_CLAIMED: set[str] = set()
+
+
+@triton.jit
+def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: tl.constexpr, BLOCK: tl.constexpr):
+    # One program: each rank's words of this slot, re-read (volatile: from L2, where the peers'
+    # NVLink stores land) until every flag is this use's. After POLLS reads it gives up and
+    # counts a failure: a wrong sum rather than a hang when a peer is gone (the engine's
+    # watchdog reports the lost rank).
+    uses = tl.load(uses_ptr)
+    flag = (uses & 1) + 1
+    offs = tl.arange(0, BLOCK)
+    mask = offs < WORDS
+    lo_sum = tl.zeros([BLOCK], tl.float32)
+    hi_sum = tl.zeros([BLOCK], tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for r in tl.static_range(RANKS):
+        word = tl.load(words_ptr + r * WORDS + offs, mask=mask, other=0, volatile=True)
+        polls = 0
+        # (the stale words counted in int32: a min over booleans is an any, true being -1 as int1)
+        while (tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 0) > 0) & (polls < POLLS):
+            word = tl.load(words_ptr + r * WORDS + offs, mask=mask, other=0, volatile=True)
+            polls += 1
+        if polls == POLLS:
+            tl.atomic_add(failed_ptr, 1)
+        lo_sum += (word & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+        hi_sum += ((word >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+    out = tl.reshape(tl.join(lo_sum, hi_sum), [2 * BLOCK])
+    offs_out = tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + offs_out, out.to(dtype), mask=offs_out < 2 * WORDS)
+    tl.store(uses_ptr, uses + 1)
+
+
+@dataclass
+class Push:
+    """Where one projection's outputs go: `table` (int64 on the device) holds each rank's slot
+    address for this rank's words, then the address of this rank's count of the slot's uses;
+    `config` is the GEMV's tuned config, kept so that a push never runs in a tuning
+    (nanoinfer.gemv.fused_gemv)."""
+
+    table: torch.Tensor
+    ranks: int
+    config: object = None
+
+
+class PeerLinks:
+    """One rank's sum buffers and its peers' addresses (see the module docstring)."""
+
+    def __init__(self, rank: int, ranks: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        if hidden % 2:
+            raise ValueError(f"peer sums pair a row's outputs: hidden size {hidden} is odd")
+        self.rank, self.ranks, self.hidden, self.dtype, self.device = rank, ranks, hidden, dtype, device
+        self.buffer: torch.Tensor | None = None
+        self.pushes: tuple[Push, ...] = ()
+        self._handle = None  # (torch's symmetric memory: the peers' buffers mapped here)
+        self._claimed: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.buffer is not None
+
+    def _slot_bytes(self) -> int:
+        return self.ranks * self.hidden // 2 * 8
+
+    @staticmethod
+    def head_bytes() -> int:
+        """The buffer's head: each slot's count of uses, the failed pulls' count."""
+        return _HEAD
+
+    def nbytes(self) -> int:
+        """The buffer's size: the head, then each slot's words from every rank."""
+        return _HEAD + _SLOTS * self._slot_bytes()
+
+    def claim(self, group_name: str) -> None:
+        """Take process group `group_name` for this process's peer sums; RuntimeError where it was
+        taken before (before a collective: rank 0 calls it before the ranks connect)."""
+        if group_name in _CLAIMED:
+            raise RuntimeError(
+                f"peer sums over process group {group_name!r} were set up before in this process, and torch's "
+                f"symmetric memory keeps that group's first store: a second engine's rendezvous would hang. "
+                f"Start this engine with peer_sums=False, or in a process of its own")
+        _CLAIMED.add(group_name)
+        self._claimed = group_name
+
+    def connect(self, group_name: str) -> None:
+        """Allocate this rank's buffer and map the peers' (a collective over the process group
+        `group_name`: every rank calls it at the same point, before any step)."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self._claimed != group_name:
+            self.claim(group_name)
+        buffer = symm_mem.empty(self.nbytes(), dtype=torch.uint8, device=self.device)
+        buffer.zero_()
+        self._handle = symm_mem.rendezvous(buffer, group_name)
+        torch.cuda.synchronize(self.device)
+        dist.barrier()  # (every rank's buffer is zero before any rank writes a peer's)
+        self.attach(buffer, [int(p) for p in self._handle.buffer_ptrs])
+
+    def attach(self, buffer: torch.Tensor, bases: list[int]) -> None:
+        """Use `buffer` (zeroed) as this rank's, `bases[r]` as rank r's address of its own
+        (`connect`; tests/test_peer_sum.py gives the ranks' buffers of one process)."""
+        self.buffer = buffer
+        mine = self.rank * self.hidden // 2 * 8
+        self.pushes = tuple(
+            Push(torch.tensor([base + _HEAD + slot * self._slot_bytes() + mine for base in bases]
+                              + [buffer.data_ptr() + 4 * slot], dtype=torch.int64, device=buffer.device), self.ranks)
+            for slot in range(_SLOTS))
+
+    def pull(self, slot: int, polls: int = _POLLS) -> torch.Tensor:
+        """The sum [1, hidden] of the outputs every rank pushed into `slot` (waits for them, up to
+        `polls` reads of a rank's words; then `failures` counts it)."""
+        assert self.buffer is not None, "PeerLinks.connect first"
+        words = self.buffer[_HEAD:].view(torch.int64).view(_SLOTS, self.ranks * self.hidden // 2)
+        head = self.buffer[:_HEAD].view(torch.int32)
+        out = torch.empty((1, self.hidden), dtype=self.dtype, device=self.buffer.device)
+        _pull_kernel[(1,)](words[slot], head[slot:], head[_SLOTS:], out, self.hidden // 2, polls,
+                           RANKS=self.ranks, BLOCK=triton.next_power_of_2(self.hidden // 2), num_warps=8)
+        return out
+
+    def failures(self) -> int:
+        """How many pulls gave up waiting for a peer's outputs (their sums are wrong). Reads the
+        device: not for a step's path."""
+        return 0 if self.buffer is None else int(self.buffer[:_HEAD].view(torch.int32)[_SLOTS].item())
+
+    def close(self) -> None:
+        self.buffer, self.pushes, self._handle = None, (), None
+
+
+@dataclass(frozen=True)
+class PeerSum(RankSum):
+    """A `RankSum` whose one-token sums after the fused projections go over `links`
+    (nanoinfer.fused_layers); any other sum is `sum`'s (NCCL)."""
+
+    links: PeerLinks | None = None
