@@ -20,13 +20,14 @@ same as NCCL's sum of two bf16 values.
 
 The buffers are torch's symmetric memory (each rank maps its peers'), allocated and exchanged
 once (`PeerLinks.connect`, a collective: every rank calls it at the same point, before any
-step). A second tensor-parallel engine in one process hung in that rendezvous on 2x H100, both
-ranks waiting (torch registers a group's store for symmetric memory by the group's name, and
-the second engine's default group has the first one's name). So a process sets up peer sums
-over a group name once (`_CLAIMED`: a second engine fails to start instead), and they are off
-by default (EngineConfig.peer_sums). The reference is `dist.all_reduce`
-(tests/test_gpu_tensor_parallel.py; the kernels alone, with one process's buffers as the
-ranks': tests/test_peer_sum.py).
+step). A GPU test that starts two tensor-parallel engines one after the other in one process
+hung in that rendezvous on 2x H100, both ranks waiting, where one engine a process
+(bench/latency.py) did not. The likely cause: torch registers a group's store for symmetric
+memory by the group's name, and the second engine's default group has the first one's name.
+So a process sets up peer sums over a group name once (`_CLAIMED`: a second engine fails to
+start instead), and they are off by default (EngineConfig.peer_sums). The reference is
+`dist.all_reduce` (tests/test_gpu_tensor_parallel.py; the kernels alone, with one process's
+buffers as the ranks': tests/test_peer_sum.py).
 """
 
 from __future__ import annotations
