@@ -546,3 +546,25 @@ def test_every_ranks_kv_pool_fits_the_budget():
         assert core.executor.num_cpu_blocks * largest <= 10 * largest
     finally:
         core.close()
+
+
+def test_peer_sums_only_where_they_can_run():
+    """EngineConfig.peer_sums takes effect for tensor parallelism alone, on CUDA, in a 16-bit
+    model; elsewhere (the CPU's gloo ranks, pipeline stages, one rank, fp32) the sums stay
+    torch.distributed's, and no peer buffers are made."""
+    from runtime.executor.tensor_parallel import Grid, peer_links
+
+    cfg = tiny_config()
+    cuda = torch.device("cuda", 0)
+    for grid, dtype, device in ((Grid(2), torch.bfloat16, torch.device("cpu")), (Grid(2, 2), torch.bfloat16, cuda),
+                                (Grid(1), torch.bfloat16, cuda), (Grid(2), torch.float32, cuda)):
+        assert peer_links(cfg, grid, 0, dtype, device) is None, (grid, dtype, device)
+
+
+def test_peer_sums_take_a_16_bit_model_split_over_gpus():
+    pytest.importorskip("triton")
+    from runtime.executor.tensor_parallel import Grid, peer_links
+
+    cfg = tiny_config()
+    links = peer_links(cfg, Grid(2), 1, torch.float16, torch.device("cuda", 0))  # (not connected: no GPU needed)
+    assert (links.rank, links.ranks, links.hidden, links.ready) == (1, 2, cfg.hidden_size, False)
