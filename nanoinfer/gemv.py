@@ -234,13 +234,14 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
     if push is None:
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, PUSH=0)
         return out
-    # A push adds to the ranks' counts each time it runs, so it never runs in a tuning: it takes
-    # the config that the same product tuned without pushing (a first call here tunes it).
-    if push.config is None:
+    # A push writes into the ranks' slots each time it runs, so it never runs in a tuning: it
+    # takes the config that the same product tuned without pushing (a first call here tunes it).
+    key = (n, k, w.dtype, silu, norm is not None)
+    if key not in push.configs:
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             *args[:3], torch.empty((1, n), dtype=x.dtype, device=x.device), *args[4:], **flags, PUSH=0)
-        push.config = _gemv_kernel.best_config
-    config = push.config
+        push.configs[key] = _gemv_kernel.best_config
+    config = push.configs[key]
     _gemv_kernel.fn[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
         *args, **flags, PUSH=push.ranks, **config.all_kwargs())
     return None

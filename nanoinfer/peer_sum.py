@@ -32,7 +32,7 @@ buffers as the ranks': tests/test_peer_sum.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -53,8 +53,10 @@ def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: 
     # One program: each rank's words of this slot, re-read (volatile: from L2, where the peers'
     # NVLink stores land) until every flag is this use's. After POLLS reads it gives up and
     # counts a failure: a wrong sum rather than a hang when a peer is gone (the engine's
-    # watchdog reports the lost rank).
+    # watchdog reports the lost rank). After a failure no pull waits: the ranks are out of step
+    # for good, and a step's 2 pulls a layer would each wait out their polls.
     uses = tl.load(uses_ptr)
+    limit = tl.where(tl.load(failed_ptr) > 0, 0, POLLS)
     flag = (uses & 1) + 1
     offs = tl.arange(0, BLOCK)
     mask = offs < WORDS
@@ -65,10 +67,12 @@ def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: 
         word = tl.load(words_ptr + r * WORDS + offs, mask=mask, other=0, volatile=True)
         polls = 0
         # (the stale words counted in int32: a min over booleans is an any, true being -1 as int1)
-        while (tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 0) > 0) & (polls < POLLS):
+        stale = tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 0)
+        while (stale > 0) & (polls < limit):
             word = tl.load(words_ptr + r * WORDS + offs, mask=mask, other=0, volatile=True)
+            stale = tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 0)
             polls += 1
-        if polls == POLLS:
+        if stale > 0:
             tl.atomic_add(failed_ptr, 1)
         lo_sum += (word & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
         hi_sum += ((word >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
@@ -82,12 +86,12 @@ def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: 
 class Push:
     """Where one projection's outputs go: `table` (int64 on the device) holds each rank's slot
     address for this rank's words, then the address of this rank's count of the slot's uses;
-    `config` is the GEMV's tuned config, kept so that a push never runs in a tuning
+    `configs` are the GEMV's tuned configs, kept so that a push never runs in a tuning
     (nanoinfer.gemv.fused_gemv)."""
 
     table: torch.Tensor
     ranks: int
-    config: object = None
+    configs: dict = field(default_factory=dict)  # the GEMV's, by its tuning key
 
 
 class PeerLinks:
@@ -141,7 +145,9 @@ class PeerLinks:
         buffer.zero_()
         self._handle = symm_mem.rendezvous(buffer, group_name)
         torch.cuda.synchronize(self.device)
-        dist.barrier()  # (every rank's buffer is zero before any rank writes a peer's)
+        # (every rank's buffer is zero before any rank writes a peer's; on this rank's device: it
+        # may be the first NCCL call, and a guess would take cuda:rank)
+        dist.barrier(device_ids=[torch.device(self.device).index])
         self.attach(buffer, [int(p) for p in self._handle.buffer_ptrs])
 
     def attach(self, buffer: torch.Tensor, bases: list[int]) -> None:
@@ -171,7 +177,11 @@ class PeerLinks:
         return 0 if self.buffer is None else int(self.buffer[:_HEAD].view(torch.int32)[_SLOTS].item())
 
     def close(self) -> None:
-        self.buffer, self.pushes, self._handle = None, (), None
+        """Drop the buffers. A group claimed but never connected (a start that failed before)
+        is free for the next engine again."""
+        if self._handle is None and self._claimed is not None:
+            _CLAIMED.discard(self._claimed)
+        self.buffer, self.pushes, self._handle, self._claimed = None, (), None, None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.kv_cache import allocate_kv_pool
 from nanoinfer.model import EAGER, forward, map_params
-from nanoinfer.peer_sum import PeerLinks
 from nanoinfer.tensor_parallel import Shard, layer_functions, shard_config, shard_params
 from tests.tiny import random_params, tiny_config
 
@@ -44,6 +43,7 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
     from nanoinfer import fused_layers
     from nanoinfer.gemv import linear
     from nanoinfer.kernels import kernels_for
+    from nanoinfer.peer_sum import PeerLinks
     from nanoinfer.rope_write import rope_and_write
 
     device = torch.device("cuda", rank)

@@ -164,8 +164,11 @@ def rank_layer_functions(base, grid: Grid, rank: int, vocab_size: int, tp_group,
 
 def peer_links(cfg: ModelConfig, grid: Grid, rank: int, dtype: torch.dtype, device: torch.device):
     """Rank `rank`'s nanoinfer.peer_sum links where its one-token sums can take them (tensor
-    parallelism alone, on CUDA, in a 16-bit model), else None. Not yet connected."""
+    parallelism alone, on CUDA, in a 16-bit model, every rank on this host), else None. Not yet
+    connected."""
     if device.type != "cuda" or grid.pp > 1 or grid.tp == 1 or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if int(os.environ.get("LOCAL_WORLD_SIZE", grid.size)) != grid.size:  # (torchrun over several nodes)
         return None
     from nanoinfer.peer_sum import PeerLinks
 
