@@ -502,6 +502,9 @@ class TensorParallelRunner(ModelRunner):
             local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units (and layers)
             super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
                              max_model_len, draft)
+            if self.tp.links is not None and self.tp.links.failures():  # (the start's warm-ups and captures)
+                raise RuntimeError("peer sums: a pull gave up waiting for a rank's outputs while the engine started "
+                                   "(its sums were wrong); start with peer_sums=False")
             self.pools.followers.append(self.tp)
             self.tp.ready()
         except BaseException:
