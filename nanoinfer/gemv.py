@@ -237,9 +237,9 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
     # A push writes into the ranks' slots each time it runs, so it never runs in a tuning: it
     # takes the config that the same product tuned without pushing (a first call here tunes it).
     key = (n, k, w.dtype, silu, norm is not None)
-    if key not in push.configs:
+    if key not in push.configs:  # (the arguments of the product unpushed: the same tuning, often done already)
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            *args[:3], torch.empty((1, n), dtype=x.dtype, device=x.device), *args[4:], **flags, PUSH=0)
+            *args[:3], torch.empty((1, n), dtype=x.dtype, device=x.device), *args[4:-1], x, **flags, PUSH=0)
         push.configs[key] = _gemv_kernel.best_config
     config = push.configs[key]
     _gemv_kernel.fn[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
