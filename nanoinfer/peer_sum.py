@@ -22,10 +22,12 @@ The buffers are torch's symmetric memory (each rank maps its peers'), allocated 
 once (`PeerLinks.connect`, a collective: every rank calls it at the same point, before any
 step). A GPU test that starts two tensor-parallel engines one after the other in one process
 hung in that rendezvous on 2x H100, both ranks waiting, where one engine a process
-(bench/latency.py) did not. The likely cause: torch registers a group's store for symmetric
-memory by the group's name, and the second engine's default group has the first one's name.
-So a process sets up peer sums over a group name once (`_CLAIMED`: a second engine fails to
-start instead), and they are off by default (EngineConfig.peer_sums). The reference is
+(bench/latency.py) did not. The cause, as torch's source (its main branch) reads: symmetric
+memory keeps each group name's store for the life of the process (`set_group_info` refuses a
+second one, nothing removes one), and the second engine's default group has the first one's
+name, so its rendezvous went through the first engine's store, long closed. So a process sets
+up peer sums over a group name once (`_CLAIMED`: a second engine fails to start instead), and
+they are off by default (EngineConfig.peer_sums). The reference is
 `dist.all_reduce` (tests/test_gpu_tensor_parallel.py; the kernels alone, with one process's
 buffers as the ranks': tests/test_peer_sum.py).
 """
