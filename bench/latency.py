@@ -32,7 +32,7 @@ import time
 import torch
 
 
-def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1, peer_sums=False):
+def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1, peer_sums=True):
     from nanoinfer.sampling import SamplingParams
     from runtime.engine.engine_core import EngineConfig, EngineCore
 
@@ -91,7 +91,8 @@ def main():
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "fp8", "int4", "gpt-fast-int8", "gpt-fast-int4"])
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
-    parser.add_argument("--peer-sums", action="store_true", help="TP's one-token sums over peer memory, not NCCL's")
+    parser.add_argument("--peer-sums", action=argparse.BooleanOptionalAction, default=True,
+                        help="TP's one-token sums over peer memory (--no-peer-sums: NCCL's)")
     parser.add_argument("--variants", nargs="+", default=["overlap", "no-overlap", "eager"],
                         choices=["overlap", "no-overlap", "eager"], help="which of our engine's paths to time")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
@@ -137,7 +138,7 @@ def main():
                                         tensor_parallel_size=size, peer_sums=args.peer_sums)
                 breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
                                                                           "resolve"))
-                label += (f", tp={size}" + (", peer sums" if args.peer_sums else "")) if size > 1 else ""
+                label += (f", tp={size}" + (", peer sums" if args.peer_sums else ", NCCL sums")) if size > 1 else ""
                 label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
                 figures.setdefault(name, {})[label] = tps
                 print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")

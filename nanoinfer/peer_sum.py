@@ -20,16 +20,14 @@ same as NCCL's sum of two bf16 values.
 
 The buffers are torch's symmetric memory (each rank maps its peers'), allocated and exchanged
 once (`PeerLinks.connect`, a collective: every rank calls it at the same point, before any
-step). A GPU test that starts two tensor-parallel engines one after the other in one process
-hung in that rendezvous on 2x H100, both ranks waiting, where one engine a process
-(bench/latency.py) did not. The cause, as torch's source (its main branch) reads: symmetric
-memory keeps each group name's store for the life of the process (`set_group_info` refuses a
-second one, nothing removes one), and the second engine's default group has the first one's
-name, so its rendezvous went through the first engine's store, long closed. So a process sets
-up peer sums over a group name once (`_CLAIMED`: a second engine fails to start instead), and
-they are off by default (EngineConfig.peer_sums). The reference is
-`dist.all_reduce` (tests/test_gpu_tensor_parallel.py; the kernels alone, with one process's
-buffers as the ranks': tests/test_peer_sum.py).
+step). Torch exchanges the buffers' handles through the process group's store under keys
+numbered by a count of exchanges kept per process (StoreExchange's `seq_id_` in its C++
+source), so a rendezvous only meets peers that made as many before it. The ranks an engine
+starts are new processes, rank 0 is the user's: a second engine in one process hung in the
+rendezvous (2x H100: both ranks waiting, with a name of its own as with the default group's).
+So a process makes one rendezvous (`PeerLinks.first_in_process`) and a later engine sums with
+NCCL. The reference is `dist.all_reduce` (tests/test_gpu_tensor_parallel.py; the kernels
+alone, with one process's buffers as the ranks': tests/test_peer_sum.py).
 """
 
 from __future__ import annotations
@@ -45,9 +43,9 @@ from nanoinfer.model import RankSum
 _SLOTS = 2
 _HEAD = 128  # bytes before the slots: each slot's count of uses (int32), then the failed pulls' count
 _POLLS = 1 << 22  # (seconds of polling)
-# The process groups this process set up peer sums over: state of the process, as torch's
-# registry of symmetric-memory groups is (see the module docstring).
-_CLAIMED: set[str] = set()
+# Whether this process made a symmetric-memory rendezvous: state of the process, as torch's
+# count of exchanges is (see the module docstring).
+_RENDEZVOUS: dict[str, bool] = {"made": False}
 
 
 @triton.jit
@@ -106,7 +104,6 @@ class PeerLinks:
         self.buffer: torch.Tensor | None = None
         self.pushes: tuple[Push, ...] = ()
         self._handle = None  # (torch's symmetric memory: the peers' buffers mapped here)
-        self._claimed: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -124,25 +121,21 @@ class PeerLinks:
         """The buffer's size: the head, then each slot's words from every rank."""
         return _HEAD + _SLOTS * self._slot_bytes()
 
-    def claim(self, group_name: str) -> None:
-        """Take process group `group_name` for this process's peer sums; RuntimeError where it was
-        taken before (before a collective: rank 0 calls it before the ranks connect)."""
-        if group_name in _CLAIMED:
-            raise RuntimeError(
-                f"peer sums over process group {group_name!r} were set up before in this process, and torch's "
-                f"symmetric memory keeps that group's first store: a second engine's rendezvous would hang. "
-                f"Start this engine with peer_sums=False, or in a process of its own")
-        _CLAIMED.add(group_name)
-        self._claimed = group_name
+    @staticmethod
+    def first_in_process() -> bool:
+        """Whether `connect` can meet new ranks: no rendezvous was made in this process."""
+        return not _RENDEZVOUS["made"]
 
     def connect(self, group_name: str) -> None:
         """Allocate this rank's buffer and map the peers' (a collective over the process group
-        `group_name`: every rank calls it at the same point, before any step)."""
+        `group_name`: every rank calls it at the same point, before any step, once a process)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        if self._claimed != group_name:
-            self.claim(group_name)
+        if not self.first_in_process():
+            raise RuntimeError("peer sums connect once a process: torch counts its symmetric-memory exchanges per "
+                               "process, and a rendezvous with new ranks would wait for ever")
+        _RENDEZVOUS["made"] = True
         buffer = symm_mem.empty(self.nbytes(), dtype=torch.uint8, device=self.device)
         buffer.zero_()
         self._handle = symm_mem.rendezvous(buffer, group_name)
@@ -179,11 +172,8 @@ class PeerLinks:
         return 0 if self.buffer is None else int(self.buffer[:_HEAD].view(torch.int32)[_SLOTS].item())
 
     def close(self) -> None:
-        """Drop the buffers. A group claimed but never connected (a start that failed before)
-        is free for the next engine again."""
-        if self._handle is None and self._claimed is not None:
-            _CLAIMED.discard(self._claimed)
-        self.buffer, self.pushes, self._handle, self._claimed = None, (), None, None
+        """Drop the buffers."""
+        self.buffer, self.pushes, self._handle = None, (), None
 
 
 @dataclass(frozen=True)

@@ -124,10 +124,10 @@ class EngineConfig:
                                              "tensor_parallel_size); each step's sequences go through them as "
                                              "micro-batches, activations sent point to point (steps run eagerly)",
                                           minimum=1)
-    peer_sums: bool = setting(False, "under tensor parallelism on GPUs, a one-token step's sums over the ranks "
-                                     "go through NVLink peer memory, written by the projections themselves, "
-                                     "instead of NCCL's all-reduce (2x H100, 8B at batch 1: 1.10x). Once per "
-                                     "process: a second engine with it fails to start")
+    peer_sums: bool = setting(True, "under tensor parallelism on GPUs of one host, a one-token step's sums over "
+                                    "the ranks go through NVLink peer memory, written by the projections "
+                                    "themselves, instead of NCCL's all-reduce (2x H100, 8B at batch 1: 1.10x); the "
+                                    "first such engine of a process only (torch's symmetric memory)")
     pipeline_micro_batches: int | None = setting(None, "the most micro-batches a step's sequences are cut into "
                                                        "under pipeline parallelism (default: "
                                                        "pipeline_parallel_size, or 1 with pipeline_overlap)", minimum=1, optional=True)

@@ -119,7 +119,9 @@ def test_close_over_two_gpus_leaves_no_group_behind():
     on every rank (a graph alive kept NCCL's destroy waiting, and the group was left behind:
     the next engine in the process failed with "initialize the default process group twice"),
     so a second engine over two GPUs runs in the same process and gives the same tokens (this one
-    with its KV pool sized by the profiling step, which failed on rank 0's vocabulary share)."""
+    with its KV pool sized by the profiling step, which failed on rank 0's vocabulary share). The first
+    sums over peer memory, the second with NCCL (a second rendezvous in one process hung:
+    nanoinfer.peer_sum), as the third, asked to, does."""
     from pathlib import Path
 
     from nanoinfer.loaders import LoadedModel
@@ -130,10 +132,12 @@ def test_close_over_two_gpus_leaves_no_group_behind():
     cfg, params = _model()
     model = LoadedModel(cfg, map_params(lambda t: t.cuda(), params), None, Path("tiny-tp"))
     outputs = []
-    for sized in (dict(num_blocks=64), {}):  # (the second sizes its pool by profiling a step on rank 0's shard)
-        core = EngineCore(model, engine_config(block_size=16, max_model_len=256, tensor_parallel_size=2, **sized))
+    # (the second sizes its pool by profiling a step on rank 0's shard)
+    for extra, peer in ((dict(num_blocks=64), True), ({}, False), (dict(peer_sums=False), False)):
+        core = EngineCore(model, engine_config(block_size=16, max_model_len=256, tensor_parallel_size=2, **extra))
         try:
             assert core.executor.graphs is not None  # (the case at stake: graphs that captured collectives)
+            assert (core.executor.tp.links is not None and core.executor.tp.links.ready) == peer
             core.add_request([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             tokens = []
             while core.has_unfinished():
@@ -143,4 +147,4 @@ def test_close_over_two_gpus_leaves_no_group_behind():
             core.close()
         assert not dist.is_initialized()
         assert all(p.poll() is not None for p in core.executor.tp.procs)
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 8

@@ -93,10 +93,16 @@ def test_a_pull_waits_for_every_word_of_every_rank(one_config):
     assert links[1].failures() == 0
 
 
-def test_a_process_sets_up_peer_sums_over_a_group_once():
-    """A second engine's rendezvous over a group name this process used hung (torch keeps the
-    first store): the second claim fails at once, naming the group and the way out."""
-    first = PeerLinks(0, 2, 64, torch.bfloat16, torch.device(DEVICE))
-    first.claim("test-group-once")
-    with pytest.raises(RuntimeError, match="'test-group-once'.*peer_sums=False"):
-        PeerLinks(0, 2, 64, torch.bfloat16, torch.device(DEVICE)).claim("test-group-once")
+
+def test_a_process_connects_peer_sums_once(monkeypatch):
+    """A second rendezvous in one process hung (torch counts its exchanges per process, and an
+    engine's ranks are new processes): once one was made, `connect` refuses at once, naming why."""
+    from nanoinfer import peer_sum
+
+    links = PeerLinks(0, 2, 64, torch.bfloat16, torch.device(DEVICE))
+    monkeypatch.setitem(peer_sum._RENDEZVOUS, "made", False)
+    assert links.first_in_process()
+    monkeypatch.setitem(peer_sum._RENDEZVOUS, "made", True)
+    assert not links.first_in_process()
+    with pytest.raises(RuntimeError, match="once a process"):
+        links.connect("0")

@@ -205,6 +205,10 @@ class TensorParallelRanks:
         size = grid.size
         device = params.device
         self.links = peer_links(cfg, grid, 0, params.dtype, device) if peer_sums else None
+        if self.links is not None and not self.links.first_in_process():
+            log.warning("peer sums: an engine of this process connected them before, and torch's symmetric memory "
+                        "meets new ranks once a process (nanoinfer.peer_sum); this engine sums with NCCL")
+            self.links = None
         self.backend = _backend(device)
         self.launch: RankProcesses | None = None
         self.stage_groups = None  # pipeline parallelism's (pipeline_parallel.StageGroups)
@@ -281,8 +285,6 @@ class TensorParallelRanks:
 
     def setup(self, setup: RankSetup) -> None:
         """The ranks' setup; they connect the peer links on taking it, as rank 0 does here."""
-        if self.links is not None:  # (a process's second engine fails here, before the ranks wait on it)
-            self.links.claim(dist.group.WORLD.group_name)
         self._send(("setup", setup._replace(peer_sums=self.links is not None)))
         if self.links is not None:
             with self.watching():
