@@ -49,33 +49,39 @@ _RENDEZVOUS: dict[str, bool] = {"made": False}
 
 
 @triton.jit
-def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: tl.constexpr, BLOCK: tl.constexpr):
-    # One program: each rank's words of this slot, re-read (volatile: from L2, where the peers'
-    # NVLink stores land) until every flag is this use's. After POLLS reads it gives up and
-    # counts a failure: a wrong sum rather than a hang when a peer is gone (the engine's
-    # watchdog reports the lost rank). After a failure no pull waits: the ranks are out of step
-    # for good, and a step's 2 pulls a layer would each wait out their polls.
+def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: tl.constexpr, RANKS_P2: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # One program: every rank's words of this slot at once, re-read (volatile: from L2, where the
+    # peers' NVLink stores land) until every flag is this use's (one round trip a poll, not one
+    # a rank). After POLLS reads it gives up and counts a failure: a wrong sum rather than a
+    # hang when a peer is gone (the engine's watchdog reports the lost rank). After a failure no
+    # pull waits: the ranks are out of step for good, and a step's 2 pulls a layer would each
+    # wait out their polls.
     uses = tl.load(uses_ptr)
     limit = tl.where(tl.load(failed_ptr) > 0, 0, POLLS)
     flag = (uses & 1) + 1
-    offs = tl.arange(0, BLOCK)
-    mask = offs < WORDS
+    ranks = tl.arange(0, RANKS_P2)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (ranks < RANKS) & (offs < WORDS)
+    ptrs = words_ptr + ranks * WORDS + offs
+    word = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    # (the stale words counted in int32: a min over booleans is an any, true being -1 as int1)
+    stale = tl.sum(tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 1), 0)
+    polls = 0
+    while (stale > 0) & (polls < limit):
+        word = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        stale = tl.sum(tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 1), 0)
+        polls += 1
+    if stale > 0:
+        tl.atomic_add(failed_ptr, 1)
+    dtype = out_ptr.dtype.element_ty
+    lo = (word & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+    hi = ((word >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
     lo_sum = tl.zeros([BLOCK], tl.float32)
     hi_sum = tl.zeros([BLOCK], tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    for r in tl.static_range(RANKS):
-        word = tl.load(words_ptr + r * WORDS + offs, mask=mask, other=0, volatile=True)
-        polls = 0
-        # (the stale words counted in int32: a min over booleans is an any, true being -1 as int1)
-        stale = tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 0)
-        while (stale > 0) & (polls < limit):
-            word = tl.load(words_ptr + r * WORDS + offs, mask=mask, other=0, volatile=True)
-            stale = tl.sum((((word >> 32).to(tl.int32) != flag) & mask).to(tl.int32), 0)
-            polls += 1
-        if stale > 0:
-            tl.atomic_add(failed_ptr, 1)
-        lo_sum += (word & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
-        hi_sum += ((word >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+    for r in tl.static_range(RANKS):  # (in rank order, each rank's row picked out exactly: NCCL's order)
+        lo_sum += tl.sum(tl.where(ranks == r, lo, 0.0), 0)
+        hi_sum += tl.sum(tl.where(ranks == r, hi, 0.0), 0)
     out = tl.reshape(tl.join(lo_sum, hi_sum), [2 * BLOCK])
     offs_out = tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + offs_out, out.to(dtype), mask=offs_out < 2 * WORDS)
@@ -163,7 +169,8 @@ class PeerLinks:
         head = self.buffer[:_HEAD].view(torch.int32)
         out = torch.empty((1, self.hidden), dtype=self.dtype, device=self.buffer.device)
         _pull_kernel[(1,)](words[slot], head[slot:], head[_SLOTS:], out, self.hidden // 2, polls,
-                           RANKS=self.ranks, BLOCK=triton.next_power_of_2(self.hidden // 2), num_warps=8)
+                           RANKS=self.ranks, RANKS_P2=triton.next_power_of_2(self.ranks),
+                           BLOCK=triton.next_power_of_2(self.hidden // 2), num_warps=8)
         return out
 
     def failures(self) -> int:
