@@ -53,6 +53,8 @@ def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, ten
         engine.step()
     elapsed = time.perf_counter() - start
     phases = {k: v / (new_tokens - 1) * 1e3 for k, v in engine.timer.phase_times.items()}
+    links = getattr(getattr(engine.executor, "tp", None), "links", None)
+    phases["peer sums"] = links is not None and links.ready  # (the first TP engine of a process only)
     engine.close()
     del engine
     return (new_tokens - 1) / elapsed, phases
@@ -138,7 +140,8 @@ def main():
                                         tensor_parallel_size=size, peer_sums=args.peer_sums)
                 breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
                                                                           "resolve"))
-                label += (f", tp={size}" + (", peer sums" if args.peer_sums else ", NCCL sums")) if size > 1 else ""
+                sums = ", peer sums" if phases.pop("peer sums") else ", NCCL sums"
+                label += f", tp={size}{sums}" if size > 1 else ""
                 label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
                 figures.setdefault(name, {})[label] = tps
                 print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")

@@ -163,14 +163,16 @@ class PeerLinks:
 
     def pull(self, slot: int, polls: int = _POLLS) -> torch.Tensor:
         """The sum [1, hidden] of the outputs every rank pushed into `slot` (waits for them, up to
-        `polls` reads of a rank's words; then `failures` counts it)."""
+        `polls` reads of every rank's words; then `failures` counts it)."""
         assert self.buffer is not None, "PeerLinks.connect first"
         words = self.buffer[_HEAD:].view(torch.int64).view(_SLOTS, self.ranks * self.hidden // 2)
         head = self.buffer[:_HEAD].view(torch.int32)
         out = torch.empty((1, self.hidden), dtype=self.dtype, device=self.buffer.device)
+        ranks, block = triton.next_power_of_2(self.ranks), triton.next_power_of_2(self.hidden // 2)
+        # (8 warps measured at 2 and 4 ranks of 2,048 words; more where the words would spill registers)
         _pull_kernel[(1,)](words[slot], head[slot:], head[_SLOTS:], out, self.hidden // 2, polls,
-                           RANKS=self.ranks, RANKS_P2=triton.next_power_of_2(self.ranks),
-                           BLOCK=triton.next_power_of_2(self.hidden // 2), num_warps=8)
+                           RANKS=self.ranks, RANKS_P2=ranks, BLOCK=block,
+                           num_warps=min(32, max(8, ranks * block // 1024)))
         return out
 
     def failures(self) -> int:

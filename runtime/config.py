@@ -127,8 +127,9 @@ class EngineConfig:
     peer_sums: bool = setting(True, "under tensor parallelism on GPUs of one host, a one-token step's sums over "
                                     "the ranks go through NVLink peer memory, written by the projections "
                                     "themselves, instead of NCCL's all-reduce (8B at batch 1: 1.10x on 2x H100, "
-                                    "1.21x on 4x); the first such engine of a process only (torch's symmetric "
-                                    "memory)")
+                                    "1.25x on 4x); for a 16-bit model without pipeline stages or "
+                                    "enforce_eager, in the first such engine of a process (torch's symmetric "
+                                    "memory), where the GPUs reach each other's memory")
     pipeline_micro_batches: int | None = setting(None, "the most micro-batches a step's sequences are cut into "
                                                        "under pipeline parallelism (default: "
                                                        "pipeline_parallel_size, or 1 with pipeline_overlap)", minimum=1, optional=True)

@@ -67,6 +67,7 @@ def test_pushed_rows_pulled_are_the_sum_over_ranks(one_config, size):
                 assert INTERPRET or torch.equal(got, want), (step, slot, r)
                 uses = links[r].buffer[: links[r].head_bytes()].view(torch.int32)[:2].tolist()
                 assert uses == [step + 1, step + slot], "each pull counts its slot's use"
+                assert links[r].failures() == 0  # (no word found stale: padding rows included)
 
 
 def test_a_pull_waits_for_every_word_of_every_rank(one_config):

@@ -561,6 +561,44 @@ def test_peer_sums_only_where_they_can_run():
         assert peer_links(cfg, grid, 0, dtype, device) is None, (grid, dtype, device)
 
 
+def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
+    """Rank 0 alone decides whether an engine sums over peer memory (the ranks follow its
+    setup): not where torchrun's ranks span hosts, nor where the GPUs cannot reach each other's
+    memory, nor after a rendezvous in this process (a second one hung): then a warning says
+    why and the engine sums with NCCL."""
+    from runtime.executor import tensor_parallel
+    from runtime.executor.tensor_parallel import Grid, lead_peer_links
+
+    class Links:  # (nanoinfer.peer_sum.PeerLinks' part that the choice reads: no GPU, no Triton)
+        made = False
+
+        def first_in_process(self):
+            return not self.made
+
+    links = Links()
+    monkeypatch.setattr(tensor_parallel, "peer_links", lambda *args: links)
+    monkeypatch.setattr(tensor_parallel, "_peers_reach", lambda device, size: True)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cuda, cfg = torch.device("cuda", 0), tiny_config()
+    assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (torchrun's ranks: on this host only with its LOCAL_WORLD_SIZE)
+    with caplog.at_level("WARNING", logger="nanoinfer.tensor_parallel"):
+        assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links
+        monkeypatch.setattr(tensor_parallel, "_peers_reach", lambda device, size: False)
+        assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
+        monkeypatch.setattr(tensor_parallel, "_peers_reach", lambda device, size: True)
+        links.made = True
+        assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3 and all(w.endswith("this engine sums with NCCL") for w in warnings), warnings
+    assert "not all on this host" in warnings[0] and "reach each other's memory" in warnings[1]
+    assert "connected them before" in warnings[2]
+
+
 def test_peer_sums_take_a_16_bit_model_split_over_gpus():
     pytest.importorskip("triton")
     from runtime.executor.tensor_parallel import Grid, peer_links

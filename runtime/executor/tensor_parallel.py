@@ -91,6 +91,9 @@ RENDEZVOUS = datetime.timedelta(seconds=6)
 # ends the wait sooner: its sockets close, and the ranks watch their parent).
 IDLE = datetime.timedelta(days=365)
 LEAVE_WAIT = 3.0  # seconds rank 0 gives leaving the process groups at close
+# Rank 0's wait for the ranks in the peer sums' rendezvous (a wait on the store, which no watcher
+# can cut short): the ranks connect as soon as the setup reaches them, so only a dead one is late.
+CONNECT = datetime.timedelta(seconds=10)
 # The control channel's ring (control_channel.py): a step's order (its header and Cut) fits a
 # slot up to a few hundred sequences; a longer order takes several slots.
 SLOTS, SLOT_SIZE = 32, 4096
@@ -164,15 +167,59 @@ def rank_layer_functions(base, grid: Grid, rank: int, vocab_size: int, tp_group,
 
 def peer_links(cfg: ModelConfig, grid: Grid, rank: int, dtype: torch.dtype, device: torch.device):
     """Rank `rank`'s nanoinfer.peer_sum links where its one-token sums can take them (tensor
-    parallelism alone, on CUDA, in a 16-bit model, every rank on this host), else None. Not yet
-    connected."""
+    parallelism alone, on CUDA, in a 16-bit model), else None. Not yet connected. Whether this
+    engine uses them is rank 0's choice (`lead_peer_links`), which the ranks follow."""
     if device.type != "cuda" or grid.pp > 1 or grid.tp == 1 or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if int(os.environ.get("LOCAL_WORLD_SIZE", grid.size)) != grid.size:  # (torchrun over several nodes)
         return None
     from nanoinfer.peer_sum import PeerLinks
 
     return PeerLinks(rank, grid.tp, cfg.hidden_size, dtype, device)
+
+
+def lead_peer_links(cfg: ModelConfig, grid: Grid, dtype: torch.dtype, device: torch.device):
+    """Rank 0's peer links (`peer_links`) where this engine can use them: every rank on this
+    host (torchrun's LOCAL_WORLD_SIZE, where torchrun started them), each rank's GPU able to
+    reach every other's memory, and no rendezvous made in this process before (see
+    nanoinfer.peer_sum: a later engine's would wait for ever); else None, and a warning says
+    why. The ranks follow this choice (RankSetup.peer_sums)."""
+    links = peer_links(cfg, grid, 0, dtype, device)
+    if links is None:
+        return None
+    why = None
+    if launched_rank() is not None and int(os.environ.get("LOCAL_WORLD_SIZE", 0)) != grid.size:
+        why = "the ranks are not all on this host (torchrun's LOCAL_WORLD_SIZE)"
+    elif not _peers_reach(device, grid.size):
+        why = "these GPUs cannot all reach each other's memory"
+    elif not links.first_in_process():
+        why = ("an engine of this process connected them before, and torch's symmetric memory meets new ranks "
+               "once a process (nanoinfer.peer_sum)")
+    if why is None:
+        return links
+    log.warning("peer sums: %s; this engine sums with NCCL", why)
+    return None
+
+
+@contextlib.contextmanager
+def _store_timeout(timeout: datetime.timedelta):
+    """Waits on the default group's store (and on every prefix of it: they wait with their
+    TCPStore's timeout) give up after `timeout` inside."""
+    store = distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    before = store.timeout
+    store.set_timeout(timeout)
+    try:
+        yield
+    finally:
+        store.set_timeout(before)
+
+
+def _peers_reach(device: torch.device, size: int) -> bool:
+    """Whether the GPUs of ranks 0..size-1 (from `device` on) can each access the others' memory."""
+    first = device.index or 0
+    gpus = range(first, first + size)
+    return first + size <= torch.cuda.device_count() and all(
+        torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b)
 
 
 def _backend(device: torch.device) -> str:
@@ -204,11 +251,7 @@ class TensorParallelRanks:
         self.cfg, self.grid, self.size = cfg, grid, grid.size
         size = grid.size
         device = params.device
-        self.links = peer_links(cfg, grid, 0, params.dtype, device) if peer_sums else None
-        if self.links is not None and not self.links.first_in_process():
-            log.warning("peer sums: an engine of this process connected them before, and torch's symmetric memory "
-                        "meets new ranks once a process (nanoinfer.peer_sum); this engine sums with NCCL")
-            self.links = None
+        self.links = lead_peer_links(cfg, grid, params.dtype, device) if peer_sums else None
         self.backend = _backend(device)
         self.launch: RankProcesses | None = None
         self.stage_groups = None  # pipeline parallelism's (pipeline_parallel.StageGroups)
@@ -287,7 +330,7 @@ class TensorParallelRanks:
         """The ranks' setup; they connect the peer links on taking it, as rank 0 does here."""
         self._send(("setup", setup._replace(peer_sums=self.links is not None)))
         if self.links is not None:
-            with self.watching():
+            with self.watching(), _store_timeout(CONNECT):
                 self.links.connect(dist.group.WORLD.group_name)
 
     def ready(self) -> None:
@@ -506,7 +549,7 @@ class TensorParallelRunner(ModelRunner):
                              max_model_len, draft)
             if self.tp.links is not None and self.tp.links.failures():  # (the start's warm-ups and captures)
                 raise RuntimeError("peer sums: a pull gave up waiting for a rank's outputs while the engine started "
-                                   "(its sums were wrong); start with peer_sums=False")
+                                   "(its sums were wrong); start with peer_sums=False (--no-peer-sums)")
             self.pools.followers.append(self.tp)
             self.tp.ready()
         except BaseException:
@@ -748,10 +791,10 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
                 device: torch.device, groups):
     """A rank's KV pools, its step (a forward over a Batch and its Cut; a pipeline stage's over its
     micro-batches) and its CUDA graphs (None: eager)."""
-    kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
     links = peer_links(local, grid, rank, part.dtype, device) if setup.peer_sums else None
-    if links is not None:  # (rank 0 connects on sending the setup)
+    if links is not None:  # (first: rank 0 connects on sending the setup, and waits CONNECT for us)
         links.connect(dist.group.WORLD.group_name)
+    kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
     fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp, links)
     pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
 
