@@ -8,6 +8,7 @@ model as one rank is; and for the default model, exact and packed."""
 import dataclasses
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -597,6 +598,28 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
     assert len(warnings) == 3 and all(w.endswith("this engine sums with NCCL") for w in warnings), warnings
     assert "not all on this host" in warnings[0] and "reach each other's memory" in warnings[1]
     assert "connected them before" in warnings[2]
+
+
+def test_rank_0_waits_in_the_peer_sums_rendezvous_only_so_long():
+    """Rank 0 connects the peer sums inside `_store_timeout(CONNECT)`: a wait on the process
+    group's store there (where torch's rendezvous waits for a rank that died) fails after that
+    timeout as an error of a maybe lost peer, not after the store's 10 minutes, which come back
+    after."""
+    import datetime
+
+    from runtime.executor import tensor_parallel as tp
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=tp.TIMEOUT, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group_store = dist.PrefixStore("peer-test", dist.distributed_c10d._get_process_group_store(dist.group.WORLD))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as failed, tp._store_timeout(datetime.timedelta(seconds=0.5)):
+            group_store.get("a-key-no-rank-writes")
+        assert time.monotonic() - start < 5 and tp._maybe_a_peer(failed.value)
+        assert store.timeout == tp.TIMEOUT
+    finally:
+        dist.destroy_process_group()
 
 
 def test_peer_sums_take_a_16_bit_model_split_over_gpus():

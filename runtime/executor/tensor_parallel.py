@@ -202,16 +202,16 @@ def lead_peer_links(cfg: ModelConfig, grid: Grid, dtype: torch.dtype, device: to
 @contextlib.contextmanager
 def _store_timeout(timeout: datetime.timedelta):
     """Waits on the default group's store (and on every prefix of it: they wait with their
-    TCPStore's timeout) give up after `timeout` inside."""
+    TCPStore's timeout) give up after `timeout` inside; TIMEOUT again after (the store's, as
+    the groups were made with it)."""
     store = distributed_c10d._get_default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    before = store.timeout
     store.set_timeout(timeout)
     try:
         yield
     finally:
-        store.set_timeout(before)
+        store.set_timeout(TIMEOUT)
 
 
 def _peers_reach(device: torch.device, size: int) -> bool:
