@@ -25,6 +25,9 @@ One row can push its outputs into the tensor-parallel ranks' peer buffers instea
 writing them (`fused_gemv`'s `push`: nanoinfer.peer_sum), so the sum over ranks needs no
 collective kernel.
 
+On Hopper and later the one-row kernel launches early (nanoinfer.pdl): its programs fetch
+their first weight tile into L2 while the kernel ahead finishes, then wait for it.
+
 `linear(x, w, b)` is what the model calls on CUDA: these kernels up to 16 rows, otherwise
 F.linear for a dense weight, and for a quantized one `quantized.linear` (fp8: activations
 per token in e4m3 and `torch._scaled_mm`). They are plain functions, not torch custom ops:
@@ -39,7 +42,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from nanoinfer import quantized
+from nanoinfer import pdl, quantized
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
 from nanoinfer.peer_sum import Push
 from nanoinfer.row_kernels import quantize_rows_fp8
@@ -69,7 +72,7 @@ def _quick_bench(kernel_call, quantiles):
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES, norm_ptr, res_ptr,
                  eps, push_ptr, HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
                  SILU: tl.constexpr, RESIDUAL: tl.constexpr, PUSH: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
     # ROWS: 1, or 2 (each weight widened once, multiplied with both rows).
     # One row may fold its neighbours in (fused_gemv): NORM, x is RMSNorm'd on the way in: the
@@ -80,6 +83,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     # output, rounded first as `x + linear(...)` rounds it.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if PDL:  # (nanoinfer.pdl) the weights are no kernel's output: the first tile into L2 before the wait
+        lines = tl.minimum(tl.arange(0, BLOCK_K // 64) * 64, K - 1)  # (64 elements: a 128-byte line of bf16)
+        pdl.prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
+        pdl.signal()
+        pdl.wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if ROWS == 2:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -201,7 +209,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
             x, x, 0.0, x, HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m, NORM=False, SILU=False,
-            RESIDUAL=False, PUSH=0)
+            RESIDUAL=False, PUSH=0, **pdl.launch(x.device))
     elif m <= ROWS_MAX and x.dtype in (torch.bfloat16, torch.float16) and w.dtype in (x.dtype, torch.int8):
         _rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
@@ -230,7 +238,7 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
             x if norm is None else norm, x if residual is None else residual, eps,
             x if push is None else push.table)
     flags = dict(HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu,
-                 RESIDUAL=residual is not None)
+                 RESIDUAL=residual is not None, **pdl.launch(x.device))
     if push is None:
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, PUSH=0)
         return out

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer import pdl
 from nanoinfer.model import RankSum
 
 _SLOTS = 2
@@ -50,13 +51,15 @@ _RENDEZVOUS: dict[str, bool] = {"made": False}
 
 @triton.jit
 def _pull_kernel(words_ptr, uses_ptr, failed_ptr, out_ptr, WORDS, POLLS, RANKS: tl.constexpr, RANKS_P2: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # One program: every rank's words of this slot at once, re-read (volatile: from L2, where the
     # peers' NVLink stores land) until every flag is this use's (one round trip a poll, not one
     # a rank). After POLLS reads it gives up and counts a failure: a wrong sum rather than a
     # hang when a peer is gone (the engine's watchdog reports the lost rank). After a failure no
     # pull waits: the ranks are out of step for good, and a step's 2 pulls a layer would each
     # wait out their polls.
+    if PDL:  # (nanoinfer.pdl: the next kernel's programs may start fetching their weights while this waits)
+        pdl.start()
     uses = tl.load(uses_ptr)
     limit = tl.where(tl.load(failed_ptr) > 0, 0, POLLS)
     flag = (uses & 1) + 1
@@ -172,7 +175,7 @@ class PeerLinks:
         # (8 warps measured at 2 and 4 ranks of 2,048 words; more where the words would spill registers)
         _pull_kernel[(1,)](words[slot], head[slot:], head[_SLOTS:], out, self.hidden // 2, polls,
                            RANKS=self.ranks, RANKS_P2=ranks, BLOCK=block,
-                           num_warps=min(32, max(8, ranks * block // 1024)))
+                           num_warps=min(32, max(8, ranks * block // 1024)), **pdl.launch(out.device))
         return out
 
     def failures(self) -> int:

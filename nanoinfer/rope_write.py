@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer import pdl
 from nanoinfer.config import ModelConfig
 
 
@@ -25,7 +26,9 @@ from nanoinfer.config import ModelConfig
 def _rope_write_kernel(qkv_ptr, q_out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
                        stride_qkv, stride_qo, stride_cos, stride_kv, eps,
                        NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr):
+                       HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # (nanoinfer.pdl)
+        pdl.start()
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, in the projection's column order
     # Each half of the head in a tile of HALF_PAD (a power of two: tl.arange's rule) columns;
@@ -95,5 +98,5 @@ def rope_and_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
         qkv, q, kv_layer, slot_mapping, cos, sin, norm, k_norm if cfg.qk_norm else norm,
         qkv.stride(0), q.stride(0), cos.stride(0), kv_layer.stride(0), cfg.rms_norm_eps,
         NUM_HEADS=cfg.num_heads, KV_HEADS=cfg.num_kv_heads, HEAD_DIM=d, HALF_PAD=triton.next_power_of_2(d // 2),
-        QK_NORM=cfg.qk_norm, FP8=kv_layer.dtype == torch.float8_e4m3fn, num_warps=1)
+        QK_NORM=cfg.qk_norm, FP8=kv_layer.dtype == torch.float8_e4m3fn, num_warps=1, **pdl.launch(qkv.device))
     return q

@@ -112,6 +112,30 @@ def test_cuda_layer_parts_match_eager_and_replay_exactly(hf_and_ours):
         assert torch.equal(forward(model.params, kv, decode, cfg, backend, parts).clone(), graphs.run(decode)[0].clone())
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch: Hopper on")
+def test_one_token_steps_launched_early_equal_those_launched_in_turn(hf_and_ours, monkeypatch):
+    """nanoinfer.pdl: the decode kernels started before the ones ahead end (their GEMVs fetching
+    weights meanwhile), eager and in graph replays, give what plain launches give, bit for bit."""
+    _, model = hf_and_ours
+    cfg, bs = model.config, 16
+    kv, backend = random_pool_and_backend(cfg, bs)
+    parts = cuda_layer_functions()
+    batches = [build_batch([SeqChunk([3 + n], n, list(range(0, -(-(n + 1) // bs))), True)], bs, "cuda")
+               for n in (0, 40, 200)]
+    outputs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("NANOINFER_PDL", setting)
+        graphs = StepGraphs(lambda b: (forward(model.params, kv, b, cfg, backend, parts),), kv.device, max_batch=1,
+                            max_blocks=16, buckets=(1,))
+        graphs.capture()
+        with torch.inference_mode():
+            outputs[setting] = [(forward(model.params, kv, b, cfg, backend, parts).clone(), graphs.run(b)[0].clone())
+                                for b in batches]
+    for (plain_eager, plain_graph), (early_eager, early_graph) in zip(outputs["0"], outputs["1"]):
+        assert torch.equal(plain_eager, plain_graph)
+        assert torch.equal(early_eager, plain_eager) and torch.equal(early_graph, plain_graph)
+
+
 @pytest.mark.parametrize("layers", ["eager", "cuda"])
 def test_mixed_step_graphs_match_eager_and_write_only_the_batch_slots(hf_and_ours, layers):
     """Prefill chunks beside decodes, padded to a token bucket and to the graphs' sequence

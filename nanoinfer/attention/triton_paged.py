@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer import pdl
 from nanoinfer.attention import triton_decode_cc
 from nanoinfer.attention.triton_softmax import online_softmax
 from nanoinfer.batch import Batch
@@ -95,8 +96,10 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr,
+    SLIDING: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # (nanoinfer.pdl)
+        pdl.start()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -197,7 +200,9 @@ def _paged_attention_kernel(
 def _reduce_partitions_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, query_start_loc_ptr, num_seqs, num_partitions,
                               max_partitions, stride_ot, stride_oh,
                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                              PARTS: tl.constexpr):
+                              PARTS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # (nanoinfer.pdl)
+        pdl.start()
     token = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -335,7 +340,7 @@ class TritonPagedAttention:
             NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
             SLIDING=metadata.sliding_window > 0, SPLIT=split, FP8_KV=kv_layer.dtype == torch.float8_e4m3fn,
-            num_warps=self.num_warps, num_stages=stages)
+            num_warps=self.num_warps, num_stages=stages, **pdl.launch(q.device))
         if split:
             self._reduce(out, metadata, num_parts)
         return out
@@ -347,4 +352,4 @@ class TritonPagedAttention:
             out, self.ws_max, self.ws_sum, self.ws_acc, metadata.query_start_loc, metadata.seq_lens.shape[0],
             num_parts, self.max_partitions, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, PARTS=triton.next_power_of_2(num_parts),
-            num_warps=4)
+            num_warps=4, **pdl.launch(out.device))
