@@ -21,7 +21,6 @@ import socket
 import struct
 import subprocess
 import threading
-import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler

@@ -181,7 +181,6 @@ def test_int4_checkpoint_loads_packed_and_exact(method, act_order, tmp_path):
 def test_int4_quantization_of_any_checkpoint(tmp_path):
     model = hf_model("llama", tied=False, num_layers=2, seed=9)
     model.save_pretrained(tmp_path)
-    dense = load_model(tmp_path, device="cpu", progress=False)
     int4 = load_model(tmp_path, device="cpu", progress=False, quantization="int4")
     assert int4.quantization == "int4" and not isinstance(int4.params.layers[0].qkv_proj, torch.Tensor)
     again = quantize_params(int4.params, "int4")  # (already 4-bit: kept)

@@ -6,7 +6,6 @@ import dataclasses
 import platform
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
