@@ -145,6 +145,22 @@ def test_decode_split_k(block_size, group, head_dim, dtype):
     run_and_check(TritonPagedAttention(cfg, device=DEVICE), batch, cfg, q, kv_layer, dtype)
 
 
+@pytest.mark.parametrize("contexts", [[300], [2000], [1000, 37], [255]])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_few_sequences_decode_in_fine_partitions(contexts, head_dim, group):
+    """A decode step of few (sequence, kv head) programs cuts a wide table's context into
+    `fine_partition`-key partitions (latency): against the reference, and the same step
+    with more programs allowed coarse partitions only (`few_programs=0`) against it too."""
+    cfg = make_cfg(8, group, head_dim)
+    seed = seed_of(sum(contexts), group, head_dim)
+    batch, q, _, _, kv_layer = make_step([(n, 1) for n in contexts], cfg, 16, torch.bfloat16, num_pad=0, seed=seed)
+    fine = TritonPagedAttention(cfg, device=DEVICE)
+    assert len(contexts) * cfg.num_kv_heads <= fine.few_programs
+    run_and_check(fine, batch, cfg, q, kv_layer, torch.bfloat16)
+    run_and_check(TritonPagedAttention(cfg, device=DEVICE, few_programs=0), batch, cfg, q, kv_layer, torch.bfloat16)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 256])
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("block_size", [16, 32])

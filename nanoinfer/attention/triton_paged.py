@@ -244,10 +244,17 @@ class TritonPagedAttention:
     more rows, where the query tiles alone fill the GPU, run unsplit: by default past 512
     (row, kv head) programs, about four per SM, beyond which splitting only adds the partial
     writes and the reduce kernel (0.36 ms of a 7.6 ms decode step at batch 256 on an H200).
+    A decode step of few (sequence, kv head) programs, up to `few_programs` (batch 1 or 2 of
+    8 kv heads), is latency-bound instead: each program walks its keys one tile after another
+    while the GPU idles, so past `fine_from` keys of table width its context is cut into
+    partitions of `fine_partition` keys (an H100, µs per layer, 8B shape: batch 1, 1,000 keys
+    14.3 -> 7.1, 2,000 keys 15.8 -> 8.9; below 256 keys one program is faster, the reduce
+    kernel costing more than the split saves; at batch 4, 300 keys, 7.4 -> 8.5: bench/RESULTS.md).
     """
 
     def __init__(self, cfg: ModelConfig, *, max_split_tokens: int | None = None, partition_size: int = 512,
-                 max_partitions: int = 32, device: torch.device | str = "cuda"):
+                 max_partitions: int = 32, few_programs: int = 16, fine_from: int = 256, fine_partition: int = 64,
+                 device: torch.device | str = "cuda"):
         if max_split_tokens is None:
             max_split_tokens = max(1, 512 // cfg.num_kv_heads)
         d = cfg.head_dim
@@ -265,6 +272,7 @@ class TritonPagedAttention:
         self.block_n, self.num_warps = (32, 8) if wide else (64, 4)
         self.partition_size = triton.cdiv(partition_size, self.block_n) * self.block_n
         self.max_split_tokens, self.max_partitions = max_split_tokens, max_partitions
+        self.few_programs, self.fine_from, self.fine_partition = few_programs, fine_from, fine_partition
         ws = (max_split_tokens, cfg.num_heads, max_partitions)
         self.ws_max = torch.empty(ws, dtype=torch.float32, device=device)
         self.ws_sum = torch.empty(ws, dtype=torch.float32, device=device)
@@ -318,6 +326,9 @@ class TritonPagedAttention:
             if num_parts > 1:
                 self._reduce(out, metadata, num_parts)
             return out
+        if tokens <= num_seqs and num_seqs * kv_heads <= self.few_programs and max_context > self.fine_from:
+            # (a latency-bound decode step: see the class docstring)
+            num_parts = min(self.max_partitions, triton.cdiv(max_context, self.fine_partition))
         split = tokens <= self.max_split_tokens and num_parts > 1
         # Decode-sized steps (split, or one query per sequence): 16 rows (the smallest
         # tensor-core tile) so one decode query of a GQA group wastes few rows; prefill: 64
