@@ -46,9 +46,9 @@ def enabled(device: torch.device) -> bool:
 
 def launch(device: torch.device) -> dict:
     """A launch's keywords for a kernel with a `PDL` constexpr: `PDL` (the kernel signals and
-    waits) and Triton's `launch_pdl` (the launch lets it start early) together, or neither."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on}
+    waits) and Triton's `launch_pdl` (the launch lets it start early) together, or `PDL` off
+    alone (a Triton from before `launch_pdl` never sees it)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
 @triton.jit
