@@ -145,18 +145,33 @@ def test_decode_split_k(block_size, group, head_dim, dtype):
     run_and_check(TritonPagedAttention(cfg, device=DEVICE), batch, cfg, q, kv_layer, dtype)
 
 
-@pytest.mark.parametrize("contexts", [[300], [2000], [1000, 37], [255]])
+def test_decode_partitions_are_fine_only_for_few_programs_over_wide_tables():
+    """`partitions`: 64-key partitions for a decode step of at most 16 (sequence, kv head)
+    programs whose table is wider than 256 keys; 512-key ones otherwise, none past
+    max_split_tokens rows; and the graph widths where that changes."""
+    att = TritonPagedAttention(make_cfg(8, 4, 128), device=DEVICE)
+    assert att.partitions(1, 1, 8, 256) == 1  # (no wider than fine_from: one program)
+    assert att.partitions(1, 1, 8, 512) == 8 and att.partitions(2, 2, 8, 2048) == 32
+    assert att.partitions(4, 4, 8, 512) == 1 and att.partitions(4, 4, 8, 2048) == 4  # (32 programs: coarse)
+    assert att.partitions(40, 2, 8, 2048) == 4  # (a prefill chunk: coarse)
+    assert att.partitions(att.max_split_tokens + 1, 1, 8, 2048) == 1
+    assert att.graph_widths(16) == (16, 32)
+
+
+@pytest.mark.parametrize("contexts", [[300], [2000], [1000, 37], [255], [100]])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4])
 def test_few_sequences_decode_in_fine_partitions(contexts, head_dim, group):
     """A decode step of few (sequence, kv head) programs cuts a wide table's context into
-    `fine_partition`-key partitions (latency): against the reference, and the same step
-    with more programs allowed coarse partitions only (`few_programs=0`) against it too."""
+    `fine_partition`-key partitions (latency), a narrow one's not: against the reference, and
+    the same step with more programs allowed coarse partitions only (`few_programs=0`) too."""
     cfg = make_cfg(8, group, head_dim)
     seed = seed_of(sum(contexts), group, head_dim)
     batch, q, _, _, kv_layer = make_step([(n, 1) for n in contexts], cfg, 16, torch.bfloat16, num_pad=0, seed=seed)
     fine = TritonPagedAttention(cfg, device=DEVICE)
-    assert len(contexts) * cfg.num_kv_heads <= fine.few_programs
+    width = batch.block_tables.shape[1] * 16
+    parts = fine.partitions(len(contexts), len(contexts), 8, width)
+    assert parts == (1 if width <= 256 else -(-width // 64)), (width, parts)
     run_and_check(fine, batch, cfg, q, kv_layer, torch.bfloat16)
     run_and_check(TritonPagedAttention(cfg, device=DEVICE, few_programs=0), batch, cfg, q, kv_layer, torch.bfloat16)
 

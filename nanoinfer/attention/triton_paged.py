@@ -278,6 +278,23 @@ class TritonPagedAttention:
         self.ws_sum = torch.empty(ws, dtype=torch.float32, device=device)
         self.ws_acc = torch.empty((*ws, d), dtype=torch.float32, device=device)
 
+    def partitions(self, tokens: int, num_seqs: int, kv_heads: int, max_context: int) -> int:
+        """How many partitions the tensor-core kernel cuts each program's keys into (1: the
+        unsplit launch) for a step of `tokens` query rows of `num_seqs` sequences over
+        `kv_heads` heads, its block table `max_context` keys wide (see the class docstring)."""
+        if tokens > self.max_split_tokens:
+            return 1
+        partition = self.partition_size
+        if tokens <= num_seqs and num_seqs * kv_heads <= self.few_programs and max_context > self.fine_from:
+            partition = self.fine_partition  # (a latency-bound decode step)
+        return min(self.max_partitions, triton.cdiv(max_context, partition))
+
+    def graph_widths(self, block_size: int) -> tuple[int, ...]:
+        """The block-table widths (in blocks) where a decode step's attention launch changes
+        (`partitions`): a runner captures its decode graphs at each, so that a step of short
+        contexts replays a graph whose attention does not split them."""
+        return (self.fine_from // block_size, self.partition_size // block_size)
+
     def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TritonMetadata:
         # No host work beyond this packing: launch sizes come from shapes inside `attention`.
         return TritonMetadata(batch.block_tables.to(torch.int32), batch.seq_lens.to(torch.int32),
@@ -326,10 +343,8 @@ class TritonPagedAttention:
             if num_parts > 1:
                 self._reduce(out, metadata, num_parts)
             return out
-        if tokens <= num_seqs and num_seqs * kv_heads <= self.few_programs and max_context > self.fine_from:
-            # (a latency-bound decode step: see the class docstring)
-            num_parts = min(self.max_partitions, triton.cdiv(max_context, self.fine_partition))
-        split = tokens <= self.max_split_tokens and num_parts > 1
+        num_parts = self.partitions(tokens, num_seqs, kv_heads, max_context)
+        split = num_parts > 1
         # Decode-sized steps (split, or one query per sequence): 16 rows (the smallest
         # tensor-core tile) so one decode query of a GQA group wastes few rows; prefill: 64
         # rows per K/V tile load.

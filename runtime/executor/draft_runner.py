@@ -86,7 +86,7 @@ class DraftRunner(DeviceModel):
 
             self._capture(max_batch=StepGraphs.batch_cap(config.scheduler.max_num_seqs), max_blocks=batch.max_blocks,
                           max_tokens=config.scheduler.max_num_batched_tokens,
-                          widths=(self.kernels.attention.partition_size // config.block_size,), rows_per_seq=2,
+                          widths=self.kernels.attention.graph_widths(config.block_size), rows_per_seq=2,
                           lazy=config.cuda_graph_capture == "lazy")
         # Prelaunching pays where the device would wait for the host (not on the CPU), and
         # while a step that accepted everything is mostly followed by another (`_outcomes`:

@@ -96,9 +96,9 @@ class ModelRunner(DeviceModel):
         return GraphSizes(
             max_batch=StepGraphs.batch_cap(c.scheduler.max_num_seqs), max_blocks=self.max_blocks,
             max_tokens=c.scheduler.max_num_batched_tokens,
-            # Steps whose contexts fit one split-K partition get graphs whose attention runs
-            # in one pass (no reduce kernel).
-            widths=(self.attention.partition_size // c.block_size,),
+            # Steps of short contexts get graphs whose attention does not split them (no
+            # reduce kernel).
+            widths=self.attention.graph_widths(c.block_size),
             rows_per_seq=1 + (0 if spec is None else spec.num_speculative_tokens),
             lazy=c.cuda_graph_capture == "lazy")
 
