@@ -1,13 +1,13 @@
 """What runs a model: its family's forward (`forward_of`), and per device its kernels
-(`kernels_for`: attention backend, layer functions, sampler draw).
+(`kernels_for`: attention backend, layer functions, sampler draw, grammar masks).
 
 The one place that decides, per family and per device. A family with a dataflow of its own
 (nanochat) has its module imported only for a model of that family. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections (with the norms, SwiGLU and residual adds folded in:
 nanoinfer.fused_layers), Triton row kernels for those steps at more tokens
 (nanoinfer.batched_layers), the fused q/k-norm + RoPE + KV-write kernel, and the sampler's
-random draw as a Triton kernel (nanoinfer.draw_triton), unless `eager`; CUDA graphs may then
-capture steps. Nothing is torch.compile'd: Dynamo and Inductor took most of a cold start. On the
+random draw and the grammar masks' fill as Triton kernels (nanoinfer.draw_triton,
+nanoinfer.bitmask_triton), unless `eager`; CUDA graphs may then capture steps. Nothing is torch.compile'd: Dynamo and Inductor took most of a cold start. On the
 CPU: a packed (quantized) model's layers run nanoinfer.cpu_layers (packed matmuls, the rest in
 a few C calls, unless `eager`); any other model batched torch attention, eager layers and RoPE
 with the KV write in a few ops (nanoinfer.rope_write_cpu). Where each op costs microseconds,
@@ -45,6 +45,7 @@ class Kernels(NamedTuple):
     layer_fns: LayerFunctions
     graphs: bool  # steps may be captured in CUDA graphs
     draw: Callable | None = None  # the sampler's random draw, fused; None: nanoinfer.draw.random_draw, eager
+    mask: Callable | None = None  # grammar masks onto the logits, fused; None: nanoinfer.structured.apply_bitmask
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:
@@ -78,9 +79,10 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     attention = attention_backend(cfg, device, block_size)
     if eager:
         return Kernels(attention, EAGER, False)
+    from nanoinfer.bitmask_triton import masked_float_logits
     from nanoinfer.draw_triton import triton_draw
 
-    return Kernels(attention, cuda_layer_functions(), True, triton_draw)
+    return Kernels(attention, cuda_layer_functions(), True, triton_draw, masked_float_logits)
 
 
 def cuda_layer_functions() -> LayerFunctions:

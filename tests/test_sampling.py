@@ -103,6 +103,28 @@ def test_mixed_rows_in_one_batch_follow_their_own_params():
     assert counts[2, :2].sum() == 400 and counts[2, 1] > 100
 
 
+def test_a_step_without_greedy_rows_is_the_draw_alone_and_computes_no_argmax(monkeypatch):
+    import nanoinfer.sampling as sampling
+    from nanoinfer.draw import processed_probs, random_draw
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    sampled = [SamplingParams(temperature=0.7, seed=s) for s in range(6)]
+    st_ = SamplingTensors.build(sampled, range(6), 300, "cpu")
+    assert not st_.any_greedy and not st_.all_greedy
+    reference = random_draw(processed_probs(logits, st_), st_.seeds, st_.steps)
+
+    def no_argmax(_):
+        raise AssertionError("a step of sampled rows computed an argmax")
+
+    monkeypatch.setattr(sampling, "greedy_tokens", no_argmax)
+    assert sample(logits, st_).tolist() == reference.tolist()
+    monkeypatch.undo()
+    mixed = SamplingTensors.build([SamplingParams(temperature=0)] + sampled[1:], range(6), 300, "cpu")
+    assert mixed.any_greedy
+    tokens = sample(logits, mixed)
+    assert tokens[0] == logits[0].argmax() and tokens[1:].tolist() == reference[1:].tolist()
+
+
 def test_seed_decides_the_draw_whatever_the_batch():
     logits = torch.randn(40, 500, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in range(40)]

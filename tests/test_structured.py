@@ -96,6 +96,23 @@ def test_regex_and_choice(vocab):
                         seed) in ("positive", "negative", "neutral ☺")
 
 
+def test_a_steps_masks_name_their_rows_unless_they_are_every_row_in_order():
+    from runtime.executor.grammar_masks import StepMasks
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 64, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 2), generator=g, dtype=torch.int64).to(torch.int32)
+    every = StepMasks(words, [0, 1, 2], None)
+    assert every.on_device(torch.device("cpu"), 3)[1] is None
+    assert torch.equal(every.applied(logits, torch.device("cpu")), apply_bitmask(logits, words))
+    for at in ([0, 2, 1], [1, 2]):  # (out of order; a row unconstrained)
+        some = StepMasks(words[:len(at)], at, None)
+        assert some.on_device(torch.device("cpu"), 3)[1].tolist() == at
+        assert torch.equal(some.applied(logits, torch.device("cpu")), apply_bitmask(logits, words[:len(at)],
+                                                                                   torch.tensor(at)))
+    assert StepMasks(words[:2], [0, 1], None).on_device(torch.device("cpu"), 3)[1].tolist() == [0, 1]
+
+
 def test_apply_bitmask_matches_bit_by_bit_reference():
     g = torch.Generator().manual_seed(0)
     rows, vocab = 3, 100  # (4 words: 28 bits of the last past the vocabulary)

@@ -11,12 +11,12 @@ step.py). Only a step with a constrained sequence comes here.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from nanoinfer.host_copy import to_device_packed
-from nanoinfer.structured import allocate_bitmask
+from nanoinfer.structured import allocate_bitmask, apply_bitmask
 
 
 def offsets(counts) -> list[int]:
@@ -35,12 +35,23 @@ class StepMasks(NamedTuple):
     at: list[int]
     filling: Future | None  # done once every row is filled (None: filled already)
 
-    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bitmask and the logits rows it masks, on `device` (waiting for the fill first)."""
+    def on_device(self, device: torch.device,
+                  logits_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bitmask and the logits rows it masks, on `device` (waiting for the fill first);
+        None for the rows where they are all `logits_rows` rows in order (a decode step whose
+        every sequence is constrained: no copy)."""
         if self.filling is not None:
             self.filling.result()
+        bitmask = self.bitmask.to(device, non_blocking=True)
+        if logits_rows == len(self.at) and self.at == list(range(logits_rows)):
+            return bitmask, None
         (at_t,) = to_device_packed([self.at], torch.int64, device)
-        return self.bitmask.to(device, non_blocking=True), at_t
+        return bitmask, at_t
+
+    def applied(self, logits: torch.Tensor, device: torch.device, fused: Callable | None = None) -> torch.Tensor:
+        """A float32 copy of `logits` [rows, vocab] with these masks applied: by `fused` (the
+        kernels' mask: nanoinfer/kernels.py) or nanoinfer.structured.apply_bitmask."""
+        return (fused or apply_bitmask)(logits, *self.on_device(device, logits.shape[0]))
 
 
 def grammar_masks(runner, rows: list, later: bool = False) -> StepMasks | None:

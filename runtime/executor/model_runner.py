@@ -276,12 +276,11 @@ def _sample(runner: ModelRunner, inp: StepInput, out: ForwardOutput, st, masks, 
     logits = out.logits
     if st.all_greedy and st.penalties is None and masks is None:
         tokens = out.greedy  # (the graph's own argmax: no float copy of the logits, no launch)
-    else:
-        from nanoinfer.structured import apply_bitmask
-
+    elif masks is None:
         logits = logits.float()
-        tokens = sample(logits if masks is None else apply_bitmask(logits, *masks.on_device(runner.device)), st,
-                        runner.kernels.draw, greedy=out.greedy if masks is None else None)
+        tokens = sample(logits, st, runner.kernels.draw, greedy=out.greedy)
+    else:  # (the masked copy is the float copy; logprobs below read the raw logits)
+        tokens = sample(masks.applied(logits, runner.device, runner.kernels.mask), st, runner.kernels.draw)
     runner.batch.sampled(sampler_rows_t, tokens)
     logprobs = None
     if any(k is not None for k in wanted):

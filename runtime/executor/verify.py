@@ -74,9 +74,7 @@ class Verification:
             draft_probs = draft_probs.index_select(0, q_rows_t)
         masked = logits
         if self.masks is not None:
-            from nanoinfer.structured import apply_bitmask
-
-            masked = apply_bitmask(logits, *self.masks.on_device(runner.device))
+            masked = self.masks.applied(logits, runner.device, runner.kernels.mask)
         v = verify(masked, st, drafts_t, draft_probs, draw=runner.kernels.draw)
         wanted = [r.logprobs for r in verifiers]
         logprobs = None
