@@ -6,7 +6,8 @@ llguidance computes the masks (picked by measurement and maintenance: bench/gram
 bench/RESULTS.md). A sequence's `Constraint` fills its rows of a packed bitmask (int32 words,
 bit t of word t // 32 set: token t allowed) on the host while the device runs the step's
 forward; the rows go to the device in one copy and `apply_bitmask` turns the disallowed
-logits to -inf there, so the sampler needs no per-row round trip. After a token is resolved,
+logits to -inf there (on CUDA one Triton kernel does: nanoinfer/bitmask_triton.py, tested
+against it), so the sampler needs no per-row round trip. After a token is resolved,
 `consume` advances the grammar (runtime/engine/engine_core.py); with async scheduling the next
 masks are then filled on a thread of their own (`Grammars.fill_later`) while the engine thread
 plans the step after (runtime/executor/grammar_masks.py).
@@ -583,7 +584,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """A float32 copy of `logits` [n, vocab] where every token the `bitmask` [m, words] (on
     the same device) does not allow is -inf: in rows `rows` [m] (int64), or in every row
-    (m = n). A copy: the raw logits stay what logprobs report.
+    (m = n). A copy: the raw logits stay what logprobs report. The reference of CUDA's
+    fused kernel (nanoinfer/bitmask_triton.py).
     (llguidance.torch has one too, but torch.compile'd: a C++ compiler on the CPU and a
     compile per new shape, for what is a few tensor ops.)"""
     out = logits.to(torch.float32, copy=True)
