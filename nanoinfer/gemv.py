@@ -49,6 +49,11 @@ from nanoinfer.row_kernels import quantize_rows_fp8
 from nanoinfer.tuned_configs import ShippedChoice
 
 
+def _line(w: torch.Tensor) -> int:
+    """How many of `w`'s elements fill a 128-byte cache line."""
+    return 128 // w.element_size()
+
+
 def _quick_bench(kernel_call, quantiles):
     # A GEMV takes microseconds: 20 ms of repeats rank the configs as well as Triton's default
     # 100 ms, and a start autotunes each projection shape of the model in a quarter of the time.
@@ -72,8 +77,9 @@ def _quick_bench(kernel_call, quantiles):
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES, norm_ptr, res_ptr,
                  eps, push_ptr, HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
                  SILU: tl.constexpr, RESIDUAL: tl.constexpr, PUSH: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LINE: tl.constexpr = 64):
     # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
+    # LINE: the weight's elements in a 128-byte line (`_line`), the step of the L2 prefetch.
     # ROWS: 1, or 2 (each weight widened once, multiplied with both rows).
     # One row may fold its neighbours in (fused_gemv): NORM, x is RMSNorm'd on the way in: the
     # norm's gain multiplies x in the loop, which also sums x's squares, and 1 / rms scales the
@@ -84,7 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if PDL:  # (nanoinfer.pdl) the weights are no kernel's output: the first tile into L2 before the wait
-        lines = tl.minimum(tl.arange(0, BLOCK_K // 64) * 64, K - 1)  # (64 elements: a 128-byte line of bf16)
+        lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
         pdl.prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         pdl.signal()
         pdl.wait()
@@ -209,7 +215,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
             x, x, 0.0, x, HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=m, NORM=False, SILU=False,
-            RESIDUAL=False, PUSH=0, **pdl.launch(x.device))
+            RESIDUAL=False, PUSH=0, LINE=_line(w), **pdl.launch(x.device))
     elif m <= ROWS_MAX and x.dtype in (torch.bfloat16, torch.float16) and w.dtype in (x.dtype, torch.int8):
         _rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
@@ -238,7 +244,7 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
             x if norm is None else norm, x if residual is None else residual, eps,
             x if push is None else push.table)
     flags = dict(HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu,
-                 RESIDUAL=residual is not None, **pdl.launch(x.device))
+                 RESIDUAL=residual is not None, LINE=_line(w), **pdl.launch(x.device))
     if push is None:
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, PUSH=0)
         return out

@@ -176,6 +176,22 @@ def test_few_sequences_decode_in_fine_partitions(contexts, head_dim, group):
     run_and_check(TritonPagedAttention(cfg, device=DEVICE, few_programs=0), batch, cfg, q, kv_layer, torch.bfloat16)
 
 
+@pytest.mark.parametrize("contexts", [[2000], [1000, 37]])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_few_sequences_decode_in_fine_partitions_over_an_fp8_pool(contexts, head_dim):
+    """The same over an e4m3 pool with a GQA group of 4 (the tensor-core kernel's fp8 loads;
+    groups of 1 and 2 take triton_decode_cc's kernel, which keeps coarse partitions)."""
+    from nanoinfer.kv_cache import FP8, to_kv
+
+    cfg = make_cfg(8, 4, head_dim)
+    seed = seed_of(sum(contexts), head_dim, "fp8")
+    batch, q, _, _, kv_layer = make_step([(n, 1) for n in contexts], cfg, 16, torch.bfloat16, num_pad=0, seed=seed)
+    fine = TritonPagedAttention(cfg, device=DEVICE)
+    width = batch.block_tables.shape[1] * 16
+    assert fine.partitions(len(contexts), len(contexts), 8, width) == -(-width // 64)
+    run_and_check(fine, batch, cfg, q, to_kv(kv_layer * 4, FP8), torch.bfloat16)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 256])
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
