@@ -5,11 +5,12 @@ The one place that decides, per family and per device. A family with a dataflow 
 (nanochat) has its module imported only for a model of that family. On CUDA: the Triton paged-attention kernels, the
 Triton GEMV for batch-1 projections (with the norms, SwiGLU and residual adds folded in:
 nanoinfer.fused_layers), Triton row kernels for those steps at more tokens
-(nanoinfer.batched_layers), the fused q/k-norm + RoPE + KV-write kernel, and the sampler's
-random draw and the grammar masks' fill as Triton kernels (nanoinfer.draw_triton,
-nanoinfer.bitmask_triton), unless `eager`; CUDA graphs may then capture steps. Nothing is torch.compile'd: Dynamo and Inductor took most of a cold start. On the
-CPU: a packed (quantized) model's layers run nanoinfer.cpu_layers (packed matmuls, the rest in
-a few C calls, unless `eager`); any other model batched torch attention, eager layers and RoPE
+(nanoinfer.batched_layers), the fused q/k-norm + RoPE + KV-write kernel, and as Triton
+kernels the sampler's random draw and the grammar masks' application to the logits
+(nanoinfer.draw_triton, nanoinfer.bitmask_triton), unless `eager`; CUDA graphs may then capture
+steps. Nothing is torch.compile'd: Dynamo and Inductor took most of a cold start. On the CPU:
+a packed (quantized) model's layers run nanoinfer.cpu_layers (packed matmuls, the rest in a few
+C calls, unless `eager`); any other model batched torch attention, eager layers and RoPE
 with the KV write in a few ops (nanoinfer.rope_write_cpu). Where each op costs microseconds,
 fewer ops is the CPU's fusion: torch.compile's per-call guards measured slower. Each
 fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
