@@ -15,13 +15,12 @@ session: what it showed about a masked step's sampling.)
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib
 import threading
 import time
 
-from bench.structured import SCHEMAS
+from bench.structured import SCHEMAS, workload_parser
 
 # (module, class or None, attribute): what is timed, where it is importable (the Triton ones need CUDA)
 CALLS = [
@@ -103,14 +102,7 @@ class Recorder:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-seqs", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded")
-    args = parser.parse_args()
+    args = workload_parser(__doc__.splitlines()[0], num_seqs=8).parse_args()
 
     recorder = Recorder()
     recorder.wrap_all()  # (before the engine is made: the kernels it picks are the wrapped ones)

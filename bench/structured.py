@@ -58,15 +58,22 @@ def timed(cls, name: str) -> list[float]:
     return total
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(description: str, num_seqs: int) -> argparse.ArgumentParser:
+    """The workload's flags (model, device, sequences, tokens, schema), for this bench and
+    bench/step_timeline.py, which times the same workload's calls."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--num-seqs", type=int, default=num_seqs)
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded")
+    return parser
+
+
+def main():
+    parser = workload_parser(__doc__.splitlines()[0], num_seqs=64)
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
 
     from nanoinfer import LLM, SamplingParams
