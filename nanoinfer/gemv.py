@@ -263,16 +263,17 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
 
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "GROUPS": g}, num_warps=w, num_stages=3)
-             # (the winners of an H100 sweep over the 1B and 8B shapes, bench/RESULTS.md)
-             for n, g, w in ((8, 4, 4), (8, 8, 8), (16, 4, 8), (16, 4, 2), (32, 4, 2), (16, 8, 4), (4, 8, 4),
-                             (32, 2, 4), (64, 2, 8), (8, 16, 8))],
+             # several rows a thread for the wide matrices (the 8B shapes' and 1B gate/up's winners on an
+             # H100), few for the narrow long ones (1B down): bench/RESULTS.md, twenty-third session
+             for n, g, w in ((32, 4, 4), (32, 8, 8), (64, 4, 8), (64, 4, 4), (16, 4, 4), (16, 8, 8), (32, 4, 2),
+                             (8, 4, 4), (8, 8, 8), (16, 4, 8), (16, 4, 2), (4, 8, 4), (8, 16, 8), (32, 2, 4))],
     key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
     prune_configs_by={"early_config_prune": ShippedChoice("_int4_gemv_kernel")},
 )
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
-                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    # One row: BLOCK_N output rows, GROUPS whole groups a step, a tile [BLOCK_N, GROUPS, WORDS].
+def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, EXP,
+                      GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    # One row: BLOCK_N output rows, GROUPS whole groups a step, a tile [GROUPS, BLOCK_N, WORDS].
     # The words are taken a nibble plane at a time (Int4CudaWeight's order: plane k of a group's
     # words is its inputs k WORDS..(k + 1) WORDS, one contiguous load of x), so no tile changes
     # shape; each word sums its products before the group's scale and min meet them, once per
@@ -281,17 +282,22 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
     # none for plane 4) and merged with 128's bits (one LOP3); the 128s come off once per group,
     # s sum((128 + q) x) + (m - 128 s) sum(x), instead of a subtraction per nibble (the form
     # before: 2^23 + q, less 2^23). 128 + q in fp32 keeps 17 bits for q x past the 128 x.
+    # The kernel is bound by instructions, not bytes (its SASS: 62 a word before, 38 now), so:
+    # EXP is 128.0's bits (0x43000000) passed at run time, because with both masks constants
+    # ptxas splits `& mask | bits` into two LOP3s; and the groups lead the tile, so that Triton's
+    # layout repeats a thread's words down the rows (its fastest-varying dimensions after the
+    # words are the tile's first) and each x load, widening and sum serves several rows.
     WORDS: tl.constexpr = GROUP // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_j = tl.arange(0, WORDS)
-    acc = tl.zeros([BLOCK_N, GROUPS, WORDS], tl.float32)
+    acc = tl.zeros([GROUPS, BLOCK_N, WORDS], tl.float32)
     for g0 in range(0, K // GROUP, GROUPS):
         gs = g0 + tl.arange(0, GROUPS)
         g_mask = gs < K // GROUP
-        words = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + (gs * WORDS)[None, :, None]
-                        + offs_j[None, None, :], mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
-        dots = tl.zeros([BLOCK_N, GROUPS, WORDS], tl.float32)
+        words = tl.load(w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn + (gs * WORDS)[:, None, None]
+                        + offs_j[None, None, :], mask=n_mask[None, :, None] & g_mask[:, None, None], other=0)
+        dots = tl.zeros([GROUPS, BLOCK_N, WORDS], tl.float32)
         sums = tl.zeros([GROUPS, WORDS], tl.float32)
         for k in tl.static_range(8):
             x = tl.load(x_ptr + (gs * GROUP + k * WORDS)[:, None] + offs_j[None, :], mask=g_mask[:, None],
@@ -300,14 +306,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
                 moved = words << (16 - 4 * k)
             else:
                 moved = words >> (4 * k - 16)
-            dots += ((moved & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True) * x[None, :, :]
+            dots += ((moved & 0x000F0000) | EXP).to(tl.float32, bitcast=True) * x[:, None, :]
             sums += x
-        where = offs_n[:, None] * stride_sn + gs[None, :]
-        sg_mask = n_mask[:, None] & g_mask[None, :]
+        where = offs_n[None, :] * stride_sn + gs[:, None]
+        sg_mask = n_mask[None, :] & g_mask[:, None]
         scale = tl.load(scale_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
         low = tl.load(min_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
-        acc += scale[:, :, None] * dots + (low - 128.0 * scale)[:, :, None] * sums[None, :, :]
-    tl.store(out_ptr + offs_n, tl.sum(tl.sum(acc, 2), 1).to(out_ptr.dtype.element_ty), mask=n_mask)
+        acc += scale[:, :, None] * dots + (low - 128.0 * scale)[:, :, None] * sums[:, None, :]
+    tl.store(out_ptr + offs_n, tl.sum(tl.sum(acc, 2), 0).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.autotune(
@@ -351,6 +357,10 @@ def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_x
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+# 128.0's fp32 bits, a run-time argument of the one-row int4 kernel (why: the kernel's comment)
+_BITS_OF_128 = 0x43000000
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16 or fp16) @ the Int4CudaWeight (packed, scale, low: its min).T -> [M, N],
     fp32 accumulation; one row in the GEMV kernel, more in the tensor-core one."""
@@ -361,7 +371,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 1:
         _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), GROUP=group,
+            x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), _BITS_OF_128, GROUP=group,
             HALF=scale.dtype == torch.float16)
     else:
         _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
