@@ -85,6 +85,69 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter) 
     }
 }
 
+/* nanoinfer.draw's counter-based hash, on uint32: (x * c) mod 2^32 is the product's low half. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+/* The same on int64 as draw._mix32 computes it: a row's key mixes in the seed's high half
+ * shifted arithmetically, so a negative seed feeds ones into the first shift. */
+static int64_t mul32_i64(int64_t x, int64_t c) {
+    int64_t lo = c & 0xFFFF, hi = c >> 16;
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & 0xFFFFFFFFLL;
+}
+
+static int64_t mix32_i64(int64_t x) {
+    x ^= x >> 16;
+    x = mul32_i64(x, 0x7FEB352D);
+    x ^= x >> 15;
+    x = mul32_i64(x, 0x846CA68B);
+    return x ^ (x >> 16);
+}
+
+#define DRAW_CHUNK 1024
+
+/* nanoinfer.draw.random_draw on fp32 probs [rows, vocab]: per row the first token of the largest
+ * p / -log(u), u the uniform of (seed, step, token) (draw.uniform_noise, bit for bit); a token of
+ * probability 0 (or NaN) never wins, so an all-zero row gives token 0. Since -log(u) >= 1 - u, a
+ * token whose p / (1 - u) cannot pass the best ratio so far skips its log (the 1e-5 margin
+ * covers logf's and the division's roundings): in a model's sharp distribution nearly every
+ * token costs only its hash, which vectorizes a chunk at a time. */
+void random_draw(const float *probs, const int64_t *seeds, const int64_t *steps, int64_t *out, int rows,
+                 int vocab) {
+    const int64_t mask = 0xFFFFFFFFLL;
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int r = 0; r < rows; r++) {
+        int64_t key = mix32_i64(mix32_i64(seeds[r] & mask) ^ (seeds[r] >> 32));
+        uint32_t k = (uint32_t)mix32_i64((key + mul32_i64(steps[r] & mask, 0x9E3779B9)) & mask);
+        const float *p = probs + (int64_t)r * vocab;
+        float best = -1.0f, u[DRAW_CHUNK];
+        int64_t winner = 0;
+        for (int c = 0; c < vocab; c += DRAW_CHUNK) {
+            int n = vocab - c < DRAW_CHUNK ? vocab - c : DRAW_CHUNK;
+#pragma omp simd
+            for (int i = 0; i < n; i++) {
+                uint32_t bits = mix32(mix32(k ^ mix32((uint32_t)(c + i))) + k);
+                u[i] = ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
+            }
+            for (int i = 0; i < n; i++) {
+                float pi = p[c + i];
+                if (!(pi > 0.0f) || pi * 1.00001f <= best * (1.0f - u[i])) continue;
+                float ratio = pi / -logf(u[i]);
+                if (ratio > best) {
+                    best = ratio;
+                    winner = c + i;
+                }
+            }
+        }
+        out[r] = winner;
+    }
+}
+
 /* Per-head RMSNorm (Qwen3's q/k norm) in place. */
 static void head_norm(float *x, const float *w, int d, float eps) {
     float inv = 1.0f / sqrtf(sum_squares(x, d) / d + eps);

@@ -57,6 +57,7 @@ SIGNATURES = {
     "kquant_matmul": (_P, _I, _I, _P, _I, _I, _P, _I, _I),
     "quantize_q8k": (_P, _I, _I, _P, _P, _P),  # (kquant_matmul's first step, bound for the tests)
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
+    "random_draw": (_P, _P, _P, _P, _I, _I),
 }
 
 
@@ -302,6 +303,15 @@ class CpuNative:
     def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.bfloat16)
         self.lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+        return out
+
+    def random_draw(self, probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """nanoinfer.draw.random_draw (its oracle) in one pass per row: the hash in registers, a
+        log only for the tokens that could still win."""
+        probs, seeds, steps = probs.float().contiguous(), seeds.contiguous(), steps.contiguous()
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        self.lib.random_draw(probs.data_ptr(), seeds.data_ptr(), steps.data_ptr(), out.data_ptr(), probs.shape[0],
+                             probs.shape[1])
         return out
 
     def rope_write(self, qkv: torch.Tensor, q_norm: torch.Tensor | None,

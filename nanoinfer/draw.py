@@ -94,5 +94,7 @@ def random_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -
     """One token per row, drawn with probability `probs` [rows, vocab]: the exponential race
     over the counter-based noise of each row's (seed, step). Eager, it makes ~40 passes over
     [rows, vocab] int64 tensors (the hash); on CUDA nanoinfer.draw_triton draws the same tokens
-    in one pass, the noise computed in registers. This stays its oracle."""
+    in one pass, the noise computed in registers, and on the CPU so does cpu_native's
+    `random_draw` for a packed model (a log only for the tokens that could still win). This
+    stays their oracle."""
     return exponential_race(probs, -torch.log(uniform_noise(seeds, steps, probs.shape[-1])))

@@ -10,8 +10,9 @@ kernels the sampler's random draw and the grammar masks' application to the logi
 (nanoinfer.draw_triton, nanoinfer.bitmask_triton), unless `eager`; CUDA graphs may then capture
 steps. Nothing is torch.compile'd: Dynamo and Inductor took most of a cold start. On the CPU:
 a packed (quantized) model's layers run nanoinfer.cpu_layers (packed matmuls, the rest in a few
-C calls, unless `eager`); any other model batched torch attention, eager layers and RoPE
-with the KV write in a few ops (nanoinfer.rope_write_cpu). Where each op costs microseconds,
+C calls, unless `eager`) and its sampler's draw one C call (cpu_native's `random_draw`); any
+other model batched torch attention, eager layers and RoPE with the KV write in a few ops
+(nanoinfer.rope_write_cpu). Where each op costs microseconds,
 fewer ops is the CPU's fusion: torch.compile's per-call guards measured slower. Each
 fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
 nanoinfer.model's eager layer parts for the fused ones), which stays the oracle.
@@ -71,7 +72,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
         if lib is not None:
             native = cpu_native.CpuNative(lib)
             return Kernels(cpu_layers.NativeAttention(block_size, native), cpu_layers.layer_functions(native),
-                           False)
+                           False, draw=native.random_draw)
         from nanoinfer import rope_write_cpu
 
         return Kernels(attention_backend(cfg, device, block_size),

@@ -292,6 +292,37 @@ def test_the_fused_layers_take_only_packed_fp32_models(native):
     assert not fused(params=packed, kv_dtype=torch.float8_e4m3fn)  # an fp8 pool: torch's RoPE/write
     assert not fused(params=packed, eager=True)
     assert not fused()
+    assert kernels_for(cfg, cpu, 4, params=packed).draw is not None  # cpu_native's random_draw
+    assert kernels_for(cfg, cpu, 4, params=packed, eager=True).draw is None  # draw.random_draw, the oracle
+
+
+# Seeds as SamplingParams.with_seed wraps them into int64 (negative ones feed ones into the key's
+# arithmetic shift), and a step past 2**32 (the hash keeps its low half).
+EDGE_SEEDS = [0, 1, -1, 2**32, 2**32 - 1, -(2**32), 2**63 - 1, -(2**63), -123456789012345]
+
+
+@pytest.mark.parametrize("vocab", [1, 1000, 49152, 151936])
+def test_random_draw_equals_its_reference(native, vocab):
+    """cpu_native's draw against nanoinfer.draw.random_draw: the same token per row. Flat rows
+    (every token equally likely) are won by the largest uniform, so they check the hash bit for
+    bit; sharp random rows with top-k zeros check the race and its skipped logs; then a row with
+    one token, one whose only token is the last, one all zeros (token 0, as torch's argmax)."""
+    from nanoinfer.draw import random_draw
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = 3 * len(EDGE_SEEDS)
+    seeds = torch.tensor(EDGE_SEEDS * 3)
+    steps = torch.randint(0, 5000, (rows,), generator=g)
+    steps[-1] = 2**40 + 3
+    sharp = (torch.randn(rows, vocab, generator=g) * 4).softmax(-1)
+    kth = sharp.sort(dim=-1, descending=True).values[:, min(vocab, 50) - 1:min(vocab, 50)]
+    sharp[len(EDGE_SEEDS):] = torch.where(sharp >= kth, sharp, 0.0)[len(EDGE_SEEDS):]  # (top-50 rows)
+    flat = torch.full((rows, vocab), 1.0 / vocab)
+    for probs in (flat, sharp):
+        assert torch.equal(native.random_draw(probs, seeds, steps), random_draw(probs, seeds, steps))
+    edge = torch.zeros(3, vocab)
+    edge[0, vocab // 3], edge[1, -1] = 0.5, 1.0
+    assert torch.equal(native.random_draw(edge, seeds[:3], steps[:3]), random_draw(edge, seeds[:3], steps[:3]))
 
 
 def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, caplog):
