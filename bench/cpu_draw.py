@@ -53,7 +53,8 @@ def main() -> None:
     run(native)  # (warm-up)
     for _ in range(args.rounds):
         (fast, ours), (slow, theirs) = run(native), run(None)
-        print(f"native {fast:7.1f} tok/s   torch {slow:7.1f} tok/s   x{fast / slow:.2f}   same tokens: {ours == theirs}")
+        print(f"native {fast:7.1f} tok/s   torch {slow:7.1f} tok/s   x{fast / slow:.2f}   "
+              f"same tokens: {ours == theirs}")
 
 
 if __name__ == "__main__":
