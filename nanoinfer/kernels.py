@@ -12,10 +12,10 @@ steps. Nothing is torch.compile'd: Dynamo and Inductor took most of a cold start
 a packed (quantized) model's layers run nanoinfer.cpu_layers (packed matmuls, the rest in a few
 C calls, unless `eager`) and its sampler's draw one C call (cpu_native's `random_draw`); any
 other model batched torch attention, eager layers and RoPE with the KV write in a few ops
-(nanoinfer.rope_write_cpu). Where each op costs microseconds,
-fewer ops is the CPU's fusion: torch.compile's per-call guards measured slower. Each
-fast path is tested against its reference (nanoinfer/attention/reference.py for attention,
-nanoinfer.model's eager layer parts for the fused ones), which stays the oracle.
+(nanoinfer.rope_write_cpu). Where each op costs microseconds, fewer ops is the CPU's fusion:
+torch.compile's per-call guards measured slower. Each fast path is tested against its
+reference (nanoinfer/attention/reference.py for attention, nanoinfer.model's eager layer parts
+for the fused ones, nanoinfer.draw.random_draw for the draws), which stays the oracle.
 """
 
 from __future__ import annotations
