@@ -1,8 +1,8 @@
 """gpt-fast's int4 weight-only method (`quantize.py --mode int4`) inside our engine, as the baseline for ours.
 
-gpt-fast rounds each projection to 4 bits per group of inputs (a scale and a zero, round to
-nearest: the same numbers as `quantization="int4"`), packs it with torch's
-`_convert_weight_to_int4pack` and multiplies with `_weight_int4pack_mm` (the "tinygemm"
+gpt-fast rounds each projection and the LM head to 4 bits per group of inputs (a scale and a
+zero, round to nearest: the numbers `quantization="int4"` gives the projections), packs them
+with torch's `_convert_weight_to_int4pack` and multiplies with `_weight_int4pack_mm` (the "tinygemm"
 kernel) at every row count. Here the same weights go through that kernel instead of
 nanoinfer.gemv's `int4_mm`, so the two kernels meet in one engine (bench/latency.py's
 `gpt-fast-int4`). A bench module: the library has no use for it.
@@ -47,13 +47,14 @@ def tinygemm_weight(w: torch.Tensor) -> TinygemmInt4 | torch.Tensor:
 
 
 def tinygemm_params(params: Params) -> Params:
-    """Every projection of dense CUDA `params` in gpt-fast's int4 form (the LM head stays, as
-    `quantization="int4"` keeps it: the same weights on both sides)."""
+    """Every matrix of dense CUDA `params` in gpt-fast's int4 form, the LM head included (its
+    `quantize.py` converts every nn.Linear, the output layer too; `quantization="int4"` keeps
+    the head at 8 bits instead, so the two sides' heads differ as the two methods do)."""
     def convert(w):
         return tinygemm_weight(w if isinstance(w, torch.Tensor) else quantized.dequantize(w).to(params.dtype))
 
     layers = tuple(dataclasses.replace(lp, **{n: convert(getattr(lp, n)) for n in PROJECTIONS}) for lp in params.layers)
-    return dataclasses.replace(params, layers=layers)
+    return dataclasses.replace(params, layers=layers, lm_head=convert(params.lm_head))
 
 
 def with_tinygemm(linear):

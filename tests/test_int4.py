@@ -20,7 +20,7 @@ from nanoinfer.loaders import load_model
 from nanoinfer.loaders.int4 import Int4Format, read_int4_matrix
 from nanoinfer.loaders.quantize import int4_groups, quantize_params
 from nanoinfer.model import forward
-from nanoinfer.quantized import GroupedWeight, Int4CudaWeight
+from nanoinfer.quantized import GroupedWeight, Int4CudaWeight, Int8Weight
 from tests.test_gguf_formats import hf_model
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -185,6 +185,21 @@ def test_int4_quantization_of_any_checkpoint(tmp_path):
     assert int4.quantization == "int4" and not isinstance(int4.params.layers[0].qkv_proj, torch.Tensor)
     again = quantize_params(int4.params, "int4")  # (already 4-bit: kept)
     assert again.layers[0].qkv_proj is int4.params.layers[0].qkv_proj
+    assert again.lm_head is int4.params.lm_head
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_int4_quantization_keeps_the_lm_head_in_int8(tied, tmp_path):
+    # The LM head is a batch-1 step's largest read; 8 bits per row halve it and cost the
+    # logits about what int8 costs any projection (4 bits there: bench/RESULTS.md's quality table).
+    hf_model("llama", tied=tied, num_layers=2, seed=9).save_pretrained(tmp_path)
+    exact = load_model(tmp_path, device="cpu", progress=False)
+    int4 = load_model(tmp_path, device="cpu", progress=False, quantization="int4")
+    head = int4.params.lm_head
+    assert isinstance(head, Int8Weight) and isinstance(int4.params.embed, torch.Tensor)
+    assert torch.equal(int4.params.embed, exact.params.embed)  # looked up, not multiplied: as loaded
+    want = Int8Weight.quantize(exact.params.lm_head)  # round to nearest, the row's largest at 127
+    assert torch.equal(head.q, want.q) and torch.equal(head.scale, want.scale)
 
 
 def test_int4_format_problems_are_named(tmp_path):

@@ -1,9 +1,11 @@
 """Quantize a loaded model's matrices (`quantization="int8"`, `"fp8"` or `"int4"`): any checkpoint, at load.
 
 Round to nearest: int8 and fp8 every projection and the LM head, per output channel; int4
-every projection (the LM head stays, as AWQ and GPTQ keep it) per group of 128 inputs (64 or
-32 where 128 does not divide a row) with a scale and a min, as AWQ stores them but without
-AWQ's activation-aware search. int8 and int4 are weight-only;
+every projection per group of 128 inputs (64 or 32 where 128 does not divide a row) with a
+scale and a min, as AWQ stores them but without AWQ's activation-aware search, and the LM head
+in int8 per output channel (llama.cpp's 4-bit types keep theirs at 6 bits; on the default
+model 4 bits there cost 6.6% more perplexity than 16 and 8 bits 0.3%, bench/RESULTS.md; 8 bits
+halve a batch-1 step's largest read). int8 and int4 are weight-only;
 fp8 (e4m3) also rounds activations per token where a matmul has several rows (see
 nanoinfer.quantized.Fp8Weight). The embedding stays as loaded (it is looked up, not
 multiplied); a tied LM head gets its own quantized copy. Norms and biases keep the model's
@@ -38,11 +40,9 @@ def int4_groups(w: torch.Tensor) -> GroupedWeight | None:
 def quantize_params(params: Params, quantization: str) -> Params:
     if quantization not in ("int8", "fp8", "int4"):
         raise ValueError(f"cannot quantize to {quantization!r} (expected 'int8', 'fp8' or 'int4')")
-    if quantization == "int4":  # (the LM head stays: AWQ and GPTQ checkpoints keep it whole too)
-        return _map_matrices(params, lambda w: _int4(w, params), lm_head=False)
     # The CPU kernel (torch._weight_int8pack_mm) takes bf16 scales; elsewhere they stay fp32.
     scale_dtype = torch.bfloat16 if params.device.type == "cpu" else torch.float32
-    form = Int8Weight if quantization == "int8" else Fp8Weight
+    form = Fp8Weight if quantization == "fp8" else Int8Weight
 
     def convert(w: Weight):
         if isinstance(w, form):
@@ -50,7 +50,9 @@ def quantize_params(params: Params, quantization: str) -> Params:
         dense = w if isinstance(w, torch.Tensor) else dequantize(w)
         return Int8Weight.quantize(dense, scale_dtype) if form is Int8Weight else Fp8Weight.quantize(dense)
 
-    return _map_matrices(params, convert)
+    if quantization == "int4":
+        return _map_matrices(params, lambda w: _int4(w, params), head=convert)
+    return _map_matrices(params, convert, head=convert)
 
 
 def _int4(w: Weight, params: Params) -> Weight:
@@ -62,7 +64,8 @@ def _int4(w: Weight, params: Params) -> Weight:
     return w if grouped is None else device_form(grouped, params.device, params.dtype)
 
 
-def _map_matrices(params: Params, convert, lm_head: bool = True) -> Params:
+def _map_matrices(params: Params, convert, head) -> Params:
     layers = tuple(dataclasses.replace(lp, **{name: convert(getattr(lp, name)) for name in PROJECTIONS})
                    for lp in params.layers)
-    return dataclasses.replace(params, layers=layers, lm_head=convert(params.lm_head) if lm_head else params.lm_head)
+    lm_head = params.lm_head if params.lm_head is None else head(params.lm_head)
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head)
