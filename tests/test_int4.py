@@ -114,9 +114,19 @@ def test_int4_groups_round_to_nearest():
     w = torch.randn(40, 384, generator=torch.Generator().manual_seed(2))
     grouped = int4_groups(w)
     assert grouped.group == 128 and grouped.q.max() <= 15
+    # Scales and mins are fp16 values (CUDA stores them in 2 bytes each: 4.25 bits a weight, not
+    # 4.5), and q is rounded on that grid: half a step, past the grid's ends the fp16 roundings.
+    assert all(torch.equal(t.half().float(), t) for t in (grouped.scale, grouped.min))
+    assert Int4CudaWeight.from_groups(grouped).scale.dtype == torch.float16
     error = (quantized.dequantize(grouped) - w).abs().unflatten(1, (-1, 128))
-    assert (error <= grouped.scale[..., None] / 2 + 1e-6).all()
+    ends = 2**-11 * (grouped.min.abs() + 15 * grouped.scale)
+    assert (error <= grouped.scale[..., None] / 2 + ends[..., None] + 1e-6).all()
     assert int4_groups(torch.randn(4, 100)) is None  # no group size divides 100 inputs
+    # A matrix whose scales or mins fp16 cannot hold keeps them in fp32.
+    tiny = int4_groups(w * 1e-7)
+    assert not torch.equal(tiny.scale.half().float(), tiny.scale)
+    error = (quantized.dequantize(tiny) - w * 1e-7).abs().unflatten(1, (-1, 128))
+    assert (error <= tiny.scale[..., None] / 2 + 1e-12).all()
 
 
 def int4_checkpoint(model, directory, method: str, group: int = 32, act_order: bool = False) -> dict:
