@@ -4,8 +4,8 @@ Round to nearest: int8 and fp8 every projection and the LM head, per output chan
 every projection per group of 128 inputs (64 or 32 where 128 does not divide a row) with a
 scale and a min, as AWQ stores them but without AWQ's activation-aware search, and the LM head
 in int8 per output channel (llama.cpp's 4-bit types keep theirs at 6 bits; on the default
-model 4 bits there cost 6.6% more perplexity than 16 and 8 bits 0.3%, bench/RESULTS.md; 8 bits
-halve a batch-1 step's largest read). int8 and int4 are weight-only;
+model a 4-bit head costs 6.6% more perplexity than a 16-bit one, an 8-bit head 0.3%, and halves
+a batch-1 step's largest read: bench/RESULTS.md). int8 and int4 are weight-only;
 fp8 (e4m3) also rounds activations per token where a matmul has several rows (see
 nanoinfer.quantized.Fp8Weight). The embedding stays as loaded (it is looked up, not
 multiplied); a tied LM head gets its own quantized copy. Norms and biases keep the model's
@@ -76,6 +76,7 @@ def _int4(w: Weight, params: Params) -> Weight:
 
 
 def _map_matrices(params: Params, convert, head) -> Params:
+    """`convert` applied to every layer's projections, `head` to the LM head (if this stage has one)."""
     layers = tuple(dataclasses.replace(lp, **{name: convert(getattr(lp, name)) for name in PROJECTIONS})
                    for lp in params.layers)
     lm_head = params.lm_head if params.lm_head is None else head(params.lm_head)
