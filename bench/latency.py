@@ -15,9 +15,10 @@ device: with overlap, for the step before).
 the graphs path for each. `gpt-fast-int8` is gpt-fast's int8 weight-only method inside our
 engine, as the baseline for ours: the same int8 weights, but every projection computed as
 `F.linear(x, w.to(bf16)) * scale` in the compiled graph (gpt-fast's WeightOnlyInt8Linear),
-where ours runs the Triton GEMV at batch 1. `gpt-fast-int4` likewise runs the weights of
+where ours runs the Triton GEMV at batch 1. `gpt-fast-int4` likewise runs the projections of
 `int4` (groups of 128) through torch's `_weight_int4pack_mm`, gpt-fast's int4 kernel
-(bench/gpt_fast_int4.py), where ours runs nanoinfer.gemv's `int4_mm`.
+(bench/gpt_fast_int4.py), where ours runs nanoinfer.gemv's `int4_mm`, and its LM head in int4
+too, as gpt-fast's method has it (ours: int8).
 
 `--tensor-parallel-size` times the engine at each size given (its graphs and eager paths:
 one GPU per rank); a size of 1 is the plain engine.
