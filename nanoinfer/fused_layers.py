@@ -65,9 +65,9 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
     x = _summed(fused_gemv(attn.reshape(1, cfg.q_size).contiguous(), w, scale, None, 0.0, False, x if lead else None,
                            push=links and links.pushes[0]), reduce, links, 0)
     w, scale = _operands(lp.gate_up_proj, x)
-    gate_up = fused_gemv(x, w, scale, lp.mlp_norm, cfg.rms_norm_eps, False, None)
+    act = fused_gemv(x, w, scale, lp.mlp_norm, cfg.rms_norm_eps, True, None)  # silu(gate) * up
     w, scale = _operands(lp.down_proj, x)
-    return _summed(fused_gemv(gate_up, w, scale, None, 0.0, True, x if lead else None, push=links and links.pushes[1]),
+    return _summed(fused_gemv(act, w, scale, None, 0.0, False, x if lead else None, push=links and links.pushes[1]),
                    reduce, links, 1)
 
 

@@ -84,11 +84,20 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     # One row may fold its neighbours in (fused_gemv): NORM, x is RMSNorm'd on the way in: the
     # norm's gain multiplies x in the loop, which also sums x's squares, and 1 / rms scales the
     # sums at the end (a first pass for the rms would hold every weight load back by the
-    # latency of reading x); SILU, x holds [gate | up] of 2K and the input is silu(gate) * up,
-    # rounded to x's type as F.silu and the product round it; RESIDUAL, `res` is added to the
-    # output, rounded first as `x + linear(...)` rounds it.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    # latency of reading x); SILU, w is [gate | up] (N = 2 x units) and the output is silu(gate)
+    # * up: a program takes BLOCK_N / 2 units' gate and up rows, interleaved, and multiplies
+    # them in its epilogue, rounded to x's type as the GEMV's output, F.silu and the product
+    # round them (the down projection then reads its input as it is, where each of its programs
+    # would recompute SiLU over all of it); RESIDUAL, `res` is added to the output, rounded
+    # first as `x + linear(...)` rounds it.
+    if SILU:  # (row j of the tile: unit j // 2's gate row if j is even, its up row if odd)
+        rows = tl.arange(0, BLOCK_N)
+        units = tl.program_id(0) * (BLOCK_N // 2) + rows // 2
+        offs_n = units + (rows % 2) * (N // 2)
+        n_mask = units < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     if PDL:  # (nanoinfer.pdl) the weights are no kernel's output: the first tile into L2 before the wait
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
         pdl.prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
@@ -110,10 +119,6 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
             x = x.to(tl.float32)
             squares += x * x
             x = x * tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if SILU:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
         if INT8:
             # int8 -> fp32 without I2F (an eighth of the FMA rate on Hopper: it made the kernel
             # instruction-bound): q + 128 in [0, 255] added to the bits of 2^23 is the float
@@ -131,6 +136,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out *= scale
+    if SILU:
+        gate, up = tl.split(tl.reshape(out.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+        out = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = offs_n < N // 2
     if RESIDUAL:
         out = out.to(dtype).to(tl.float32) + tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if PUSH > 0:  # (one row) into each of PUSH ranks' slots (nanoinfer.peer_sum's words)
@@ -231,15 +241,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
                silu: bool, residual: torch.Tensor | None, push: Push | None = None) -> torch.Tensor | None:
     """`gemv` of one row with its neighbours folded in, one kernel where they took one each:
-    `norm` (an RMSNorm weight): rms_norm(x, norm, eps) @ w.T; `silu`: x is [gate | up] and the
-    product is (silu(gate) * up) @ w.T; `residual` [1, N] is added to the product. The same
+    `norm` (an RMSNorm weight): rms_norm(x, norm, eps) @ w.T; `silu`: w is [gate | up] and the
+    output [1, N / 2] is silu(gate) * up of the product; `residual` [1, N] is added to the product. The same
     roundings as those ops unfused but the norm's: its output stays fp32 into the sums
     (nanoinfer.model's unfused parts are the reference: tests/test_gpu.py).
     `push`: the product goes to the tensor-parallel ranks' slots instead (nanoinfer.peer_sum),
     and None is returned."""
     n, k = w.shape
-    assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == (2 * k if silu else k)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device) if push is None else x
+    assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == k
+    assert not silu or (n % 2 == 0 and residual is None and push is None)
+    out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device) if push is None else x
     args = (x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
             x if norm is None else norm, x if residual is None else residual, eps,
             x if push is None else push.table)
