@@ -277,7 +277,12 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
              # several rows a thread for the wide matrices (the 8B shapes' and 1B gate/up's winners on an
              # H100), few for the narrow long ones (1B down): bench/RESULTS.md, twenty-third session
              for n, g, w in ((32, 4, 4), (32, 8, 8), (64, 4, 8), (64, 4, 4), (16, 4, 4), (16, 8, 8), (32, 4, 2),
-                             (8, 4, 4), (8, 8, 8), (16, 4, 8), (16, 4, 2), (4, 8, 4), (8, 16, 8), (32, 2, 4))],
+                             (8, 4, 4), (8, 8, 8), (16, 4, 8), (16, 4, 2), (4, 8, 4), (8, 16, 8), (32, 2, 4),
+                             # 16 warps, more groups a step: more bytes in flight where the rows give few
+                             # programs (8B down: 256 of 8 warps were half a wave; 19.6 µs against 25.2 timed
+                             # as a step runs them: twenty-fifth session)
+                             (8, 16, 16), (8, 32, 16), (16, 16, 16), (4, 16, 8), (4, 32, 16), (16, 8, 16), (32, 8, 16),
+                             (64, 8, 16), (32, 16, 16), (4, 16, 4))],
     key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
     prune_configs_by={"early_config_prune": ShippedChoice("_int4_gemv_kernel")},
 )

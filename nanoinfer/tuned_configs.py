@@ -4,7 +4,8 @@ With an empty cache a CUDA start spent most of its graph capture compiling every
 every GEMV variant once per shape to time them (bench/RESULTS.md, "Cold start with the fused
 layer parts": 38.8 s of a 58.8 s start on an H100). A GPU model that has a table here
 (`nanoinfer/tuned/<device file stem>.json`, written by tools/dump_tuned_configs.py after a full
-tuning on that GPU) compiles only the config that won there, as vLLM ships its fused-MoE
+tuning on that GPU; the one-row int4 kernel's by tools/sweep_int4_gemv.py, which times its
+configs under CUDA graphs) compiles only the config that won there, as vLLM ships its fused-MoE
 configs per device name.
 
 Each autotuned kernel in nanoinfer.gemv carries `ShippedChoice(<kernel name>)` as its
