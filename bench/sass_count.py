@@ -71,9 +71,9 @@ def _cases(kind: str, group: int):
         sig = {**common, "w_ptr": "*i32", "scale_ptr": "*fp32", "min_ptr": "*fp32", "N": "i32", "K": "i32",
                "stride_wn": "i32", "stride_sn": "i32", "EXP": "i32"}
         for c in fn.configs:
-            n, g = c.kwargs["BLOCK_N"], c.kwargs["GROUPS"]
-            yield (c, fn.fn, sig, dict(GROUP=group, HALF=False, BLOCK_N=n, GROUPS=g),
-                   n * g * (group // 8) / (32 * c.num_warps))
+            n, g, split = c.kwargs["BLOCK_N"], c.kwargs["GROUPS"], c.kwargs["SPLIT"]
+            words = n * split * min(group // 8, 16) if c.kwargs["TC"] else n * g * (group // 8)
+            yield c, fn.fn, sig, dict(GROUP=group, HALF=False, **c.kwargs), words / (32 * c.num_warps)
         return
     fn = gemv._gemv_kernel
     sig = {**common, "w_ptr": "*i8" if kind == "int8" else "*bf16", "scale_ptr": "*fp32", "N": "i32", "K": "i32",

@@ -16,7 +16,8 @@ so the weight is still read once; two rows of a narrow int8 weight stay in the f
 
 4-bit weights (nanoinfer.quantized's Int4CudaWeight: AWQ, GPTQ, GGUF's 4-bit groups,
 `quantization="int4"`) have kernels of their own, `int4_mm`: one row reads each packed word
-once, widens its eight nibbles in registers and sums them before their group's scale (the
+once, widens its eight nibbles in registers (to fp32 on CUDA cores, or, for the wide matrices,
+to 16-bit floats multiplied on tensor cores) and sums them before their group's scale (the
 min times the sum of their inputs), so a batch-1 step reads half a byte per weight; more rows
 dequantize each weight tile to the activations' type in registers and multiply it on tensor
 cores, at every row count (a prefill too: the weight is never written out dequantized).
@@ -272,8 +273,13 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
     return None
 
 
+# One row's 4-bit kernel has two bodies, and the tuning picks between them per shape. On an H100
+# the shipped table (tools/sweep_int4_gemv.py: each config timed in CUDA graphs over cold weights)
+# takes the tensor cores' for the gate/up projections (8B 28.9 against 33.9 µs, 1B 11.7 against
+# 12.0) and the CUDA cores' elsewhere; Triton's 20 ms tuning, alone, had picked the tensor cores'
+# for 8B's down, 9% slower there (bench/RESULTS.md, twenty-fourth and twenty-fifth sessions).
 @triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "GROUPS": g}, num_warps=w, num_stages=3)
+    configs=[triton.Config({"TC": False, "BLOCK_N": n, "GROUPS": g, "SPLIT": 1}, num_warps=w, num_stages=3)
              # several rows a thread for the wide matrices (the 8B shapes' and 1B gate/up's winners on an
              # H100), few for the narrow long ones (1B down): bench/RESULTS.md, twenty-third session
              for n, g, w in ((32, 4, 4), (32, 8, 8), (64, 4, 8), (64, 4, 4), (16, 4, 4), (16, 8, 8), (32, 4, 2),
@@ -282,30 +288,46 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
                              # programs (8B down: 256 of 8 warps were half a wave; 19.6 µs against 25.2 timed
                              # as a step runs them: twenty-fifth session)
                              (8, 16, 16), (8, 32, 16), (16, 16, 16), (4, 16, 8), (4, 32, 16), (16, 8, 16), (32, 8, 16),
-                             (64, 8, 16), (32, 16, 16), (4, 16, 4))],
+                             (64, 8, 16), (32, 16, 16), (4, 16, 4))]
+    + [triton.Config({"TC": True, "BLOCK_N": n, "GROUPS": 1, "SPLIT": s}, num_warps=w, num_stages=3)
+       for n, s, w in ((32, 2, 2), (16, 4, 4), (16, 4, 2), (32, 4, 4), (16, 8, 8), (32, 8, 8), (16, 8, 4),
+                       (32, 8, 16), (64, 4, 8))],
     key=["N", "K", "GROUP", "HALF"], do_bench=_quick_bench, cache_results=True,
     prune_configs_by={"early_config_prune": ShippedChoice("_int4_gemv_kernel")},
 )
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, EXP,
-                      GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    # One row: BLOCK_N output rows, GROUPS whole groups a step, a tile [GROUPS, BLOCK_N, WORDS].
-    # The words are taken a nibble plane at a time (Int4CudaWeight's order: plane k of a group's
-    # words is its inputs k WORDS..(k + 1) WORDS, one contiguous load of x), so no tile changes
-    # shape; each word sums its products before the group's scale and min meet them, once per
-    # (row, group): sum(s q x + m x) = s sum(q x) + m sum(x). (HALF only keys the tuning.)
-    # Each nibble becomes the float 128 + q in two instructions: moved to bits 16-19 (one shift;
-    # none for plane 4) and merged with 128's bits (one LOP3); the 128s come off once per group,
-    # s sum((128 + q) x) + (m - 128 s) sum(x), instead of a subtraction per nibble (the form
-    # before: 2^23 + q, less 2^23). 128 + q in fp32 keeps 17 bits for q x past the 128 x.
-    # The kernel is bound by instructions, not bytes (its SASS: 62 a word before, 38 now), so:
-    # EXP is 128.0's bits (0x43000000) passed at run time, because with both masks constants
+                      GROUP: tl.constexpr, HALF: tl.constexpr, TC: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+    # One row, BLOCK_N outputs a program, both bodies computing per (row, group)
+    # s sum((OFFSET + q) x) + (m - OFFSET s) sum(x): each nibble becomes OFFSET + q by merging
+    # its bits into OFFSET's, and the OFFSETs come off once per group. (HALF only keys the tuning.)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if TC:
+        out = _int4_gemv_tensor_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn,
+                                      GROUP, BLOCK_N, SPLIT)
+    else:
+        out = _int4_gemv_cuda_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn, EXP,
+                                    GROUP, BLOCK_N, GROUPS)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _int4_gemv_cuda_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn, EXP,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    # GROUPS whole groups a step, a tile [GROUPS, BLOCK_N, WORDS]. The words are taken a nibble
+    # plane at a time (Int4CudaWeight's order: plane k of a group's words is its inputs
+    # k WORDS..(k + 1) WORDS, one contiguous load of x), so no tile changes shape; each word sums
+    # its products before the group's scale and min meet them.
+    # Each nibble becomes the fp32 128 + q in two instructions: moved to bits 16-19 (one shift;
+    # none for plane 4) and merged with 128's bits (one LOP3). 128 + q in fp32 keeps 17 bits for
+    # q x past the 128 x. The loop is bound by instructions, not bytes (38 a word, bench/sass_count.py),
+    # so: EXP is 128.0's bits (0x43000000) passed at run time, because with both masks constants
     # ptxas splits `& mask | bits` into two LOP3s; and the groups lead the tile, so that Triton's
     # layout repeats a thread's words down the rows (its fastest-varying dimensions after the
     # words are the tile's first) and each x load, widening and sum serves several rows.
     WORDS: tl.constexpr = GROUP // 8
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_j = tl.arange(0, WORDS)
     acc = tl.zeros([GROUPS, BLOCK_N, WORDS], tl.float32)
     for g0 in range(0, K // GROUP, GROUPS):
@@ -329,7 +351,95 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
         scale = tl.load(scale_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
         low = tl.load(min_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
         acc += scale[:, :, None] * dots + (low - 128.0 * scale)[:, :, None] * sums[:, None, :]
-    tl.store(out_ptr + offs_n, tl.sum(tl.sum(acc, 2), 0).to(out_ptr.dtype.element_ty), mask=n_mask)
+    return tl.sum(tl.sum(acc, 2), 0)
+
+
+def _nibbles_asm(bits: int) -> str:
+    """Inline PTX: two packed words (a, b) in, eight registers of two 16-bit floats out, register k
+    (OFFSET + nibble k of a, OFFSET + nibble k of b), each one LOP3 merging the nibbles into
+    OFFSET's bits (`bits`, twice: bf16 128.0 is 0x4300, fp16 1024.0 0x6400; in both a nibble lands
+    on the mantissa's last four bits, worth 1 apiece). PRMT pairs a's and b's low halves (nibbles
+    0-3) and high halves (4-7); a shift by 4, 8 or 12 brings the next nibble of both down: 16
+    instructions for 16 weights."""
+    merge = f"0x000F000F, {bits:#010x}, 0xea"  # (v & mask) | bits
+    lines = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for k in range(8):
+        half = "lo" if k < 4 else "hi"
+        if k % 4:
+            lines.append(f"shr.u32 t, {half}, {4 * (k % 4)};")
+        lines.append(f"lop3.b32 ${k}, {'t' if k % 4 else half}, {merge};")
+    return "{\n.reg .b32 lo, hi, t;\n" + "\n".join(lines) + "\n}"
+
+
+_NIBBLES_BF16 = tl.constexpr(_nibbles_asm(0x43004300))
+_NIBBLES_FP16 = tl.constexpr(_nibbles_asm(0x64006400))
+
+
+@triton.jit
+def _offset_nibbles(words, dtype: tl.constexpr):
+    """[S, R, W] int32 words -> [S, R, 8 W] `dtype` (bf16 or fp16) OFFSET + q in input order: column
+    k W + j is word j's nibble k (Int4CudaWeight's order)."""
+    if dtype == tl.bfloat16:
+        planes = tl.inline_asm_elementwise(_NIBBLES_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                           dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        planes = tl.inline_asm_elementwise(_NIBBLES_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                           dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+    p0, p1, p2, p3, p4, p5, p6, p7 = planes
+    # Each join adds a last dimension indexed by its operand: t[s, r, j, h, m, l] is plane 4h + 2m + l.
+    t = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    # Plane-major: the tensor cores' operand holds these registers as they are (no data moves).
+    return tl.reshape(tl.permute(t, (0, 1, 3, 4, 5, 2)), (words.shape[0], words.shape[1], 8 * words.shape[2]))
+
+
+@triton.jit
+def _int4_gemv_tensor_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn,
+                            GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # The weights are the MMA's first operand straight from registers: each chunk of a group's
+    # words (at most 16: 128 inputs) becomes OFFSET + q in x's type (`_offset_nibbles`, ~16
+    # instructions a word where widening to fp32 took 38), and x, in those columns' input order,
+    # the second operand's 8 columns (all equal: column 0 is kept, and the compiler drops the
+    # others' arithmetic). The MMA's products are exact ((OFFSET + q) and x each fit x's
+    # mantissa) and sum in fp32; the group's scale multiplies a chunk's sum. SPLIT adjacent
+    # chunks a step in one batched MMA, summed at the end: more loads in flight a program.
+    # The sums of x and the mins come in a second, small pass.
+    WORDS: tl.constexpr = GROUP // 8
+    CHUNK: tl.constexpr = WORDS if WORDS < 16 else 16
+    dtype = x_ptr.dtype.element_ty
+    OFFSET: tl.constexpr = 128.0 if dtype == tl.bfloat16 else 1024.0
+    offs_s = tl.arange(0, SPLIT)
+    offs_c = tl.arange(0, CHUNK)
+    # a chunk's column k CHUNK + c is input k WORDS + c of its group, past its first word's
+    offs_in = (tl.arange(0, 8)[:, None] * WORDS + offs_c[None, :]).reshape(8 * CHUNK)
+    chunks = K // (8 * CHUNK)
+    acc = tl.zeros([SPLIT, BLOCK_N, 8], tl.float32)
+    for c0 in range(0, chunks, SPLIT):
+        cs = c0 + offs_s
+        c_mask = cs < chunks
+        gs = cs * CHUNK // WORDS
+        words = tl.load(w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn + (cs * CHUNK)[:, None, None]
+                        + offs_c[None, None, :], mask=n_mask[None, :, None] & c_mask[:, None, None], other=0)
+        x = tl.load(x_ptr + (gs * GROUP + cs * CHUNK - gs * WORDS)[:, None] + offs_in[None, :],
+                    mask=c_mask[:, None], other=0.0)
+        d = tl.dot(_offset_nibbles(words, dtype), tl.broadcast_to(x[:, :, None], (SPLIT, 8 * CHUNK, 8)))
+        scale = tl.load(scale_ptr + offs_n[None, :] * stride_sn + gs[:, None], mask=n_mask[None, :] & c_mask[:, None],
+                        other=0.0).to(tl.float32)
+        acc += scale[:, :, None] * d
+    out = tl.sum(tl.sum(tl.where(tl.arange(0, 8)[None, None, :] == 0, acc, 0.0), 2), 0)
+    GT: tl.constexpr = 16  # groups a step of the second pass
+    offs_g = tl.arange(0, GT)
+    offs_k = tl.arange(0, GROUP)
+    for g0 in range(0, K // GROUP, GT):
+        gs = g0 + offs_g
+        g_mask = gs < K // GROUP
+        sums = tl.sum(tl.load(x_ptr + gs[:, None] * GROUP + offs_k[None, :], mask=g_mask[:, None],
+                              other=0.0).to(tl.float32), 1)
+        where = offs_n[:, None] * stride_sn + gs[None, :]
+        sg_mask = n_mask[:, None] & g_mask[None, :]
+        scale = tl.load(scale_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + where, mask=sg_mask, other=0.0).to(tl.float32)
+        out += tl.sum((low - OFFSET * scale) * sums[None, :], 1)
+    return out
 
 
 @triton.autotune(

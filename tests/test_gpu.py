@@ -563,10 +563,38 @@ def test_int4_mm_matches_its_dequantized_reference(rows, n, k, group, halves, re
     ref = x.float() @ quantized.dequantize(w).T
     out = linear(x, w)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    # One row: fp32 all the way, one bf16 rounding of the result; more: each weight rounded to
-    # bf16 before its tensor-core product.
+    # One row: exact products summed in fp32 (on CUDA cores, or tensor cores with 128 + q in
+    # bf16), one bf16 rounding of the result; more: each weight rounded to bf16 before its product.
     tol = (2**-7 if rows == 1 else 2**-6) * ref.abs().max().item()
     assert torch.allclose(out.float(), ref, rtol=2**-6, atol=tol)
+
+
+@pytest.mark.parametrize("n,k,group", [(4096, 1024, 128), (1000, 1024, 32), (3072, 1536, 256)])
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tensor_cores):
+    """Each body of the one-row kernel (the tuning picks one per shape, so both are run here by
+    hand) with fp16 inputs (tensor cores: nibbles as 1024 + q in fp16) and bf16 ones, against the
+    fp32 dequantized reference."""
+    import triton
+
+    from nanoinfer import gemv, quantized
+
+    g = torch.Generator().manual_seed(n + k + group)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 / k**0.5 + 1e-3 / k**0.5
+    low = -scale * torch.randint(0, 16, scale.shape, generator=g)
+    w = quantized.map_weight(lambda t: t.cuda(), quantized.Int4CudaWeight.from_groups(
+        quantized.GroupedWeight(q, scale, low, 4)))
+    config = (dict(TC=True, BLOCK_N=16, GROUPS=1, SPLIT=4) if tensor_cores
+              else dict(TC=False, BLOCK_N=32, GROUPS=4, SPLIT=1))
+    for dtype, tol in ((torch.float16, 2**-9), (torch.bfloat16, 2**-7)):
+        x = torch.randn(1, k, generator=g).to(dtype).cuda()
+        ref = x.float() @ quantized.dequantize(w).T
+        out = torch.empty(1, n, dtype=dtype, device="cuda")
+        gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
+            x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128,
+            GROUP=group, HALF=False, num_warps=4, num_stages=3, **config)
+        assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), dtype
 
 
 @pytest.mark.parametrize("form", ["int8", "fp8", "int4"])
