@@ -31,6 +31,11 @@ sys.path.insert(0, str(ROOT))  # (bench.shapes, and this tree's nanoinfer when r
 os.environ["NANOINFER_AUTOTUNE"] = "full"
 
 
+# Kernels whose choices tools/sweep_int4_gemv.py writes, timed as a decode step runs them: the
+# tuner's 20 ms picks here would overwrite them with slower ones (bench/RESULTS.md, twenty-fifth session).
+SWEPT = ("_int4_gemv_kernel",)
+
+
 def say(message: str) -> None:
     print(f"[dump_tuned_configs {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -122,7 +127,7 @@ def main() -> None:
             say(f"{shape} ({quantization}): starting an engine, tuning every GEMV key it runs ...")
             warm_up(shape, quantization, args.device)
             tuned = {name: KernelTable(tuple(tuner.keys), choices_from_cache(tuner.cache))
-                     for name, tuner in tuners.items() if tuner.cache}
+                     for name, tuner in tuners.items() if tuner.cache and name not in SWEPT}
             if not tuned:
                 raise SystemExit(f"{shape} ({quantization}): no GEMV key was tuned: the engine never ran a Triton "
                                  "GEMV (weights the kernels do not take?); nothing written")
