@@ -166,14 +166,22 @@ def autotune_key(key_names: Iterable[str], named_args: Mapping[str, Any], kwargs
 
 
 def choose(table: Table, kernel: str, configs: Sequence[Any], named_args: Mapping[str, Any],
-           kwargs: Mapping[str, Any]) -> list:
+           kwargs: Mapping[str, Any], like: Sequence[str] = ()) -> list:
     """[the shipped config] where `table` holds this call's key for `kernel` and that config is one
-    of `configs`; otherwise all of `configs` (Triton tunes over them)."""
+    of `configs`; otherwise all of `configs` (Triton tunes over them). `like`: key names whose
+    values alone pick a shipped choice where the whole key has none (the first such in the
+    table), so that a variant the table lacks still compiles one config."""
     shipped = table.get(kernel)
     if shipped is None:
         return list(configs)
     key = autotune_key(shipped.key_names, named_args, kwargs)
     choice = shipped.choices.get(key)
+    if choice is None and like:
+        given = [name for name in shipped.key_names if name in named_args or name in kwargs]  # (the key's order)
+        places = [given.index(name) for name in like]
+        choice = next((c for k, c in shipped.choices.items() if all(k[i] == key[i] for i in places)), None)
+        if choice is not None:
+            log.info("gemv: %s %s takes the shipped choice of the same %s", kernel, list(key), ", ".join(like))
     if choice is None:
         return list(configs)
     matching = [c for c in configs if ConfigChoice.of(c) == choice]
@@ -199,6 +207,7 @@ class ShippedChoice:
 
     kernel: str
     directory: Path = TUNED_DIR
+    like: tuple[str, ...] = ()  # (choose's)
 
     def __call__(self, configs: Sequence[Any], named_args: Mapping[str, Any], **kwargs: Any) -> list:
         if autotune_mode() == "full":
@@ -210,7 +219,7 @@ class ShippedChoice:
         import torch
 
         table = load_table(table_path(torch.cuda.get_device_name(device), self.directory))
-        return choose(table, self.kernel, configs, named_args, kwargs)
+        return choose(table, self.kernel, configs, named_args, kwargs, self.like)
 
 
 def choices_from_cache(cache: Mapping[tuple, Any]) -> dict[tuple, ConfigChoice]:
