@@ -69,7 +69,8 @@ def _cases(kind: str, group: int):
     if kind == "int4":
         fn = gemv._int4_gemv_kernel
         sig = {**common, "w_ptr": "*i32", "scale_ptr": "*fp32", "min_ptr": "*fp32", "N": "i32", "K": "i32",
-               "stride_wn": "i32", "stride_sn": "i32", "EXP": "i32"}
+               "stride_wn": "i32", "stride_sn": "i32", "EXP": "i32",
+               "res_ptr": "*bf16"}
         for c in fn.configs:
             n, g, split = c.kwargs["BLOCK_N"], c.kwargs["GROUPS"], c.kwargs["SPLIT"]
             words = n * split * min(group // 8, 16) if c.kwargs["TC"] else n * g * (group // 8)

@@ -13,7 +13,8 @@ them (nanoinfer/peer_sum.py), in place of NCCL's all-reduce. Same signatures as
 nanoinfer.model's `qkv_projection` and `attention_output_and_mlp`, which are the reference
 (tests/test_gpu.py, tests/test_gpu_tensor_parallel.py); nanoinfer.batched_layers' parts run
 instead wherever this does not apply: more than one token, a sum over ranks other than a
-RankSum, an fp32 model, or a weight the GEMV does not read.
+RankSum, an fp32 model, or a weight the GEMV does not read. 4-bit MLP weights fold SwiGLU and
+the last residual add only (`_int4_output_and_mlp`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import torch
 
 from nanoinfer import batched_layers, model
 from nanoinfer.config import ModelConfig
-from nanoinfer.gemv import fused_gemv
+from nanoinfer.gemv import fused_gemv, int4_gemv, int4_kernels_take
 from nanoinfer.model import LayerParams, RankSum
 from nanoinfer.peer_sum import PeerLinks, PeerSum
-from nanoinfer.quantized import Fp8Weight, Int8Weight
+from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
+from nanoinfer.row_kernels import add_rms_norm
 
 
 def _operands(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -39,9 +41,16 @@ def _operands(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | 
     return None
 
 
+def _one_token(x: torch.Tensor) -> bool:
+    return x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def _takes(x: torch.Tensor, *weights) -> bool:
-    return x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(
-        _operands(w, x) is not None for w in weights)
+    return _one_token(x) and all(_operands(w, x) is not None for w in weights)
+
+
+def _int4(*weights) -> bool:
+    return all(isinstance(w, Int4CudaWeight) and int4_kernels_take(w) for w in weights)
 
 
 def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable) -> torch.Tensor:
@@ -55,6 +64,8 @@ def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: C
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable, reduce: Callable = model._same) -> torch.Tensor:
     one_rank = reduce is model._same
+    if (one_rank or isinstance(reduce, RankSum)) and _one_token(x) and _int4(lp.gate_up_proj, lp.down_proj):
+        return _int4_output_and_mlp(x, attn, lp, cfg, linear, reduce, one_rank or reduce.lead)
     if not ((one_rank or isinstance(reduce, RankSum)) and _takes(x, lp.o_proj, lp.gate_up_proj, lp.down_proj)
             and lp.mlp_norm.dtype == x.dtype):
         return batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
@@ -69,6 +80,16 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
     w, scale = _operands(lp.down_proj, x)
     return _summed(fused_gemv(act, w, scale, None, 0.0, False, x if lead else None, push=links and links.pushes[1]),
                    reduce, links, 1)
+
+
+def _int4_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable,
+                         reduce: Callable, lead: bool) -> torch.Tensor:
+    """4-bit MLP weights: SwiGLU in the gate/up GEMV's epilogue and the residual in the down
+    projection's (the lead rank's, under a RankSum), two kernels a layer fewer. The norms keep
+    their kernels: inside this GEMV's loop, bound by instructions, they cost more than a kernel
+    (bench/RESULTS.md, twenty-second session)."""
+    x, h = add_rms_norm(x, reduce(linear(attn.reshape(1, cfg.q_size), lp.o_proj)), lp.mlp_norm, cfg.rms_norm_eps)
+    return reduce(int4_gemv(int4_gemv(h, lp.gate_up_proj, silu=True), lp.down_proj, residual=x if lead else None))
 
 
 def _summed(partial: torch.Tensor | None, reduce: Callable, links: PeerLinks | None, slot: int) -> torch.Tensor:

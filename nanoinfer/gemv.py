@@ -64,6 +64,39 @@ def _quick_bench(kernel_call, quantiles):
 # cache_results: the winners go to Triton's cache directory, so a second start skips tuning.
 # ShippedChoice: a GPU model with a table in nanoinfer/tuned/ compiles only the config that won
 # there, not every config of each shape (nanoinfer.tuned_configs; NANOINFER_AUTOTUNE=full tunes).
+@triton.jit
+def _program_rows(N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """A one-row GEMV program's rows of w and their mask: BLOCK_N consecutive ones, or with SILU
+    (w is [gate | up], N = 2 x units) BLOCK_N / 2 units' gate and up rows, interleaved: row j
+    of the tile is unit j // 2's gate row if j is even, its up row if odd."""
+    if SILU:
+        rows = tl.arange(0, BLOCK_N)
+        units = tl.program_id(0) * (BLOCK_N // 2) + rows // 2
+        offs_n = units + (rows % 2) * (N // 2)
+        n_mask = units < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+    return offs_n, n_mask
+
+
+@triton.jit
+def _epilogue(out, offs_n, n_mask, N, res_ptr, dtype: tl.constexpr, BLOCK_N: tl.constexpr, SILU: tl.constexpr,
+              RESIDUAL: tl.constexpr):
+    """A one-row GEMV's fp32 sums `out` (rows `_program_rows`) -> (outputs, their offsets, mask):
+    SILU, silu(gate) * up of each unit, rounded to `dtype` as the GEMV's output, F.silu and the
+    product round them (the down projection then reads its input as it is); RESIDUAL, `res` added,
+    the sum rounded first as `x + linear(...)` rounds it."""
+    if SILU:
+        gate, up = tl.split(tl.reshape(out.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+        out = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = offs_n < N // 2
+    if RESIDUAL:
+        out = out.to(dtype).to(tl.float32) + tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return out, offs_n, n_mask
+
+
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
              for n, k, w, s in ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 8, 3), (16, 256, 4, 3),
@@ -85,20 +118,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     # One row may fold its neighbours in (fused_gemv): NORM, x is RMSNorm'd on the way in: the
     # norm's gain multiplies x in the loop, which also sums x's squares, and 1 / rms scales the
     # sums at the end (a first pass for the rms would hold every weight load back by the
-    # latency of reading x); SILU, w is [gate | up] (N = 2 x units) and the output is silu(gate)
-    # * up: a program takes BLOCK_N / 2 units' gate and up rows, interleaved, and multiplies
-    # them in its epilogue, rounded to x's type as the GEMV's output, F.silu and the product
-    # round them (the down projection then reads its input as it is, where each of its programs
-    # would recompute SiLU over all of it); RESIDUAL, `res` is added to the output, rounded
-    # first as `x + linear(...)` rounds it.
-    if SILU:  # (row j of the tile: unit j // 2's gate row if j is even, its up row if odd)
-        rows = tl.arange(0, BLOCK_N)
-        units = tl.program_id(0) * (BLOCK_N // 2) + rows // 2
-        offs_n = units + (rows % 2) * (N // 2)
-        n_mask = units < N // 2
-    else:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+    # latency of reading x); SILU and RESIDUAL, `_epilogue`'s (where the down projection's
+    # programs would each recompute SiLU over all of its input).
+    offs_n, n_mask = _program_rows(N, BLOCK_N, SILU)
     if PDL:  # (nanoinfer.pdl) the weights are no kernel's output: the first tile into L2 before the wait
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
         pdl.prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
@@ -137,13 +159,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out *= scale
-    if SILU:
-        gate, up = tl.split(tl.reshape(out.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
-        out = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-        offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        n_mask = offs_n < N // 2
-    if RESIDUAL:
-        out = out.to(dtype).to(tl.float32) + tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    out, offs_n, n_mask = _epilogue(out, offs_n, n_mask, N, res_ptr, dtype, BLOCK_N, SILU, RESIDUAL)
     if PUSH > 0:  # (one row) into each of PUSH ranks' slots (nanoinfer.peer_sum's words)
         # A word is two outputs and the flag of this use of the slot (1 or 2, from this rank's
         # count of the slot's uses), stored as one 8-byte store: a rank that reads the flag
@@ -298,21 +314,25 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
     prune_configs_by={"early_config_prune": ShippedChoice("_int4_gemv_kernel", like=("N", "K", "GROUP"))},
 )
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, EXP,
+def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, EXP, res_ptr,
                       GROUP: tl.constexpr, HALF: tl.constexpr, TC: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+                      GROUPS: tl.constexpr, SPLIT: tl.constexpr, SILU: tl.constexpr = False,
+                      RESIDUAL: tl.constexpr = False):
     # One row, BLOCK_N outputs a program, both bodies computing per (row, group)
     # s sum((OFFSET + q) x) + (m - OFFSET s) sum(x): each nibble becomes OFFSET + q by merging
-    # its bits into OFFSET's, and the OFFSETs come off once per group. (HALF only keys the tuning.)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    # its bits into OFFSET's, and the OFFSETs come off once per group. (HALF only keys the tuning;
+    # SILU and RESIDUAL, the epilogues `_epilogue` shares with the 16- and 8-bit kernel, do not:
+    # a projection takes the config of its plain product.)
+    offs_n, n_mask = _program_rows(N, BLOCK_N, SILU)
     if TC:
         out = _int4_gemv_tensor_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn,
                                       GROUP, BLOCK_N, SPLIT)
     else:
         out = _int4_gemv_cuda_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn, EXP,
                                     GROUP, BLOCK_N, GROUPS)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    dtype = out_ptr.dtype.element_ty
+    out, offs_n, n_mask = _epilogue(out, offs_n, n_mask, N, res_ptr, dtype, BLOCK_N, SILU, RESIDUAL)
+    tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
 
 
 @triton.jit
@@ -496,15 +516,34 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     group = k // scale.shape[1]
     m = x.shape[0]
     x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 1:
-        _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), _BITS_OF_128, GROUP=group,
-            HALF=scale.dtype == torch.float16)
-    else:
-        _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
-            x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
-            triton.next_power_of_2(m), GROUP=group)
+        return _int4_one_row(x, packed, scale, low, False, None)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
+        x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
+        triton.next_power_of_2(m), GROUP=group)
+    return out
+
+
+def int4_gemv(x: torch.Tensor, w: Int4CudaWeight, silu: bool = False, residual: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """One row x [1, K] @ w.T with nanoinfer.fused_layers' epilogues, one kernel where they took
+    one each: `silu`, w is [gate | up] and the output [1, N / 2] is silu(gate) * up;
+    `residual` [1, N] is added. The same roundings as `int4_mm`, then row_kernels' silu_mul or
+    the add. Needs `int4_kernels_take(w)`."""
+    assert x.shape[0] == 1 and int4_kernels_take(w) and not (silu and residual is not None)
+    x = x if w.cols is None else x.index_select(1, w.cols)
+    return _int4_one_row(x.contiguous(), w.packed, w.scale, w.min, silu, residual)
+
+
+def _int4_one_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, silu: bool,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+    n, k = packed.shape[0], packed.shape[1] * 8
+    out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device)
+    _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), _BITS_OF_128,
+        x if residual is None else residual, GROUP=k // scale.shape[1], HALF=scale.dtype == torch.float16,
+        SILU=silu, RESIDUAL=residual is not None)
     return out
 
 

@@ -458,14 +458,17 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
 
 # --- one token's layer parts with the norms, SwiGLU and residual adds inside the GEMVs (issue 35) ---
 
-@pytest.mark.parametrize("form", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("form", ["bf16", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("hidden,inter", [(1024, 3072), (2048, 8192), (576, 1536)])
 def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
     """nanoinfer.fused_layers at one token against nanoinfer.model's parts: the same roundings,
-    so the same bf16 numbers up to the order of the fp32 sums (one bf16 step at most)."""
-    from nanoinfer import batched_layers, fused_layers, model, quantized
+    so the same bf16 numbers up to the order of the fp32 sums (one bf16 step at most). (4-bit
+    weights: SwiGLU and the last residual in the int4 GEMV's epilogues; under a RankSum only the
+    lead rank adds the residual.)"""
+    from nanoinfer import batched_layers, fused_layers, model, quantized, row_kernels
     from nanoinfer.config import ModelConfig
     from nanoinfer.gemv import linear
+    from nanoinfer.loaders.quantize import int4_groups
 
     g = torch.Generator(device="cuda").manual_seed(hidden + inter)
     heads, d = hidden // 64, 64
@@ -477,6 +480,8 @@ def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
         dense = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
         if form == "int8":
             return quantized.Int8Weight.quantize(dense, torch.float32)
+        if form == "int4":
+            return quantized.Int4CudaWeight.from_groups(int4_groups(dense))
         return quantized.Fp8Weight.quantize(dense) if form == "fp8" else dense.bfloat16()
 
     norm = (torch.rand(hidden, device="cuda", generator=g) + 0.5).bfloat16()
@@ -499,6 +504,13 @@ def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
     double = lambda t: t * 2  # noqa: E731
     assert torch.equal(fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double),
                        batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, double))
+    if form == "int4":
+        lead, other = (fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, model.RankSum(lambda t: t, lead))
+                       for lead in (True, False))
+        assert torch.equal(lead, pairs[1][0])
+        residual, _ = row_kernels.add_rms_norm(x, linear(attn.reshape(1, hidden), lp.o_proj), lp.mlp_norm, 1e-5)
+        assert torch.allclose((other.float() + residual.float()), lead.float(), rtol=2**-7,
+                              atol=2**-7 * lead.abs().max().item())
 
 
 # --- quantized weights (issue 12) ---------------------------------------------------------------
@@ -592,7 +604,7 @@ def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tens
         ref = x.float() @ quantized.dequantize(w).T
         out = torch.empty(1, n, dtype=dtype, device="cuda")
         gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
-            x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128,
+            x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128, x,
             GROUP=group, HALF=False, num_warps=4, num_stages=3, **config)
         assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), dtype
 

@@ -84,14 +84,14 @@ def main() -> None:
             w = ws[0]
             # (the key the Autotuner files this call under, as int4_mm launches it)
             key = autotune_key(tuner.keys, dict(zip(tuner.arg_names, (
-                x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128))),
+                x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128, x))),
                 flags)
             if key in choices:  # (a projection of the same size in an earlier shape)
                 continue
             timed = []
             for c in tuner.configs:
                 calls = [lambda w=w, c=c: tuner.fn[(triton.cdiv(n, c.kwargs["BLOCK_N"]),)](
-                    x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128,
+                    x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128, x,
                     **flags, num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs) for w in ws]
                 try:
                     timed.append((graph_us(calls), ConfigChoice.of(c)))
