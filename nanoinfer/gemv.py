@@ -61,9 +61,6 @@ def _quick_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-# cache_results: the winners go to Triton's cache directory, so a second start skips tuning.
-# ShippedChoice: a GPU model with a table in nanoinfer/tuned/ compiles only the config that won
-# there, not every config of each shape (nanoinfer.tuned_configs; NANOINFER_AUTOTUNE=full tunes).
 @triton.jit
 def _program_rows(N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
     """A one-row GEMV program's rows of w and their mask: BLOCK_N consecutive ones, or with SILU
@@ -97,6 +94,9 @@ def _epilogue(out, offs_n, n_mask, N, res_ptr, dtype: tl.constexpr, BLOCK_N: tl.
     return out, offs_n, n_mask
 
 
+# cache_results: the winners go to Triton's cache directory, so a second start skips tuning.
+# ShippedChoice: a GPU model with a table in nanoinfer/tuned/ compiles only the config that won
+# there, not every config of each shape (nanoinfer.tuned_configs; NANOINFER_AUTOTUNE=full tunes).
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
              for n, k, w, s in ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 8, 3), (16, 256, 4, 3),
