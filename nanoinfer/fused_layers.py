@@ -64,7 +64,8 @@ def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: C
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable, reduce: Callable = model._same) -> torch.Tensor:
     one_rank = reduce is model._same
-    if (one_rank or isinstance(reduce, RankSum)) and _one_token(x) and _int4(lp.gate_up_proj, lp.down_proj):
+    if ((one_rank or isinstance(reduce, RankSum)) and _one_token(x) and _int4(lp.gate_up_proj, lp.down_proj)
+            and lp.mlp_norm.dtype == x.dtype):
         return _int4_output_and_mlp(x, attn, lp, cfg, linear, reduce, one_rank or reduce.lead)
     if not ((one_rank or isinstance(reduce, RankSum)) and _takes(x, lp.o_proj, lp.gate_up_proj, lp.down_proj)
             and lp.mlp_norm.dtype == x.dtype):

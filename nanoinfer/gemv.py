@@ -508,9 +508,11 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     group = k // scale.shape[1]
     m = x.shape[0]
     x = x.contiguous()
-    if m == 1:
-        return _int4_one_row(x, packed, scale, low, False, None)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 1:
+        _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            *int4_gemv_args(x, packed, scale, low, out), GROUP=group, HALF=scale.dtype == torch.float16)
+        return out
     _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
         x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
         triton.next_power_of_2(m), GROUP=group)
@@ -523,20 +525,26 @@ def int4_gemv(x: torch.Tensor, w: Int4CudaWeight, silu: bool = False, residual: 
     one each: `silu`, w is [gate | up] and the output [1, N / 2] is silu(gate) * up;
     `residual` [1, N] is added. The same roundings as `int4_mm`, then row_kernels' silu_mul or
     the add. Needs `int4_kernels_take(w)`."""
-    assert x.shape[0] == 1 and int4_kernels_take(w) and not (silu and residual is not None)
-    x = x if w.cols is None else x.index_select(1, w.cols)
-    return _int4_one_row(x.contiguous(), w.packed, w.scale, w.min, silu, residual)
-
-
-def _int4_one_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, silu: bool,
-                  residual: torch.Tensor | None) -> torch.Tensor:
-    n, k = packed.shape[0], packed.shape[1] * 8
+    n, k = w.shape
+    assert x.shape == (1, k) and x.dtype in (torch.bfloat16, torch.float16) and int4_kernels_take(w)
+    assert not silu or (n % 2 == 0 and residual is None)
+    assert residual is None or (residual.shape == (1, n) and residual.dtype == x.dtype and residual.is_contiguous())
+    x = (x if w.cols is None else x.index_select(1, w.cols)).contiguous()
     out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), _BITS_OF_128,
-        x if residual is None else residual, GROUP=k // scale.shape[1], HALF=scale.dtype == torch.float16,
-        SILU=silu, RESIDUAL=residual is not None)
+        *int4_gemv_args(x, w.packed, w.scale, w.min, out, residual), GROUP=w.group,
+        HALF=w.scale.dtype == torch.float16, SILU=silu, RESIDUAL=residual is not None)
     return out
+
+
+def int4_gemv_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out: torch.Tensor,
+                   residual: torch.Tensor | None = None) -> tuple:
+    """`_int4_gemv_kernel`'s positional arguments for one row x @ (packed, scale, low).T into
+    `out`: what the launches here pass, and so what tools/sweep_int4_gemv.py times and files its
+    choices under (the tuner's key holds every tensor argument's dtype)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    return (x, packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), _BITS_OF_128,
+            x if residual is None else residual)
 
 
 def int4_kernels_take(w: Int4CudaWeight) -> bool:

@@ -586,7 +586,8 @@ def test_int4_mm_matches_its_dequantized_reference(rows, n, k, group, halves, re
 def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tensor_cores):
     """Each body of the one-row kernel (the tuning picks one per shape, so both are run here by
     hand) with fp16 inputs (tensor cores: nibbles as 1024 + q in fp16) and bf16 ones, against the
-    fp32 dequantized reference."""
+    fp32 dequantized reference; with the epilogues too (SwiGLU over interleaved rows: 500 units
+    leave a partial block; the residual), against the plain product put through the same ops."""
     import triton
 
     from nanoinfer import gemv, quantized
@@ -604,9 +605,16 @@ def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tens
         ref = x.float() @ quantized.dequantize(w).T
         out = torch.empty(1, n, dtype=dtype, device="cuda")
         gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
-            x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128, x,
-            GROUP=group, HALF=False, num_warps=4, num_stages=3, **config)
+            *gemv.int4_gemv_args(x, w.packed, w.scale, w.min, out), GROUP=group, HALF=False, num_warps=4,
+            num_stages=3, **config)
         assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), dtype
+        res = torch.randn(1, n, generator=g).to(dtype).cuda()
+        for silu, residual, want in ((True, None, F.silu(out[:, :n // 2]) * out[:, n // 2:]), (False, res, out + res)):
+            got = torch.empty_like(want)
+            gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
+                *gemv.int4_gemv_args(x, w.packed, w.scale, w.min, got, residual), GROUP=group, HALF=False,
+                SILU=silu, RESIDUAL=residual is not None, num_warps=4, num_stages=3, **config)
+            assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item()), silu
 
 
 @pytest.mark.parametrize("form", ["int8", "fp8", "int4"])

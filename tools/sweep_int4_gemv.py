@@ -83,16 +83,15 @@ def main() -> None:
             flags = dict(GROUP=g, HALF=ws[0].scale.dtype == torch.float16)
             w = ws[0]
             # (the key the Autotuner files this call under, as int4_mm launches it)
-            key = autotune_key(tuner.keys, dict(zip(tuner.arg_names, (
-                x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128, x))),
-                flags)
+            key = autotune_key(tuner.keys, dict(zip(tuner.arg_names, gemv.int4_gemv_args(x, w.packed, w.scale, w.min,
+                                                                                          out))), flags)
             if key in choices:  # (a projection of the same size in an earlier shape)
                 continue
             timed = []
             for c in tuner.configs:
                 calls = [lambda w=w, c=c: tuner.fn[(triton.cdiv(n, c.kwargs["BLOCK_N"]),)](
-                    x, w.packed, w.scale, w.min, out, n, k, w.packed.stride(0), w.scale.stride(0), gemv._BITS_OF_128, x,
-                    **flags, num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs) for w in ws]
+                    *gemv.int4_gemv_args(x, w.packed, w.scale, w.min, out), **flags, num_warps=c.num_warps,
+                    num_stages=c.num_stages, **c.kwargs) for w in ws]
                 try:
                     timed.append((graph_us(calls), ConfigChoice.of(c)))
                 except (OutOfResources, PTXASError, CompileTimeAssertionFailure) as e:  # (as Triton's tuner)
