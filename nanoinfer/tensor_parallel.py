@@ -33,7 +33,8 @@ import torch.distributed as dist
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import RequestError
 from nanoinfer.model import LayerFunctions, LayerParams, Params, RankSum
-from nanoinfer.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, Weight,
+from nanoinfer.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, SplitInt8Weight,
+                                 Weight,
                                  concat_rows, embedding, map_weight, take_rows)
 
 
@@ -84,9 +85,15 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 def _packed(w: Weight, pick: Callable[[Weight], Weight]) -> Weight:
     """`pick` (a part of a matrix) applied to `w`: dense, per-row int8/fp8 or GGUF groups as
-    they are, the CPU's packed blocks through their exact groups (re-packed after)."""
+    they are, the CPU's packed blocks and CUDA's 4-bit words through their exact groups
+    (re-packed after)."""
     if isinstance(w, BlockWeight):
         return BlockWeight.from_groups(pick(w.groups()))
+    if isinstance(w, Int4CudaWeight):
+        if w.cols is not None:  # (a rank's columns of an act-order matrix are not a slice of its stored ones)
+            raise RequestError("tensor parallelism cannot split a 4-bit matrix stored in act order (GPTQ desc_act): "
+                               "expected one without act order", param="tensor_parallel_size")
+        return Int4CudaWeight.from_groups(pick(w.groups()))
     if isinstance(w, (Int4Weight, SplitInt8Weight)):
         raise RequestError(f"tensor parallelism cannot split a matrix packed for torch's int4 kernel "
                            f"({type(w).__name__}): expected dense, int8, fp8 or GGUF-grouped weights",

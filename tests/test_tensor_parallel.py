@@ -188,6 +188,33 @@ def test_shards_put_back_together_are_the_weights():
     assert torch.equal(torch.cat([a.qkv_proj[:q], b.qkv_proj[:q]]), lp.qkv_proj[:cfg.q_size])
 
 
+def test_cuda_int4_matrices_split_through_their_groups():
+    """CUDA's 4-bit words (Int4CudaWeight: `quantization="int4"`, AWQ, GPTQ) are split through
+    their exact groups: each rank's part, dequantized, is the slice of the whole's; an act-order
+    one is named. (Built on the CPU: the packing is the same.)"""
+    from nanoinfer.quantized import Int4CudaWeight
+
+    cfg = tiny_config(**CASES["llama-int8"])  # (heads and units spanning whole groups of 32)
+    params = random_params(cfg, seed=5)
+    layers = tuple(dataclasses.replace(lp, **{n: Int4CudaWeight.from_groups(grouped(getattr(lp, n), 4))
+                                              for n in PROJECTIONS}) for lp in params.layers)
+    params = dataclasses.replace(params, layers=layers)
+    whole = dequantized(params).layers[0]
+    parts = [shard_params(params, cfg, r, 2).layers[0] for r in range(2)]
+    assert all(isinstance(getattr(p, n), Int4CudaWeight) for p in parts for n in PROJECTIONS)
+    a, b = ([dequantize(getattr(p, n)) for n in PROJECTIONS] for p in parts)
+    inter = cfg.intermediate_size // 2
+    assert torch.equal(torch.cat([a[1], b[1]], dim=1), whole.o_proj)
+    assert torch.equal(torch.cat([a[3], b[3]], dim=1), whole.down_proj)
+    assert torch.equal(torch.cat([a[2][:inter], b[2][:inter]]), whole.gate_up_proj[:cfg.intermediate_size])
+    q = cfg.q_size // 2
+    assert torch.equal(torch.cat([a[0][:q], b[0][:q]]), whole.qkv_proj[:cfg.q_size])
+    ordered = dataclasses.replace(layers[0], down_proj=dataclasses.replace(
+        layers[0].down_proj, cols=torch.arange(cfg.intermediate_size).flip(0)))
+    with pytest.raises(RequestError, match="cannot split a 4-bit matrix stored in act order"):
+        shard_params(dataclasses.replace(params, layers=(ordered,) + layers[1:]), cfg, 0, 2)
+
+
 def default_models(path):
     """The default model's exact weights (fp32), then its Q4_1 matrices packed for the CPU's
     kernels (bf16 activations)."""
