@@ -89,8 +89,11 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
                                       meta.window, meta.scale)
         return attention_output_and_mlp(x, attn, lp, cfg)
 
-    return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_projection=qkv_projection,
-                          rope_and_write=rope_and_write, rope_tables=rope_cos_sin, layer=layer)
+    def qkv_rope_and_write(x, lp: LayerParams, cfg: ModelConfig, linear, cos, sin, kv_layer, slot_mapping):
+        return rope_and_write(qkv_projection(x, lp, cfg), lp.q_norm, lp.k_norm, cos, sin, kv_layer, slot_mapping, cfg)
+
+    return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_rope_and_write=qkv_rope_and_write,
+                          rope_tables=rope_cos_sin, layer=layer)
 
 
 BLOCK_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -4,14 +4,15 @@ A batch-1 decode step of a small model is bound by how many kernels run, not by 
 layer the unfused parts launch an RMSNorm before the QKV projection, a residual add + RMSNorm
 after the output projection, SiLU * up before the down projection and a residual add after
 it, each a few microseconds for a few KB (bench/RESULTS.md). Here each folds into the GEMV
-next to it (nanoinfer.gemv.fused_gemv), so a layer is four GEMVs, the RoPE/KV-write kernel and
-attention. Under tensor parallelism (a `model.RankSum` between a projection and its residual)
-the lead rank adds the residual into its partial output and the others do not, so the sum
-over ranks is the new residual stream with no add of its own; with a `peer_sum.PeerSum` the
-output and down projections write their partials into the ranks' peer buffers and a pull sums
-them (nanoinfer/peer_sum.py), in place of NCCL's all-reduce. Same signatures as
-nanoinfer.model's `qkv_projection` and `attention_output_and_mlp`, which are the reference
-(tests/test_gpu.py, tests/test_gpu_tensor_parallel.py); nanoinfer.batched_layers' parts run
+next to it (nanoinfer.gemv.fused_gemv), and for heads without q/k norms RoPE and the KV write
+go into QKV's epilogue (`qkv_rope_and_write`): a layer is four GEMVs and attention. Under
+tensor parallelism (a `model.RankSum` between a projection and its residual) the lead rank
+adds the residual into its partial output and the others do not, so the sum over ranks is the
+new residual stream with no add of its own; with a `peer_sum.PeerSum` the output and down
+projections write their partials into the ranks' peer buffers and a pull sums them
+(nanoinfer/peer_sum.py), in place of NCCL's all-reduce. nanoinfer.model's `qkv_projection`
+and `attention_output_and_mlp` (same signatures) and nanoinfer.rope_write's kernel are the
+reference (tests/test_gpu.py, tests/test_gpu_tensor_parallel.py); nanoinfer.batched_layers' parts run
 instead wherever this does not apply: more than one token, a sum over ranks other than a
 RankSum, an fp32 model, or a weight the GEMV does not read. 4-bit MLP weights fold SwiGLU and
 the last residual add only (`_int4_output_and_mlp`).
@@ -25,10 +26,11 @@ import torch
 
 from nanoinfer import batched_layers, model
 from nanoinfer.config import ModelConfig
-from nanoinfer.gemv import fused_gemv, int4_gemv, int4_kernels_take
+from nanoinfer.gemv import fused_gemv, int4_gemv, int4_kernels_take, qkv_rope_write_gemv
 from nanoinfer.model import LayerParams, RankSum
 from nanoinfer.peer_sum import PeerLinks, PeerSum
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
+from nanoinfer.rope_write import rope_and_write
 from nanoinfer.row_kernels import add_rms_norm
 
 
@@ -59,6 +61,20 @@ def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: C
     w, scale = _operands(lp.qkv_proj, x)
     out = fused_gemv(x.contiguous(), w, scale, lp.attn_norm, cfg.rms_norm_eps, False, None)
     return out if lp.qkv_bias is None else out + lp.qkv_bias
+
+
+def qkv_rope_and_write(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable, cos: torch.Tensor,
+                       sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q from `qkv_projection` and nanoinfer.rope_write's `rope_and_write` (the reference), with
+    k and v into the pool: at one token, a head without q/k norms or bias and a pool in the
+    model's dtype, one kernel (the RoPE and the KV write in QKV's GEMV epilogue)."""
+    if not (_takes(x, lp.qkv_proj) and lp.attn_norm.dtype == x.dtype and lp.qkv_bias is None and not cfg.qk_norm
+            and kv_layer.dtype == x.dtype):
+        return rope_and_write(qkv_projection(x, lp, cfg, linear), lp.q_norm, lp.k_norm, cos, sin, kv_layer,
+                              slot_mapping, cfg)
+    w, scale = _operands(lp.qkv_proj, x)
+    return qkv_rope_write_gemv(x.contiguous(), w, scale, lp.attn_norm, cfg.rms_norm_eps, cos, sin, kv_layer,
+                               slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,

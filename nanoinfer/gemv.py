@@ -62,14 +62,19 @@ def _quick_bench(kernel_call, quantiles):
 
 
 @triton.jit
-def _program_rows(N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+def _program_rows(N, BLOCK_N: tl.constexpr, SILU: tl.constexpr, HEAD_DIM: tl.constexpr = 0):
     """A one-row GEMV program's rows of w and their mask: BLOCK_N consecutive ones, or with SILU
     (w is [gate | up], N = 2 x units) BLOCK_N / 2 units' gate and up rows, interleaved: row j
-    of the tile is unit j // 2's gate row if j is even, its up row if odd."""
-    if SILU:
+    of the tile is unit j // 2's gate row if j is even, its up row if odd. With HEAD_DIM (RoPE's
+    pairs, w is QKV's heads of HEAD_DIM rows), unit u is the u % (HEAD_DIM / 2)-th row of its
+    head's first half and the same row of its second half, interleaved alike."""
+    if SILU or HEAD_DIM > 0:
         rows = tl.arange(0, BLOCK_N)
         units = tl.program_id(0) * (BLOCK_N // 2) + rows // 2
-        offs_n = units + (rows % 2) * (N // 2)
+        if HEAD_DIM > 0:
+            offs_n = (units // (HEAD_DIM // 2)) * HEAD_DIM + units % (HEAD_DIM // 2) + (rows % 2) * (HEAD_DIM // 2)
+        else:
+            offs_n = units + (rows % 2) * (N // 2)
         n_mask = units < N // 2
     else:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,6 +99,34 @@ def _epilogue(out, offs_n, n_mask, N, res_ptr, dtype: tl.constexpr, BLOCK_N: tl.
     return out, offs_n, n_mask
 
 
+@triton.jit
+def _rope_write_epilogue(out, N, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, stride_kv, BLOCK_N: tl.constexpr,
+                         NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """QKV's one-token outputs `out` (rows `_program_rows` with HEAD_DIM, rounded to the model's
+    dtype) -> RoPE on the q and k pairs, q stored at `q_ptr`, k and v into the paged pool at the
+    token's slot: nanoinfer.rope_write's kernel for a head without q/k norms, its reference."""
+    x1, x2 = tl.split(tl.reshape(out.to(tl.float32), [BLOCK_N // 2, 2]))
+    units = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask = units < N // 2
+    head = units // (HEAD_DIM // 2)
+    col = units % (HEAD_DIM // 2)
+    is_q = head < NUM_HEADS
+    is_v = head >= NUM_HEADS + KV_HEADS
+    cos = tl.load(cos_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    r1 = tl.where(is_v, x1, x1 * cos - x2 * sin)  # "rotate half" RoPE (nanoinfer.layers.apply_rope)
+    r2 = tl.where(is_v, x2, x2 * cos + x1 * sin)
+    dst = q_ptr + head * HEAD_DIM + col
+    tl.store(dst, r1.to(q_ptr.dtype.element_ty), mask=mask & is_q)
+    tl.store(dst + HEAD_DIM // 2, r2.to(q_ptr.dtype.element_ty), mask=mask & is_q)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    kv_head = tl.where(is_v, head - NUM_HEADS - KV_HEADS, head - NUM_HEADS)
+    dst = kv_ptr + slot * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + tl.where(is_v, stride_kv, 0) + col
+    kv_mask = mask & (head >= NUM_HEADS) & (slot >= 0)  # (padding rows, slot -1, store nothing)
+    tl.store(dst, r1.to(kv_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + HEAD_DIM // 2, r2.to(kv_ptr.dtype.element_ty), mask=kv_mask)
+
+
 # cache_results: the winners go to Triton's cache directory, so a second start skips tuning.
 # ShippedChoice: a GPU model with a table in nanoinfer/tuned/ compiles only the config that won
 # there, not every config of each shape (nanoinfer.tuned_configs; NANOINFER_AUTOTUNE=full tunes).
@@ -105,13 +138,17 @@ def _epilogue(out, offs_n, n_mask, N, res_ptr, dtype: tl.constexpr, BLOCK_N: tl.
                                 # (an H100 sweep: .scratch-era numbers in bench/RESULTS.md)
                                 (2, 4096, 4, 3), (2, 2048, 4, 4), (4, 2048, 4, 4))],
     key=["N", "K", "W_BYTES", "ROWS", "NORM", "SILU"], do_bench=_quick_bench, cache_results=True,
-    prune_configs_by={"early_config_prune": ShippedChoice("_gemv_kernel")},
+    # (like: QKV with RoPE in its epilogue takes the plain QKV product's choice; its key has more pointers' dtypes)
+    prune_configs_by={"early_config_prune": ShippedChoice("_gemv_kernel", like=("N", "K", "W_BYTES", "ROWS", "NORM",
+                                                                                "SILU"))},
 )
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, stride_om, W_BYTES, norm_ptr, res_ptr,
                  eps, push_ptr, HAS_SCALE: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
                  SILU: tl.constexpr, RESIDUAL: tl.constexpr, PUSH: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LINE: tl.constexpr = 64):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LINE: tl.constexpr = 64, kv_ptr=None,
+                 slot_ptr=None, cos_ptr=None, sin_ptr=None, stride_kv=0, NUM_HEADS: tl.constexpr = 0,
+                 KV_HEADS: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 0):
     # W_BYTES (the weight's element size) only keys the tuning: 1-byte weights want wider tiles.
     # LINE: the weight's elements in a 128-byte line (`_line`), the step of the L2 prefetch.
     # ROWS: 1, or 2 (each weight widened once, multiplied with both rows).
@@ -120,7 +157,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     # sums at the end (a first pass for the rms would hold every weight load back by the
     # latency of reading x); SILU and RESIDUAL, `_epilogue`'s (where the down projection's
     # programs would each recompute SiLU over all of its input).
-    offs_n, n_mask = _program_rows(N, BLOCK_N, SILU)
+    offs_n, n_mask = _program_rows(N, BLOCK_N, SILU, HEAD_DIM)
     if PDL:  # (nanoinfer.pdl) the weights are no kernel's output: the first tile into L2 before the wait
         lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
         pdl.prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
@@ -159,6 +196,10 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_xm, s
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out *= scale
+    if HEAD_DIM > 0:
+        _rope_write_epilogue(out.to(dtype), N, out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, stride_kv, BLOCK_N,
+                             NUM_HEADS, KV_HEADS, HEAD_DIM)
+        return
     out, offs_n, n_mask = _epilogue(out, offs_n, n_mask, N, res_ptr, dtype, BLOCK_N, SILU, RESIDUAL)
     if PUSH > 0:  # (one row) into each of PUSH ranks' slots (nanoinfer.peer_sum's words)
         # A word is two outputs and the flag of this use of the slot (1 or 2, from this rank's
@@ -287,6 +328,27 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
     _gemv_kernel.fn[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
         *args, **flags, PUSH=push.ranks, **config.all_kwargs())
     return None
+
+
+def qkv_rope_write_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                        num_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """One token's q [1, num_heads, head_dim] from `fused_gemv(x, w, scale, norm, eps)`'s QKV
+    product, RoPE'd, with k (RoPE'd) and v stored into kv_layer [2, blocks, block_size, kv_heads,
+    head_dim] at slot_mapping[0]: the GEMV and nanoinfer.rope_write's kernel (its reference) in
+    one, for heads without q/k norms and a pool in the model's dtype. Each program takes whole
+    RoPE pairs (`_program_rows`)."""
+    n, k = w.shape
+    assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == k and n == (num_heads + 2 * kv_heads) * head_dim
+    assert kv_layer.is_contiguous() and kv_layer.dtype == x.dtype and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    q = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x, w, w if scale is None else scale, q, n, k, w.stride(0), x.stride(0), q.stride(0), w.element_size(), norm,
+        x, eps, x, kv_ptr=kv_layer, slot_ptr=slot_mapping, cos_ptr=cos, sin_ptr=sin, stride_kv=kv_layer.stride(0),
+        NUM_HEADS=num_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HAS_SCALE=scale is not None,
+        INT8=w.dtype == torch.int8, ROWS=1, NORM=True, SILU=False, RESIDUAL=False, PUSH=0, LINE=_line(w),
+        **pdl.launch(x.device))
+    return q
 
 
 # One row's 4-bit kernel has two bodies, and the tuning picks between them per shape. On an H100

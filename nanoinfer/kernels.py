@@ -76,7 +76,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
         from nanoinfer import rope_write_cpu
 
         return Kernels(attention_backend(cfg, device, block_size),
-                       LayerFunctions(rope_and_write=rope_write_cpu.rope_and_write,
+                       LayerFunctions(qkv_rope_and_write=rope_write_cpu.qkv_rope_and_write,
                                       rope_tables=rope_write_cpu.rope_tables), False)
     attention = attention_backend(cfg, device, block_size)
     if eager:
@@ -90,14 +90,13 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
 def cuda_layer_functions() -> LayerFunctions:
     """CUDA's layer parts: one token's GEMVs with the norms, SwiGLU and residual adds folded in
     (nanoinfer.fused_layers), more tokens' Triton row kernels around `linear`
-    (nanoinfer.batched_layers), and the fused q/k-norm + RoPE + KV-write kernel. No
-    torch.compile: a start traces and compiles nothing of them (Triton compiles each kernel
-    once per dtype and width, and caches it on disk)."""
+    (nanoinfer.batched_layers), and the fused q/k-norm + RoPE + KV-write kernel (at one token
+    without q/k norms, QKV's GEMV epilogue). No torch.compile: a start traces and compiles
+    nothing of them (Triton compiles each kernel once per dtype and width, and caches it on disk)."""
     from nanoinfer import fused_layers
     from nanoinfer.gemv import linear  # (read at each call: bench/latency.py swaps it)
-    from nanoinfer.rope_write import rope_and_write
 
-    return EAGER._replace(qkv_projection=fused_layers.qkv_projection, linear=linear, rope_and_write=rope_and_write,
+    return EAGER._replace(qkv_rope_and_write=fused_layers.qkv_rope_and_write, linear=linear,
                           attention_output_and_mlp=fused_layers.attention_output_and_mlp)
 
 

@@ -128,15 +128,15 @@ class LayerFunctions(NamedTuple):
     kernels a layer otherwise launches, without touching the attention backend's kernels. `linear`
     computes every projection and the LM head (`quantized.linear`: any weight form; CUDA
     uses nanoinfer.gemv.linear: a Triton GEMV at batch 1).
-    With `rope_and_write` (CUDA: nanoinfer.rope_write; CPU: nanoinfer.rope_write_cpu),
-    `qkv_projection` and that one function replace `attention_inputs` and the backend's KV
-    write; `rope_tables` makes the cos and sin tables, once a step, in the form it takes."""
+    `qkv_rope_and_write` (CUDA: nanoinfer.fused_layers; CPU: nanoinfer.rope_write_cpu),
+    (x, lp, cfg, linear, cos, sin, kv_layer, slot_mapping) -> q, replaces `attention_inputs` and
+    the backend's KV write; `rope_tables` makes the cos and sin tables, once a step, in the form
+    it takes."""
 
     attention_inputs: Callable = attention_inputs
     attention_output_and_mlp: Callable = attention_output_and_mlp
     linear: Callable = quantized.linear
-    qkv_projection: Callable = qkv_projection
-    rope_and_write: Callable | None = None
+    qkv_rope_and_write: Callable | None = None
     rope_tables: Callable = rope_cos_sin
     # A whole layer in one call, in place of the four above and the backend's attention
     # (the CPU's fused layers: nanoinfer.cpu_layers), or None.
@@ -188,12 +188,11 @@ def forward(
         if layer_fns.layer is not None:
             x = layer_fns.layer(x, lp, cos, sin, kv[layer_idx], meta[windows[layer_idx]], cfg)
             continue
-        if layer_fns.rope_and_write is None:
+        if layer_fns.qkv_rope_and_write is None:
             q, k, v = layer_fns.attention_inputs(x, lp, cos, sin, cfg, layer_fns.linear)
             backend.write_kv(kv[layer_idx], k, v, batch.slot_mapping)
         else:  # (the pool's layout is kv_cache.py's, whatever the backend)
-            qkv = layer_fns.qkv_projection(x, lp, cfg, layer_fns.linear)
-            q = layer_fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv[layer_idx], batch.slot_mapping, cfg)
+            q = layer_fns.qkv_rope_and_write(x, lp, cfg, layer_fns.linear, cos, sin, kv[layer_idx], batch.slot_mapping)
         attn = backend.attention(q, kv[layer_idx], meta[windows[layer_idx]])  # [tokens, heads, head_dim]
         x = layer_fns.attention_output_and_mlp(x, attn, lp, cfg, layer_fns.linear, layer_fns.all_reduce)
     if params.lm_head is None:  # a stage before the last: its activations are the next stage's input

@@ -10,11 +10,21 @@ v go into the pool in one indexed store. Same arithmetic as the reference; teste
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.kv_cache import to_kv
 from nanoinfer.layers import rms_norm, rope_cos_sin
+from nanoinfer.model import LayerParams, qkv_projection
+
+
+def qkv_rope_and_write(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: Callable, cos: torch.Tensor,
+                       sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q from x: nanoinfer.model's `qkv_projection`, then `rope_and_write` (LayerFunctions' seam)."""
+    return rope_and_write(qkv_projection(x, lp, cfg, linear), lp.q_norm, lp.k_norm, cos, sin, kv_layer, slot_mapping,
+                          cfg)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):

@@ -118,7 +118,8 @@ def test_rope_write_equals_the_torch_path(native, qk_norm, qkv_dtype):
     q_want = rope_write_cpu.rope_and_write(qkv.float(), lp.q_norm, lp.k_norm, cos, sin, kv_want, slots, cfg)
     fns = cpu_layers.layer_functions(native)
     cos, sin = fns.rope_tables(params_inv_freq, batch.positions, torch.float32)
-    q = fns.rope_and_write(qkv, lp.q_norm, lp.k_norm, cos, sin, kv_got, slots, cfg)
+    q = native.rope_write(qkv.contiguous(), lp.q_norm, lp.k_norm, cfg.rms_norm_eps, cos, sin, slots, kv_got,
+                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # (cpu_layers' rope_and_write)
     torch.testing.assert_close(q, q_want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv_got, kv_want, atol=1e-5, rtol=1e-5, equal_nan=True)
 
@@ -335,7 +336,7 @@ def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, c
     kernels = kernels_for(tiny_config(), torch.device("cpu"), 4, params=params)
     assert isinstance(kernels.attention, TorchPagedAttention)
     assert not isinstance(kernels.attention, cpu_layers.NativeAttention)
-    assert kernels.layer_fns.rope_and_write is rope_write_cpu.rope_and_write
+    assert kernels.layer_fns.qkv_rope_and_write is rope_write_cpu.qkv_rope_and_write
 
 
 def test_a_compiler_that_refuses_march_native_still_builds_it(native, monkeypatch, tmp_path):

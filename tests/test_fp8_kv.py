@@ -11,7 +11,7 @@ from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kv_cache import FP8, kv_bytes_per_block, to_kv
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import LayerFunctions
+from nanoinfer.model import LayerFunctions, qkv_projection
 from nanoinfer.rope_write_cpu import rope_and_write, rope_tables
 from nanoinfer.sampling_params import SamplingParams
 from runtime.async_engine import engine_config
@@ -54,7 +54,7 @@ def test_cpu_rope_and_write_stores_what_the_reference_stores():
     _, k, v = LayerFunctions().attention_inputs(x, lp, cos, sin, cfg)
     REFERENCE.write_kv(ref, k, v, batch.slot_mapping)
     cos, sin = rope_tables(params.rope_inv_freq, batch.positions, torch.float32)
-    rope_and_write(LayerFunctions().qkv_projection(x, lp, cfg), None, None, cos, sin, got, batch.slot_mapping, cfg)
+    rope_and_write(qkv_projection(x, lp, cfg), None, None, cos, sin, got, batch.slot_mapping, cfg)
     # (RoPE's sums may differ in the last fp32 bit, which can land on either side of an fp8 step)
     assert (got.float() - ref.float()).abs().max() <= 2 ** -3 * ref.float().abs().max()
 

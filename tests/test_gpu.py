@@ -515,6 +515,55 @@ def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
 
 # --- quantized weights (issue 12) ---------------------------------------------------------------
 
+@pytest.mark.parametrize("form,dtype,head_dim,kv_heads,slot", [
+    ("bf16", torch.bfloat16, 64, 8, 37), ("bf16", torch.float16, 128, 2, 0), ("int8", torch.bfloat16, 64, 4, 5),
+    ("fp8", torch.bfloat16, 128, 8, 100), ("bf16", torch.bfloat16, 64, 4, -1), ("int8", torch.float16, 96, 2, 9)])
+def test_qkv_rope_and_write_in_one_kernel_equals_the_two(form, dtype, head_dim, kv_heads, slot):
+    """QKV's GEMV with RoPE and the KV write in its epilogue against the GEMV, then rope_write's
+    kernel (itself checked against the fp32 composition above); untouched slots stay as they were;
+    q/k norms and an fp8 pool take the two kernels."""
+    from nanoinfer import fused_layers, model, quantized
+    from nanoinfer.gemv import linear
+    from nanoinfer.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.rope_write import rope_and_write
+    from tests.tiny import tiny_config
+
+    g = torch.Generator(device="cuda").manual_seed(head_dim + slot)
+    heads, hidden, bs = 4 * kv_heads, 1024, 16
+    cfg = tiny_config(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
+    dense = torch.randn(cfg.q_size + 2 * cfg.kv_size, hidden, device="cuda", generator=g) * hidden**-0.5
+    w = {"int8": lambda: quantized.Int8Weight.quantize(dense, torch.float32),
+         "fp8": lambda: quantized.Fp8Weight.quantize(dense)}.get(form, lambda: dense.to(dtype))()
+    norm = (torch.rand(hidden, device="cuda", generator=g) + 0.5).to(dtype)
+    lp = model.LayerParams(attn_norm=norm, qkv_proj=w, qkv_bias=None, q_norm=None, k_norm=None, o_proj=None,
+                           mlp_norm=None, gate_up_proj=None, down_proj=None)
+    x = (torch.randn(1, hidden, device="cuda", generator=g) * 3).to(dtype)
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg).cuda(), torch.tensor([1234], device="cuda"), dtype)
+    slots = torch.tensor([slot], device="cuda")
+    kv = torch.randn(2, 8, bs, kv_heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    ours, theirs = kv.clone(), kv.clone()
+    q = fused_layers.qkv_rope_and_write(x, lp, cfg, linear, cos, sin, ours, slots)
+    q_ref = rope_and_write(fused_layers.qkv_projection(x, lp, cfg, linear), None, None, cos, sin, theirs, slots, cfg)
+    assert q.shape == q_ref.shape and q.dtype == q_ref.dtype
+    assert torch.allclose(q.float(), q_ref.float(), rtol=2**-7, atol=2**-7 * q_ref.abs().max().item())
+    assert torch.allclose(ours.float(), theirs.float(), rtol=2**-7, atol=2**-7 * theirs.abs().max().item())
+    untouched = torch.ones(8 * bs, dtype=torch.bool, device="cuda")
+    if slot >= 0:
+        untouched[slot] = False
+    assert torch.equal(ours.view(2, 8 * bs, -1)[:, untouched], kv.view(2, 8 * bs, -1)[:, untouched])
+    # q/k norms (Qwen3), or an fp8 pool: rope_write's kernel after the GEMV, as the reference.
+    q_norm = (torch.rand(head_dim, device="cuda", generator=g) + 0.5).to(dtype)
+    normed = dataclasses.replace(lp, q_norm=q_norm, k_norm=q_norm.flip(0).contiguous())
+    cfg_qk = dataclasses.replace(cfg, qk_norm=True)
+    assert torch.equal(fused_layers.qkv_rope_and_write(x, normed, cfg_qk, linear, cos, sin, ours, slots),
+                       rope_and_write(fused_layers.qkv_projection(x, normed, cfg_qk, linear), normed.q_norm,
+                                      normed.k_norm, cos, sin, theirs, slots, cfg_qk))
+    fp8 = kv.to(torch.float8_e4m3fn)
+    assert torch.equal(fused_layers.qkv_rope_and_write(x, lp, cfg, linear, cos, sin, fp8.clone(), slots),
+                       rope_and_write(fused_layers.qkv_projection(x, lp, cfg, linear), None, None, cos, sin, fp8, slots,
+                                      cfg))
+
+
 @pytest.mark.parametrize("form,rows", [("int8", 1), ("int8", 2), ("int8", 3), ("int8", 16), ("fp8", 1)])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 1000), (7, 64), (151936, 1024), (14336, 4096)])
 def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, rows, n, k):

@@ -44,7 +44,6 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
     from nanoinfer.gemv import linear
     from nanoinfer.kernels import kernels_for
     from nanoinfer.peer_sum import PeerLinks
-    from nanoinfer.rope_write import rope_and_write
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -62,9 +61,8 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
 
         real, fused_layers.fused_gemv = fused_layers.fused_gemv, counted
         try:  # (the fused parts as kernels_for gives them, with each GEMV call counted)
-            fused = EAGER._replace(qkv_projection=fused_layers.qkv_projection, linear=linear,
-                                   attention_output_and_mlp=fused_layers.attention_output_and_mlp,
-                                   rope_and_write=rope_and_write)
+            fused = EAGER._replace(qkv_rope_and_write=fused_layers.qkv_rope_and_write, linear=linear,
+                                   attention_output_and_mlp=fused_layers.attention_output_and_mlp)
             runs = {"fused-eager": _steps(local, part, allocate_kv_pool(local, 4, BS, torch.bfloat16, device),
                                           layer_functions(fused, Shard(rank, size), cfg.vocab_size),
                                           kernels.attention, device)}
@@ -95,10 +93,11 @@ def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     layers, decode_steps = 3, 4
-    # Per layer and one-token step: QKV (norm folded in), output projection, gate/up, down; the
-    # lead rank adds the residual in two of them, the other rank in none.
+    # Per layer and one-token step: the output projection, gate/up, down (QKV, its norm, RoPE and
+    # the KV write are one GEMV of their own); the lead rank adds the residual in two of them, the
+    # other rank in none.
     lead, follower = got[0][0], got[1][0]
-    assert len(lead) == len(follower) == 4 * layers * decode_steps
+    assert len(lead) == len(follower) == 3 * layers * decode_steps
     assert sum(lead) == 2 * layers * decode_steps and sum(follower) == 0
     cfg, params = _model()
     exact = _steps(cfg, map_params(torch.Tensor.float, params), allocate_kv_pool(cfg, 4, BS, torch.float32, "cpu"),

@@ -21,7 +21,7 @@ from nanoinfer.loaders.gguf import grouped_weight
 from nanoinfer.kquants import KQuantWeight
 from nanoinfer.model import EAGER, LayerFunctions, forward
 from nanoinfer.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
-from nanoinfer.rope_write_cpu import rope_and_write, rope_tables
+from nanoinfer.rope_write_cpu import qkv_rope_and_write, rope_tables
 from tests.test_gguf_formats import K_QUANTS, hf_model, kquant_encode, make_kquant_representable, write_gguf
 from tests.tiny import random_params, tiny_config
 
@@ -197,9 +197,9 @@ def test_cpu_rope_and_write_equals_reference_layer_functions(qk_norm, dtype):
     kv_ref[0].view(-1, 2, 16)[slots[valid]] = k[valid]
     kv_ref[1].view(-1, 2, 16)[slots[valid]] = v[valid]
 
-    cpu = LayerFunctions(rope_and_write=rope_and_write, rope_tables=rope_tables)
+    cpu = LayerFunctions(qkv_rope_and_write=qkv_rope_and_write, rope_tables=rope_tables)
     cos, sin = cpu.rope_tables(params.rope_inv_freq, batch.positions, dtype)
-    q = cpu.rope_and_write(cpu.qkv_projection(x, lp, cfg), lp.q_norm, lp.k_norm, cos, sin, kv_got, slots, cfg)
+    q = cpu.qkv_rope_and_write(x, lp, cfg, cpu.linear, cos, sin, kv_got, slots)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(kv_got, kv_ref, equal_nan=True, **tol)
