@@ -138,7 +138,9 @@ def _rope_write_epilogue(out, N, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, stri
                                 # (an H100 sweep: .scratch-era numbers in bench/RESULTS.md)
                                 (2, 4096, 4, 3), (2, 2048, 4, 4), (4, 2048, 4, 4))],
     key=["N", "K", "W_BYTES", "ROWS", "NORM", "SILU"], do_bench=_quick_bench, cache_results=True,
-    # (like: QKV with RoPE in its epilogue takes the plain QKV product's choice; its key has more pointers' dtypes)
+    # (like: a call whose whole key the table lacks takes the choice of the same shape and flags whatever its
+    # dtypes: QKV with RoPE in its epilogue, whose key has four more pointers' dtypes, takes the plain QKV
+    # product's; an fp16 model takes a bf16 one's, where it tuned every config before)
     prune_configs_by={"early_config_prune": ShippedChoice("_gemv_kernel", like=("N", "K", "W_BYTES", "ROWS", "NORM",
                                                                                 "SILU"))},
 )
@@ -340,6 +342,7 @@ def qkv_rope_write_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | 
     RoPE pairs (`_program_rows`)."""
     n, k = w.shape
     assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == k and n == (num_heads + 2 * kv_heads) * head_dim
+    assert head_dim % 2 == 0  # (rotate-half pairs)
     assert kv_layer.is_contiguous() and kv_layer.dtype == x.dtype and cos.stride(-1) == 1 and sin.stride(-1) == 1
     q = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
