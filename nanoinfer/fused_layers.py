@@ -26,12 +26,12 @@ import torch
 
 from nanoinfer import batched_layers, model
 from nanoinfer.config import ModelConfig
-from nanoinfer.gemv import fused_gemv, int4_gemv, int4_kernels_take, qkv_rope_write_gemv
+from nanoinfer.gemv import RopeWrite, fused_gemv, int4_gemv, int4_kernels_take
 from nanoinfer.model import LayerParams, RankSum
 from nanoinfer.peer_sum import PeerLinks, PeerSum
 from nanoinfer.quantized import Fp8Weight, Int4CudaWeight, Int8Weight
 from nanoinfer.rope_write import rope_and_write
-from nanoinfer.row_kernels import add_rms_norm
+from nanoinfer.row_kernels import add_rms_norm, rms_norm
 
 
 def _operands(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -67,14 +67,17 @@ def qkv_rope_and_write(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linea
                        sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """q from `qkv_projection` and nanoinfer.rope_write's `rope_and_write` (the reference), with
     k and v into the pool: at one token, a head without q/k norms or bias and a pool in the
-    model's dtype, one kernel (the RoPE and the KV write in QKV's GEMV epilogue)."""
-    if not (_takes(x, lp.qkv_proj) and lp.attn_norm.dtype == x.dtype and lp.qkv_bias is None and not cfg.qk_norm
-            and kv_layer.dtype == x.dtype):
+    model's dtype, RoPE and the KV write in QKV's GEMV epilogue (a 4-bit QKV keeps its norm's
+    kernel before it, as `_int4_output_and_mlp` does)."""
+    if not (_one_token(x) and lp.attn_norm.dtype == x.dtype and lp.qkv_bias is None and not cfg.qk_norm
+            and kv_layer.dtype == x.dtype and (_takes(x, lp.qkv_proj) or _int4(lp.qkv_proj))):
         return rope_and_write(qkv_projection(x, lp, cfg, linear), lp.q_norm, lp.k_norm, cos, sin, kv_layer,
                               slot_mapping, cfg)
+    rope = RopeWrite(cos, sin, kv_layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if isinstance(lp.qkv_proj, Int4CudaWeight):
+        return int4_gemv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.qkv_proj, rope=rope)
     w, scale = _operands(lp.qkv_proj, x)
-    return qkv_rope_write_gemv(x.contiguous(), w, scale, lp.attn_norm, cfg.rms_norm_eps, cos, sin, kv_layer,
-                               slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    return fused_gemv(x.contiguous(), w, scale, lp.attn_norm, cfg.rms_norm_eps, False, None, rope=rope)
 
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,

@@ -38,6 +38,8 @@ CUDA graphs capture their launches.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -298,24 +300,52 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     return out
 
 
+class RopeWrite(NamedTuple):
+    """What QKV's GEMV needs to rotate q and k and store k and v itself (`fused_gemv`, `int4_gemv`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_layer: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+
+    def args(self, x: torch.Tensor, n: int) -> dict:
+        """The GEMV kernels' keyword arguments for it, checked against the product's x and N."""
+        assert n == (self.num_heads + 2 * self.kv_heads) * self.head_dim and self.head_dim % 2 == 0  # (RoPE pairs)
+        assert self.kv_layer.is_contiguous()
+        assert self.kv_layer.dtype == x.dtype and self.cos.stride(-1) == 1 and self.sin.stride(-1) == 1
+        return dict(kv_ptr=self.kv_layer, slot_ptr=self.slot_mapping, cos_ptr=self.cos, sin_ptr=self.sin,
+                    stride_kv=self.kv_layer.stride(0), NUM_HEADS=self.num_heads, KV_HEADS=self.kv_heads,
+                    HEAD_DIM=self.head_dim)
+
+
 def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
-               silu: bool, residual: torch.Tensor | None, push: Push | None = None) -> torch.Tensor | None:
+               silu: bool, residual: torch.Tensor | None, push: Push | None = None,
+               rope: RopeWrite | None = None) -> torch.Tensor | None:
     """`gemv` of one row with its neighbours folded in, one kernel where they took one each:
     `norm` (an RMSNorm weight): rms_norm(x, norm, eps) @ w.T; `silu`: w is [gate | up] and the
-    output [1, N / 2] is silu(gate) * up of the product; `residual` [1, N] is added to the product. The same
-    roundings as those ops unfused but the norm's: its output stays fp32 into the sums
+    output [1, N / 2] is silu(gate) * up of the product; `residual` [1, N] is added to the product;
+    `rope`, w is QKV's: each program takes whole RoPE pairs (`_program_rows`) and rotates q and k
+    in its epilogue, q [1, heads, head_dim] is returned and k and v go into the pool (for heads
+    without q/k norms and a pool in the model's dtype: nanoinfer.rope_write's kernel is the
+    reference). The same roundings as those ops unfused but the norm's: its output stays fp32 into the sums
     (nanoinfer.model's unfused parts are the reference: tests/test_gpu.py).
     `push`: the product goes to the tensor-parallel ranks' slots instead (nanoinfer.peer_sum),
     and None is returned."""
     n, k = w.shape
     assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == k
     assert not silu or (n % 2 == 0 and residual is None and push is None)
-    out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device) if push is None else x
+    assert rope is None or not (silu or residual is not None or push is not None)
+    shape = (1, rope.num_heads, rope.head_dim) if rope is not None else (1, n // 2 if silu else n)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if push is None else x
     args = (x, w, w if scale is None else scale, out, n, k, w.stride(0), x.stride(0), out.stride(0), w.element_size(),
             x if norm is None else norm, x if residual is None else residual, eps,
             x if push is None else push.table)
     flags = dict(HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, ROWS=1, NORM=norm is not None, SILU=silu,
-                 RESIDUAL=residual is not None, LINE=_line(w), **pdl.launch(x.device))
+                 RESIDUAL=residual is not None, LINE=_line(w), **pdl.launch(x.device),
+                 **({} if rope is None else rope.args(x, n)))
     if push is None:
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, PUSH=0)
         return out
@@ -330,28 +360,6 @@ def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, nor
     _gemv_kernel.fn[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
         *args, **flags, PUSH=push.ranks, **config.all_kwargs())
     return None
-
-
-def qkv_rope_write_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor, eps: float,
-                        cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                        num_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """One token's q [1, num_heads, head_dim] from `fused_gemv(x, w, scale, norm, eps)`'s QKV
-    product, RoPE'd, with k (RoPE'd) and v stored into kv_layer [2, blocks, block_size, kv_heads,
-    head_dim] at slot_mapping[0]: the GEMV and nanoinfer.rope_write's kernel (its reference) in
-    one, for heads without q/k norms and a pool in the model's dtype. Each program takes whole
-    RoPE pairs (`_program_rows`)."""
-    n, k = w.shape
-    assert x.shape[0] == 1 and x.is_contiguous() and x.shape[1] == k and n == (num_heads + 2 * kv_heads) * head_dim
-    assert head_dim % 2 == 0  # (rotate-half pairs)
-    assert kv_layer.is_contiguous() and kv_layer.dtype == x.dtype and cos.stride(-1) == 1 and sin.stride(-1) == 1
-    q = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, w, w if scale is None else scale, q, n, k, w.stride(0), x.stride(0), q.stride(0), w.element_size(), norm,
-        x, eps, x, kv_ptr=kv_layer, slot_ptr=slot_mapping, cos_ptr=cos, sin_ptr=sin, stride_kv=kv_layer.stride(0),
-        NUM_HEADS=num_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HAS_SCALE=scale is not None,
-        INT8=w.dtype == torch.int8, ROWS=1, NORM=True, SILU=False, RESIDUAL=False, PUSH=0, LINE=_line(w),
-        **pdl.launch(x.device))
-    return q
 
 
 # One row's 4-bit kernel has two bodies, and the tuning picks between them per shape. On an H100
@@ -382,13 +390,15 @@ def qkv_rope_write_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | 
 def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, EXP, res_ptr,
                       GROUP: tl.constexpr, HALF: tl.constexpr, TC: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUPS: tl.constexpr, SPLIT: tl.constexpr, SILU: tl.constexpr = False,
-                      RESIDUAL: tl.constexpr = False):
+                      RESIDUAL: tl.constexpr = False, kv_ptr=None, slot_ptr=None, cos_ptr=None, sin_ptr=None,
+                      stride_kv=0, NUM_HEADS: tl.constexpr = 0, KV_HEADS: tl.constexpr = 0,
+                      HEAD_DIM: tl.constexpr = 0):
     # One row, BLOCK_N outputs a program, both bodies computing per (row, group)
     # s sum((OFFSET + q) x) + (m - OFFSET s) sum(x): each nibble becomes OFFSET + q by merging
     # its bits into OFFSET's, and the OFFSETs come off once per group. (HALF only keys the tuning;
     # SILU and RESIDUAL, the epilogues `_epilogue` shares with the 16- and 8-bit kernel, do not:
-    # a projection takes the config of its plain product.)
-    offs_n, n_mask = _program_rows(N, BLOCK_N, SILU)
+    # a projection takes the config of its plain product; nor does HEAD_DIM, QKV's RoPE and KV write.)
+    offs_n, n_mask = _program_rows(N, BLOCK_N, SILU, HEAD_DIM)
     if TC:
         out = _int4_gemv_tensor_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn,
                                       GROUP, BLOCK_N, SPLIT)
@@ -396,6 +406,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn
         out = _int4_gemv_cuda_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K, stride_wn, stride_sn, EXP,
                                     GROUP, BLOCK_N, GROUPS)
     dtype = out_ptr.dtype.element_ty
+    if HEAD_DIM > 0:
+        _rope_write_epilogue(out.to(dtype), N, out_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, stride_kv, BLOCK_N,
+                             NUM_HEADS, KV_HEADS, HEAD_DIM)
+        return
     out, offs_n, n_mask = _epilogue(out, offs_n, n_mask, N, res_ptr, dtype, BLOCK_N, SILU, RESIDUAL)
     tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
 
@@ -584,21 +598,24 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     return out
 
 
-def int4_gemv(x: torch.Tensor, w: Int4CudaWeight, silu: bool = False, residual: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def int4_gemv(x: torch.Tensor, w: Int4CudaWeight, silu: bool = False, residual: torch.Tensor | None = None,
+              rope: RopeWrite | None = None) -> torch.Tensor:
     """One row x [1, K] @ w.T with nanoinfer.fused_layers' epilogues, one kernel where they took
     one each: `silu`, w is [gate | up] and the output [1, N / 2] is silu(gate) * up;
-    `residual` [1, N] is added. The same roundings as `int4_mm`, then row_kernels' silu_mul or
-    the add. Needs `int4_kernels_take(w)`."""
+    `residual` [1, N] is added; `rope`, w is QKV's and q [1, heads, head_dim] comes out RoPE'd,
+    k and v stored (as `fused_gemv`'s). The same roundings as `int4_mm`, then
+    row_kernels' silu_mul, the add, or nanoinfer.rope_write's kernel. Needs `int4_kernels_take(w)`."""
     n, k = w.shape
     assert x.shape == (1, k) and x.dtype in (torch.bfloat16, torch.float16) and int4_kernels_take(w)
-    assert not silu or (n % 2 == 0 and residual is None)
+    assert not silu or (n % 2 == 0 and residual is None and rope is None)
     assert residual is None or (residual.shape == (1, n) and residual.dtype == x.dtype and residual.is_contiguous())
     x = (x if w.cols is None else x.index_select(1, w.cols)).contiguous()
-    out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device)
+    shape = (1, rope.num_heads, rope.head_dim) if rope is not None else (1, n // 2 if silu else n)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
         *int4_gemv_args(x, w.packed, w.scale, w.min, out, residual), GROUP=w.group,
-        HALF=w.scale.dtype == torch.float16, SILU=silu, RESIDUAL=residual is not None)
+        HALF=w.scale.dtype == torch.float16, SILU=silu, RESIDUAL=residual is not None,
+        **({} if rope is None else rope.args(x, n)))
     return out
 
 

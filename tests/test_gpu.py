@@ -517,7 +517,8 @@ def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
 
 @pytest.mark.parametrize("form,dtype,head_dim,kv_heads,slot", [
     ("bf16", torch.bfloat16, 64, 8, 37), ("bf16", torch.float16, 128, 2, 0), ("int8", torch.bfloat16, 64, 4, 5),
-    ("fp8", torch.bfloat16, 128, 8, 100), ("bf16", torch.bfloat16, 64, 4, -1), ("int8", torch.float16, 96, 2, 9)])
+    ("fp8", torch.bfloat16, 128, 8, 100), ("bf16", torch.bfloat16, 64, 4, -1), ("int8", torch.float16, 96, 2, 9),
+    ("int4", torch.bfloat16, 64, 8, 37), ("int4", torch.float16, 128, 2, 0), ("int4", torch.bfloat16, 96, 4, -1)])
 def test_qkv_rope_and_write_in_one_kernel_equals_the_two(form, dtype, head_dim, kv_heads, slot):
     """QKV's GEMV with RoPE and the KV write in its epilogue against the GEMV, then rope_write's
     kernel (itself checked against the fp32 composition above); untouched slots stay as they were;
@@ -525,6 +526,7 @@ def test_qkv_rope_and_write_in_one_kernel_equals_the_two(form, dtype, head_dim, 
     from nanoinfer import fused_layers, model, quantized
     from nanoinfer.gemv import linear
     from nanoinfer.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.loaders.quantize import int4_groups
     from nanoinfer.rope_write import rope_and_write
     from tests.tiny import tiny_config
 
@@ -533,6 +535,7 @@ def test_qkv_rope_and_write_in_one_kernel_equals_the_two(form, dtype, head_dim, 
     cfg = tiny_config(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
     dense = torch.randn(cfg.q_size + 2 * cfg.kv_size, hidden, device="cuda", generator=g) * hidden**-0.5
     w = {"int8": lambda: quantized.Int8Weight.quantize(dense, torch.float32),
+         "int4": lambda: quantized.Int4CudaWeight.from_groups(int4_groups(dense)),
          "fp8": lambda: quantized.Fp8Weight.quantize(dense)}.get(form, lambda: dense.to(dtype))()
     norm = (torch.rand(hidden, device="cuda", generator=g) + 0.5).to(dtype)
     lp = model.LayerParams(attn_norm=norm, qkv_proj=w, qkv_bias=None, q_norm=None, k_norm=None, o_proj=None,
