@@ -23,8 +23,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 BS = 16
 
 
-def _model():
-    cfg = tiny_config(architecture="qwen3", qk_norm=True, vocab_size=1000, hidden_size=256, intermediate_size=512,
+def _model(arch: str = "qwen3"):
+    """Qwen3's q/k norms keep rope_write's kernel after QKV; llama's heads take RoPE and the KV
+    write in QKV's GEMV epilogue (nanoinfer.fused_layers.qkv_rope_and_write)."""
+    cfg = tiny_config(architecture=arch, qk_norm=arch == "qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64)
     return cfg, map_params(lambda t: t.to(torch.bfloat16), random_params(cfg, seed=7))
 
@@ -39,7 +41,7 @@ def _steps(cfg, params, kv, layer_fns, backend, device):
     return torch.cat(out)
 
 
-def _rank(rank: int, size: int, init_file: str, results) -> None:
+def _rank(rank: int, size: int, init_file: str, results, arch: str) -> None:
     from nanoinfer import fused_layers
     from nanoinfer.gemv import linear
     from nanoinfer.kernels import kernels_for
@@ -49,14 +51,14 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=size, device_id=device)
     try:
-        cfg, params = _model()
+        cfg, params = _model(arch)
         local = shard_config(cfg, rank, size)
         part = map_params(lambda t: t.to(device), shard_params(params, cfg, rank, size))
         kernels = kernels_for(local, device, BS)
         calls = []
 
         def counted(*args, **kwargs):
-            calls.append(args[6] is not None)  # (whether this GEMV added a residual)
+            calls.append((args[6] is not None, kwargs.get("rope") is not None))  # (a residual added; RoPE'd)
             return real(*args, **kwargs)
 
         real, fused_layers.fused_gemv = fused_layers.fused_gemv, counted
@@ -82,10 +84,11 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
         dist.destroy_process_group()
 
 
-def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path, arch):
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results, arch)) for r in range(2)]
     for p in ranks:
         p.start()
     got = dict((rank, (calls, runs)) for rank, calls, runs in (results.get(timeout=300) for _ in ranks))
@@ -93,13 +96,15 @@ def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     layers, decode_steps = 3, 4
-    # Per layer and one-token step: QKV (norm folded in; this model's q/k norms keep rope_write's
-    # kernel after it), output projection, gate/up, down; the lead rank adds the residual in two of
-    # them, the other rank in none.
+    # Per layer and one-token step: QKV (norm folded in; with RoPE and the KV write in its epilogue
+    # on each rank's heads unless q/k norms keep rope_write's kernel after it), output projection,
+    # gate/up, down; the lead rank adds the residual in two of them, the other rank in none.
     lead, follower = got[0][0], got[1][0]
     assert len(lead) == len(follower) == 4 * layers * decode_steps
-    assert sum(lead) == 2 * layers * decode_steps and sum(follower) == 0
-    cfg, params = _model()
+    assert sum(r for r, _ in lead) == 2 * layers * decode_steps and sum(r for r, _ in follower) == 0
+    roped = 0 if arch == "qwen3" else layers * decode_steps
+    assert sum(q for _, q in lead) == sum(q for _, q in follower) == roped
+    cfg, params = _model(arch)
     exact = _steps(cfg, map_params(torch.Tensor.float, params), allocate_kv_pool(cfg, 4, BS, torch.float32, "cpu"),
                    EAGER, REFERENCE, "cpu")
     runs = {name: torch.from_numpy(t) for name, t in got[0][1].items()}
