@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -37,6 +38,11 @@ _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 def compile_sm90(fn, signature: dict, constexprs: dict, **options):
     """`fn` compiled for sm_90 with every pointer and i32 argument divisible by 16 (as the launcher
     specializes real shapes: without it loads are not vectorized and the count means nothing)."""
+    # Arguments left at their defaults (an epilogue's pointers and flags) are compiled as the
+    # launcher compiles them when they are not passed: as those constants.
+    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    constexprs = {**{n: v for n, v in defaults.items() if n not in signature}, **constexprs}
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
              if t.startswith("*") or t == "i32"}
