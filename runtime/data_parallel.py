@@ -127,6 +127,8 @@ class DataParallelEngine(RequestReader):
         if len(replicas) < 2:
             raise ValueError(f"{len(replicas)} replica(s): data parallelism takes two or more (one: an AsyncEngine)")
         self.replicas = tuple(replicas)
+        for replica in self.replicas:  # (a lost replica's error says which others serve on)
+            replica.peers = tuple(r for r in self.replicas if r is not replica)
         ready = [r.ready for r in self.replicas]
         self.model, self.tokenizer = ready[0].model, ready[0].model.tokenizer
         limits = dataclasses.replace(ready[0].limits, num_blocks=min(r.limits.num_blocks for r in ready))

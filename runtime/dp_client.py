@@ -37,7 +37,7 @@ EXIT_WAIT = 5.0  # seconds for a replica whose socket closed to be seen exiting 
 
 
 class ReplicaLost(EngineError):
-    """A data-parallel replica's process ended: its requests failed; the other replicas serve on."""
+    """A data-parallel replica's process ended: its requests failed; the message says which replicas serve on."""
 
 
 class ReplicaProcess(RankProcess):
@@ -112,6 +112,7 @@ class ReplicaClient(RequestBook):
         self._fatal: BaseException | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.peers: tuple[ReplicaClient, ...] = ()  # the front's other replicas (set by DataParallelEngine)
 
     def wait_ready(self) -> msg.Ready:
         """Until the replica has built its engine (loading a checkpoint may take minutes); the error that stopped
@@ -135,8 +136,12 @@ class ReplicaClient(RequestBook):
         how, last = self.process.exit_and_tail()
         if starting:
             return ReplicaLost(f"data-parallel replica {self.index} exited while starting ({how}); {last}")
-        return ReplicaLost(f"data-parallel replica {self.index} exited ({how}): its requests failed, the other "
-                           f"replicas serve on; {last}")
+        # (a peer dying at the same time may not be marked unhealthy yet: its process has exited, though)
+        serving = [p.index for p in self.peers if p.healthy and p.process.exit_code() is None]
+        left = (f"replica {', '.join(map(str, serving))} serves on" if len(serving) == 1 else
+                f"replicas {', '.join(map(str, serving))} serve on" if serving else
+                "no replica is left to serve (restart the server)")
+        return ReplicaLost(f"data-parallel replica {self.index} exited ({how}): its requests failed, {left}; {last}")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._send = loop, self._command

@@ -149,7 +149,11 @@ def main(argv: list[str]) -> None:
         engine = build(args)
     except Exception as exc:
         conn.send(msg.Failed(msg.portable(exc)))
-        raise  # (its traceback in the replica's output, exit code 1)
+        from nanoinfer.errors import NanoInferError
+
+        if isinstance(exc, NanoInferError):  # (a bad checkpoint or setting: the front raises it, once)
+            sys.exit(1)
+        raise  # (a bug: its traceback in the replica's output, exit code 1)
     Replica(engine, conn).run()
     conn.close()
 

@@ -330,6 +330,34 @@ def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on():
     assert [r.process.proc.returncode for r in engine.replicas] == [0, -9] and not descendants(os.getpid())
 
 
+def slow_replicas(index, engine):
+    """(`_setup`) Every replica's steps take 50 ms: its requests are surely running when the test kills it."""
+    forward = engine.core.executor._forward
+    engine.core.executor._forward = lambda batch: (time.sleep(0.05), forward(batch))[1]
+
+
+def test_the_last_replica_lost_says_that_none_serves_on():
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    engine = dp_engine(_setup="tests.test_data_parallel:slow_replicas")
+
+    async def go():
+        async with engine:
+            handles = [engine.submit(p, long) for p in prompts(2, seed=5, length=(30, 40))]
+            by_replica = {engine.replica_of(h): h for h in handles}
+            while not all(s["generated_tokens"] for s in engine.stats()["replicas"]):  # (both running)
+                await asyncio.sleep(0.01)
+            errors = []
+            for index in (1, 0):  # one, then the other
+                os.kill(engine.replicas[index].process.pid, signal.SIGKILL)
+                errors.append(await asyncio.gather(engine.collect(by_replica[index]), return_exceptions=True))
+            return [e[0] for e in errors], engine.healthy
+    (first, last), healthy = asyncio.run(go())
+    assert isinstance(first, EngineError) and "replica 1 exited" in str(first) and "replica 0 serves on" in str(first)
+    assert isinstance(last, EngineError) and "replica 0 exited" in str(last)
+    assert "no replica is left" in str(last) and "serves on" not in str(last)
+    assert not healthy
+
+
 def test_shutdown_stops_every_process_of_every_replica_in_time():
     engine = dp_engine(tensor_parallel_size=2)  # (each replica has a rank process of its own)
 
@@ -405,11 +433,24 @@ def test_structured_output_compiles_in_the_replicas(tiny_chat_model):
     assert all(t in ("yes", "no") for t in texts)
 
 
-def test_a_replica_that_fails_to_start_raises_its_error():
+def test_a_replica_that_fails_to_start_raises_its_error(capfd):
     missing = Path("/nonexistent/model")
     with pytest.raises(CheckpointError, match=f"{missing}: not found"):  # (as one engine's load raises it)
         data_parallel_from_model(str(missing), data_parallel_size=2, device="cpu")
     assert not descendants(os.getpid())  # (the other replica stopped too)
+    out, err = capfd.readouterr()  # (a replica's output is echoed, "[dp replica N] ..."): the error is raised
+    assert "Traceback" not in out + err and "dp replica" not in out + err  # once, by the front, not N times
+
+
+def test_serve_on_a_bad_model_file_says_one_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    done = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", "--model", str(bad), "--device", "cpu",
+                           "--data-parallel-size", "2", "--port", "0"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode != 0
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and "GGUF" in lines[0], lines[:12]
 
 
 def die_in_replica_1(index, engine):
