@@ -89,7 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     add_flags(server, ServerConfig)
     _engine_args(serve)
 
-    chat = commands.add_parser("chat", help="chat with the model in the terminal", formatter_class=_HelpFormatter)
+    chat = commands.add_parser("chat", help="chat with the model in the terminal", formatter_class=_HelpFormatter,
+                               description="Chat with the model in the terminal. At the >>> prompt: /reset starts "
+                                           "the conversation over (keeping --system), /exit or Ctrl-D quits, Ctrl-C "
+                                           "stops a reply as it streams.")
     _model_args(chat)
     _sampling_args(chat, temperature=0.7)
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
@@ -284,6 +287,10 @@ def _eval_speed(args) -> int:
 
     from runtime.eval.speed import measure, plot
 
+    if args.plot:  # (a missing matplotlib is said now, not after minutes of benchmark)
+        from runtime.eval.plots import pyplot
+
+        pyplot()
     engine = _async_engine(args)
 
     async def run():

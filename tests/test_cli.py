@@ -225,3 +225,20 @@ def test_env_says_which_cpu_kernels_run():
     proc = run_cli("env", cache_env={"NANOINFER_CPU_ISA": "sse9"})
     assert proc.returncode == 2 and "NANOINFER_CPU_ISA='sse9'" in proc.stderr
 
+
+
+def test_chat_help_says_how_to_quit_and_reset():
+    text = run_cli("chat", "--help").stdout
+    assert "/exit" in text and "/reset" in text and "Ctrl-D" in text
+
+
+def test_eval_speed_plot_without_matplotlib_fails_before_the_benchmark(monkeypatch, capsys):
+    import runtime.cli as cli
+
+    def no_engine(args):
+        raise AssertionError("the model was loaded: the missing plotting library was found only after the run")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib raises ImportError)
+    monkeypatch.setattr(cli, "_async_engine", no_engine)
+    assert cli.main(["eval", "speed", "--plot", "speed.png", "--device", "cpu"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
