@@ -188,7 +188,17 @@ def _sampling(args):
 def _llm(args):
     from runtime.llm import LLM
 
+    _say_if_default(args)
     return LLM(args.model, **_load_kwargs(args), **_engine_kwargs(args))
+
+
+def _say_if_default(args) -> None:
+    """Without --model, a line on stderr: the default is a tiny model for trying nanoinfer out, not
+    one to judge answers by (greedy, it loops on simple questions)."""
+    if args.model is None:
+        print(f"nanoinfer: no --model given, so the default model runs: {DEFAULT_MODEL}, 135M parameters, for "
+              f"trying nanoinfer out (it repeats itself easily); --model takes an HF directory, a .gguf file or a "
+              f"Hub id org/name", file=sys.stderr, flush=True)
 
 
 def _load_kwargs(args) -> dict:
@@ -213,6 +223,7 @@ def _async_engine(args):
     """The engine a server runs: an AsyncEngine, or with --data-parallel-size N > 1 that many replicas
     behind one front (runtime/data_parallel.py)."""
     kwargs = {**_load_kwargs(args), **_engine_kwargs(args)}
+    _say_if_default(args)
     if kwargs.get("data_parallel_size", 1) > 1:
         from runtime.data_parallel import data_parallel_from_model
 

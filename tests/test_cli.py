@@ -21,6 +21,14 @@ def test_generate_streams_the_same_text_as_the_api(smollm2_gguf):
     expected = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert proc.stdout == expected[0].text + "\n"
     assert "loading" in proc.stderr  # the progress bar goes to stderr, never into the text
+    assert "default model" not in proc.stderr  # (a model was named)
+
+
+def test_the_default_model_says_what_it_is_and_how_to_run_another(smollm2_gguf):
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "1", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    note = [line for line in proc.stderr.splitlines() if "default model" in line]
+    assert len(note) == 1 and "135M" in note[0] and "--model" in note[0], proc.stderr
 
 
 def test_chat_flag_applies_the_template(smollm2_gguf):
