@@ -13,6 +13,7 @@ from gguf.quants import Q4_K, dequantize
 from nanoinfer.config import ModelConfig, RopeScaling
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
+from nanoinfer.loaders.gguf_header import check_gguf_header
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model import Params
 from nanoinfer.kquants import KQuantWeight
@@ -50,6 +51,7 @@ _GLOBAL_NAMES = {
 def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise CheckpointError(path, "file not found")
+    check_gguf_header(path)  # (gguf-py trusts the header's counts and lengths)
     try:
         return GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on damage
