@@ -7,13 +7,14 @@ import shutil
 import pytest
 import torch
 
-from nanoinfer import cpu_layers, cpu_native, rope_write_cpu
+from nanoinfer import cpu_layers, cpu_native, kquants, rope_write_cpu
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.attention.torch_paged import TorchPagedAttention
 from nanoinfer.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
 from nanoinfer.kernels import kernels_for
 from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.layers import rms_norm
 from nanoinfer.loaders.quantize import quantize_params
 from nanoinfer.model import forward
 from nanoinfer.quantized import BlockWeight, GroupedWeight, Int4Weight, reference_block_matmul
@@ -230,6 +231,50 @@ def test_a_whole_layer_call_equals_the_calls_one_piece_at_a_time(block_lib, arch
                                    torch.zeros(3, cfg.hidden_size))
 
 
+@pytest.mark.parametrize("head", ["q4", "q8", "q6_k"])
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "eager"])
+def test_a_packed_lm_head_returns_its_fp32_sums(native, head, eager):
+    """The logits are the head kernel's fp32 sums as they are (issue 59): rounded to bf16 they
+    sat on a grid, 1/16 nat apart at logits of 8 to 16, so logprobs lost their resolution and
+    near-ties became exact ties that greedy broke by token id. Against the reference: the final
+    norm's rows (the kernel's bf16 input) times the dequantized head, the activations rounded
+    to int8 as the kernel rounds them; for the fused layers and the torch path alike."""
+    from tests.test_kquants import QT, kquant
+
+    cfg = tiny_config(hidden_size=256, head_dim=64, intermediate_size=64, vocab_size=300)
+    if not cpu_native.has_block_matmul(native.lib):
+        pytest.skip("no block_matmul on this CPU")
+    dense = random_params(cfg, seed=3)
+    params = block_params(dense)
+    heads = {"q4": params.lm_head,
+             "q8": BlockWeight.from_groups(grouped(dense.lm_head, 8)),  # (the default model's)
+             "q6_k": kquant(dense.lm_head, QT.Q6_K)}  # (a Q4_K_M file's output.weight)
+    params = dataclasses.replace(params, lm_head=heads[head])
+    batch = build_batch([SeqChunk([5, 20, 33, 9, 60, 64, 1], 0, [0, 1], True), SeqChunk([7], 9, [2, 3, 4], True)],
+                        4)._replace(logits_indices=torch.arange(8))
+    kernels = kernels_for(cfg, torch.device("cpu"), 4, eager=eager, params=params)
+    assert isinstance(kernels.attention, cpu_layers.NativeAttention) is not eager
+
+    def run(p):
+        return forward(p, allocate_kv_pool(cfg, 5, 4, torch.float32, "cpu"), batch, cfg, kernels.attention,
+                       kernels.layer_fns)
+
+    logits = run(params)
+    hidden = run(dataclasses.replace(params, lm_head=None))  # (a stage without the head returns its rows)
+    rows = rms_norm(hidden[batch.logits_indices], params.final_norm, cfg.rms_norm_eps).to(torch.bfloat16)
+    if head == "q6_k":  # (its torch reference is the C kernel's arithmetic, bit for bit)
+        want = kquants.reference_kquant_matmul(rows, params.lm_head)
+        assert logits.dtype == torch.float32 and torch.equal(logits, want)
+    else:
+        want = reference_block_matmul(rows, params.lm_head).double()
+        assert logits.dtype == torch.float32
+        # fp32 sums in another order: ~2^-20 of the largest, where one bf16 step is 2^-8 of a value
+        assert (logits.double() - want).abs().max() <= 2.0**-16 * want.abs().max()
+    assert 4 <= want.abs().max() <= 64  # (where a bf16 step is 1/32 to 1/2)
+    on_bf16_grid = logits.to(torch.bfloat16).float() == logits
+    assert on_bf16_grid.float().mean() < 0.1
+
+
 def test_the_chosen_kernels_are_logged_once_and_named(native, monkeypatch, caplog):
     """`library()` says which kernels run, once per process; NANOINFER_CPU_ISA=avx2 builds the
     AVX2 tier on a CPU with more, and a tier it does not know is named in the error."""
@@ -398,3 +443,18 @@ def test_default_model_with_block_matmuls_keeps_the_torch_paths_logits(native, s
     want, got = logits
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_default_model_logprobs_are_not_on_a_bf16_grid(native, smollm2_gguf):
+    """Issue 59: the top logprobs of a step were all 1/16 nat apart or a multiple of it (logits
+    of 8 to 16 rounded to bf16), exact ties among them broken by token id."""
+    from nanoinfer import LLM
+
+    with LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=16) as llm:
+        out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1, logprobs=6),
+                           use_tqdm=False)[0].outputs[0]
+    top = [logprob for _, logprob in out.logprobs[0].top]
+    gaps = [a - b for a, b in zip(top, top[1:])]
+    assert len(gaps) == 5 and all(gap > 0 for gap in gaps)  # (no ties)
+    assert any(abs(16 * gap - round(16 * gap)) > 1e-3 for gap in gaps), gaps
