@@ -55,15 +55,9 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
         def row_parallel(rows: torch.Tensor, w) -> torch.Tensor:
             if reduce is EAGER.all_reduce:  # (one rank)
                 return quantized.packed_matmul(rows, w)
-            # Tensor-parallel ranks add their partial outputs in fp32 (block matmuls: unrounded),
-            # then round the sum to bf16 once, as one rank rounds its whole output.
-            if isinstance(w, quantized.BlockWeight):
-                part = cpu_native.block_matmul(rows, w, native.lib, torch.float32)
-            elif isinstance(w, quantized.KQuantWeight):
-                part = cpu_native.kquant_matmul(rows, w, native.lib, torch.float32)
-            else:
-                part = quantized.packed_matmul(rows, w).float()
-            return reduce(part).to(torch.bfloat16)
+            # Tensor-parallel ranks add their partial outputs in fp32 (cpu_native's matmuls:
+            # unrounded), then round the sum to bf16 once, as one rank rounds its whole output.
+            return reduce(quantized.packed_matmul(rows, w, torch.float32)).to(torch.bfloat16)
 
         o = row_parallel(attn.view(x.shape[0], cfg.q_size).to(torch.bfloat16), lp.o_proj)
         x, h = native.add_rms_norm_bf16(x, o.contiguous(), lp.mlp_norm, cfg.rms_norm_eps)

@@ -96,7 +96,7 @@ def cuda_layer_functions() -> LayerFunctions:
     from nanoinfer import fused_layers
     from nanoinfer.gemv import linear  # (read at each call: bench/latency.py swaps it)
 
-    return EAGER._replace(qkv_rope_and_write=fused_layers.qkv_rope_and_write, linear=linear,
+    return EAGER._replace(qkv_rope_and_write=fused_layers.qkv_rope_and_write, linear=linear, lm_head=linear,
                           attention_output_and_mlp=fused_layers.attention_output_and_mlp)
 
 

@@ -126,8 +126,9 @@ class LayerFunctions(NamedTuple):
     """The dense parts of a layer; attention sits between them. Swapping in fused versions
     (CUDA: nanoinfer.kernels.cuda_layer_functions) saves the dozens of small element-wise
     kernels a layer otherwise launches, without touching the attention backend's kernels. `linear`
-    computes every projection and the LM head (`quantized.linear`: any weight form; CUDA
-    uses nanoinfer.gemv.linear: a Triton GEMV at batch 1).
+    computes every projection (`quantized.linear`: any weight form; CUDA uses
+    nanoinfer.gemv.linear: a Triton GEMV at batch 1), `lm_head` the logits (`quantized.lm_head`:
+    `linear`, without the bf16 rounding of a CPU packed kernel's output; CUDA's `linear`).
     `qkv_rope_and_write` (CUDA: nanoinfer.fused_layers; CPU: nanoinfer.rope_write_cpu),
     (x, lp, cfg, linear, cos, sin, kv_layer, slot_mapping) -> q, replaces `attention_inputs` and
     the backend's KV write; `rope_tables` makes the cos and sin tables, once a step, in the form
@@ -136,6 +137,7 @@ class LayerFunctions(NamedTuple):
     attention_inputs: Callable = attention_inputs
     attention_output_and_mlp: Callable = attention_output_and_mlp
     linear: Callable = quantized.linear
+    lm_head: Callable = quantized.lm_head
     qkv_rope_and_write: Callable | None = None
     rope_tables: Callable = rope_cos_sin
     # A whole layer in one call, in place of the four above and the backend's attention
@@ -199,7 +201,7 @@ def forward(
         return x
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
-    logits = layer_fns.gather_logits(layer_fns.linear(x, params.lm_head))
+    logits = layer_fns.gather_logits(layer_fns.lm_head(x, params.lm_head))
     return logits if logits_dtype is None else logits.to(logits_dtype)
 
 

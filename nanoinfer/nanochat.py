@@ -128,6 +128,6 @@ def forward(params: NanochatParams, kv: torch.Tensor, batch: Batch, cfg: ModelCo
             backout = x
     rows = batch.logits_indices
     x = _norm(x[rows] - params.backout_lambda * backout[rows], eps)
-    logits = linear(x, params.lm_head)[:, :cfg.vocab_size].float()
+    logits = layer_fns.lm_head(x, params.lm_head)[:, :cfg.vocab_size].float()
     logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
     return logits.to(logits_dtype or params.dtype)

@@ -31,7 +31,8 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
   batch 1, otherwise activations rounded to e4m3 per token and `torch._scaled_mm`.
 
 The packed kernels take bf16 activations (fp32 ones measured 10-30x slower on the CPU), so
-`linear` rounds its input to bf16 and returns the caller's dtype.
+`linear` rounds its input to bf16 and returns the caller's dtype; `lm_head`, the logits'
+`linear`, keeps cpu_native's fp32 sums where `linear` rounds a projection's output to bf16.
 """
 
 from __future__ import annotations
@@ -404,24 +405,41 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return y if bias is None else y + bias
 
 
-def packed_matmul(rows: torch.Tensor, w: Weight) -> torch.Tensor:
-    """rows [tokens, in] bf16 @ w.T -> [tokens, out] bf16, for the weights torch's packed CPU
-    kernels take (int4 groups, split int8, per-row int8), or cpu_native's (BlockWeight)."""
+def packed_matmul(rows: torch.Tensor, w: Weight, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """rows [tokens, in] bf16 @ w.T -> [tokens, out] in `out_dtype` (bf16 or fp32), for the
+    weights torch's packed CPU kernels take (int4 groups, split int8, per-row int8), or
+    cpu_native's (BlockWeight, KQuantWeight, a StackedWeight of them). cpu_native's write their
+    fp32 sums as they are (a tensor-parallel rank's partial output, the logits); torch's
+    kernels write bf16, converted."""
     if isinstance(w, BlockWeight):
-        return cpu_native.block_matmul(rows, w)
+        return cpu_native.block_matmul(rows, w, out_dtype=out_dtype)
     if isinstance(w, KQuantWeight):
-        return cpu_native.kquant_matmul(rows, w)
+        return cpu_native.kquant_matmul(rows, w, out_dtype=out_dtype)
     if isinstance(w, StackedWeight):
-        return torch.cat([packed_matmul(rows, p) for p in w.parts], dim=1)
+        return torch.cat([packed_matmul(rows, p, out_dtype) for p in w.parts], dim=1)
     if isinstance(w, Int4Weight):
-        return w.matmul(rows)
-    if isinstance(w, SplitInt8Weight):
-        return w.high.matmul(rows) + w.low.matmul(rows)
-    if isinstance(w, Int8Weight) and w.q.shape[1] % 16 == 0:
-        return torch._weight_int8pack_mm(rows, w.q, w.scale)
-    if isinstance(w, Int8Weight):  # (the kernel reads 16 inputs at a time: other widths crash it)
-        return F.linear(rows, w.q.to(rows.dtype)) * w.scale
-    raise TypeError(f"no matmul for a {type(w).__name__}: pack it first")
+        y = w.matmul(rows)
+    elif isinstance(w, SplitInt8Weight):
+        y = w.high.matmul(rows) + w.low.matmul(rows)
+    elif isinstance(w, Int8Weight) and w.q.shape[1] % 16 == 0:
+        y = torch._weight_int8pack_mm(rows, w.q, w.scale)
+    elif isinstance(w, Int8Weight):  # (the kernel reads 16 inputs at a time: other widths crash it)
+        y = F.linear(rows, w.q.to(rows.dtype)) * w.scale
+    else:
+        raise TypeError(f"no matmul for a {type(w).__name__}: pack it first")
+    return y.to(out_dtype)
+
+
+def lm_head(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """The logits x [tokens, hidden] @ w.T in x's dtype: `linear`, except that cpu_native's
+    fp32 sums reach x's dtype unrounded. `linear` rounds a projection's output to bf16 (the
+    next matmul's input type anyway); logits so rounded sat on a grid, 1/16 nat apart at 8 to
+    16, near-ties became exact ties broken by token id, and logprobs lost their resolution
+    (issue 59). The rows still go in as bf16, the kernels' input; torch's int4/int8 kernels
+    write bf16 only, so their logits keep that grid."""
+    if x.is_cuda or x.dim() != 2 or isinstance(w, (torch.Tensor, Fp8Weight, Int4CudaWeight)):
+        return linear(x, w)
+    return packed_matmul(x.to(torch.bfloat16), w, torch.float32).to(x.dtype)
 
 
 def reference_block_matmul(rows: torch.Tensor, w: BlockWeight) -> torch.Tensor:
