@@ -13,7 +13,9 @@ masks are then filled on a thread of their own (`Grammars.fill_later`) while the
 plans the step after (runtime/executor/grammar_masks.py).
 
 Whitespace inside JSON is not free (`whitespace_flexible` off): OpenAI's strict JSON mode
-emits compact JSON, and a model cannot then pad an answer forever.
+emits compact JSON, and a model cannot then pad an answer forever. For the same reason a JSON
+schema's objects allow only the keys they declare unless the schema says otherwise: the schema
+is rewritten before it compiles (nanoinfer/closed_schema.py says how, and what the peers do).
 
 Grammars come from clients, so compiling one must never end the process: llguidance's
 compiler recurses once per level of rule or `$ref` nesting (a Lark chain `r0: r1`, `r1: r2`,
@@ -181,14 +183,18 @@ class GrammarSpec:
             return self._grammar()
         except ValueError as exc:  # (llguidance reading a schema: "recursion limit exceeded", say)
             raise RequestError(f"the {self.kind} cannot constrain generation: {exc}", param=self.param) from exc
+        except RecursionError as exc:  # (closing its objects: nanoinfer/closed_schema.py)
+            raise RequestError(f"the {self.kind} nests too deeply", param=self.param) from exc
 
     def _grammar(self) -> str:
         from llguidance import LLMatcher
 
         if self.kind == "json_object":
             grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        elif self.kind == "json_schema":
-            grammar = LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+        elif self.kind == "json_schema":  # (every schema enters here: its objects closed, as the peers do)
+            from nanoinfer.closed_schema import closed_schema
+
+            grammar = LLMatcher.grammar_from_json_schema(closed_schema(json.loads(self.value)), defaults=JSON_OPTIONS)
         elif self.kind == "regex":
             grammar = LLMatcher.grammar_from_regex(self.value)
         elif self.kind == "choice":
