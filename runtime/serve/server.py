@@ -10,7 +10,8 @@ does not answer is refused before any route (DNS rebinding); a shutdown drains (
 This file is the routes and the app; the rest of the HTTP side has a file each under runtime/serve/:
 host_check.py (the Host header), admission.py (reading and checking a request, queueing its prompts),
 responses.py (SSE or JSON, the log line and metrics), shutdown.py (draining), websocket.py. The API's
-types are in protocol.py and their mapping to the engine's SamplingParams and outputs in api_mapping.py.
+types are in protocol.py, their mapping to the engine's prompts and SamplingParams in api_mapping.py, and the
+engine's outputs back to them in renderers.py.
 """
 
 from __future__ import annotations
