@@ -5,6 +5,7 @@ the validation peers apply."""
 
 import json
 import math
+import re
 
 import httpx
 import jsonschema
@@ -257,3 +258,17 @@ def test_int64_seeds_at_the_edges_are_served(client):
     for seed in ((1 << 63) - 1, -(1 << 63)):
         r = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=2, seed=seed, n=2)
         assert len(r.choices) == 2
+
+
+# -- system_fingerprint ------------------------------------------------------------------------------
+
+
+def test_responses_and_chunks_carry_one_system_fingerprint(client):
+    """As OpenAI sends it ("fp_" and hex digits), the same for every response of this server."""
+    chat = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=2)
+    completion = client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=2)
+    chunks = [*client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=2, stream=True,
+                                              stream_options={"include_usage": True}),
+              *client.completions.create(model="tiny-chat", prompt="The sea", max_tokens=2, stream=True)]
+    fingerprints = {chat.system_fingerprint, completion.system_fingerprint, *(c.system_fingerprint for c in chunks)}
+    assert len(fingerprints) == 1 and re.fullmatch(r"fp_[0-9a-f]{10}", fingerprints.pop())
