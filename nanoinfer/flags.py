@@ -17,16 +17,20 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser, cls, *, only: Iterable[str] | None = None, defaults: dict | None = None) -> None:
+def add_flags(parser, cls, *, only: Iterable[str] | None = None, defaults: dict | None = None,
+              unset: dict[str, str] | None = None) -> None:
     """One flag per `setting` field of `cls` (or those named in `only`), help and default
-    from the declaration (`defaults` overrides some, e.g. a CLI's own sampling defaults)."""
-    defaults = defaults or {}
+    from the declaration (`defaults` overrides some, e.g. a CLI's own sampling defaults).
+    `unset`: flags left out of the namespace unless given (on the command line or in --config),
+    each with what applies instead for its help (a model's recommended sampling settings)."""
+    defaults, unset = defaults or {}, unset or {}
     wanted = None if only is None else set(only)
     for f, spec, kind in specs(cls):
         if not spec.flag or (wanted is not None and f.name not in wanted):
             continue
-        default = defaults.get(f.name, f.default)
-        kw: dict[str, Any] = dict(default=default, help=spec.help, dest=f.name)
+        default = argparse.SUPPRESS if f.name in unset else defaults.get(f.name, f.default)
+        help_text = f"{spec.help} (default: {unset[f.name]})" if f.name in unset else spec.help
+        kw: dict[str, Any] = dict(default=default, help=help_text, dest=f.name)
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif spec.repeated:

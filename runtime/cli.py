@@ -37,11 +37,22 @@ SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"
                   "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
 
 
-def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+# The sampling settings a checkpoint may recommend (nanoinfer/sampling_defaults.py): a flag left
+# unset takes the model's recommendation (--generation-config), else the command's own default.
+RECOMMENDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling_args(parser: argparse.ArgumentParser, temperature: float, recommended: bool = True) -> None:
+    """The sampling flags; `recommended`: those a model recommends values for follow its recommendation
+    when not given (generate and chat; an evaluation keeps its own, greedy, defaults)."""
     from nanoinfer.sampling import SamplingParams
 
-    add_flags(parser.add_argument_group("sampling"), SamplingParams, only=SAMPLING_FLAGS,
-              defaults={"max_tokens": 256, "temperature": temperature})
+    own = {"max_tokens": 256, "temperature": temperature}
+    unset = {name: f"the model's recommendation, else {own.get(name, getattr(SamplingParams, name))}"
+             for name in RECOMMENDABLE} if recommended else None
+    parser.set_defaults(own_sampling=own)
+    add_flags(parser.add_argument_group("sampling"), SamplingParams, only=SAMPLING_FLAGS, defaults=own,
+              unset=unset)
     group = parser.add_argument_group("structured output (one at most; llama.cpp's and vLLM's names)")
     group.add_argument("--json-schema", default=None, metavar="SCHEMA",
                        help="the output is JSON following this schema (JSON text, or @FILE)")
@@ -134,7 +145,7 @@ def _eval_parsers(tasks) -> dict[str, argparse.ArgumentParser]:
     answers.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
     answers.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
     _model_args(answers)
-    _sampling_args(answers, temperature=0.0)
+    _sampling_args(answers, temperature=0.0, recommended=False)
     _engine_args(answers)
     speed = tasks.add_parser("speed", help="throughput and latency (TTFT, ITL) per batch size, synthetic prompts",
                              formatter_class=_HelpFormatter)
@@ -168,8 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _sampling(args):
-    from nanoinfer.sampling import SamplingParams
+def _sampling(args, recommended: dict | None = None):
+    """The flags' SamplingParams: those given, then the model's `recommended` settings, then the command's own."""
+    from nanoinfer.sampling_defaults import default_params
 
     given = {key: value for key, value in (("json", getattr(args, "json_schema", None)),
                                            ("regex", getattr(args, "regex", None)),
@@ -182,7 +194,10 @@ def _sampling(args):
             except OSError as exc:
                 raise RequestError(f"--{'json-schema' if key == 'json' else key} {given[key]}: cannot read the file "
                                    f"({exc.strerror})", param=key) from exc
-    return SamplingParams(**from_namespace(SamplingParams, args), structured_outputs=given or None)
+    from nanoinfer.sampling import SamplingParams
+
+    return default_params({**args.own_sampling, **(recommended or {})}, **from_namespace(SamplingParams, args),
+                          structured_outputs=given or None)
 
 
 def _llm(args):
@@ -210,8 +225,9 @@ def _generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise RequestError("the prompt is empty (from standard input: nothing was read)", param="prompt")
-    params = _sampling(args)
+    _sampling(args)  # (a bad flag fails before the model loads)
     with _llm(args) as llm:
+        params = _sampling(args, llm.model.sampling_defaults)
         for delta in llm.stream(prompt, params, chat=args.chat):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
@@ -328,8 +344,9 @@ def _chat(args) -> int:
         import readline  # noqa: F401 - input() gets line editing and history
     except ImportError:  # (not on every platform)
         pass
-    params = _sampling(args)
+    _sampling(args)  # (a bad flag fails before the model loads)
     with _llm(args) as llm:
+        params = _sampling(args, llm.model.sampling_defaults)
         system = [{"role": "system", "content": args.system}] if args.system else []
         history = list(system)
         print("nanoinfer chat — /reset starts over, /exit quits, Ctrl-C stops a reply", flush=True)

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling_defaults import default_params
 from runtime.config import engine_config, load_and_engine_configs
 from runtime.engine.llm_engine import LLMEngine, Prompt, failed
 from runtime.engine.outputs import RequestOutput
@@ -80,7 +81,7 @@ class LLM:
         A prompt is a string or a list of token ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else default_params(self.model.sampling_defaults)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

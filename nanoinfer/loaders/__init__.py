@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -54,10 +54,17 @@ class LoadConfig:
                                choices=LOAD_FORMATS)
     gguf_file: str | None = setting(None, "which .gguf of a Hub repository (or local directory) holding several",
                                     optional=True)
+    generation_config: str = setting("auto", "sampling settings for requests that set none of their own: auto (the "
+                                             "model's recommendation: its generation_config.json, or a GGUF's "
+                                             "general.sampling.* keys), none (NanoInfer's defaults), or a folder "
+                                             "holding a generation_config.json (vLLM's --generation-config)")
     progress: bool = setting(True, "progress bars while loading", flag=False)
 
     def __post_init__(self):
         check_settings(self)
+        from nanoinfer.sampling_defaults import check_setting
+
+        check_setting(self.generation_config)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,8 @@ class LoadedModel:
     path: Path
     name: str | None = None  # how users named it, when that was a short name or a Hub id
     quantization: str = "none"  # how the matrices are held: QUANTIZATIONS less "auto"
+    # SamplingParams keywords for requests that name no params of their own (nanoinfer/sampling_defaults.py)
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def model_id(self) -> str:
@@ -145,7 +154,10 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
         # token the config names but the tokenizer does not, or the other way round).
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    return LoadedModel(cfg, params, tokenizer, path, hub_id or (name if name in KNOWN_MODELS else None), quantization)
+    from nanoinfer.sampling_defaults import resolve
+
+    return LoadedModel(cfg, params, tokenizer, path, hub_id or (name if name in KNOWN_MODELS else None), quantization,
+                       resolve(config.generation_config, loaded.recommended))
 
 
 class _Loaded(NamedTuple):
@@ -156,6 +168,7 @@ class _Loaded(NamedTuple):
     params: Params | None
     tokenizer: "Tokenizer | None"
     quantization: str  # QUANTIZATIONS less "auto"
+    recommended: Callable[[], dict[str, Any]] = dict  # the checkpoint's recommended sampling settings, read on demand
 
 
 def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
@@ -196,7 +209,10 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     params = None if dummy else load_hf_params(path, cfg, torch_dtype, dev, progress=config.progress,
                                                fp8=quantization == "fp8", int4=int4,
                                                packed=int4 is not None and quantization == int4.method)
-    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_hf_dir(path), quantization)
+    from nanoinfer.sampling_defaults import from_generation_config
+
+    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_hf_dir(path), quantization,
+                   lambda: from_generation_config(path))
 
 
 def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
@@ -214,7 +230,7 @@ def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
 
 def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
-    from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
+    from nanoinfer.loaders.gguf import field, gguf_config, is_quantized, load_gguf_params, open_gguf
     from nanoinfer.tokenizer import Tokenizer
 
     reader = open_gguf(path)
@@ -224,7 +240,10 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
                                          dtype_asked=config.dtype != "auto")
     params = None if config.load_format == "dummy" else load_gguf_params(
         reader, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
-    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(reader, path), quantization)
+    from nanoinfer.sampling_defaults import from_gguf
+
+    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(reader, path), quantization,
+                   lambda: from_gguf(lambda key: field(reader, key), path))
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

@@ -18,6 +18,7 @@ from typing import Sequence, Union
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling_defaults import default_params
 from runtime.config import EngineConfig, load_and_engine_configs
 from runtime.engine.engine_core import EngineCore
 from runtime.engine.outputs import RequestOutput
@@ -85,7 +86,7 @@ class LLMEngine:
         continues). `stream`: outputs as deltas at every step, else one at the end."""
         if self.fatal is not None:
             raise EngineError(f"the engine is unhealthy (restart it): {self.fatal!r}") from self.fatal
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else default_params(self.model.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
