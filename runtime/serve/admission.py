@@ -26,8 +26,10 @@ MAX_UNKNOWN_FIELDS_LOGGED = 100
 class Admission:
     """From an HTTP request (or a WebSocket message) to the handles of its requests in the engine."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str, shutdown: Shutdown):
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str, shutdown: Shutdown,
+                 fingerprint: str | None = None):
         self.engine, self.config, self.model_name, self.shutdown = engine, config, model_name, shutdown
+        self.fingerprint = fingerprint  # (the responses' system_fingerprint)
         self._unknown_fields_logged: set[str] = set()
 
     def check_access(self, connection: HTTPConnection) -> None:
@@ -98,14 +100,15 @@ class Admission:
                                 ) -> tuple[list[RequestHandle], CompletionRenderer]:
         """Submit a completion request; its handles and renderer."""
         handles = await self.submit_all(rid, completion_prompts(req), completion_params(req), stream=req.stream)
-        return handles, CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer)
+        return handles, CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, self.fingerprint)
 
     async def submit_chat(self, rid: str, req: api.ChatCompletionRequest) -> tuple[list[RequestHandle], ChatRenderer]:
         """Submit a chat completion request (HTTP's or a WebSocket's); its handles and renderer."""
         inputs = chat_inputs(req, self.engine.tokenizer)
         handles = await self.submit_all(rid, [inputs.messages], inputs.params,
                                         chat_template_kwargs=inputs.template_kwargs, stream=req.stream)
-        return handles, ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, inputs.tools)
+        return handles, ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, inputs.tools,
+                                     self.fingerprint)
 
     async def submit_all(self, rid: str, prompts: Sequence, params, chat_template_kwargs: dict | None = None,
                          stream: bool = True) -> list[RequestHandle]:

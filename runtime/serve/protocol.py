@@ -210,6 +210,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+    system_fingerprint: str | None = None  # (the server's: runtime/serve/server.py)
 
 
 class FunctionCall(msgspec.Struct):
@@ -258,6 +259,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+    system_fingerprint: str | None = None
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -280,6 +282,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
 
 
 class ModelCard(msgspec.Struct):

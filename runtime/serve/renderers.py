@@ -18,8 +18,9 @@ class _Renderer:
     into OpenAI responses and stream chunk objects (the server encodes them: SSE events or
     WebSocket messages). Choice index = prompt * n + completion."""
 
-    def __init__(self, response_id: str, model: str, handles, req, tokenizer):
+    def __init__(self, response_id: str, model: str, handles, req, tokenizer, fingerprint: str | None = None):
         self.id, self.created, self.model = response_id, int(time.time()), model
+        self.fingerprint = fingerprint  # (OpenAI's system_fingerprint: on every response and chunk)
         self.handles, self.n, self.tokenizer = handles, req.n, tokenizer
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.completion_tokens = 0
@@ -61,8 +62,8 @@ class CompletionRenderer(_Renderer):
     """With `echo`, each choice's text starts with its prompt's, and its logprobs with the
     prompt's tokens; with `max_tokens` 0 (scoring), the one token the engine sampled is left out."""
 
-    def __init__(self, response_id, model, handles, req, tokenizer):
-        super().__init__(response_id, model, handles, req, tokenizer)
+    def __init__(self, response_id, model, handles, req, tokenizer, fingerprint=None):
+        super().__init__(response_id, model, handles, req, tokenizer, fingerprint)
         self.want_logprobs, self.echo, self.scoring = req.logprobs is not None, req.echo, req.max_tokens == 0
         self.offsets: dict[int, int] = {}  # choice -> text length so far (logprobs' text_offset)
 
@@ -110,13 +111,13 @@ class CompletionRenderer(_Renderer):
             choice = self.choice(index, c, position, first, self.offsets.get(index, 0))
             self.offsets[index] = self.offsets.get(index, 0) + len(choice.text)
             if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
-                out.append(CompletionResponse(self.id, self.created, self.model, [choice]))
+                out.append(self._response([choice]))
         return out
 
     def end(self) -> list:
         if not self.include_usage:
             return []
-        return [CompletionResponse(self.id, self.created, self.model, [], self.usage(self.completion_tokens))]
+        return [self._response([], self.usage(self.completion_tokens))]
 
     def response(self, results) -> CompletionResponse:
         choices = []
@@ -124,12 +125,17 @@ class CompletionRenderer(_Renderer):
             self.prompt_logprobs[position] = out.prompt_logprobs
             choices += [self.choice(position * self.n + c.index, c, position, True) for c in out.outputs]
         tokens = 0 if self.scoring else self.total_tokens(results)
-        return CompletionResponse(self.id, self.created, self.model, choices, self.usage(tokens))
+        return self._response(choices, self.usage(tokens))
+
+    def _response(self, choices, usage=None) -> CompletionResponse:
+        return CompletionResponse(self.id, self.created, self.model, choices, usage,
+                                  system_fingerprint=self.fingerprint)
 
 
 class ChatRenderer(_Renderer):
-    def __init__(self, response_id, model, handles, req, tokenizer, tools: ToolSetup | None = None):
-        super().__init__(response_id, model, handles, req, tokenizer)
+    def __init__(self, response_id, model, handles, req, tokenizer, tools: ToolSetup | None = None,
+                 fingerprint: str | None = None):
+        super().__init__(response_id, model, handles, req, tokenizer, fingerprint)
         self.want_logprobs = req.logprobs
         self.tools = tools
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, while it streams
@@ -144,7 +150,8 @@ class ChatRenderer(_Renderer):
                                               [TopLogprob(*entry(t, v)) for t, v in lp.top]) for lp in logprobs])
 
     def _chunk(self, choices, usage=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model, choices, usage)
+        return ChatCompletionChunk(self.id, self.created, self.model, choices, usage,
+                                   system_fingerprint=self.fingerprint)
 
     def start(self) -> list:
         return [self._chunk([ChatChunkChoice(i, ChatDelta("assistant", ""))])
@@ -202,4 +209,4 @@ class ChatRenderer(_Renderer):
         self.prompt_logprobs[0] = results[0].prompt_logprobs
         return ChatCompletionResponse(self.id, self.created, self.model, self.choices(results),
                                       self.usage(self.total_tokens(results)),
-                                      prompt_logprobs=self.prompt_logprobs_of(0))
+                                      prompt_logprobs=self.prompt_logprobs_of(0), system_fingerprint=self.fingerprint)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import html
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -63,11 +65,12 @@ class _Server:
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.model_name = config.served_model_name or engine.model.model_id
+        self.fingerprint = system_fingerprint(engine.model.model_id)
         self.cors_origins = frozenset(o.lower() for o in config.cors_origin)
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine)
         self.shutdown = Shutdown(engine)
-        self.admission = Admission(engine, config, self.model_name, self.shutdown)
+        self.admission = Admission(engine, config, self.model_name, self.shutdown, self.fingerprint)
         self.responder = Responder(engine, self.metrics)
 
     def guarded(self, handler):
@@ -118,6 +121,17 @@ class _Server:
     async def chat_page(self, request: Request) -> Response:
         page = resources.files("runtime.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
         return HTMLResponse(page.replace("{{MODEL}}", html.escape(self.model_name)))
+
+
+def system_fingerprint(model_id: str) -> str:
+    """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits of this nanoinfer's version and the
+    model served, the same on every response of a server (and of another one with the same
+    version and model), so that a client can tell when the backend changed."""
+    try:
+        version = importlib.metadata.version("nanoinfer")
+    except importlib.metadata.PackageNotFoundError:  # (run from a source tree that was never installed)
+        version = "unknown"
+    return "fp_" + hashlib.sha256(f"nanoinfer {version}\n{model_id}".encode()).hexdigest()[:10]
 
 
 async def _log_throughput(engine: AsyncEngine, every: float) -> None:
