@@ -21,6 +21,8 @@ from runtime.serve.shutdown import Shutdown
 
 log = logging.getLogger("nanoinfer.server")
 MAX_UNKNOWN_FIELDS_LOGGED = 100
+# What --api-key guards: the API and vLLM's tokenizer endpoints (/health, /metrics and the chat page stay open).
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 
 
 class Admission:
@@ -33,13 +35,18 @@ class Admission:
         self._unknown_fields_logged: set[str] = set()
 
     def check_access(self, connection: HTTPConnection) -> None:
-        if self.config.api_key is not None and connection.url.path.startswith("/v1/"):
+        if self.config.api_key is not None and connection.url.path.startswith(KEYED_PATHS):
             given = connection.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
                 raise HTTPError(401, "missing or wrong API key (expected `Authorization: Bearer <key>`)",
                                 type_="authentication_error", code="invalid_api_key")
 
     async def read(self, request: Request, type_):
+        """The request of type `type_` in the body, checked (`parse`)."""
+        return self.parse(await self.read_json(request), type_)
+
+    async def read_json(self, request: Request):
+        """The body's JSON, decoded: a JSON body within the size and time limits, or an HTTPError."""
         content_type = request.headers.get("content-type", "")
         if content_type.split(";")[0].strip().lower() != "application/json":
             raise HTTPError(415, f"content type {content_type or '(none)'!r} is not supported: expected "
@@ -71,7 +78,7 @@ class Admission:
             raise HTTPError(400, f"the body is not valid UTF-8: {exc}") from exc
         except RecursionError as exc:
             raise HTTPError(400, "the body nests JSON too deeply") from exc
-        return self.parse(raw, type_)
+        return raw
 
     def parse(self, raw, type_):
         """The request of type `type_` that decoded JSON `raw` holds, checked (an HTTP body or
@@ -90,6 +97,8 @@ class Admission:
         if req.model is not None and req.model != self.model_name:
             raise HTTPError(404, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
                             param="model", code="model_not_found")
+        if not isinstance(req, api.SamplingFields):  # (a tokenizer request: nothing generated)
+            return req
         if (name := api.unsupported(req)) is not None:
             raise HTTPError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         if req.n > (max_n := self.config.max_n):

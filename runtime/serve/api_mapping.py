@@ -13,7 +13,7 @@ from nanoinfer.sampling import SamplingParams
 from nanoinfer.sampling_params import MAX_LOGPROBS
 from nanoinfer.structured import GrammarSpec
 from runtime.serve.tool_calls import ToolSetup, tool_setup
-from runtime.serve.protocol import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.serve.protocol import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeChatRequest
 
 
 def param_of(message: str) -> str | None:
@@ -175,22 +175,30 @@ class ChatInputs(NamedTuple):
     tools: ToolSetup | None
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer) -> ChatInputs:
-    """A chat completion request's inputs (RequestError, a 400, names a bad value)."""
+def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer, tool_choice=None,
+                parallel: bool = True) -> tuple[list[dict], dict, ToolSetup | None]:
+    """What a chat request's template renders (a chat completion's, or /tokenize's): the
+    messages, the template's variables (the request's own chat_template_kwargs win over its
+    flags, as in vLLM), and the tool setup (None without tools), which may rewrite both."""
     messages = chat_messages(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, chat_logprobs(req), req.prompt_logprobs)
-    # The request's own chat_template_kwargs win over its flags, as in vLLM.
     kwargs = {"add_generation_prompt": req.add_generation_prompt,
               "continue_final_message": req.continue_final_message, **(req.chat_template_kwargs or {})}
     template = tokenizer.chat_template if tokenizer is not None else None
-    tools = tool_setup(req.tools, req.tool_choice, messages, template, req.parallel_tool_calls is not False)
+    tools = tool_setup(req.tools, tool_choice, messages, template, parallel)
     if tools is not None:
         messages, kwargs = tools.messages, {**kwargs, **tools.template_kwargs}
-        if tools.grammar is not None:
-            if params.structured_outputs is not None:
-                raise RequestError(f"tool_choice={req.tool_choice!r} constrains the output, and so does the request's "
-                                   f"structured output: expected one", param="tool_choice")
-            # (its errors name `tools`: the grammar is built from them)
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(tools.grammar, param="tools"))
+    return messages, kwargs, tools
+
+
+def chat_inputs(req: ChatCompletionRequest, tokenizer) -> ChatInputs:
+    """A chat completion request's inputs (RequestError, a 400, names a bad value)."""
+    messages, kwargs, tools = chat_prompt(req, tokenizer, req.tool_choice, req.parallel_tool_calls is not False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens, chat_logprobs(req), req.prompt_logprobs)
+    if tools is not None and tools.grammar is not None:
+        if params.structured_outputs is not None:
+            raise RequestError(f"tool_choice={req.tool_choice!r} constrains the output, and so does the request's "
+                               f"structured output: expected one", param="tool_choice")
+        # (its errors name `tools`: the grammar is built from them)
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(tools.grammar, param="tools"))
     return ChatInputs(messages, kwargs, params, tools)

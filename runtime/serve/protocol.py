@@ -285,6 +285,48 @@ class ChatCompletionChunk(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+# -- vLLM's tokenizer endpoints (runtime/serve/tokenization.py) --------------------------------
+
+
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize of a prompt: its ids as a completion would run it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # (BOS, where the model's tokenizer adds one)
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize of a conversation: its ids as a chat completion would run it (the chat
+    template rendered with these flags, variables and tools)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # (on top of what the template writes)
+    return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: Any = None
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # each token's text, with return_token_strs
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
 class ModelCard(msgspec.Struct):
     id: str
     created: int

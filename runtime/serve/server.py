@@ -1,17 +1,18 @@
 """The OpenAI-compatible HTTP server: create_app(engine, config) -> a Starlette app with SSE streaming.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics, GET / (the chat page). Every error is OpenAI-shaped JSON and the server keeps
-serving: a bad request is a 4xx naming the field, a request the engine fails ends alone (a
-500 or, mid-stream, an SSE `error` event then `[DONE]`), and only a dead device makes it 503.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], POST /tokenize and
+POST /detokenize (vLLM's), GET /health, GET /metrics, GET / (the chat page). Every error is
+OpenAI-shaped JSON and the server keeps serving: a bad request is a 4xx naming the field, a
+request the engine fails ends alone (a 500 or, mid-stream, an SSE `error` event then `[DONE]`),
+and only a dead device makes it 503.
 A client that disconnects, streaming or not, aborts its requests. A Host header the server
 does not answer is refused before any route (DNS rebinding); a shutdown drains (Shutdown.drain).
 
 This file is the routes and the app; the rest of the HTTP side has a file each under runtime/serve/:
 host_check.py (the Host header), admission.py (reading and checking a request, queueing its prompts),
-responses.py (SSE or JSON, the log line and metrics), shutdown.py (draining), websocket.py. The API's
-types are in protocol.py, their mapping to the engine's prompts and SamplingParams in api_mapping.py, and the
-engine's outputs back to them in renderers.py.
+responses.py (SSE or JSON, the log line and metrics), shutdown.py (draining), websocket.py, tokenization.py
+(the tokenizer endpoints). The API's types are in protocol.py, their mapping to the engine's prompts and
+SamplingParams in api_mapping.py, and the engine's outputs back to them in renderers.py.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from runtime.serve.http_errors import HTTPError, error_response
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.responses import Responder
 from runtime.serve.shutdown import Shutdown
+from runtime.serve.tokenization import Tokenization, request_type, served_max_model_len
 from runtime.serve.websocket import ChatSocket
 
 log = logging.getLogger("nanoinfer.server")
@@ -55,7 +57,7 @@ OPENAI_ROUTES_NOT_SERVED = ("/v1/embeddings", "/v1/responses", "/v1/audio", "/v1
                             "/v1/files", "/v1/batches", "/v1/fine_tuning", "/v1/assistants", "/v1/threads",
                             "/v1/vector_stores", "/v1/edits", "/v1/uploads", "/v1/realtime")
 ROUTES_SERVED = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{id}",
-                 "WebSocket /v1/chat/ws")
+                 "WebSocket /v1/chat/ws", "POST /tokenize", "POST /detokenize")
 
 
 class _Server:
@@ -72,6 +74,7 @@ class _Server:
         self.shutdown = Shutdown(engine)
         self.admission = Admission(engine, config, self.model_name, self.shutdown, self.fingerprint)
         self.responder = Responder(engine, self.metrics)
+        self.tokenization = Tokenization(engine.tokenizer, served_max_model_len(engine))
 
     def guarded(self, handler):
         """Checks common to every route, and our errors as OpenAI-shaped responses."""
@@ -97,6 +100,17 @@ class _Server:
         req = await self.admission.read(request, api.ChatCompletionRequest)
         handles, out = await self.admission.submit_chat(f"chatcmpl-{uuid.uuid4().hex}", req)
         return await self.responder.answer(request, req, handles, out)
+
+    async def tokenize(self, request: Request) -> Response:
+        raw = await self.admission.read_json(request)
+        req = self.admission.parse(raw, request_type(raw))
+        self.shutdown.check_open()
+        return Response(_encode(await self.tokenization.tokenize(req)), media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        req = await self.admission.read(request, api.DetokenizeRequest)
+        self.shutdown.check_open()
+        return Response(_encode(await self.tokenization.detokenize(req)), media_type="application/json")
 
     async def models(self, request: Request) -> Response:
         return Response(_encode(api.ModelList([api.ModelCard(self.model_name, self.created)])),
@@ -194,6 +208,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig = ServerConfig(), *, ma
               Route("/v1/chat/completions", g(srv.chat_completions), methods=["POST"]),
               Route("/v1/models", g(srv.models), methods=["GET"]),
               Route("/v1/models/{model_id:path}", g(srv.model), methods=["GET"]),
+              Route("/tokenize", g(srv.tokenize), methods=["POST"]),
+              Route("/detokenize", g(srv.detokenize), methods=["POST"]),
               Route("/health", g(srv.health), methods=["GET"]),
               Route("/metrics", g(srv.render_metrics), methods=["GET"]),
               Route("/", g(srv.chat_page), methods=["GET"]),
