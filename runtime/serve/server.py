@@ -76,6 +76,22 @@ class _Server:
         self.responder = Responder(engine, self.metrics)
         self.tokenization = Tokenization(engine.tokenizer, served_max_model_len(engine))
 
+    def routes(self) -> list:
+        """The app's routes (ROUTES_SERVED and the rest), each guarded."""
+        g = self.guarded
+        return [Route("/v1/completions", g(self.completions), methods=["POST"]),
+                Route("/v1/chat/completions", g(self.chat_completions), methods=["POST"]),
+                Route("/v1/models", g(self.models), methods=["GET"]),
+                Route("/v1/models/{model_id:path}", g(self.model), methods=["GET"]),
+                Route("/tokenize", g(self.tokenize), methods=["POST"]),
+                Route("/detokenize", g(self.detokenize), methods=["POST"]),
+                Route("/health", g(self.health), methods=["GET"]),
+                Route("/metrics", g(self.render_metrics), methods=["GET"]),
+                Route("/", g(self.chat_page), methods=["GET"]),
+                WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(self, websocket).serve()),
+                # The chat page's vendored libraries (runtime/serve/static/vendor/VENDOR.md): no CDN.
+                Mount("/static", StaticFiles(packages=[("runtime.serve", "static")]), name="static")]
+
     def guarded(self, handler):
         """Checks common to every route, and our errors as OpenAI-shaped responses."""
         async def endpoint(request: Request) -> Response:
@@ -203,24 +219,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig = ServerConfig(), *, ma
                                          code="not_found" if exc.status_code == 404 else "method_not_allowed",
                                          headers=allowed))
 
-    g = srv.guarded
-    routes = [Route("/v1/completions", g(srv.completions), methods=["POST"]),
-              Route("/v1/chat/completions", g(srv.chat_completions), methods=["POST"]),
-              Route("/v1/models", g(srv.models), methods=["GET"]),
-              Route("/v1/models/{model_id:path}", g(srv.model), methods=["GET"]),
-              Route("/tokenize", g(srv.tokenize), methods=["POST"]),
-              Route("/detokenize", g(srv.detokenize), methods=["POST"]),
-              Route("/health", g(srv.health), methods=["GET"]),
-              Route("/metrics", g(srv.render_metrics), methods=["GET"]),
-              Route("/", g(srv.chat_page), methods=["GET"]),
-              WebSocketRoute("/v1/chat/ws", lambda websocket: ChatSocket(srv, websocket).serve()),
-              # The chat page's vendored libraries (runtime/serve/static/vendor/VENDOR.md): no CDN.
-              Mount("/static", StaticFiles(packages=[("runtime.serve", "static")]), name="static")]
     middleware = [Middleware(HostCheck, config=config)]
     if config.cors_origin:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origin), allow_methods=["*"],
                                      allow_headers=["*"]))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+    app = Starlette(routes=srv.routes(), middleware=middleware, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found})
     app.state.drain, app.state.model_name = srv.shutdown.drain, srv.model_name
     return app
