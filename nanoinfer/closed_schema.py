@@ -40,7 +40,7 @@ _BRANCHES = ("anyOf", "oneOf")
 _DEFINITIONS = ("$defs", "definitions")
 _ONE_VALUE = ("additionalProperties", "additionalItems", "unevaluatedItems")  # (a schema, or a boolean)
 _SHAPED = frozenset((*_KEYS, "allOf", "$ref", *_BRANCHES))  # a schema without these closes nothing
-_WALKED = _SHAPED | {*_DEFINITIONS, *_ONE_VALUE, "items", "prefixItems"}  # ... and without these, holds nothing to close
+_WALKED = _SHAPED | {*_DEFINITIONS, *_ONE_VALUE, "items", "prefixItems"}  # ... without these, it holds none
 # Schemas visited while planning: a schema whose combinations take more compiles as written (open),
 # not after seconds of Python on the compile thread. Real schemas take a few per subschema.
 MAX_VISITS = 200_000
@@ -228,7 +228,7 @@ class _Closer:
             for kind, key in keys:
                 if key not in out.get(kind, {}):
                     out[kind] = {**out.get(kind, {}), key: {}}  # (what the schemas that declare it say)
-            if "$ref" in out:  # (llguidance refuses a recursive $ref with keys beside it; in an allOf it reads the same)
+            if "$ref" in out:  # (llguidance refuses a recursive $ref with keys beside it; in an allOf, the same)
                 out["allOf"] = [*out.get("allOf", ()), {"$ref": out.pop("$ref")}]
             out["additionalProperties"] = False
         elif _declared(node):

@@ -195,9 +195,10 @@ def default_client(smollm2_gguf):
         yield OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-    "required": ["city"]}}}
+CITY_AND_UNIT = {"type": "object", "properties": {"city": {"type": "string"},
+                                                 "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": CITY_AND_UNIT}}
 
 
 def test_a_named_tool_gets_only_its_declared_arguments(default_client):
@@ -227,7 +228,8 @@ def test_any_json_is_rewritten_without_error_and_left_unchanged():
     """Schemas clients send may be malformed: llguidance names what is wrong, the rewrite never fails."""
     from hypothesis import given, settings, strategies as st
 
-    leaves = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.sampled_from(["#", "#/$defs/a", "#/a/0", "#/x", "x"]))
+    refs = st.sampled_from(["#", "#/$defs/a", "#/a/0", "#/x", "x"])
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), refs)
     json_values = st.recursive(leaves, lambda inner: st.one_of(
         st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(KEYWORDS), inner, max_size=4)), max_leaves=30)
 

@@ -96,4 +96,5 @@ def test_the_tokenizer_routes_take_the_api_key(tiny_chat_model):
     with LiveServer(tiny_chat_model, api_key="s3cret") as server:
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
             assert httpx.post(server.url + path, json=body).status_code == 401
-            assert httpx.post(server.url + path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            keyed = httpx.post(server.url + path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert keyed.status_code == 200, keyed.text
