@@ -3,7 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanoinfer.errors import CheckpointError
+
+
+# A loader reads each field of its file through these, naming the file's key and the file
+# (`path`: the refusal is then a CheckpointError, itself a ValueError); ModelConfig checks
+# whatever a loader hands it with the same rules.
+
+def _refusal(problem: str, path: str | Path | None) -> ValueError:
+    return ValueError(problem) if path is None else CheckpointError(path, problem)
+
+
+def dimension(name: str, value: Any, path: str | Path | None = None) -> int:
+    """`value`, a count or a size, if it is a positive integer; else a ValueError naming `name`
+    and the value (a bool, 1.5, 4096.0 or "4096" is no dimension)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _refusal(f"{name} is {value!r}: expected a positive integer", path)
+    return value
+
+
+def positive_number(name: str, value: Any, path: str | Path | None = None) -> float:
+    """`value` as a float if it is a finite positive number; else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise _refusal(f"{name} is {value!r}: expected a positive finite number", path)
+    return float(value)
+
+
+def token_id(name: str, value: Any, path: str | Path | None = None) -> int:
+    """`value` if it can be a token id (an integer from 0); else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _refusal(f"{name} is {value!r}: expected a token id (an integer from 0)", path)
+    return value
 
 
 @dataclass(frozen=True)
@@ -16,6 +51,16 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        positive_number("rope scaling factor", self.factor)
+        if self.kind == "llama3":  # (its smoothing divides by the two factors' difference)
+            positive_number("rope scaling low_freq_factor", self.low_freq_factor)
+            positive_number("rope scaling high_freq_factor", self.high_freq_factor)
+            dimension("rope scaling original_max_position_embeddings", self.original_max_position_embeddings)
+            if not self.high_freq_factor > self.low_freq_factor:
+                raise ValueError(f"rope scaling high_freq_factor={self.high_freq_factor!r} is not above "
+                                 f"low_freq_factor={self.low_freq_factor!r}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +90,23 @@ class ModelConfig:
     kv_extra_layers: int = 0
 
     def __post_init__(self):
+        """Every loader's config meets these, whatever its file says (a ValueError naming the field)."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            dimension(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}: "
+                             "each KV head serves a whole group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates a head's dimensions in pairs")
+        positive_number("rms_norm_eps", self.rms_norm_eps)
+        positive_number("rope_theta", self.rope_theta)
+        if self.sliding_window is not None:
+            dimension("sliding_window", self.sliding_window)
+        if self.bos_token_id is not None:
+            token_id("bos_token_id", self.bos_token_id)
+        for eos in self.eos_token_ids:
+            token_id("eos_token_ids", eos)
         if self.windowed_layers is not None and len(self.windowed_layers) != self.num_layers:
             raise ValueError(f"windowed_layers has {len(self.windowed_layers)} entries for {self.num_layers} layers")
 
@@ -67,3 +129,12 @@ class ModelConfig:
         """The same model cut to its first `num_layers` layers (tests, tools)."""
         windowed = None if self.windowed_layers is None else self.windowed_layers[:num_layers]
         return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed)
+
+
+def checkpoint_config(path: str | Path, **fields) -> ModelConfig:
+    """ModelConfig(**fields) as the checkpoint at `path` describes it: a value it refuses is a
+    CheckpointError naming the file (each loader's one way to build its config)."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise CheckpointError(path, f"describes no usable model: {exc}") from exc

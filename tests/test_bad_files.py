@@ -134,3 +134,117 @@ def test_gguf_missing_metadata(tmp_path):
     path = tmp_path / "bare.gguf"
     write_gguf(path, "llama")
     load_fails(path, "bare.gguf", "llama.", "missing")
+
+
+# -- config.json of the wrong shape or values: one line naming the file and the field ------
+
+def write_config(path, **fields):
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **fields}))
+
+
+@pytest.mark.parametrize("text, kind", [("[1, 2, 3]", "a list"), ("5", "a number"), ('"llama"', "a string"),
+                                        ("null", "null")])
+def test_config_not_an_object(broken, text, kind):
+    (broken / "config.json").write_text(text)
+    load_fails(broken, "config.json", f"holds {kind}", "expected a JSON object")
+
+
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 0), ("hidden_size", -32), ("vocab_size", 1.5),
+                                          ("num_hidden_layers", True), ("intermediate_size", "48"),
+                                          ("num_key_value_heads", 0), ("head_dim", 0),
+                                          ("max_position_embeddings", 0), ("hidden_size", [32])])
+def test_config_dimension_not_a_positive_integer(broken, field, value):
+    write_config(broken, **{field: value})
+    load_fails(broken, "config.json", field, repr(value), "positive integer")
+
+
+def test_config_dimension_past_floats(broken):
+    (broken / "config.json").write_text((broken / "config.json").read_text().replace('"hidden_size": 32',
+                                                                                    '"hidden_size": 1e400'))
+    load_fails(broken, "config.json", "hidden_size", "inf", "positive integer")
+
+
+def test_config_heads_that_do_not_divide(broken):
+    write_config(broken, num_key_value_heads=3)
+    load_fails(broken, "config.json", "num_heads=4", "num_kv_heads=3")
+
+
+def test_config_width_not_a_multiple_of_the_heads(broken):
+    write_config(broken, num_attention_heads=5, num_key_value_heads=5, head_dim=None)
+    load_fails(broken, "config.json", "hidden_size 32", "num_attention_heads 5")
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", 0), ("rms_norm_eps", -1e-5), ("rms_norm_eps", "small"),
+                                          ("rope_theta", 0), ("rope_theta", [10000])])
+def test_config_numbers_not_positive(broken, field, value):
+    write_config(broken, **{field: value})
+    load_fails(broken, "config.json", field, repr(value), "positive")
+
+
+@pytest.mark.parametrize("fields, words", [({"rope_parameters": [1, 2]}, ["rope_parameters", "[1, 2]"]),
+                                           ({"rope_parameters": None, "rope_scaling": [1, 2]},
+                                            ["rope_scaling", "[1, 2]"]),
+                                           ({"rope_parameters": {"rope_type": "linear", "factor": 0}},
+                                            ["rope_parameters", "factor", "0"]),
+                                           ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                                 "low_freq_factor": 4.0}},
+                                            ["rope_parameters", "high_freq_factor"]),
+                                           ({"architectures": 5}, ["architectures", "5"]),
+                                           ({"bos_token_id": "<s>"}, ["bos_token_id", "'<s>'"]),
+                                           ({"eos_token_id": {"a": 1}}, ["eos_token_id"])])
+def test_config_fields_of_the_wrong_kind(broken, fields, words):
+    write_config(broken, **fields)
+    load_fails(broken, "config.json", *words)
+
+
+def test_nanochat_meta_with_odd_heads(tmp_path):
+    from nanoinfer.loaders.nanochat import nanochat_config
+
+    meta = tmp_path / "meta_000001.json"
+    meta.write_text(json.dumps({"model_config": {"sequence_len": 64, "vocab_size": 32, "n_layer": 1, "n_head": 4,
+                                                 "n_kv_head": 4, "n_embd": 12}}))
+    with pytest.raises(CheckpointError, match=r"meta_000001.json: .*head_dim=3"):
+        nanochat_config(meta)
+
+
+# -- GGUF metadata values: the same one line, naming the key -------------------------------
+
+def write_llama_gguf(path, **overrides):
+    """A GGUF with every key gguf_config reads (no tensors: the check comes first), `overrides`
+    written in their place (key without the "llama." prefix -> value, typed as given)."""
+    values = {"block_count": 1, "attention.head_count": 4, "attention.head_count_kv": 2, "embedding_length": 32,
+              "feed_forward_length": 48, "context_length": 64, "vocab_size": 64, **overrides}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in values.items():
+        name = key if key.startswith("tokenizer.") else f"llama.{key}"
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_int32(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"attention.head_count": 0}, ["llama.attention.head_count", "0", "positive integer"]),
+    ({"block_count": "one"}, ["llama.block_count", "'one'"]),
+    ({"embedding_length": 32.5}, ["llama.embedding_length", "32.5"]),
+    ({"feed_forward_length": -48}, ["llama.feed_forward_length", "-48"]),
+    ({"context_length": 0}, ["llama.context_length", "0"]),
+    ({"attention.head_count_kv": 3}, ["num_heads=4", "num_kv_heads=3"]),
+    ({"attention.head_count": 5, "attention.head_count_kv": 5}, ["llama.embedding_length 32",
+                                                                 "llama.attention.head_count 5"]),
+    ({"attention.layer_norm_rms_epsilon": -1.0}, ["llama.attention.layer_norm_rms_epsilon", "-1.0"]),
+    ({"rope.freq_base": "big"}, ["llama.rope.freq_base", "'big'"]),
+    ({"tokenizer.ggml.bos_token_id": "x"}, ["tokenizer.ggml.bos_token_id", "'x'"]),
+    ({"tokenizer.ggml.eos_token_id": "x"}, ["tokenizer.ggml.eos_token_id", "'x'"]),
+])
+def test_gguf_metadata_values(tmp_path, overrides, words):
+    path = tmp_path / "values.gguf"
+    write_llama_gguf(path, **overrides)
+    load_fails(path, "values.gguf", *words)

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import Q4_K, dequantize
 
-from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.loaders.gguf_header import check_gguf_header
@@ -76,36 +76,53 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     def key(name, default=None):
         return field(reader, f"{arch}.{name}", default, path=path)
 
-    num_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def whole(name, default=None) -> int:
+        """A dimension from the metadata; `default` when the key is absent, if it has one."""
+        if default is not None and reader.get_field(f"{arch}.{name}") is None:
+            return default
+        return dimension(f"{arch}.{name}", key(name), path)
+
+    def number(name, default) -> float:
+        return positive_number(f"{arch}.{name}", key(name, default), path)
+
+    num_heads = whole("attention.head_count")
+    hidden = whole("embedding_length")
     tokens = field(reader, "tokenizer.ggml.tokens", [])
     names = {t.name: t for t in reader.tensors}
     embed = names.get("token_embd.weight")
-    vocab_size = int(key("vocab_size", 0) or len(tokens) or (embed.shape[-1] if embed is not None else 0))
+    vocab_size = whole("vocab_size", 0) or len(tokens) or (int(embed.shape[-1]) if embed is not None else 0)
     if vocab_size <= 0:
         raise CheckpointError(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight")
+    head_dim = whole("attention.key_length", 0) or whole("rope.dimension_count", 0)
+    if not head_dim and hidden % num_heads:
+        raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of {arch}.attention.head_count "
+                                    f"{num_heads}, and no {arch}.attention.key_length says how wide a head is")
     eos = [field(reader, f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
     scaling_type = key("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise CheckpointError(path, f"rope scaling type {scaling_type!r} is not supported (none, linear)")
-    return ModelConfig(
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    return checkpoint_config(
+        path,
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        intermediate_size=whole("feed_forward_length"),
+        num_layers=whole("block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // num_heads),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length", 4096)),
+        num_kv_heads=whole("attention.head_count_kv", num_heads),
+        head_dim=head_dim or hidden // num_heads,
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=number("rope.freq_base", 10000.0),
+        max_position_embeddings=whole("context_length", 4096),
         tie_word_embeddings="output.weight" not in names,
-        rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor"))) if scaling_type == "linear" else None,
+        rope_scaling=RopeScaling("linear", number("rope.scaling.factor", None)) if scaling_type == "linear" else None,
         # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
         qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None and e >= 0)),
+        bos_token_id=None if bos is None else token_id("tokenizer.ggml.bos_token_id", bos, path),
+        # (-1: the key is absent; llama.cpp writes no negative ids)
+        eos_token_ids=tuple(dict.fromkeys(token_id(f"tokenizer.ggml.{k}_token_id", e, path)
+                                          for k, e in zip(("eos", "eot", "eom"), eos) if e != -1)),
     )
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
 from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders.params import build_params
 from nanoinfer.model import Params
@@ -46,24 +46,34 @@ def read_hf_config(directory: Path) -> ModelConfig:
     return config_from_hf(raw, path)
 
 
-def _as_tuple(value: Any) -> tuple[int, ...]:
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, as an error names it ("a list" where an object belongs)."""
+    kinds = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+             bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _token_ids(name: str, value: Any, path) -> tuple[int, ...]:
+    """config.json's `eos_token_id`: none, one id or a list of them."""
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    return tuple(token_id(name, v, path) for v in (value if isinstance(value, list) else [value]))
 
 
-def rope_scaling_from_hf(params: Mapping[str, Any] | None, path) -> RopeScaling | None:
-    """Read HF's `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5)."""
+def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "rope_scaling") -> RopeScaling | None:
+    """Read HF's `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5): `name`."""
     if not params:
         return None
+    if not isinstance(params, Mapping):
+        raise CheckpointError(path, f"{name} is {params!r}: expected a JSON object")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return None
-    if kind == "linear":
-        return RopeScaling("linear", float(params["factor"]))
-    if kind == "llama3":
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(path, f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    try:
+        if kind == "linear":
+            return RopeScaling("linear", float(params["factor"]))
         return RopeScaling(
             "llama3",
             float(params["factor"]),
@@ -71,7 +81,19 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None, path) -> RopeScaling 
             float(params.get("high_freq_factor", 4.0)),
             int(params.get("original_max_position_embeddings", 8192)),
         )
-    raise CheckpointError(path, f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    except KeyError as exc:
+        raise CheckpointError(path, f"{name} of type {kind!r} has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(path, f"{name} {dict(params)!r} is no usable {kind} scaling: {exc}") from None
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any]:
+    """(scaling, theta as the file has it): transformers 5 keeps both in `rope_parameters`."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get(key)
+    scaling = rope_scaling_from_hf(params, path, key)
+    theta = next((t for t in (cfg.get("rope_theta"), (params or {}).get("rope_theta")) if t is not None), 1e4)
+    return scaling, theta
 
 
 def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
@@ -83,8 +105,9 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
     window = cfg.get("sliding_window")
     if not window or arch == "llama" or (arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
         return None, None
+    window = dimension("sliding_window", window, path)
     if arch == "mistral":  # (transformers' Mistral ignores layer_types)
-        return int(window), None
+        return window, None
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         first = cfg.get("max_window_layers")
@@ -98,52 +121,67 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
     windowed = tuple(t == "sliding_attention" for t in layer_types)
     if not any(windowed):
         return None, None
-    return int(window), None if all(windowed) else windowed
+    return window, None if all(windowed) else windowed
 
 
 def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json`; `path` is named in errors."""
+    if not isinstance(cfg, Mapping):
+        raise CheckpointError(path, f"config.json holds {_json_kind(cfg)}, expected a JSON object")
     archs = cfg.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if not isinstance(archs, list):
+        raise CheckpointError(path, f"architectures is {archs!r}: expected a list of class names")
+    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(
             path, f"architecture {archs!r} is not supported (expected one of {sorted(HF_ARCHITECTURES)})"
         )
+
+    def whole(name: str, default: int | None = None) -> int:
+        """A dimension of config.json; absent (or null), `default` when it has one."""
+        value = cfg.get(name)
+        if value is None and default is None:
+            raise CheckpointError(path, f"config.json has no {name!r}")
+        return default if value is None else dimension(name, value, path)
+
+    hidden, num_heads = whole("hidden_size"), whole("num_attention_heads")
+    if cfg.get("head_dim") is None and hidden % num_heads:
+        raise CheckpointError(path, f"hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}, "
+                                    "and no head_dim says how wide a head is")
+    rope_scaling, theta = _rope_from_hf(cfg, path)
+    eps = cfg.get("rms_norm_eps")
+    num_layers = whole("num_hidden_layers")
     try:
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-        theta = cfg.get("rope_theta") or (rope_params or {}).get("rope_theta") or 10000.0
-        num_layers = int(cfg["num_hidden_layers"])
         window, windowed_layers = sliding_window_from_hf(cfg, arch, num_layers, path)
-        if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
-            raise CheckpointError(path, "attention_bias/mlp_bias on this architecture is not supported")
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_scaling=rope_scaling_from_hf(rope_params, path),
-            qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            sliding_window=window,
-            windowed_layers=windowed_layers,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # (max_window_layers, layer_types of the wrong kind)
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(path, f"config is missing or has a bad field: {exc!r}") from exc
+        raise CheckpointError(path, f"its sliding window fields are of the wrong kind: {exc}") from exc
+    if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
+        raise CheckpointError(path, "attention_bias/mlp_bias on this architecture is not supported")
+    return checkpoint_config(
+        path,
+        architecture=arch,
+        vocab_size=whole("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=whole("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=whole("num_key_value_heads", num_heads),
+        head_dim=whole("head_dim", hidden // num_heads),
+        rms_norm_eps=positive_number("rms_norm_eps", 1e-6 if eps is None else eps, path),
+        rope_theta=positive_number("rope_theta", theta, path),
+        max_position_embeddings=whole("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        sliding_window=window,
+        windowed_layers=windowed_layers,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_token_ids("eos_token_id", cfg.get("eos_token_id"), path),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:

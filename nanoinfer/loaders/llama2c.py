@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoinfer.config import ModelConfig
+from nanoinfer.config import ModelConfig, checkpoint_config
 from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model import Params
@@ -59,10 +59,10 @@ def llama2c_config(path: Path) -> tuple[ModelConfig, int, bool]:
                                     f"n_kv_heads={kv_heads}, vocab_size={vocab}, seq_len={seq_len}) does not "
                                     "describe a Llama model: expected positive sizes, dim divisible by n_heads "
                                     "into an even head size, n_heads by n_kv_heads")
-    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
-                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim // heads,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=seq_len,
-                      tie_word_embeddings=shared, bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32")
+    cfg = checkpoint_config(path, architecture="llama", vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
+                            num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim // heads,
+                            rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=seq_len,
+                            tie_word_embeddings=shared, bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32")
     return cfg, offset, shared
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from nanoinfer.config import ModelConfig
+from nanoinfer.config import ModelConfig, checkpoint_config
 from nanoinfer.errors import CheckpointError
 from nanoinfer.nanochat import (ROPE_THETA, SMEAR_CHANNELS, VE_GATE_CHANNELS, NanochatLayerParams, NanochatParams,
                                 extra_layers)
@@ -75,7 +75,8 @@ def nanochat_config(meta_file: Path) -> ModelConfig:
     short = -(-seq // 4 // 128) * 128  # (gpt.py: a quarter of the context, in whole 128s)
     windowed = tuple(pattern[i % len(pattern)] == "S" and i != layers - 1 for i in range(layers))
     head_dim = hidden // heads
-    return ModelConfig(
+    return checkpoint_config(
+        meta_file,
         architecture="nanochat", vocab_size=values["vocab_size"], hidden_size=hidden, intermediate_size=4 * hidden,
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=torch.finfo(torch.float32).eps,  # (F.rms_norm's eps=None)
