@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -206,6 +207,65 @@ def test_nanochat_meta_with_odd_heads(tmp_path):
                                                  "n_kv_head": 4, "n_embd": 12}}))
     with pytest.raises(CheckpointError, match=r"meta_000001.json: .*head_dim=3"):
         nanochat_config(meta)
+
+
+# -- hostile safetensors files and indexes -------------------------------------------------
+
+def safetensors_bytes(header, data=b"", length=None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+EMBED = "model.embed_tokens.weight"
+HOSTILE_SAFETENSORS = {
+    "header_length_2^60": safetensors_bytes(b"{}", length=1 << 60),
+    "header_past_the_end": safetensors_bytes(b'{"a": 1}', length=1000),
+    "header_not_json": safetensors_bytes(b"{not json"),
+    "header_a_list": safetensors_bytes(b"[1, 2]"),
+    "data_past_the_end": safetensors_bytes({EMBED: {"dtype": "F32", "shape": [64, 32], "data_offsets": [0, 8192]}},
+                                           b"\0" * 64),
+    "offsets_not_the_shape": safetensors_bytes({EMBED: {"dtype": "F32", "shape": [64, 32], "data_offsets": [0, 64]}},
+                                               b"\0" * 64),
+    "shape_overflows": safetensors_bytes({EMBED: {"dtype": "F32", "shape": [1 << 62, 1 << 62],
+                                                  "data_offsets": [0, 64]}}, b"\0" * 64),
+    "overlapping": safetensors_bytes({EMBED: {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
+                                      "lm_head.weight": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}},
+                                     b"\0" * 64),
+    "negative_offset": safetensors_bytes({EMBED: {"dtype": "F32", "shape": [16], "data_offsets": [-64, 0]}},
+                                         b"\0" * 64),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_SAFETENSORS)
+def test_hostile_safetensors(broken, name):
+    (broken / "model.safetensors").write_bytes(HOSTILE_SAFETENSORS[name])
+    load_fails(broken, "model.safetensors", "corrupt")
+
+
+def test_safetensors_weight_not_a_float(broken):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    load_fails(broken, "model.safetensors", "model.norm.weight", "int32")
+
+
+@pytest.mark.parametrize("index, words", [
+    ([1, 2], ["holds a list"]),
+    ({"weight_map": [EMBED]}, ["weight_map", "list"]),
+    ({"weight_map": {EMBED: 5}}, [EMBED, "5"]),
+    ({"weight_map": {EMBED: "../model/model.safetensors"}}, [EMBED, "../model/model.safetensors"]),
+    ({"weight_map": {EMBED: "/etc/passwd"}}, [EMBED, "/etc/passwd"]),
+])
+def test_index_of_the_wrong_shape(broken, index, words):
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    load_fails(broken, "model.safetensors.index.json", *words)
+
+
+def test_index_not_text(broken):
+    (broken / "model.safetensors.index.json").write_bytes(b"\xff\xfe{")
+    load_fails(broken, "model.safetensors.index.json")
 
 
 # -- GGUF metadata values: the same one line, naming the key -------------------------------

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from nanoinfer.loaders.int4 import Int4Format
 
 PROBE = "model.layers.0.self_attn.q_proj.weight"  # its type tells whether a checkpoint is FP8
+# The types a weight may have in the file (FP8 with its scales); the int4 formats read their
+# integer tensors through `read`, not as weights.
+WEIGHT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64, FP8, torch.float8_e5m2))
 
 # HF `architectures[0]` -> our family name. All four share one forward, driven by flags.
 HF_ARCHITECTURES = {
@@ -190,9 +193,20 @@ def _weight_map(directory: Path) -> dict[str, Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError) as exc:
-            raise CheckpointError(index, f"not a valid safetensors index: {exc!r}") from exc
+            raw = json.loads(index.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(index, f"not a valid safetensors index: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CheckpointError(index, f"holds {_json_kind(raw)}, expected a JSON object with a weight_map")
+        mapping = raw.get("weight_map")
+        if not isinstance(mapping, dict):
+            raise CheckpointError(index, f"weight_map is {'missing' if mapping is None else _json_kind(mapping)}, "
+                                         "expected an object of tensor name -> shard file")
+        for name, shard in mapping.items():
+            # (a shard is a file of this directory: an index must not reach beyond it)
+            if not isinstance(shard, str) or Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise CheckpointError(index, f"weight_map gives {name!r} the shard {shard!r}: expected a file "
+                                             "name inside the model's directory")
         files = {name: directory / shard for name, shard in mapping.items()}
         for shard in set(files.values()):
             if not shard.is_file():
@@ -237,6 +251,9 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
 
     def get(name: str):
         tensor = read(name)
+        if tensor is not None and tensor.dtype not in WEIGHT_DTYPES:  # (int, bool or complex data: not weights)
+            raise CheckpointError(files[name], f"tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')}, "
+                                               f"expected one of {sorted(str(d).removeprefix('torch.') for d in WEIGHT_DTYPES)}")
         if tensor is None and int4 is not None and name.endswith(".weight"):
             from nanoinfer.loaders.int4 import read_int4_matrix
 
