@@ -95,8 +95,9 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise CheckpointError(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight")
     head_dim = whole("attention.key_length", 0) or whole("rope.dimension_count", 0)
     if not head_dim and hidden % num_heads:
-        raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of {arch}.attention.head_count "
-                                    f"{num_heads}, and no {arch}.attention.key_length says how wide a head is")
+        raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
+                                    f"{arch}.attention.head_count {num_heads}, and no {arch}.attention.key_length "
+                                    "says how wide a head is")
     eos = [field(reader, f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
     scaling_type = key("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):

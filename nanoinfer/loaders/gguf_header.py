@@ -55,7 +55,8 @@ class _Header:
 
     def need(self, size: int, what: str) -> None:
         if size > self.left():
-            raise self.corrupt(f"{what} needs {size} bytes at offset {self.at}, where the file holds {self.left()} more")
+            raise self.corrupt(f"{what} needs {size} bytes at offset {self.at}, where the file holds "
+                               f"{self.left()} more")
 
     def skip(self, size: int, what: str) -> None:
         self.need(size, what)

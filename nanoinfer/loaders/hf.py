@@ -252,8 +252,9 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
     def get(name: str):
         tensor = read(name)
         if tensor is not None and tensor.dtype not in WEIGHT_DTYPES:  # (int, bool or complex data: not weights)
+            kinds = sorted(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
             raise CheckpointError(files[name], f"tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')}, "
-                                               f"expected one of {sorted(str(d).removeprefix('torch.') for d in WEIGHT_DTYPES)}")
+                                               f"expected one of {kinds}")
         if tensor is None and int4 is not None and name.endswith(".weight"):
             from nanoinfer.loaders.int4 import read_int4_matrix
 
