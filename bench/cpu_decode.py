@@ -80,11 +80,22 @@ def time_llama_cpp(llm, prompt_ids, new_tokens):
     return first - start, (new_tokens - 1) / (end - first)
 
 
+def end_of_generation_ids(llm) -> list[int]:
+    """The tokens at which llama-cpp-python's completion ends (llama.cpp's end-of-generation set)."""
+    import llama_cpp
+
+    is_eog = getattr(llama_cpp, "llama_vocab_is_eog", None) or llama_cpp.llama_token_is_eog  # (renamed in 0.3.x)
+    return [t for t in range(llm.n_vocab()) if is_eog(llm._model.vocab, t)]
+
+
 def time_llama_cpp_call(llm, prompt_ids, new_tokens) -> float:
-    """Seconds for the same request through llama-cpp-python's call (its sampling and detokenizing)."""
+    """Seconds for the same request through llama-cpp-python's call (its sampling and detokenizing).
+    It has no ignore_eos: its end-of-generation tokens get a -inf bias, as ours are ignored, so that
+    both produce `new_tokens` (the bias is a numpy pass over the logits a token: microseconds)."""
+    never = {t: float("-inf") for t in end_of_generation_ids(llm)}
     llm.reset()
     start = time.perf_counter()
-    out = llm.create_completion(prompt_ids, max_tokens=new_tokens, temperature=0.0)
+    out = llm.create_completion(prompt_ids, max_tokens=new_tokens, temperature=0.0, logit_bias=never)
     seconds = time.perf_counter() - start
     if out["usage"]["completion_tokens"] != new_tokens:  # (greedy text that ends early: tok/s would mislead)
         raise RuntimeError(f"llama.cpp stopped after {out['usage']['completion_tokens']} of {new_tokens} tokens")
