@@ -121,25 +121,7 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
     if hub_id is None and config.gguf_file is not None:  # (a local directory of GGUF files)
         path = path / config.gguf_file
     dev = _load_device(config)
-    # A nanochat checkpoint is a model_<step>.pt, or a directory holding them (and perhaps HF files too).
-    nanochat_files = None
-    if path.is_dir() or (path.suffix == ".pt" and path.is_file()):
-        from nanoinfer.loaders import nanochat
-
-        nanochat_files = nanochat.checkpoint_files(path)
-    if nanochat_files is not None:  # model_<step>.pt + meta_<step>.json, its tokenizer.pkl above
-        loaded = _load_nanochat(*nanochat_files, config, dev)
-    elif path.is_dir():
-        loaded = _load_hf(path, config, dev)
-    elif path.suffix == ".bin" and path.is_file():  # llama2.c, its tokenizer.bin beside it (if there)
-        loaded = _load_llama2c(path, config, dev)
-    elif path.suffix == ".gguf" or path.is_file():
-        loaded = _load_gguf(path, config, dev)
-    else:
-        raise CheckpointError(
-            path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
-                  "model directory, a .gguf file or a llama2.c .bin"
-        )
+    loaded = _load_format(path, config, dev)
     cfg, params, tokenizer, quantization = loaded.config, loaded.params, loaded.tokenizer, loaded.quantization
     if params is None:  # load_format="dummy"
         from nanoinfer.loaders.dummy import dummy_params
@@ -169,6 +151,26 @@ class _Loaded(NamedTuple):
     tokenizer: "Tokenizer | None"
     quantization: str  # QUANTIZATIONS less "auto"
     recommended: Callable[[], dict[str, Any]] = dict  # the checkpoint's recommended sampling settings, read on demand
+
+
+def _load_format(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
+    """The branch of `load_model` that reads `path`'s format."""
+    # A nanochat checkpoint is a model_<step>.pt, or a directory holding them (and perhaps HF files too).
+    nanochat_files = None
+    if path.is_dir() or (path.suffix == ".pt" and path.is_file()):
+        from nanoinfer.loaders import nanochat
+
+        nanochat_files = nanochat.checkpoint_files(path)
+    if nanochat_files is not None:  # model_<step>.pt + meta_<step>.json, its tokenizer.pkl above
+        return _load_nanochat(*nanochat_files, config, dev)
+    if path.is_dir():
+        return _load_hf(path, config, dev)
+    if path.suffix == ".bin" and path.is_file():  # llama2.c, its tokenizer.bin beside it (if there)
+        return _load_llama2c(path, config, dev)
+    if path.suffix == ".gguf" or path.is_file():
+        return _load_gguf(path, config, dev)
+    raise CheckpointError(path, f"not found: expected a known model name {sorted(KNOWN_MODELS)}, a Hugging Face "
+                                "model directory, a .gguf file or a llama2.c .bin")
 
 
 def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
