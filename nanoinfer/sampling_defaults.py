@@ -10,7 +10,6 @@ refuses is a CheckpointError naming the file and the field.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -38,15 +37,12 @@ def checked(defaults: Mapping[str, Any], path) -> dict[str, Any]:
 
 def from_generation_config(folder: Path) -> dict[str, Any]:
     """The defaults in `folder`'s generation_config.json ({} when it has none)."""
+    from nanoinfer.loaders.json_object import read_json_object
+
     path = folder / GENERATION_CONFIG
     if not path.is_file():
         return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, f"not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(path, f"holds a JSON {type(raw).__name__}: expected an object")
+    raw = read_json_object(path)
     return checked({ours: raw[theirs] for theirs, ours in HF_FIELDS.items() if raw.get(theirs) is not None}, path)
 
 

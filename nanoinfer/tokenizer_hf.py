@@ -6,7 +6,6 @@ tokenizer.model (sentencepiece), with tokenizer_config.json's named and added to
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -17,6 +16,7 @@ from tokenizers import AddedToken
 
 from nanoinfer.chat_template import find_hf_chat_template
 from nanoinfer.errors import CheckpointError
+from nanoinfer.loaders.json_object import read_json_object
 from nanoinfer.tokenizer import Tokenizer, TokenizerBackend, TokenizersBackend
 
 # Names of the special tokens transformers hands to a chat template (its `special_tokens_map`).
@@ -101,15 +101,7 @@ def read_hf_tokenizer(path: str | Path, extra_eos_ids: Iterable[int] = ()) -> To
 
 
 def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        return {}
-    try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(file, f"cannot be read as JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(file, f"should hold a JSON object, not {type(value).__name__}")
-    return value
+    return read_json_object(file) if file.is_file() else {}
 
 
 def _content(token: str | dict) -> str:

@@ -60,7 +60,7 @@ def test_generation_config_none_and_a_folder(tiny_dir, tmp_path):
 @pytest.mark.parametrize("content, words", [
     ({"temperature": -1}, ("generation_config.json", "temperature")),
     ({"top_p": "high"}, ("generation_config.json", "top_p")),
-    ([1, 2], ("generation_config.json", "expected an object")),
+    ([1, 2], ("generation_config.json", "holds a list, expected a JSON object")),
 ])
 def test_an_unusable_recommendation_names_the_file_and_field(tiny_dir, tmp_path, content, words):
     import shutil

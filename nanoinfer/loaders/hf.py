@@ -8,7 +8,6 @@ scale per tensor or per output row: llm-compressor, fbgemm_fp8, vLLM's own) load
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -17,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
 from nanoinfer.errors import CheckpointError
+from nanoinfer.loaders.json_object import json_kind, read_json_object
 from nanoinfer.loaders.params import build_params
 from nanoinfer.model import Params
 from nanoinfer.quantized import FP8, Fp8Weight, dequantize
@@ -42,18 +42,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(path, "config.json is missing: not a Hugging Face model directory")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, f"config.json is not valid JSON: {exc}") from exc
-    return config_from_hf(raw, path)
-
-
-def _json_kind(value: Any) -> str:
-    """What a parsed JSON value is, as an error names it ("a list" where an object belongs)."""
-    kinds = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
-             bool: "a boolean", type(None): "null"}
-    return kinds.get(type(value), type(value).__name__)
+    return config_from_hf(read_json_object(path), path)
 
 
 def _token_ids(name: str, value: Any, path) -> tuple[int, ...]:
@@ -130,7 +119,7 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
 def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json`; `path` is named in errors."""
     if not isinstance(cfg, Mapping):
-        raise CheckpointError(path, f"config.json holds {_json_kind(cfg)}, expected a JSON object")
+        raise CheckpointError(path, f"config.json holds {json_kind(cfg)}, expected a JSON object")
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list):
         raise CheckpointError(path, f"architectures is {archs!r}: expected a list of class names")
@@ -192,15 +181,10 @@ def _weight_map(directory: Path) -> dict[str, Path]:
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            raw = json.loads(index.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(index, f"not a valid safetensors index: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CheckpointError(index, f"holds {_json_kind(raw)}, expected a JSON object with a weight_map")
+        raw = read_json_object(index, "a JSON object with a weight_map")
         mapping = raw.get("weight_map")
         if not isinstance(mapping, dict):
-            raise CheckpointError(index, f"weight_map is {'missing' if mapping is None else _json_kind(mapping)}, "
+            raise CheckpointError(index, f"weight_map is {'missing' if mapping is None else json_kind(mapping)}, "
                                          "expected an object of tensor name -> shard file")
         for name, shard in mapping.items():
             # (a shard is a file of this directory: an index must not reach beyond it)
