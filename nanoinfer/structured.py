@@ -192,9 +192,12 @@ class GrammarSpec:
         if self.kind == "json_object":
             grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif self.kind == "json_schema":  # (every schema enters here: its objects closed, as the peers do)
-            from nanoinfer.closed_schema import closed_schema
+            schema = self.value
+            if '"properties"' in schema or '"patternProperties"' in schema:  # (else no object lists its keys)
+                from nanoinfer.closed_schema import closed_schema
 
-            grammar = LLMatcher.grammar_from_json_schema(closed_schema(json.loads(self.value)), defaults=JSON_OPTIONS)
+                schema = closed_schema(json.loads(schema))
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         elif self.kind == "regex":
             grammar = LLMatcher.grammar_from_regex(self.value)
         elif self.kind == "choice":
