@@ -164,10 +164,23 @@ def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Para
                                layers=tuple(layer(lp) for lp in params.layers))
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """`x` summed over the default process group's ranks (in place); a CUDA graph captures it
-    like any kernel."""
-    dist.all_reduce(x)
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """`x` summed over the ranks of `group` (None: the default process group), in place; a CUDA
+    graph captures it like any kernel. On the CPU past two ranks the parts add in rank order,
+    ((x0 + x1) + x2) + ..., every element alike: gloo's all-reduce adds three or more parts in
+    an order that depends on where an element sits in the tensor, so a token's sums depended on
+    the rows sharing its step, and through the packed path's int8 rounding of the activations
+    so did its greedy text (3 ranks, the default model: a prompt alone or batched parted). Two
+    parts add the same in either order."""
+    size = dist.get_world_size(group)
+    if x.is_cuda or size <= 2:
+        dist.all_reduce(x, group=group)
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    x.copy_(parts[0])
+    for part in parts[1:]:
+        x.add_(part)
     return x
 
 
@@ -189,8 +202,7 @@ def layer_functions(base: LayerFunctions, shard: Shard, vocab_size: int, group=N
         reduce = LEAD_SUM if rank == 0 else FOLLOWER_SUM
     else:
         def reduce(x: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(x, group=group)
-            return x
+            return all_reduce(x, group)
 
     def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         per = table.shape[0]
