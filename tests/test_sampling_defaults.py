@@ -107,3 +107,22 @@ model = load_model(args.model, **{**_load_kwargs(args), "progress": False})
 p = _sampling(args, model.sampling_defaults)
 print(json.dumps({k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "max_tokens")}))
 """
+
+
+def test_a_server_request_takes_the_recommendation_for_each_field_it_leaves_out():
+    import msgspec
+
+    from runtime.serve.api_mapping import chat_inputs, completion_params
+    from runtime.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 5}
+    bare = msgspec.json.decode(b'{"prompt": "x"}', type=CompletionRequest)
+    p = completion_params(bare, defaults)
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 1.0, 5)
+    own = msgspec.json.decode(b'{"prompt": "x", "temperature": 0, "max_tokens": 9}', type=CompletionRequest)
+    p = completion_params(own, defaults)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 9)
+    chat = msgspec.json.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', type=ChatCompletionRequest)
+    p = chat_inputs(chat, None, defaults).params
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.6, 20, 5)
+    assert chat_inputs(chat, None, {}).params.max_tokens is None  # (chat's own default: up to the context)

@@ -108,12 +108,13 @@ class Admission:
     async def submit_completion(self, rid: str, req: api.CompletionRequest
                                 ) -> tuple[list[RequestHandle], CompletionRenderer]:
         """Submit a completion request; its handles and renderer."""
-        handles = await self.submit_all(rid, completion_prompts(req), completion_params(req), stream=req.stream)
+        params = completion_params(req, self.engine.model.sampling_defaults)
+        handles = await self.submit_all(rid, completion_prompts(req), params, stream=req.stream)
         return handles, CompletionRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, self.fingerprint)
 
     async def submit_chat(self, rid: str, req: api.ChatCompletionRequest) -> tuple[list[RequestHandle], ChatRenderer]:
         """Submit a chat completion request (HTTP's or a WebSocket's); its handles and renderer."""
-        inputs = chat_inputs(req, self.engine.tokenizer)
+        inputs = chat_inputs(req, self.engine.tokenizer, self.engine.model.sampling_defaults)
         handles = await self.submit_all(rid, [inputs.messages], inputs.params,
                                         chat_template_kwargs=inputs.template_kwargs, stream=req.stream)
         return handles, ChatRenderer(rid, self.model_name, handles, req, self.engine.tokenizer, inputs.tools,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling import SamplingParams
@@ -24,8 +24,9 @@ def param_of(message: str) -> str | None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's SamplingParams (RequestError, a 400, names a bad value)."""
+                    prompt_logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
+    """The request's SamplingParams (RequestError, a 400, names a bad value); a sampling field it
+    leaves out takes the model's recommended value in `defaults` (LoadedModel.sampling_defaults)."""
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
     if req.stream and req.prompt_logprobs is not None:
@@ -36,8 +37,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
               min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
               skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-        if getattr(req, name) is not None:
-            kw[name] = getattr(req, name)
+        value = getattr(req, name)
+        if value is not None or name in defaults:
+            kw[name] = value if value is not None else defaults[name]
     if req.logit_bias:
         try:
             kw["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
@@ -100,13 +102,13 @@ def completion_prompts(req: CompletionRequest) -> list:
 DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # (OpenAI's for completions too; chat has none)
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest, defaults: Mapping[str, Any]) -> SamplingParams:
     """A completion request's SamplingParams. `max_tokens` 0 scores the prompt (with `echo`, as
     vLLM and lm-evaluation-harness use it): the engine samples one token that is not returned.
     With `echo` and `logprobs`, the prompt's tokens get logprobs too."""
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs={req.logprobs} is invalid: expected 0 to {MAX_LOGPROBS}", param="logprobs")
-    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    max_tokens = defaults.get("max_tokens", DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
     if max_tokens == 0:
         if not req.echo:
             raise RequestError("max_tokens=0 generates nothing: expected max_tokens >= 1, or 0 with echo=true to "
@@ -115,7 +117,7 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs
-    return sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    return sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, defaults)
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -190,11 +192,13 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer, too
     return messages, kwargs, tools
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer) -> ChatInputs:
-    """A chat completion request's inputs (RequestError, a 400, names a bad value)."""
+def chat_inputs(req: ChatCompletionRequest, tokenizer, defaults: Mapping[str, Any]) -> ChatInputs:
+    """A chat completion request's inputs (RequestError, a 400, names a bad value); `defaults`, the
+    model's recommended sampling settings."""
     messages, kwargs, tools = chat_prompt(req, tokenizer, req.tool_choice, req.parallel_tool_calls is not False)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, chat_logprobs(req), req.prompt_logprobs)
+    max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
+                      defaults.get("max_tokens"))
+    params = sampling_params(req, max_tokens, chat_logprobs(req), req.prompt_logprobs, defaults)
     if tools is not None and tools.grammar is not None:
         if params.structured_outputs is not None:
             raise RequestError(f"tool_choice={req.tool_choice!r} constrains the output, and so does the request's "
