@@ -12,13 +12,16 @@ import json
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from nanoinfer.errors import CheckpointError, RequestError
+
+if TYPE_CHECKING:
+    from nanoinfer.loaders.gguf_file import GGUFFile
 
 # What `tokenizer.ggml.pre` says about splitting text before byte-level BPE, as llama.cpp does it
 # (llama-vocab.cpp). The GPT-2 regex is the ByteLevel pre-tokenizer's own, used for pre-types
@@ -172,29 +175,26 @@ class Tokenizer:
     # ---- GGUF vocabularies -----------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader, path: str | Path,
-                  extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
-        """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` fields."""
-
-        def field(name: str, default: Any = None) -> Any:
-            return reader.fields[name].contents() if name in reader.fields else default
-
-        kind = field("tokenizer.ggml.model")
-        tokens: list[str] = field("tokenizer.ggml.tokens") or []
+    def from_gguf(cls, header: GGUFFile, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` fields (`header`: the
+        file's, read by nanoinfer/loaders/gguf_file.py); a field of the wrong kind is a CheckpointError."""
+        kind = header.string("tokenizer.ggml.model", None)
+        tokens = header.strings("tokenizer.ggml.tokens", [])
         if not tokens and kind in ("gpt2", "llama"):
             raise CheckpointError(path, "the GGUF has no tokenizer.ggml.tokens")
-        types: list[int] = field("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens)
         if kind not in ("gpt2", "llama"):
             raise CheckpointError(path, f"tokenizer.ggml.model is {kind!r}; NanoInfer supports "
                                         "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+        types = _per_token(header.integers("tokenizer.ggml.token_type", None), "token_type", len(tokens), path)
+        types = types or [gguf.TokenType.NORMAL] * len(tokens)
         try:
             if kind == "gpt2":
-                backend = _byte_level_bpe(tokens, field("tokenizer.ggml.merges") or [],
-                                          field("tokenizer.ggml.pre", "default"))
+                backend = _byte_level_bpe(tokens, header.strings("tokenizer.ggml.merges", []),
+                                          header.string("tokenizer.ggml.pre", "default"))
             else:
-                backend = _sentencepiece_bpe(tokens, types,
-                                             field("tokenizer.ggml.scores") or [0.0] * len(tokens),
-                                             field("tokenizer.ggml.add_space_prefix", True))
+                scores = _per_token(header.numbers("tokenizer.ggml.scores", None), "scores", len(tokens), path)
+                backend = _sentencepiece_bpe(tokens, types, scores or [0.0] * len(tokens),
+                                             header.flag("tokenizer.ggml.add_space_prefix", True))
         except Exception as e:  # tokenizers raises plain Exception, e.g. for a merge of unknown tokens
             raise CheckpointError(path, f"its tokenizer.ggml fields do not form a vocabulary: {e}") from e
         # Every token that is not plain text is matched whole in the input, as llama.cpp does.
@@ -204,23 +204,24 @@ class Tokenizer:
         backend.add_tokens([AddedToken(t, special=False, normalized=False)
                             for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
 
-        def token_of(key: str) -> str | None:
-            token_id = field(f"tokenizer.ggml.{key}_token_id")
-            return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+        def id_of(key: str) -> int | None:
+            """A special token's id; one outside the vocabulary is ignored, as llama.cpp does."""
+            token_id = header.integer(f"tokenizer.ggml.{key}_token_id", None)
+            return token_id if token_id is not None and 0 <= token_id < len(tokens) else None
 
-        special = {f"{k}_token": t for k in ("bos", "eos", "unk", "pad") if (t := token_of(k))}
+        special = {f"{k}_token": tokens[i] for k in ("bos", "eos", "unk", "pad")
+                   if (i := id_of(k)) is not None and tokens[i]}
         # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise.
-        add_bos = field("tokenizer.ggml.add_bos_token", kind == "llama")
-        add_eos = field("tokenizer.ggml.add_eos_token", False)
+        add_bos = header.flag("tokenizer.ggml.add_bos_token", kind == "llama")
+        add_eos = header.flag("tokenizer.ggml.add_eos_token", False)
         _set_bos_eos(backend, special.get("bos_token") if add_bos else None,
                      special.get("eos_token") if add_eos else None)
         # End-of-turn tokens some GGUFs name besides eos (Llama 3 <|eot_id|>, <|eom_id|>).
-        ends = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        ends = [id_of(k) for k in ("eot", "eom")]
         return cls(TokenizersBackend(backend), source=str(path),
                    bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
-                   special_tokens=special, chat_template=field("tokenizer.chat_template"),
+                   special_tokens=special, chat_template=header.string("tokenizer.chat_template", None),
                    extra_eos_ids=extra_eos_ids, end_token_ids=[i for i in ends if i is not None])
-
 
     # ---- llama2.c -------------------------------------------------------------------------
 
@@ -267,6 +268,16 @@ def read_llama2c_vocab(path: Path, vocab_size: int) -> tuple[list[str], list[flo
         raise CheckpointError(path, f"token {len(pieces)} of the {vocab_size} the model's header promises cannot be "
                                     f"read ({exc}): expected llama2.c's tokenizer.bin for this model") from exc
     return pieces, scores
+
+
+def _per_token(values, key: str, n_tokens: int, path: str | Path) -> list | None:
+    """A `tokenizer.ggml.{key}` array as a list (None: absent), one value per token."""
+    if values is None:
+        return None
+    if len(values) != n_tokens:
+        raise CheckpointError(path, f"GGUF metadata key 'tokenizer.ggml.{key}' holds {len(values)} values for "
+                                    f"{n_tokens} tokens: expected one per token")
+    return values.tolist()
 
 
 def _set_bos_eos(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:

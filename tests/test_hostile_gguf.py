@@ -1,6 +1,7 @@
-"""A GGUF header is checked against the file's size before gguf-py reads it: every hostile
-count, length, type or offset is a CheckpointError naming the file and the field, raised
-before the reader (which trusts them: it loops once per declared item) is built."""
+"""A GGUF header is checked against the file's size as it is read: every hostile count, length,
+type or offset is a CheckpointError naming the file and the field, raised before anything it
+describes is allocated or iterated; gguf-py's GGUFReader (which trusts them: it loops once per
+declared item) is never built."""
 
 import resource
 import struct
@@ -13,7 +14,7 @@ import pytest
 
 from nanoinfer import CheckpointError
 from nanoinfer.loaders import gguf as gguf_loader
-from nanoinfer.loaders.gguf_header import MAX_METADATA_ITEMS, MAX_TENSORS, check_gguf_header
+from nanoinfer.loaders.gguf_file import MAX_METADATA_OBJECTS, MAX_TENSORS, read_gguf
 
 V = gguf.GGUFValueType
 F32, Q4_0 = int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.Q4_0)
@@ -51,17 +52,17 @@ DATA = b"\0" * 32
 
 
 class ReaderBuilt(BaseException):
-    """Raised past open_gguf's `except Exception`, which wraps whatever the reader raises."""
+    """Raised past any `except Exception` on the load path."""
 
 
 @pytest.fixture
 def no_reader(monkeypatch):
-    """gguf-py's reader fails the test if it is built: a hostile header must be refused first."""
+    """gguf-py's reader fails the test if it is built: the load path reads headers itself."""
 
-    def reader(path):
+    def reader(self, path, *args, **kwargs):
         raise ReaderBuilt(f"gguf-py's GGUFReader was built on {path}")
 
-    monkeypatch.setattr(gguf_loader, "GGUFReader", reader)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", reader)
 
 
 def refused(path, *words) -> str:
@@ -79,9 +80,10 @@ def test_the_hand_written_file_is_a_gguf(tmp_path):
     path = tmp_path / "good.gguf"
     path.write_bytes(gguf_file([ARCH, kv("general.tokens", V.ARRAY, array(V.STRING, 2, string("a") + string("bc")))],
                                [ONE_TENSOR, tensor_info("v", [8], offset=32)], DATA * 2))
-    reader = gguf_loader.open_gguf(path)
-    assert reader.fields["general.tokens"].contents() == ["a", "bc"]
-    assert [t.name for t in reader.tensors] == ["w", "v"]
+    assert gguf.GGUFReader(path).fields["general.tokens"].contents() == ["a", "bc"]
+    header = gguf_loader.open_gguf(path)
+    assert header.fields["general.tokens"] == ["a", "bc"]
+    assert [t.name for t in header.tensors] == ["w", "v"]
 
 
 HOSTILE = {
@@ -138,13 +140,22 @@ def test_a_hostile_header_is_refused_before_the_reader_runs(name, tmp_path, no_r
     refused(path, *words)
 
 
-def test_more_metadata_items_than_the_budget(tmp_path, no_reader):
-    """A header that does hold its items is still refused past the budget: gguf-py builds about
-    a kilobyte of numpy views per item, so 2 MB of one-byte items would cost it gigabytes."""
-    count = MAX_METADATA_ITEMS + 1
-    path = tmp_path / "items.gguf"
-    path.write_bytes(gguf_file([kv("general.x", V.ARRAY, array(V.UINT8, count, b"\0" * count))]))
-    refused(path, "general.x", str(count), str(MAX_METADATA_ITEMS))
+def test_more_strings_than_the_budget(tmp_path, no_reader):
+    """A header that does hold its strings is still refused past the budget, before any is read:
+    each is a Python object (and a vocabulary entry to its tokenizer)."""
+    count = MAX_METADATA_OBJECTS  # with the one key, one past
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(gguf_file([kv("general.x", V.ARRAY, array(V.STRING, count, string("") * count))]))
+    refused(path, "general.x", str(count), str(MAX_METADATA_OBJECTS))
+
+
+def test_numeric_arrays_are_views_past_the_budget(tmp_path, no_reader):
+    """A numeric array costs no Python object per item: any length the file holds is read."""
+    count = MAX_METADATA_OBJECTS + 1
+    path = tmp_path / "numbers.gguf"
+    path.write_bytes(gguf_file([kv("general.x", V.ARRAY, array(V.UINT8, count, b"\1" * count))]))
+    values = gguf_loader.open_gguf(path).fields["general.x"]
+    assert values.shape == (count,) and values.base is not None and int(values.sum()) == count
 
 
 def test_more_tensors_than_the_budget(tmp_path, no_reader):
@@ -177,15 +188,18 @@ def test_every_truncation_of_a_valid_file_is_refused(tmp_path):
     path = tmp_path / "small.gguf"
     small_gguf(path)
     data = path.read_bytes()
-    check_gguf_header(path)  # the whole file passes
+    read_gguf(path)  # the whole file passes
     for cut in range(len(data)):
         path.write_bytes(data[:cut])
         with pytest.raises(CheckpointError, match="small.gguf"):
-            check_gguf_header(path)
+            read_gguf(path)
 
 
-def test_the_default_models_header_passes(smollm2_gguf):
-    check_gguf_header(smollm2_gguf)
+def test_the_default_model_loads_without_gguf_py_s_reader(smollm2_gguf, no_reader):
+    from nanoinfer.loaders import load_model
+
+    model = load_model(smollm2_gguf, device="cpu", load_format="dummy", progress=False)
+    assert model.tokenizer.encode("Hello") and model.config.num_layers == 30
 
 
 def test_the_cli_names_the_file_in_one_line(tmp_path):

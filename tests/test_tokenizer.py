@@ -17,6 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from nanoinfer.errors import CheckpointError, RequestError
+from nanoinfer.loaders.gguf import open_gguf
 from nanoinfer.tokenizer import Tokenizer
 
 # ---- text strategies -------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def hf_gguf(smollm2_gguf: Path):
 
 @pytest.fixture(scope="module")
 def ours_gguf(smollm2_gguf: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_gguf), smollm2_gguf)
+    return Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +261,15 @@ def sp_hf_dir(sp_model: Path, tmp_path_factory) -> Path:
     return path
 
 
+def write_vocab(writer: gguf.GGUFWriter) -> None:
+    """Write out a GGUF of tokenizer metadata (and the one tensor a GGUF needs)."""
+    writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="module")
 def sp_gguf(sp_processor, tmp_path_factory) -> Path:
     """A GGUF holding only the sentencepiece vocabulary (and the one tensor a GGUF needs)."""
@@ -283,11 +293,7 @@ def sp_gguf(sp_processor, tmp_path_factory) -> Path:
     writer.add_eos_token_id(sp.eos_id())
     writer.add_unk_token_id(sp.unk_id())
     writer.add_add_bos_token(True)
-    writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_vocab(writer)
     return path
 
 
@@ -303,7 +309,7 @@ _SP_CONTROL = ("<s>", "</s>", "<unk>")  # sentencepiece reads these as text; we 
 @pytest.fixture(scope="module")
 def sp_ours(sp_hf_dir: Path, sp_gguf: Path) -> dict[str, Tokenizer]:
     return {"tokenizer.model": Tokenizer.from_hf_dir(sp_hf_dir),
-            "gguf": Tokenizer.from_gguf(gguf.GGUFReader(sp_gguf), sp_gguf)}
+            "gguf": Tokenizer.from_gguf(open_gguf(sp_gguf), sp_gguf)}
 
 
 @settings(max_examples=150, deadline=None)
@@ -374,20 +380,72 @@ def test_unknown_gguf_tokenizer_model(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("rwkv")
     writer.add_token_list(["a", "b"])
-    writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_vocab(writer)
     with pytest.raises(CheckpointError, match="'rwkv'.*'gpt2'.*'llama'") as info:
-        Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+        Tokenizer.from_gguf(open_gguf(path), path)
     assert str(path) in str(info.value)
 
 
-def test_a_gguf_tokenizer_written_as_hf_files_reads_back_the_same(smollm2_gguf, tmp_path):
-    from nanoinfer.loaders.gguf import open_gguf
-    from nanoinfer.tokenizer import Tokenizer
+V = gguf.GGUFValueType
+# tokenizer.ggml.* keys holding the wrong kind of value (llama.cpp's writers: ids UINT32, flags BOOL...)
+_WRONG_KINDS = {
+    "tokenizer.ggml.model": (7, V.UINT32, None, "a string"),
+    "tokenizer.ggml.tokens": ([1, 2, 3], V.ARRAY, V.INT32, "an array of strings"),
+    "tokenizer.ggml.token_type": (["a", "b", "c"], V.ARRAY, V.STRING, "an array of integers"),
+    "tokenizer.ggml.scores": ([True, False, True], V.ARRAY, V.BOOL, "an array of numbers"),
+    "tokenizer.ggml.merges": ([1], V.ARRAY, V.UINT32, "an array of strings"),
+    "tokenizer.ggml.pre": (1.5, V.FLOAT32, None, "a string"),  # (read for a byte-level BPE)
+    "tokenizer.ggml.bos_token_id": (True, V.BOOL, None, "an integer"),
+    "tokenizer.ggml.eot_token_id": ([1, 2], V.ARRAY, V.UINT32, "an integer"),
+    "tokenizer.ggml.add_bos_token": (1, V.UINT8, None, "a bool"),
+    "tokenizer.chat_template": (3, V.INT32, None, "a string"),
+}
 
+
+def small_vocab_gguf(path: Path, kind: str = "llama", **fields) -> Path:
+    """A three-token vocabulary, `fields` (key: (value, type, item type)) written over its own."""
+    writer = gguf.GGUFWriter(path, "llama")
+    own = {"tokenizer.ggml.model": (kind, V.STRING, None),
+           "tokenizer.ggml.tokens": (["<unk>", "a", "b"], V.ARRAY, V.STRING),
+           "tokenizer.ggml.token_type": ([2, 1, 1], V.ARRAY, V.INT32),
+           "tokenizer.ggml.scores": ([0.0, -1.0, -2.0], V.ARRAY, V.FLOAT32)}
+    for key, (value, value_type, item_type) in {**own, **fields}.items():
+        writer.add_key_value(key, value, value_type, sub_type=item_type)
+    write_vocab(writer)
+    return path
+
+
+@pytest.mark.parametrize("key", _WRONG_KINDS)
+def test_a_gguf_tokenizer_field_of_the_wrong_kind_is_named(key: str, tmp_path: Path) -> None:
+    value, value_type, item_type, expected = _WRONG_KINDS[key]
+    kind = "gpt2" if key in ("tokenizer.ggml.merges", "tokenizer.ggml.pre") else "llama"
+    path = small_vocab_gguf(tmp_path / "vocab.gguf", kind, **{key: (value, value_type, item_type)})
+    assert Tokenizer.from_gguf(open_gguf(small_vocab_gguf(tmp_path / "fine.gguf", kind)), path).vocab_size == 3
+    with pytest.raises(CheckpointError) as info:
+        Tokenizer.from_gguf(open_gguf(path), path)
+    message = str(info.value)
+    assert str(path) in message and repr(key) in message and expected in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("key", ["token_type", "scores"])
+def test_a_gguf_per_token_array_of_the_wrong_length_is_named(key: str, tmp_path: Path) -> None:
+    short = {"token_type": ([2, 1], V.ARRAY, V.INT32), "scores": ([0.0], V.ARRAY, V.FLOAT32)}[key]
+    path = small_vocab_gguf(tmp_path / "vocab.gguf", **{f"tokenizer.ggml.{key}": short})
+    with pytest.raises(CheckpointError, match=f"tokenizer.ggml.{key}.*{len(short[0])} values for 3 tokens"):
+        Tokenizer.from_gguf(open_gguf(path), path)
+
+
+def test_a_gguf_special_token_id_outside_the_vocabulary_is_ignored(tmp_path: Path) -> None:
+    """As llama.cpp does ("bad special token"), rather than taking tokens[-1] for an id of -1."""
+    path = small_vocab_gguf(tmp_path / "vocab.gguf", **{"tokenizer.ggml.bos_token_id": (-1, V.INT32, None),
+                                                        "tokenizer.ggml.eos_token_id": (3, V.UINT32, None),
+                                                        "tokenizer.ggml.eot_token_id": (1 << 20, V.UINT32, None)})
+    ours = Tokenizer.from_gguf(open_gguf(path), path)
+    assert (ours.bos_token, ours.eos_token, ours.eos_token_ids) == (None, None, ())
+
+
+
+def test_a_gguf_tokenizer_written_as_hf_files_reads_back_the_same(smollm2_gguf, tmp_path):
     ours = Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
     ours.save_hf(tmp_path)
     back = Tokenizer.from_hf_dir(tmp_path)

@@ -232,20 +232,20 @@ def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
 
 def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
-    from nanoinfer.loaders.gguf import field, gguf_config, is_quantized, load_gguf_params, open_gguf
+    from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
     from nanoinfer.tokenizer import Tokenizer
 
-    reader = open_gguf(path)
-    cfg = gguf_config(reader, path)
+    header = open_gguf(path)
+    cfg = gguf_config(header, path)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
-    quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(reader),
+    quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(header),
                                          dtype_asked=config.dtype != "auto")
     params = None if config.load_format == "dummy" else load_gguf_params(
-        reader, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
+        header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
     from nanoinfer.sampling_defaults import from_gguf
 
-    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(reader, path), quantization,
-                   lambda: from_gguf(lambda key: field(reader, key), path))
+    return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(header, path), quantization,
+                   lambda: from_gguf(lambda key: header.scalar(key, None), path))
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

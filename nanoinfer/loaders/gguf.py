@@ -7,13 +7,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader
 from gguf.quants import Q4_K, dequantize
 
 from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
-from nanoinfer.loaders.gguf_header import check_gguf_header
+from nanoinfer.loaders.gguf_file import GGUFFile, TensorInfo, read_gguf
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model import Params
 from nanoinfer.kquants import KQuantWeight
@@ -48,37 +47,26 @@ _GLOBAL_NAMES = {
 }
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
+    """The GGUF file's header: its metadata and tensor infos (nanoinfer/loaders/gguf_file.py)."""
     if not path.is_file():
         raise CheckpointError(path, "file not found")
-    check_gguf_header(path)  # (gguf-py trusts the header's counts and lengths)
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on damage
-        raise CheckpointError(path, f"not a readable GGUF file (truncated or corrupt?): {exc!r}") from exc
+    return read_gguf(path)
 
 
-def field(reader: GGUFReader, name: str, default=None, *, path: Path | None = None):
-    """A metadata value; a missing one without a default names the key."""
-    f = reader.get_field(name)
-    if f is None:
-        if default is None and path is not None:
-            raise CheckpointError(path, f"GGUF metadata key {name!r} is missing")
-        return default
-    return f.contents()
-
-
-def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
-    arch = field(reader, "general.architecture", path=path)
+def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
+    arch = gguf_file.string("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(path, f"GGUF architecture {arch!r} is not supported (expected one of {SUPPORTED_ARCHITECTURES})")
 
     def key(name, default=None):
-        return field(reader, f"{arch}.{name}", default, path=path)
+        """A single value, not an array (dimension() and the rest check its kind); without a
+        default, a missing key is an error."""
+        return gguf_file.scalar(f"{arch}.{name}") if default is None else gguf_file.scalar(f"{arch}.{name}", default)
 
     def whole(name, default=None) -> int:
         """A dimension from the metadata; `default` when the key is absent, if it has one."""
-        if default is not None and reader.get_field(f"{arch}.{name}") is None:
+        if default is not None and f"{arch}.{name}" not in gguf_file.fields:
             return default
         return dimension(f"{arch}.{name}", key(name), path)
 
@@ -87,8 +75,8 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
 
     num_heads = whole("attention.head_count")
     hidden = whole("embedding_length")
-    tokens = field(reader, "tokenizer.ggml.tokens", [])
-    names = {t.name: t for t in reader.tensors}
+    tokens = gguf_file.strings("tokenizer.ggml.tokens", [])
+    names = {t.name: t for t in gguf_file.tensors}
     embed = names.get("token_embd.weight")
     vocab_size = whole("vocab_size", 0) or len(tokens) or (int(embed.shape[-1]) if embed is not None else 0)
     if vocab_size <= 0:
@@ -98,11 +86,11 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
                                     f"{arch}.attention.head_count {num_heads}, and no {arch}.attention.key_length "
                                     "says how wide a head is")
-    eos = [field(reader, f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
+    eos = [gguf_file.scalar(f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
     scaling_type = key("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise CheckpointError(path, f"rope scaling type {scaling_type!r} is not supported (none, linear)")
-    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    bos = gguf_file.scalar("tokenizer.ggml.bos_token_id", None)
     return checkpoint_config(
         path,
         architecture=arch,
@@ -130,9 +118,9 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
 DENSE_TYPES = frozenset(QT[name] for name in ("F32", "F16", "BF16"))
 
 
-def is_quantized(reader: GGUFReader) -> bool:
+def is_quantized(gguf_file: GGUFFile) -> bool:
     """Whether any matrix of the file is stored in a quantized type (not F32/F16/BF16)."""
-    return any(len(t.shape) == 2 and t.tensor_type not in DENSE_TYPES for t in reader.tensors)
+    return any(len(t.shape) == 2 and t.tensor_type not in DENSE_TYPES for t in gguf_file.tensors)
 
 
 # -- GGUF's 4- and 8-bit blocks read as a GroupedWeight, without dequantizing ---------------
@@ -194,7 +182,7 @@ def grouped_weight(data: np.ndarray, qtype: QT, rows: int, cols: int) -> Grouped
                          torch.from_numpy(np.ascontiguousarray(low, dtype=np.float32).reshape(rows, groups)), bits)
 
 
-def packed_matrix(tensor) -> KQuantWeight | GroupedWeight | None:
+def packed_matrix(tensor: TensorInfo) -> KQuantWeight | GroupedWeight | None:
     """A quantized matrix read as the file holds it, or None for a type or width with no such
     form (`build_params` then puts it in the device's form: params.device_form, kquant_form)."""
     rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
@@ -206,13 +194,13 @@ def packed_matrix(tensor) -> KQuantWeight | GroupedWeight | None:
     return None
 
 
-def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
+def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
                      progress: bool = True, packed: bool = False) -> Params:
     """`packed`: quantized matrices stay quantized (nanoinfer.quantized, CPU kernels): Q4_0,
     Q4_1, Q5_0, Q5_1 and Q8_0 in groups, Q4_K, Q5_K and Q6_K in their super-blocks (both exact;
     `build_params` puts them in the device's form); without it every tensor is dequantized to `dtype`."""
     by_hf_name = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         name = tensor.name
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
@@ -220,7 +208,7 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
                 by_hf_name[f"model.layers.{idx}.{_LAYER_NAMES[rest]}"] = tensor
         elif name in _GLOBAL_NAMES:
             by_hf_name[_GLOBAL_NAMES[name]] = tensor
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in gguf_file.tensors}
     # llama.cpp applies every bias in the file; one we have no slot for (attn_output, ffn_*)
     # would be dropped silently and the outputs come out wrong.
     used_biases = ("attn_q.bias", "attn_k.bias", "attn_v.bias") if cfg.qkv_bias else ()
@@ -229,7 +217,7 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
             raise CheckpointError(path, f"tensor {name!r} is a bias this {cfg.architecture} model has no place "
                                         "for (supported: q/k/v biases)")
 
-    def dequant(tensor) -> torch.Tensor:
+    def dequant(tensor: TensorInfo) -> torch.Tensor:
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise CheckpointError(path, f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
                                         f"supported: {sorted(t.name for t in SUPPORTED_TYPES)}")
@@ -238,9 +226,9 @@ def load_gguf_params(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, d
         except Exception as exc:
             raise CheckpointError(path, f"cannot dequantize tensor {tensor.name!r}: {exc!r}") from exc
         # GGUF lists dims innermost first; the array is already [out, in], HF's layout.
-        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: the reader maps the file read-only
+        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy: the file is mapped read-only
 
-    def matrix(tensor):
+    def matrix(tensor: TensorInfo):
         return packed_matrix(tensor) or Int8Weight.quantize(dequant(tensor))
 
     def get(hf_name: str):
