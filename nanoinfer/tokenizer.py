@@ -49,6 +49,8 @@ _KNOWN_GPT2_PRE = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
 # llama.cpp ignores the merges for a piece that is itself a vocabulary entry on these
 # (HF's `ignore_merges`), and it changes a few ids.
 _IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe"}
+# The chat template's names of special tokens -> their GGUF keys (tokenizer.ggml.{key}_token_id).
+_GGUF_SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
 class TokenizerBackend(Protocol):
@@ -209,8 +211,8 @@ class Tokenizer:
             token_id = header.integer(f"tokenizer.ggml.{key}_token_id", None)
             return token_id if token_id is not None and 0 <= token_id < len(tokens) else None
 
-        special = {f"{k}_token": tokens[i] for k in ("bos", "eos", "unk", "pad")
-                   if (i := id_of(k)) is not None and tokens[i]}
+        special = {name: tokens[i] for name, key in _GGUF_SPECIAL_TOKENS.items()
+                   if (i := id_of(key)) is not None and tokens[i]}
         # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise.
         add_bos = header.flag("tokenizer.ggml.add_bos_token", kind == "llama")
         add_eos = header.flag("tokenizer.ggml.add_eos_token", False)

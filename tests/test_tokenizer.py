@@ -395,6 +395,8 @@ _WRONG_KINDS = {
     "tokenizer.ggml.scores": ([True, False, True], V.ARRAY, V.BOOL, "an array of numbers"),
     "tokenizer.ggml.merges": ([1], V.ARRAY, V.UINT32, "an array of strings"),
     "tokenizer.ggml.pre": (1.5, V.FLOAT32, None, "a string"),  # (read for a byte-level BPE)
+    "tokenizer.ggml.unknown_token_id": ("5", V.STRING, None, "an integer"),
+    "tokenizer.ggml.padding_token_id": ("<pad>", V.STRING, None, "an integer"),
     "tokenizer.ggml.bos_token_id": (True, V.BOOL, None, "an integer"),
     "tokenizer.ggml.eot_token_id": ([1, 2], V.ARRAY, V.UINT32, "an integer"),
     "tokenizer.ggml.add_bos_token": (1, V.UINT8, None, "a bool"),
@@ -443,6 +445,12 @@ def test_a_gguf_special_token_id_outside_the_vocabulary_is_ignored(tmp_path: Pat
     ours = Tokenizer.from_gguf(open_gguf(path), path)
     assert (ours.bos_token, ours.eos_token, ours.eos_token_ids) == (None, None, ())
 
+
+def test_a_gguf_names_its_unknown_and_padding_tokens(tmp_path: Path) -> None:
+    """(GGUF's keys are unknown_token_id and padding_token_id: the chat template's unk_token, pad_token.)"""
+    path = small_vocab_gguf(tmp_path / "vocab.gguf", **{"tokenizer.ggml.unknown_token_id": (0, V.UINT32, None),
+                                                        "tokenizer.ggml.padding_token_id": (2, V.UINT32, None)})
+    assert Tokenizer.from_gguf(open_gguf(path), path).special_tokens == {"unk_token": "<unk>", "pad_token": "b"}
 
 
 def test_a_gguf_tokenizer_written_as_hf_files_reads_back_the_same(smollm2_gguf, tmp_path):
