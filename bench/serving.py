@@ -75,11 +75,48 @@ async def run_clients(url, prompts, outputs, concurrency=None):
     async def client(http):
         return [await one_client(http, url, p, n, ttfts, itls) for p, n in work]
 
-    async with httpx.AsyncClient(timeout=600) as http:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         start = time.perf_counter()
         tokens = await asyncio.gather(*(client(http) for _ in range(concurrency or len(prompts))))
         elapsed = time.perf_counter() - start
     return sum(map(sum, tokens)), elapsed, ttfts, itls
+
+
+def _client_process(url, prompts, outputs, concurrency, results):
+    """One load-generating process's share of the clients (its own interpreter: one Python process parsing
+    every SSE line of 256 streams would be the bottleneck, not the server)."""
+    tokens, _, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, concurrency))
+    results.put((tokens, ttfts, itls, time.process_time()))
+
+
+def run_client_processes(url, prompts, outputs, concurrency, processes):
+    """`run_clients` split over `processes` processes (request i to process i % processes); the same totals,
+    with the client processes' own CPU seconds."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    shares = [(prompts[i::processes], outputs[i::processes], max(1, concurrency // processes))
+              for i in range(processes)]
+    start = time.perf_counter()
+    procs = [ctx.Process(target=_client_process, args=(url, *share, results)) for share in shares]
+    for proc in procs:
+        proc.start()
+    parts = [results.get() for _ in procs]
+    elapsed = time.perf_counter() - start
+    for proc in procs:
+        proc.join()
+    return (sum(p[0] for p in parts), elapsed, [t for p in parts for t in p[1]], [t for p in parts for t in p[2]],
+            sum(p[3] for p in parts))
+
+
+def start_profile(pid: int, seconds: float, path: str) -> subprocess.Popen:
+    """py-spy sampling `pid`'s threads (active samples, collapsed stacks) for `seconds` into `path`
+    (bench/profile_summary.py reads it)."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+                             "--format", "raw", "--threads", "--subprocesses", "--output", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def main():
@@ -98,6 +135,12 @@ def main():
                                                                            "offline baseline runs one engine)")
     parser.add_argument("--idle-requests", type=int, default=10, help="one at a time, for the idle server's TTFT")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="the TTFT and ITL CDFs")
+    parser.add_argument("--client-processes", type=int, default=1, help="processes the clients are spread over")
+    parser.add_argument("--profile", default=None, metavar="FILE.txt",
+                        help="py-spy's collapsed stacks of the server's processes during the timed run")
+    parser.add_argument("--profile-seconds", type=float, default=20.0)
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
+    parser.add_argument("--serve-args", default="", help="more flags for `nanoinfer serve`, as one string")
     args = parser.parse_args()
 
     import random
@@ -112,8 +155,8 @@ def main():
     common += ["--cuda-graph-capture", "all"]  # (no graph captured on first use in a timed request)
 
     served = ["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else []
-    server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0", *common, *served],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0", *common, *served,
+                               *args.serve_args.split()], stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", server.stdout.readline()).group(0)
         asyncio.run(run_clients(url, prompts[:2], [4, 4]))  # warm-up
@@ -122,14 +165,28 @@ def main():
         for prompt in prompts[:args.idle_requests]:  # one at a time: an idle server's TTFT
             idle_ttfts += asyncio.run(run_clients(url, [prompt], [8]))[2]
         cpu_before = cpu_seconds(server.pid)
-        tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
+        profiler = start_profile(server.pid, args.profile_seconds, args.profile) if args.profile else None
+        if args.client_processes > 1:
+            tokens, elapsed, ttfts, itls, client_cpu = run_client_processes(url, prompts, outputs, args.clients,
+                                                                            args.client_processes)
+        else:
+            client_start = time.process_time()
+            tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
+            client_cpu = time.process_time() - client_start
         cpu_after = cpu_seconds(server.pid)
+        if profiler is not None:
+            profiler.wait()
+            if profiler.returncode:
+                print(f"py-spy failed: {profiler.stderr.read()[-500:]}", file=sys.stderr)
     finally:
         server.terminate()
         server.wait(60)
 
     from nanoinfer import LLM, SamplingParams
 
+    if args.no_offline:
+        _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu)
+        return
     with LLM(args.model, device=args.device, progress=False, load_format=args.load_format, cuda_graph_capture="all",
              **({"num_blocks": args.num_blocks} if args.num_blocks else {})) as llm:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -139,7 +196,15 @@ def main():
         offline = time.perf_counter() - start
     offline_tokens = sum(len(r.token_ids) for r in results)
 
-    served_tps, offline_tps = tokens / elapsed, offline_tokens / offline
+    _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu)
+    offline_tps = offline_tokens / offline
+    print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
+    if requests == args.clients:  # (offline runs every request at once: the same load only then)
+        print(f"server keeps {tokens / elapsed / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
+
+
+def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu):
+    served_tps = tokens / elapsed
     ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
     print(f"clients {args.clients}  requests {requests}  input {args.input_len}  output {args.output_len}  "
           f"device {args.device}  "
@@ -148,13 +213,11 @@ def main():
     print(f"{'server (SSE clients)':<22}{tokens:>8}{elapsed:>9.2f}{served_tps:>9.1f}"
           f"{ms(statistics.median(ttfts)) + '/' + ms(percentile(ttfts, 99)):>18}"
           f"{ms(statistics.median(itls)) + '/' + ms(percentile(itls, 99)):>17}")
-    print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
     if cpu_before is not None:  # (with data parallelism the server's process is the front alone)
         cpu = cpu_after - cpu_before
         print(f"server process CPU {cpu:.2f} s over the run: {cpu / elapsed:.0%} of a core, "
               f"{cpu / max(tokens, 1) * 1e6:.0f} us a token")
-    if requests == args.clients:  # (offline runs every request at once: the same load only then)
-        print(f"server keeps {served_tps / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
+    print(f"client processes ({args.client_processes}) CPU {client_cpu:.2f} s: {client_cpu / elapsed:.0%} of a core")
     print(f"idle server TTFT p50 {ms(statistics.median(idle_ttfts))} ms over {len(idle_ttfts)} requests "
           f"(goal <= 50 ms)")
     if args.plot:

@@ -236,17 +236,27 @@ def _generate(args) -> int:
 
 
 def _async_engine(args):
-    """The engine a server runs: an AsyncEngine, or with --data-parallel-size N > 1 that many replicas
-    behind one front (runtime/data_parallel.py)."""
+    """The engine a server runs: an AsyncEngine in this process, or engine processes behind this one as their
+    front (runtime/data_parallel.py): one with --engine-process, N with --data-parallel-size N > 1."""
     kwargs = {**_load_kwargs(args), **_engine_kwargs(args)}
     _say_if_default(args)
-    if kwargs.get("data_parallel_size", 1) > 1:
+    if kwargs.get("data_parallel_size", 1) > 1 or _engine_process(args, kwargs):
         from runtime.data_parallel import data_parallel_from_model
 
         return data_parallel_from_model(args.model, **kwargs)
     from runtime.async_engine import AsyncEngine
 
     return AsyncEngine.from_model(args.model, **kwargs)
+
+
+def _engine_process(args, kwargs: dict) -> bool:
+    """Whether `serve` runs its engine in a process of its own (--engine-process; auto: with CUDA)."""
+    choice = getattr(args, "engine_process", "off")
+    if choice == "auto":
+        from nanoinfer.loaders import resolve_device
+
+        return resolve_device(kwargs.get("device", "auto")).type == "cuda"
+    return choice == "on"
 
 
 def _serve(args) -> int:

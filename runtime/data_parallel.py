@@ -87,7 +87,7 @@ class _ReplicasGrammars:
         futures = [replica.compile(spec) for replica in self.replicas if replica.healthy]
         done, lock, left = Future(), threading.Lock(), [len(futures)]
         if not futures:
-            done.set_exception(EngineError("every replica is unhealthy (restart the server)"))
+            done.set_exception(EngineError("the server's engine is down (restart the server)"))
 
         def one_done(_) -> None:
             with lock:
@@ -124,9 +124,7 @@ class DataParallelEngine(RequestReader):
     and data_parallel_from_loaded). Use as `async with engine:` (start/shutdown), as an AsyncEngine."""
 
     def __init__(self, replicas: Sequence[ReplicaClient], config: EngineConfig):
-        if len(replicas) < 2:
-            raise ValueError(f"{len(replicas)} replica(s): data parallelism takes two or more (one: an AsyncEngine)")
-        self.replicas = tuple(replicas)
+        self.replicas = tuple(replicas)  # (one: the server's engine in a process of its own)
         for replica in self.replicas:  # (a lost replica's error says which others serve on)
             replica.peers = tuple(r for r in self.replicas if r is not replica)
         ready = [r.ready for r in self.replicas]
@@ -184,7 +182,7 @@ class DataParallelEngine(RequestReader):
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if not self.healthy:
             fatal = self.replicas[0]._fatal
-            raise EngineError(f"every replica is unhealthy (restart the server): {fatal!r}") from fatal
+            raise EngineError(f"the server's engine is down (restart the server): {fatal}") from fatal
         if request_id is not None and any(r.holds(request_id) for r in self.replicas):
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
 
@@ -252,9 +250,6 @@ def stop_all(replicas: Sequence[ReplicaClient], wait: float = STOP_WAIT) -> None
 
 def _check(config: EngineConfig) -> None:
     n = config.data_parallel_size
-    if n < 2:
-        raise RequestError(f"data_parallel_size={n}: a DataParallelEngine runs two replicas or more (one: an "
-                           f"AsyncEngine)", param="data_parallel_size")
     if config.pipeline_parallel_size > 1:
         raise RequestError(f"data_parallel_size={n} with pipeline_parallel_size={config.pipeline_parallel_size} is "
                            f"not supported yet: expected pipeline_parallel_size=1 (tensor parallelism inside a replica "
@@ -267,7 +262,7 @@ def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
     replicas: list[ReplicaClient] = []
     try:
         for a in args:
-            replicas.append(ReplicaClient(a.index, *spawn(a)))
+            replicas.append(ReplicaClient(a.index, *spawn(a), alone=len(args) == 1))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:

@@ -100,9 +100,12 @@ def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, Connection]:
 class ReplicaClient(RequestBook):
     """Replica `index`: requests booked here run in its process."""
 
-    def __init__(self, index: int, process: ReplicaProcess, conn: Connection):
+    def __init__(self, index: int, process: ReplicaProcess, conn: Connection, alone: bool = False):
+        """`alone`: the front's one engine process (a server's engine apart from its HTTP front), not a replica
+        among others; errors name it so."""
         super().__init__()
         self.index, self.process, self.conn = index, process, conn
+        self.name = "the engine process" if alone else f"data-parallel replica {index}"
         self.ready: msg.Ready | None = None
         self._keys = itertools.count()
         self._remote: dict[int, RemoteRequest] = {}  # by key, until retired here
@@ -135,13 +138,15 @@ class ReplicaClient(RequestBook):
         """The error that reports this (exited) replica: its exit code and its output's last lines."""
         how, last = self.process.exit_and_tail()
         if starting:
-            return ReplicaLost(f"data-parallel replica {self.index} exited while starting ({how}); {last}")
+            return ReplicaLost(f"{self.name} exited while starting ({how}); {last}")
         # (a peer dying at the same time may not be marked unhealthy yet: its process has exited, though)
         serving = [p.index for p in self.peers if p.healthy and p.process.exit_code() is None]
         left = (f"replica {', '.join(map(str, serving))} serves on" if len(serving) == 1 else
                 f"replicas {', '.join(map(str, serving))} serve on" if serving else
                 "no replica is left to serve (restart the server)")
-        return ReplicaLost(f"data-parallel replica {self.index} exited ({how}): its requests failed, {left}; {last}")
+        if not self.peers:  # (alone: nothing serves on, and the server says so at /health)
+            return ReplicaLost(f"{self.name} exited ({how}): its requests failed (restart the server); {last}")
+        return ReplicaLost(f"{self.name} exited ({how}): its requests failed, {left}; {last}")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._send = loop, self._command
@@ -187,7 +192,7 @@ class ReplicaClient(RequestBook):
         key, future = next(self._keys), Future()
         self._compiles[key] = future
         if not self.post(msg.Compile(key, spec)) and self._compiles.pop(key, None) is not None:
-            future.set_exception(self._fatal or ReplicaLost(f"data-parallel replica {self.index} is gone"))
+            future.set_exception(self._fatal or ReplicaLost(f"{self.name} is gone"))
         return future
 
     def stop(self) -> None:

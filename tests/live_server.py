@@ -46,7 +46,7 @@ class LiveServer:
     def __init__(self, model: LoadedModel, engine_kw: dict | None = None, uvicorn_kw: dict | None = None,
                  **settings):
         config = engine_config(**{"num_blocks": 2048, "block_size": 16, **(engine_kw or {})})
-        if config.data_parallel_size > 1:
+        if config.data_parallel_size > 1 or settings.get("engine_process") == "on":
             from runtime.data_parallel import data_parallel_from_loaded
 
             self.engine = data_parallel_from_loaded(model, config)

@@ -40,6 +40,11 @@ class ServerConfig:
                                             "503) before ending the rest with an error", minimum=0)
     max_header_bytes: int = setting(16384, "largest request head (line and headers) held while it arrives",
                                     minimum=1024, size=True)
+    engine_process: str = setting("auto", "on: the engine steps in a process of its own, the HTTP front in this "
+                                          "one (no interpreter lock shared: the faster under many streams); off: "
+                                          "both in this process; auto: on with CUDA, off on the CPU. "
+                                          "--data-parallel-size N > 1 runs N such processes",
+                                  choices=("auto", "on", "off"))
 
     def __post_init__(self):
         check_settings(self)

@@ -1,0 +1,135 @@
+"""The server's engine in a process of its own (issue 60): the same outputs as in-process, and its faults
+contained — a dead engine process fails what was in flight by name, /health says 503 at once, the front keeps
+answering, and no process outlives the front."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nanoinfer import EngineError, SamplingParams
+from runtime.async_engine import AsyncEngine
+from runtime.data_parallel import data_parallel_from_loaded
+from tests.live_server import LiveServer
+from tests.test_data_parallel import GREEDY, MODEL, ROOT, SCRIPT, _alive, config, descendants, prompts
+
+
+def engine_process(**kw):
+    return data_parallel_from_loaded(MODEL, config(**kw))  # (data_parallel_size 1: one engine process)
+
+
+def slow_steps(index, engine):
+    """(`_setup`) Steps of 50 ms: requests are surely running when a test kills the process."""
+    forward = engine.core.executor._forward
+    engine.core.executor._forward = lambda batch: (time.sleep(0.05), forward(batch))[1]
+
+
+def test_greedy_outputs_equal_the_in_process_engines():
+    batch = prompts(6, seed=3)
+
+    async def run(engine):
+        async with engine:
+            return [out.token_ids for out in await asyncio.gather(*(engine.generate(p, GREEDY) for p in batch))]
+    assert asyncio.run(run(engine_process())) == asyncio.run(run(AsyncEngine(MODEL, config())))
+
+
+def test_a_killed_engine_process_fails_its_requests_by_name_and_takes_no_more():
+    engine = data_parallel_from_loaded(MODEL, config(), _setup="tests.test_engine_process:slow_steps")
+
+    async def go():
+        async with engine:
+            handle = engine.submit(prompts(1)[0], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+            while engine.stats()["generated_tokens"] == 0:
+                await asyncio.sleep(0.01)
+            os.kill(engine.replicas[0].process.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            (failed,) = await asyncio.gather(engine.collect(handle), return_exceptions=True)
+            after = time.monotonic() - killed
+            with pytest.raises(EngineError, match="the server's engine is down"):
+                engine.submit([1, 2, 3], GREEDY)
+            return failed, after, engine.healthy
+    failed, after, healthy = asyncio.run(go())
+    assert isinstance(failed, EngineError) and "the engine process exited (code -9, SIGKILL)" in str(failed)
+    assert after < 5 and not healthy
+    assert not descendants(os.getpid())
+
+
+def test_the_server_reports_a_dead_engine_process_and_keeps_answering(tiny_chat_model):
+    with LiveServer(tiny_chat_model, engine_process="on") as live:
+        body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            assert http.get("/health").status_code == 200
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))  # (running)
+                os.kill(live.engine.replicas[0].process.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                rest = list(lines)
+            events = [line for line in rest if line]
+            assert events[-3] == "event: error" and "the engine process exited" in events[-2], events[-4:]
+            assert events[-1] == "data: [DONE]"
+            while http.get("/health").status_code != 503:
+                assert time.monotonic() - killed < 5, "/health still says ok 5 s after the engine died"
+                time.sleep(0.05)
+            refused = http.post("/v1/completions", json={**body, "max_tokens": 2})
+            assert refused.status_code == 503 and "engine" in refused.json()["error"]["message"]
+            assert http.get("/v1/models").status_code == 200  # (the front answers on)
+
+
+@pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
+def test_an_engine_process_starts_from_any_program_and_dies_with_its_front(how, tmp_path):
+    script = SCRIPT.replace("data_parallel_size=2", "data_parallel_size=1").replace("asyncio.run(run())", """
+asyncio.run(run())
+engine = data_parallel_from_loaded(model, engine_config(block_size=4, num_blocks=64))
+print("PIDS", *(r.process.pid for r in engine.replicas), flush=True)
+import time
+time.sleep(300)
+""")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if how == "stdin":
+        front = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 cwd=tmp_path, env=env)
+        front.stdin.write(script)
+        front.stdin.close()
+    else:
+        (tmp_path / "no_guard.py").write_text(script)
+        front = subprocess.Popen([sys.executable, "no_guard.py"], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                                 env=env)
+    out = front.stdout.readline()
+    assert out.startswith("OUT [0, 0] [5, 5]"), out
+    line = front.stdout.readline()
+    assert line.startswith("PIDS"), line
+    (pid,) = [int(p) for p in line.split()[1:]]
+    front.kill()
+    front.wait()
+    deadline = time.monotonic() + 10  # (the engine process polls its parent every half second)
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def test_serve_with_an_engine_process_stops_cleanly_on_sigterm(smollm2_gguf):
+    server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--model", str(smollm2_gguf),
+                               "--device", "cpu", "--port", "0", "--engine-process", "on", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        url = server.stdout.readline().split(" at ")[1].split()[0]
+        done = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                         "temperature": 0}, timeout=120)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+        children = descendants(server.pid)
+        assert children  # (the engine process)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(60)
+    assert code == 0
+    deadline = time.monotonic() + 10
+    while any(map(_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, children))
