@@ -44,6 +44,28 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (the server's engine processes and their ranks), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def cpu_of(pids) -> float:
+    return sum(cpu_seconds(p) or 0.0 for p in pids)
+
+
 async def one_client(http, url, prompt, max_tokens, ttfts, itls):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -115,7 +137,7 @@ def start_profile(pid: int, seconds: float, path: str) -> subprocess.Popen:
     """py-spy sampling `pid`'s threads (active samples, collapsed stacks) for `seconds` into `path`
     (bench/profile_summary.py reads it)."""
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
-                             "--format", "raw", "--threads", "--subprocesses", "--output", path],
+                             "--format", "raw", "--threads", "--subprocesses", "--nonblocking", "--output", path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -164,7 +186,8 @@ def main():
         idle_ttfts = []
         for prompt in prompts[:args.idle_requests]:  # one at a time: an idle server's TTFT
             idle_ttfts += asyncio.run(run_clients(url, [prompt], [8]))[2]
-        cpu_before = cpu_seconds(server.pid)
+        cpu_before, engines = cpu_seconds(server.pid), descendants(server.pid)
+        engines_before = cpu_of(engines)
         profiler = start_profile(server.pid, args.profile_seconds, args.profile) if args.profile else None
         if args.client_processes > 1:
             tokens, elapsed, ttfts, itls, client_cpu = run_client_processes(url, prompts, outputs, args.clients,
@@ -173,7 +196,7 @@ def main():
             client_start = time.process_time()
             tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
             client_cpu = time.process_time() - client_start
-        cpu_after = cpu_seconds(server.pid)
+        cpu_after, engines_cpu = cpu_seconds(server.pid), cpu_of(engines) - engines_before
         if profiler is not None:
             profiler.wait()
             if profiler.returncode:
@@ -185,7 +208,8 @@ def main():
     from nanoinfer import LLM, SamplingParams
 
     if args.no_offline:
-        _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu)
+        _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,
+                       len(engines), engines_cpu)
         return
     with LLM(args.model, device=args.device, progress=False, load_format=args.load_format, cuda_graph_capture="all",
              **({"num_blocks": args.num_blocks} if args.num_blocks else {})) as llm:
@@ -196,14 +220,16 @@ def main():
         offline = time.perf_counter() - start
     offline_tokens = sum(len(r.token_ids) for r in results)
 
-    _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu)
+    _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,
+                   len(engines), engines_cpu)
     offline_tps = offline_tokens / offline
     print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
     if requests == args.clients:  # (offline runs every request at once: the same load only then)
         print(f"server keeps {tokens / elapsed / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
 
 
-def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu):
+def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,
+                   num_engines, engines_cpu):
     served_tps = tokens / elapsed
     ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
     print(f"clients {args.clients}  requests {requests}  input {args.input_len}  output {args.output_len}  "
@@ -217,6 +243,9 @@ def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu
         cpu = cpu_after - cpu_before
         print(f"server process CPU {cpu:.2f} s over the run: {cpu / elapsed:.0%} of a core, "
               f"{cpu / max(tokens, 1) * 1e6:.0f} us a token")
+    if num_engines:
+        print(f"engine processes ({num_engines}) CPU {engines_cpu:.2f} s: {engines_cpu / elapsed:.0%} of a core, "
+              f"{engines_cpu / max(tokens, 1) * 1e6:.0f} us a token")
     print(f"client processes ({args.client_processes}) CPU {client_cpu:.2f} s: {client_cpu / elapsed:.0%} of a core")
     print(f"idle server TTFT p50 {ms(statistics.median(idle_ttfts))} ms over {len(idle_ttfts)} requests "
           f"(goal <= 50 ms)")

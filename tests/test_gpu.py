@@ -887,3 +887,22 @@ def test_structured_output_with_graphs_async_scheduling_and_speculation(hf_and_o
                 assert text in ("red", "green", "blue")
         runs.append([s.output_token_ids for s in seqs])
     assert runs[0] == runs[1]
+
+
+def test_pinned_staging_copies_what_the_allocators_buffers_copy():
+    """A step loop's PinnedStaging (its buffers reused in turn, each once its copy has run) against a fresh
+    pinned buffer per copy: the same tensors, over more copies than it has buffers, queued behind slow work so
+    that a buffer written again too early would corrupt an earlier copy."""
+    from nanoinfer.host_copy import PinnedStaging, to_device_packed
+
+    staging, rng = PinnedStaging(slots=3), torch.Generator().manual_seed(0)
+    ours, fresh = [], []
+    for step in range(20):
+        torch.cuda._sleep(2_000_000)  # (the copies wait behind this on the stream)
+        arrays = [torch.randint(0, 1 << 40, (int(n),), generator=rng).numpy()
+                  for n in torch.randint(1, 3000, (3,), generator=rng)]
+        ours.append(to_device_packed(arrays, torch.int64, "cuda", staging))
+        fresh.append(to_device_packed(arrays, torch.int64, "cuda"))
+    torch.cuda.synchronize()
+    for got, want in zip(ours, fresh):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from nanoinfer.batch import Batch, layout
-from nanoinfer.host_copy import to_device_packed
+from nanoinfer.host_copy import PinnedStaging, to_device_packed
 from nanoinfer.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
@@ -73,6 +73,7 @@ class ModelRunner(DeviceModel):
         self.batch = InputBatch(config.scheduler.max_num_seqs + 8, self.max_blocks, cfg.vocab_size,
                                 cfg.eos_token_ids, self.device)
         self.row_of = self.batch.row_of
+        self.staging = PinnedStaging() if self.device.type == "cuda" else None  # (each step's inputs go through it)
         self.draft = None
         if draft is not None:
             from runtime.executor.draft_runner import DraftRunner
@@ -183,8 +184,9 @@ class ModelRunner(DeviceModel):
         (input_ids_t, positions_t, slots_t, logits_t, rows_t, fill_at_t, fill_rows_t, sampler_rows_t,
          steps_t, draft_at_t) = to_device_packed([input_ids, at.positions, at.slot_mapping, inp.logits_rows, rows,
                                                   fill_at, fill_rows, sampler_rows, steps, draft_at], torch.int64,
-                                                 self.device)
-        seq_lens, qsl_t = to_device_packed([at.seq_lens, at.query_start_loc], torch.int32, self.device)
+                                                 self.device, self.staging)
+        seq_lens, qsl_t = to_device_packed([at.seq_lens, at.query_start_loc], torch.int32, self.device,
+                                           self.staging)
         # The step before's sampling, if pending, goes first: it writes the last tokens read below
         # and that the rows joining now overwrite (the host work above overlaps its masks' fill).
         self.queue_pending()

@@ -33,6 +33,9 @@ class Admission:
         self.engine, self.config, self.model_name, self.shutdown = engine, config, model_name, shutdown
         self.fingerprint = fingerprint  # (the responses' system_fingerprint)
         self._unknown_fields_logged: set[str] = set()
+        # Each request type's field names, read once: msgspec resolves the type's annotations on each call
+        # (~5% of a busy server's event loop at 256 streams, issue 60's profile).
+        self._known_fields: dict[type, frozenset[str]] = {}
 
     def check_access(self, connection: HTTPConnection) -> None:
         if self.config.api_key is not None and connection.url.path.startswith(KEYED_PATHS):
@@ -85,7 +88,8 @@ class Admission:
         a WebSocket message's)."""
         if not isinstance(raw, dict):
             raise HTTPError(400, f"the body must be a JSON object, got {type(raw).__name__}")
-        for name in set(raw) - api.known_fields(type_) - self._unknown_fields_logged:
+        known = self._known_fields.get(type_) or self._known_fields.setdefault(type_, api.known_fields(type_))
+        for name in set(raw) - known - self._unknown_fields_logged:
             if len(self._unknown_fields_logged) >= MAX_UNKNOWN_FIELDS_LOGGED:
                 break  # (clients choose these names: the set, and the log, must stay bounded)
             self._unknown_fields_logged.add(name)
