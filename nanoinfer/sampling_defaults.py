@@ -10,11 +10,14 @@ refuses is a CheckpointError naming the file and the field.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json's field -> SamplingParams' (transformers' names; max_new_tokens is max_tokens)
@@ -64,9 +67,11 @@ def resolve(setting: str, checkpoint: Callable[[], dict[str, Any]]) -> dict[str,
     (`checkpoint()`); "none", nothing; else the generation_config.json of the folder it names."""
     if setting == "none":
         return {}
-    if setting == "auto":
-        return checkpoint()
-    return from_generation_config(Path(setting).expanduser())
+    defaults = checkpoint() if setting == "auto" else from_generation_config(Path(setting).expanduser())
+    if defaults:  # (said, as vLLM says it: a request's sampling now depends on the model it runs on)
+        log.info("requests that do not set them take the model's recommended sampling settings %s "
+                 "(generation_config='none' keeps NanoInfer's own)", defaults)
+    return defaults
 
 
 def default_params(defaults: Mapping[str, Any], **given) -> SamplingParams:

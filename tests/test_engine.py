@@ -284,3 +284,18 @@ def test_a_slow_consumer_gets_the_stop_reason_and_no_tokens_past_the_stop(tiny_c
     assert items[-1].finish_reason == "stop"
     assert "".join(o.text for o in items) == fast.text
     assert sum((list(o.token_ids) for o in items), []) == list(fast.token_ids)
+
+
+def test_a_declared_context_past_the_kv_pool_sizes_nothing_by_it():
+    """A model may declare billions of positions (a long-context or hostile file's context_length): the
+    engine's tables are sized for the longest sequence its KV pool can hold, not for that."""
+    import dataclasses
+
+    from runtime.engine.engine_core import EngineCore
+
+    huge = dataclasses.replace(MODEL, config=dataclasses.replace(CFG, max_position_embeddings=1 << 32))
+    core = EngineCore(huge, engine_config(block_size=4, num_blocks=64))
+    assert core.max_model_len == 64 * 4 == core.limits.max_model_len
+    assert core.executor.batch.table.numel() <= (core.config.scheduler.max_num_seqs + 8) * 64
+    with pytest.raises(RequestError, match="max_model_len=256"):
+        core.check_request([1] * 300, greedy())

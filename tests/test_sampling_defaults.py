@@ -34,8 +34,10 @@ def llm(path, **kw):
     return LLM(path, device="cpu", progress=False, num_blocks=32, block_size=4, **kw)
 
 
-def test_the_checkpoints_recommendation_is_the_default(tiny_dir):
+def test_the_checkpoints_recommendation_is_the_default(tiny_dir, caplog):
+    caplog.set_level("INFO", logger="nanoinfer.sampling_defaults")
     with llm(tiny_dir) as engine:
+        assert "recommended sampling settings {'temperature': 0.6" in caplog.text  # (said once, at load)
         assert dict(engine.model.sampling_defaults) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
                                                         "max_tokens": 5}
         (out,) = engine.generate([PROMPT], use_tqdm=False)  # no params: the model's

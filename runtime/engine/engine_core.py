@@ -47,8 +47,9 @@ class EngineCore:
         self.model, self.config = model, config
         cfg = model.config
         self.device = model.params.device
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.executor = make_executor(model, config, self.max_model_len, draft_model)
+        max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.executor = make_executor(model, config, max_model_len, draft_model)
+        self.max_model_len = self.executor.max_model_len  # (at most what its KV pool holds)
         blocks = BlockManager(self.executor.num_blocks, config.block_size, self.executor.num_cpu_blocks,
                               prefix_caching=config.enable_prefix_caching)
         # Overlap host and device where the device runs asynchronously (see runtime/executor/step.py):

@@ -21,6 +21,7 @@ from runtime.executor.step import InFlightStep, Sequence, StepInput
 
 class Executor(Protocol):
     num_blocks: int  # device KV blocks (the block manager's pool)
+    max_model_len: int  # the longest sequence it runs: the engine's, or less where the pool holds less
     num_cpu_blocks: int  # host blocks for swapped-out sequences
     row_of: dict[int, int]  # seq_id -> its row, for the sequences that have one
     pools: KVPools  # the KV blocks: the block manager's copies and swaps are applied to them

@@ -66,7 +66,10 @@ class ModelRunner(DeviceModel):
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
                                                                     lambda: self.attention)
         self.num_cpu_blocks = config.swap_space // per_block
-        self.max_blocks = -(-max_model_len // config.block_size)
+        # No sequence outgrows the whole pool: the tables and graphs are sized for the longest one it holds,
+        # not for a declared context (a long-context or hostile file's may be billions of positions).
+        self.max_model_len = min(max_model_len, self.num_blocks * config.block_size)
+        self.max_blocks = -(-self.max_model_len // config.block_size)
         self._before_pools(dtype)
         self._allocate(self.num_blocks, self.num_cpu_blocks)
         # (n - 1 forks may take rows in the step their parent's prefill ends, before it is planned)
