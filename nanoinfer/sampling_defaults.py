@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from nanoinfer.errors import CheckpointError, RequestError
+from nanoinfer.json_files import read_json_object
 from nanoinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,6 @@ def checked(defaults: Mapping[str, Any], path) -> dict[str, Any]:
 
 def from_generation_config(folder: Path) -> dict[str, Any]:
     """The defaults in `folder`'s generation_config.json ({} when it has none)."""
-    from nanoinfer.loaders.json_object import read_json_object
-
     path = folder / GENERATION_CONFIG
     if not path.is_file():
         return {}
@@ -55,11 +54,11 @@ def from_gguf(field: Callable[[str], Any], path) -> dict[str, Any]:
     return checked({k: v for k, v in found.items() if v is not None}, path)
 
 
-def check_setting(setting: str) -> None:
+def check_setting(name: str, setting: str) -> None:
     """A `generation_config` value is auto, none, or a folder holding a generation_config.json."""
     if setting not in ("auto", "none") and not (Path(setting).expanduser() / GENERATION_CONFIG).is_file():
-        raise RequestError(f"generation_config={setting!r}: expected auto, none, or a folder holding a "
-                           f"{GENERATION_CONFIG}", param="generation_config")
+        raise RequestError(f"{name}={setting!r}: expected auto, none, or a folder holding a {GENERATION_CONFIG}",
+                           param=name)
 
 
 def resolve(setting: str, checkpoint: Callable[[], dict[str, Any]]) -> dict[str, Any]:

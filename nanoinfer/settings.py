@@ -87,6 +87,7 @@ class Spec:
     repeated: bool = False  # a tuple of strings; the flag may be given several times
     flag: bool = True  # on the command line
     parse: Any = None  # (name, value) -> the value as held, or RequestError: a structured setting (a JSON flag)
+    check: Any = None  # (name, value) -> None, or RequestError: what the bounds above cannot say (a path exists)
 
     def expected(self, kind: type) -> str:
         if self.choices is not None:
@@ -170,6 +171,8 @@ def check_value(name: str, value: Any, spec: Spec, kind: type) -> Any:
             ok = finite and (low < value if low_open else low <= value) and value <= high
         if not ok:
             fail()
+    if spec.check is not None:
+        spec.check(name, value)
     return value
 
 

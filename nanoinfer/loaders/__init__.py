@@ -17,6 +17,7 @@ import torch
 from nanoinfer.config import ModelConfig
 from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
+from nanoinfer import sampling_defaults
 from nanoinfer.model import Params
 from nanoinfer.settings import check_settings, setting, split_kwargs
 
@@ -57,14 +58,12 @@ class LoadConfig:
     generation_config: str = setting("auto", "sampling settings for requests that set none of their own: auto (the "
                                              "model's recommendation: its generation_config.json, or a GGUF's "
                                              "general.sampling.* keys), none (NanoInfer's defaults), or a folder "
-                                             "holding a generation_config.json (vLLM's --generation-config)")
+                                             "holding a generation_config.json (vLLM's --generation-config)",
+                                     check=sampling_defaults.check_setting)
     progress: bool = setting(True, "progress bars while loading", flag=False)
 
     def __post_init__(self):
         check_settings(self)
-        from nanoinfer.sampling_defaults import check_setting
-
-        check_setting(self.generation_config)
 
 
 @dataclass(frozen=True)
@@ -136,10 +135,8 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
         # token the config names but the tokenizer does not, or the other way round).
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    from nanoinfer.sampling_defaults import resolve
-
     return LoadedModel(cfg, params, tokenizer, path, hub_id or (name if name in KNOWN_MODELS else None), quantization,
-                       resolve(config.generation_config, loaded.recommended))
+                       sampling_defaults.resolve(config.generation_config, loaded.recommended))
 
 
 class _Loaded(NamedTuple):
