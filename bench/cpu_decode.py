@@ -84,8 +84,8 @@ def end_of_generation_ids(llm) -> list[int]:
     """The tokens at which llama-cpp-python's completion ends (llama.cpp's end-of-generation set)."""
     import llama_cpp
 
-    is_eog = getattr(llama_cpp, "llama_vocab_is_eog", None) or llama_cpp.llama_token_is_eog  # (renamed in 0.3.x)
-    return [t for t in range(llm.n_vocab()) if is_eog(llm._model.vocab, t)]
+    # (what create_completion itself asks, in the version LLAMA_CPP pins)
+    return [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t)]
 
 
 def time_llama_cpp_call(llm, prompt_ids, new_tokens) -> float:

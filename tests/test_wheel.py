@@ -24,8 +24,9 @@ PACKAGES = ("nanoinfer", "runtime")
 def _tracked(*paths: str) -> list[str]:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs a git checkout: the wheel is built from the tracked files")
-    return subprocess.run(["git", "ls-files", "--", *paths], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.split()
+    listed = subprocess.run(["git", "ls-files", "-z", "--", *paths], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split("\0")
+    return [name for name in listed if name and (ROOT / name).exists()]  # (not one deleted in the work tree)
 
 
 class Built(NamedTuple):
