@@ -16,7 +16,7 @@ from tokenizers import AddedToken
 
 from nanoinfer.chat_template import find_hf_chat_template
 from nanoinfer.errors import CheckpointError
-from nanoinfer.loaders.json_object import read_json_object
+from nanoinfer.json_files import read_json_object
 from nanoinfer.tokenizer import Tokenizer, TokenizerBackend, TokenizersBackend
 
 # Names of the special tokens transformers hands to a chat template (its `special_tokens_map`).

@@ -209,6 +209,33 @@ def test_nanochat_meta_with_odd_heads(tmp_path):
         nanochat_config(meta)
 
 
+def test_nanochat_meta_nesting_too_deeply(tmp_path):
+    from nanoinfer.loaders.nanochat import nanochat_config
+
+    meta = tmp_path / "meta_000001.json"
+    meta.write_text('{"model_config": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError) as info:
+        nanochat_config(meta)
+    assert "meta_000001.json" in str(info.value) and "nests too deeply" in str(info.value), info.value
+
+
+# -- JSON a hostile file can hold: one line naming the file, never a traceback ---------------
+
+def test_config_nesting_too_deeply(broken):
+    """200 KB of brackets: past the parser's recursion limit (a RecursionError, not a JSONDecodeError)."""
+    (broken / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    message = load_fails(broken, "config.json", "nests too deeply")
+    assert "\n" not in message
+
+
+def test_config_number_of_too_many_digits(broken):
+    """Python parses at most 4300 digits into an int (a ValueError, not a JSONDecodeError)."""
+    (broken / "config.json").write_text((broken / "config.json").read_text().replace('"hidden_size": 32',
+                                                                                    '"hidden_size": ' + "9" * 5000))
+    message = load_fails(broken, "config.json", "not valid JSON", "digits")
+    assert "\n" not in message
+
+
 # -- hostile safetensors files and indexes -------------------------------------------------
 
 def safetensors_bytes(header, data=b"", length=None) -> bytes:

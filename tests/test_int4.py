@@ -224,3 +224,22 @@ def test_int4_format_problems_are_named(tmp_path):
             **config["quantization_config"], **change}}))
         with pytest.raises(CheckpointError, match=message):
             load_model(tmp_path, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("file, text, words", [
+    ("quantize_config.json", "[1]", ["quantize_config.json", "holds a list"]),
+    ("quantize_config.json", "{not json", ["quantize_config.json", "not valid JSON"]),
+    ("config.json", None, ["config.json", "quantization_config", "a list"]),
+])
+def test_int4_config_files_of_the_wrong_shape_are_named(file, text, words, tmp_path):
+    """AutoGPTQ's quantize_config.json and config.json's quantization_config: one line naming the
+    file, never a traceback nor a silent unquantized load."""
+    hf_model("llama", tied=False, num_layers=1, seed=1).save_pretrained(tmp_path)
+    if text is None:
+        config = json.loads((tmp_path / "config.json").read_text())
+        text = json.dumps({**config, "quantization_config": [4]})
+    (tmp_path / file).write_text(text)
+    with pytest.raises(CheckpointError) as info:
+        load_model(tmp_path, device="cpu", progress=False)
+    message = str(info.value)
+    assert all(w in message for w in words) and "\n" not in message, message

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -372,6 +374,23 @@ def test_corrupt_tokenizer_config(saved_dir: Path, tmp_path: Path) -> None:
     shutil.copy(saved_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_the_hf_tokenizer_reader_imports_no_loader() -> None:
+    """tokenizer_hf reads its JSON files through nanoinfer/json_files.py, a leaf module: the
+    tokenizer does not depend on the loaders package (torch, the hub, the settings)."""
+    code = "import sys, nanoinfer.tokenizer_hf; print([m for m in sys.modules if m.startswith('nanoinfer.loaders')])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_tokenizer_config_nesting_too_deeply(saved_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(saved_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="tokenizer_config.json.*nests too deeply"):
         Tokenizer.from_hf_dir(tmp_path)
 
 

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
 from nanoinfer.errors import CheckpointError
-from nanoinfer.loaders.json_object import json_kind, read_json_object
+from nanoinfer.json_files import json_kind, read_json_object
 from nanoinfer.loaders.params import build_params
 from nanoinfer.model import Params
 from nanoinfer.quantized import FP8, Fp8Weight, dequantize

@@ -23,13 +23,13 @@ form, which nanoinfer/loaders/params.py packs for the device (nanoinfer.quantize
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
 from nanoinfer.errors import CheckpointError
+from nanoinfer.json_files import json_kind, read_json_object
 from nanoinfer.quantized import GroupedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output 8j + AWQ_ORDER[k]
@@ -49,15 +49,14 @@ def read_int4_format(directory: Path) -> Int4Format | None:
     AutoGPTQ's `quantize_config.json`), None for an unquantized checkpoint; a CheckpointError
     for a quantization this loader does not read."""
     config_file = directory / "config.json"
-    try:
-        qc = json.loads(config_file.read_text()).get("quantization_config")
-        legacy = directory / "quantize_config.json"
-        if qc is None and legacy.is_file():
-            qc, config_file = {"quant_method": "gptq", **json.loads(legacy.read_text())}, legacy
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None  # (read_hf_config reports a bad config.json)
-    if not isinstance(qc, dict):
+    qc = read_json_object(config_file).get("quantization_config")
+    legacy = directory / "quantize_config.json"
+    if qc is None and legacy.is_file():
+        qc, config_file = {"quant_method": "gptq", **read_json_object(legacy, "AutoGPTQ's settings")}, legacy
+    if qc is None:
         return None
+    if not isinstance(qc, dict):
+        raise CheckpointError(config_file, f"quantization_config is {json_kind(qc)}, expected a JSON object")
     method = str(qc.get("quant_method", "")).lower()
     if method not in METHODS:
         if method in ("fp8", ""):

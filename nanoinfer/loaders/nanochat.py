@@ -11,7 +11,6 @@ get a named error. The model serves contexts up to its `sequence_len` (its long 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from nanoinfer.config import ModelConfig, checkpoint_config
 from nanoinfer.errors import CheckpointError
+from nanoinfer.json_files import read_json_object
 from nanoinfer.nanochat import (ROPE_THETA, SMEAR_CHANNELS, VE_GATE_CHANNELS, NanochatLayerParams, NanochatParams,
                                 extra_layers)
 
@@ -54,15 +54,15 @@ def tokenizer_file(model_file: Path) -> Path | None:
 
 
 def nanochat_config(meta_file: Path) -> ModelConfig:
+    if not meta_file.is_file():
+        raise CheckpointError(meta_file, "missing: a nanochat checkpoint has meta_<step>.json beside its "
+                                         "model_<step>.pt")
+    meta = read_json_object(meta_file, "nanochat's meta JSON")
     try:
-        meta = json.loads(meta_file.read_text())
         model = meta["model_config"]
         values = {k: int(model[k]) for k in CONFIG_KEYS}
         pattern = str(model.get("window_pattern", "L")).upper()  # (older checkpoints: every layer long)
-    except FileNotFoundError as exc:
-        raise CheckpointError(meta_file, "missing: a nanochat checkpoint has meta_<step>.json beside its "
-                                         "model_<step>.pt") from exc
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(meta_file, f"expected nanochat's meta JSON with model_config holding {list(CONFIG_KEYS)}: "
                                          f"{exc!r}") from exc
     seq, layers, heads, kv_heads, hidden = (values[k] for k in ("sequence_len", "n_layer", "n_head", "n_kv_head",
