@@ -73,6 +73,6 @@ def resolve(setting: str, checkpoint: Callable[[], dict[str, Any]]) -> dict[str,
     return defaults
 
 
-def default_params(defaults: Mapping[str, Any], **given) -> SamplingParams:
-    """SamplingParams from what the caller `given` (their own), the model's `defaults` under them."""
-    return SamplingParams(**{**defaults, **given})
+def default_params(defaults: Mapping[str, Any]) -> SamplingParams:
+    """A request's SamplingParams when it names none: the model's recommended settings, else NanoInfer's."""
+    return SamplingParams(**defaults)

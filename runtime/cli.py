@@ -179,9 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _sampling(args, recommended: dict | None = None):
-    """The flags' SamplingParams: those given, then the model's `recommended` settings, then the command's own."""
-    from nanoinfer.sampling_defaults import default_params
+def _sampling(args):
+    """The flags' SamplingParams: those given, else the command's own defaults (checked before a model loads;
+    `_recommended` then puts the model's recommendation in place of the defaults)."""
+    from nanoinfer.sampling import SamplingParams
 
     given = {key: value for key, value in (("json", getattr(args, "json_schema", None)),
                                            ("regex", getattr(args, "regex", None)),
@@ -194,10 +195,18 @@ def _sampling(args, recommended: dict | None = None):
             except OSError as exc:
                 raise RequestError(f"--{'json-schema' if key == 'json' else key} {given[key]}: cannot read the file "
                                    f"({exc.strerror})", param=key) from exc
+    return SamplingParams(**{**args.own_sampling, **from_namespace(SamplingParams, args)},
+                          structured_outputs=given or None)
+
+
+def _recommended(params, args, recommended: dict):
+    """`params` with the model's `recommended` sampling settings for the flags not given."""
+    import dataclasses
+
     from nanoinfer.sampling import SamplingParams
 
-    return default_params({**args.own_sampling, **(recommended or {})}, **from_namespace(SamplingParams, args),
-                          structured_outputs=given or None)
+    given = from_namespace(SamplingParams, args)  # (a flag a model may recommend is absent unless given)
+    return dataclasses.replace(params, **{k: v for k, v in recommended.items() if k not in given})
 
 
 def _llm(args):
@@ -225,9 +234,9 @@ def _generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise RequestError("the prompt is empty (from standard input: nothing was read)", param="prompt")
-    _sampling(args)  # (a bad flag fails before the model loads)
+    params = _sampling(args)  # (a bad flag fails before the model loads)
     with _llm(args) as llm:
-        params = _sampling(args, llm.model.sampling_defaults)
+        params = _recommended(params, args, llm.model.sampling_defaults)
         for delta in llm.stream(prompt, params, chat=args.chat):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
@@ -354,9 +363,9 @@ def _chat(args) -> int:
         import readline  # noqa: F401 - input() gets line editing and history
     except ImportError:  # (not on every platform)
         pass
-    _sampling(args)  # (a bad flag fails before the model loads)
+    params = _sampling(args)  # (a bad flag fails before the model loads)
     with _llm(args) as llm:
-        params = _sampling(args, llm.model.sampling_defaults)
+        params = _recommended(params, args, llm.model.sampling_defaults)
         system = [{"role": "system", "content": args.system}] if args.system else []
         history = list(system)
         print("nanoinfer chat — /reset starts over, /exit quits, Ctrl-C stops a reply", flush=True)

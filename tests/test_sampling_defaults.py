@@ -103,10 +103,10 @@ def test_the_cli_takes_the_recommendation_unless_a_flag_is_given(tiny_dir):
 SCRIPT = """
 import json, sys
 from nanoinfer.loaders import load_model
-from runtime.cli import _load_kwargs, _sampling, parse_args
+from runtime.cli import _load_kwargs, _recommended, _sampling, parse_args
 args = parse_args(["generate", "x", "--model", *sys.argv[1:2], "--device", "cpu", *sys.argv[2:]])
 model = load_model(args.model, **{**_load_kwargs(args), "progress": False})
-p = _sampling(args, model.sampling_defaults)
+p = _recommended(_sampling(args), args, model.sampling_defaults)
 print(json.dumps({k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "max_tokens")}))
 """
 
