@@ -68,6 +68,11 @@ class AsyncEngine(RequestBook):
         self._deliver(report.outputs)
 
     @property
+    def max_model_len(self) -> int:
+        """The longest prompt and output a request may have."""
+        return self.core.limits.max_model_len
+
+    @property
     def healthy(self) -> bool:
         """False once the device failed for good: restart the process."""
         return self._fatal is None

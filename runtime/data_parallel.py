@@ -125,8 +125,6 @@ class DataParallelEngine(RequestReader):
 
     def __init__(self, replicas: Sequence[ReplicaClient], config: EngineConfig):
         self.replicas = tuple(replicas)  # (one: the server's engine in a process of its own)
-        for replica in self.replicas:  # (a lost replica's error says which others serve on)
-            replica.peers = tuple(r for r in self.replicas if r is not replica)
         ready = [r.ready for r in self.replicas]
         self.model, self.tokenizer = ready[0].model, ready[0].model.tokenizer
         limits = dataclasses.replace(ready[0].limits, num_blocks=min(r.limits.num_blocks for r in ready))
@@ -152,6 +150,11 @@ class DataParallelEngine(RequestReader):
             self.abort_all()
         self._loop = None
         await asyncio.to_thread(stop_all, self.replicas)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt and output a request may have (the replicas' smallest pool's)."""
+        return self._requests.limits.max_model_len
 
     @property
     def healthy(self) -> bool:
@@ -259,10 +262,10 @@ def _check(config: EngineConfig) -> None:
 def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
     """The replicas' processes started together, each waited for until its engine is built (all stopped if one
     fails: its error, ReplicaLost with its last output, is raised)."""
-    replicas: list[ReplicaClient] = []
+    replicas: list[ReplicaClient] = []  # (each client's group: a lost one names those serving on)
     try:
         for a in args:
-            replicas.append(ReplicaClient(a.index, *spawn(a), alone=len(args) == 1))
+            replicas.append(ReplicaClient(a.index, *spawn(a), group=replicas, alone=len(args) == 1))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:

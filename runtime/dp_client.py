@@ -21,6 +21,7 @@ import socket
 import struct
 import subprocess
 import threading
+from typing import Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -100,8 +101,10 @@ def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, Connection]:
 class ReplicaClient(RequestBook):
     """Replica `index`: requests booked here run in its process."""
 
-    def __init__(self, index: int, process: ReplicaProcess, conn: Connection, alone: bool = False):
-        """`alone`: the front's one engine process (a server's engine apart from its HTTP front), not a replica
+    def __init__(self, index: int, process: ReplicaProcess, conn: Connection,
+                 group: Sequence[ReplicaClient] = (), alone: bool = False):
+        """`group`: the front's replicas, this one among them (a lost one's error names those serving on).
+        `alone`: the front's one engine process (a server's engine apart from its HTTP front), not a replica
         among others; errors name it so."""
         super().__init__()
         self.index, self.process, self.conn = index, process, conn
@@ -115,7 +118,7 @@ class ReplicaClient(RequestBook):
         self._fatal: BaseException | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.peers: tuple[ReplicaClient, ...] = ()  # the front's other replicas (set by DataParallelEngine)
+        self._group = group
 
     def wait_ready(self) -> msg.Ready:
         """Until the replica has built its engine (loading a checkpoint may take minutes); the error that stopped
@@ -133,6 +136,11 @@ class ReplicaClient(RequestBook):
                 return message
             if self.process.exit_code() is not None:
                 raise self.lost(starting=True)
+
+    @property
+    def peers(self) -> tuple[ReplicaClient, ...]:
+        """The front's other replicas."""
+        return tuple(r for r in self._group if r is not self)
 
     def lost(self, starting: bool = False) -> ReplicaLost:
         """The error that reports this (exited) replica: its exit code and its output's last lines."""

@@ -47,7 +47,7 @@ from runtime.serve.http_errors import HTTPError, error_response
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.responses import Responder
 from runtime.serve.shutdown import Shutdown
-from runtime.serve.tokenization import Tokenization, request_type, served_max_model_len
+from runtime.serve.tokenization import Tokenization, request_type
 from runtime.serve.websocket import ChatSocket
 
 log = logging.getLogger("nanoinfer.server")
@@ -74,7 +74,7 @@ class _Server:
         self.shutdown = Shutdown(engine)
         self.admission = Admission(engine, config, self.model_name, self.shutdown, self.fingerprint)
         self.responder = Responder(engine, self.metrics)
-        self.tokenization = Tokenization(engine.tokenizer, served_max_model_len(engine))
+        self.tokenization = Tokenization(engine.tokenizer, engine.max_model_len)
 
     def routes(self) -> list:
         """The app's routes (ROUTES_SERVED and the rest), each guarded."""

@@ -23,14 +23,6 @@ from runtime.serve import protocol as api
 from runtime.serve.api_mapping import chat_prompt
 
 
-def served_max_model_len(engine) -> int:
-    """The longest prompt and output `engine` serves: an AsyncEngine's core's limit, or a
-    data-parallel front's (its replicas', which share one EngineConfig)."""
-    core = getattr(engine, "core", None)
-    limits = core.limits if core is not None else engine.replicas[0].ready.limits
-    return limits.max_model_len
-
-
 def request_type(raw) -> type:
     """The /tokenize request a decoded body holds: a chat's (it has `messages`) or a prompt's."""
     return api.TokenizeChatRequest if isinstance(raw, dict) and "messages" in raw else api.TokenizeCompletionRequest
