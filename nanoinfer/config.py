@@ -3,42 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from nanoinfer.errors import CheckpointError
-
-
-# A loader reads each field of its file through these, naming the file's key and the file
-# (`path`: the refusal is then a CheckpointError, itself a ValueError); ModelConfig checks
-# whatever a loader hands it with the same rules.
-
-def _refusal(problem: str, path: str | Path | None) -> ValueError:
-    return ValueError(problem) if path is None else CheckpointError(path, problem)
-
-
-def dimension(name: str, value: Any, path: str | Path | None = None) -> int:
-    """`value`, a count or a size, if it is a positive integer; else a ValueError naming `name`
-    and the value (a bool, 1.5, 4096.0 or "4096" is no dimension)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _refusal(f"{name} is {value!r}: expected a positive integer", path)
-    return value
-
-
-def positive_number(name: str, value: Any, path: str | Path | None = None) -> float:
-    """`value` as a float if it is a finite positive number; else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise _refusal(f"{name} is {value!r}: expected a positive finite number", path)
-    return float(value)
-
-
-def token_id(name: str, value: Any, path: str | Path | None = None) -> int:
-    """`value` if it can be a token id (an integer from 0); else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _refusal(f"{name} is {value!r}: expected a token id (an integer from 0)", path)
-    return value
+from nanoinfer.config_checks import MAX_DIMENSIONS, dimension, positive_number, token_id
 
 
 @dataclass(frozen=True)
@@ -93,7 +60,7 @@ class ModelConfig:
         """Every loader's config meets these, whatever its file says (a ValueError naming the field)."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
-            dimension(name, getattr(self, name))
+            dimension(name, getattr(self, name), most=MAX_DIMENSIONS.get(name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}: "
                              "each KV head serves a whole group of query heads")
@@ -130,11 +97,3 @@ class ModelConfig:
         windowed = None if self.windowed_layers is None else self.windowed_layers[:num_layers]
         return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed)
 
-
-def checkpoint_config(path: str | Path, **fields) -> ModelConfig:
-    """ModelConfig(**fields) as the checkpoint at `path` describes it: a value it refuses is a
-    CheckpointError naming the file (each loader's one way to build its config)."""
-    try:
-        return ModelConfig(**fields)
-    except ValueError as exc:
-        raise CheckpointError(path, f"describes no usable model: {exc}") from exc

@@ -1,8 +1,11 @@
 """Every way a checkpoint can be unusable raises CheckpointError naming the file and problem."""
 
 import json
+import re
+import resource
 import shutil
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -168,7 +171,7 @@ def test_config_dimension_past_floats(broken):
 
 def test_config_heads_that_do_not_divide(broken):
     write_config(broken, num_key_value_heads=3)
-    load_fails(broken, "config.json", "num_heads=4", "num_kv_heads=3")
+    load_fails(broken, "config.json", "num_attention_heads 4", "num_key_value_heads 3")
 
 
 def test_config_width_not_a_multiple_of_the_heads(broken):
@@ -309,6 +312,8 @@ def write_llama_gguf(path, **overrides):
             writer.add_string(name, value)
         elif isinstance(value, float):
             writer.add_float32(name, value)
+        elif value >= 1 << 31:
+            writer.add_uint64(name, value)
         else:
             writer.add_int32(name, value)
     writer.write_header_to_file()
@@ -323,7 +328,7 @@ def write_llama_gguf(path, **overrides):
     ({"embedding_length": 32.5}, ["llama.embedding_length", "32.5"]),
     ({"feed_forward_length": -48}, ["llama.feed_forward_length", "-48"]),
     ({"context_length": 0}, ["llama.context_length", "0"]),
-    ({"attention.head_count_kv": 3}, ["num_heads=4", "num_kv_heads=3"]),
+    ({"attention.head_count_kv": 3}, ["llama.attention.head_count 4", "llama.attention.head_count_kv 3"]),
     ({"attention.head_count": 5, "attention.head_count_kv": 5}, ["llama.embedding_length 32",
                                                                  "llama.attention.head_count 5"]),
     ({"attention.layer_norm_rms_epsilon": -1.0}, ["llama.attention.layer_norm_rms_epsilon", "-1.0"]),
@@ -335,3 +340,87 @@ def test_gguf_metadata_values(tmp_path, overrides, words):
     path = tmp_path / "values.gguf"
     write_llama_gguf(path, **overrides)
     load_fails(path, "values.gguf", *words)
+
+
+# -- dimensions past any real model's: refused where the loader first reads them, naming the key --
+
+@pytest.fixture
+def memory_capped():
+    """Address space capped at 1 GiB past what the process maps: a regression that sizes a
+    list by a hostile count fails with a MemoryError here instead of eating the machine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = int(re.search(r"VmSize:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_config_of_ten_billion_layers(tmp_path, memory_capped):
+    """The review's 200-byte config.json: Qwen2's per-layer window list would hold 10^10 entries."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 48,
+        "vocab_size": 64, "num_hidden_layers": 10**10, "use_sliding_window": True, "sliding_window": 4096}))
+    message = load_fails(tmp_path, "config.json", "num_hidden_layers", "10000000000", "at most 4096")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 4097), ("num_attention_heads", 1 << 17),
+                                          ("num_key_value_heads", 1 << 17), ("hidden_size", 1 << 21),
+                                          ("intermediate_size", 1 << 23), ("head_dim", 1 << 17),
+                                          ("vocab_size", 1 << 25)])
+def test_config_dimension_past_any_model(broken, field, value, memory_capped):
+    write_config(broken, **{field: value})
+    load_fails(broken, "config.json", field, str(value), "at most")
+
+
+@pytest.mark.parametrize("key, value", [("block_count", 10**10), ("attention.head_count", 1 << 17),
+                                        ("attention.head_count_kv", 1 << 17), ("embedding_length", 1 << 21),
+                                        ("feed_forward_length", 1 << 23), ("attention.key_length", 1 << 17),
+                                        ("vocab_size", 1 << 25)])
+def test_gguf_dimension_past_any_model(tmp_path, key, value, memory_capped):
+    path = tmp_path / "huge.gguf"
+    write_llama_gguf(path, **{key: value})
+    load_fails(path, "huge.gguf", f"llama.{key}", str(value), "at most")
+
+
+def test_nanochat_meta_of_ten_billion_layers(tmp_path, memory_capped):
+    from nanoinfer.loaders.nanochat import nanochat_config
+
+    meta = tmp_path / "meta_000001.json"
+    meta.write_text(json.dumps({"model_config": {"sequence_len": 64, "vocab_size": 32, "n_layer": 10**10,
+                                                 "n_head": 4, "n_kv_head": 4, "n_embd": 32}}))
+    with pytest.raises(CheckpointError, match=r"meta_000001.json: .*n_layer is 10000000000.*at most 4096"):
+        nanochat_config(meta)
+
+
+def test_llama2c_header_of_two_billion_layers(tmp_path, memory_capped):
+    path = tmp_path / "model.bin"
+    path.write_bytes(struct.pack("<7i", 32, 48, 2**31 - 1, 4, 2, 64, 64) + b"\0" * 64)
+    load_fails(path, "model.bin", "n_layers", str(2**31 - 1), "at most 4096")
+
+
+# -- a hostile value is named, not copied: error lines stay short ----------------------------
+
+HUGE = "x" * 1_000_000
+
+
+@pytest.mark.parametrize("fields, word", [({"hidden_size": HUGE}, "hidden_size"),
+                                          ({"architectures": [HUGE]}, "architecture"),
+                                          ({"architectures": HUGE}, "architectures"),
+                                          ({"rope_parameters": {"rope_type": "linear", "factor": HUGE}}, "factor"),
+                                          ({"rope_parameters": {"rope_type": HUGE}}, "rope scaling type"),
+                                          ({"rope_parameters": None, "rope_scaling": [HUGE]}, "rope_scaling"),
+                                          ({"rms_norm_eps": HUGE}, "rms_norm_eps"),
+                                          ({"bos_token_id": HUGE}, "bos_token_id")])
+def test_config_error_lines_stay_short(broken, fields, word):
+    write_config(broken, **fields)
+    message = load_fails(broken, "config.json", word, "xxx")
+    assert len(message) < 400 + len(str(broken)) and "\n" not in message, message[:1000]
+
+
+@pytest.mark.parametrize("key", ["block_count", "rope.scaling.type"])
+def test_gguf_error_lines_stay_short(tmp_path, key):
+    path = tmp_path / "long.gguf"
+    write_llama_gguf(path, **{key: HUGE})
+    message = load_fails(path, "long.gguf", f"llama.{key}" if key == "block_count" else "rope scaling type", "xxx")
+    assert len(message) < 400 + len(str(path)) and "\n" not in message, message[:1000]

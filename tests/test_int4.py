@@ -243,3 +243,12 @@ def test_int4_config_files_of_the_wrong_shape_are_named(file, text, words, tmp_p
         load_model(tmp_path, device="cpu", progress=False)
     message = str(info.value)
     assert all(w in message for w in words) and "\n" not in message, message
+
+
+def test_int4_error_lines_stay_short(tmp_path):
+    hf_model("llama", tied=False, num_layers=1, seed=1).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "q" * 10**6}}))
+    with pytest.raises(CheckpointError, match="quant_method is 'qqq") as info:
+        load_model(tmp_path, device="cpu", progress=False)
+    assert len(str(info.value)) < 400 + len(str(tmp_path)), str(info.value)[:1000]

@@ -9,7 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
-from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
+from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.config_checks import (MAX_DIMENSIONS, checkpoint_config, dimension, heads_share_kv_heads,
+                                     positive_number, shown, token_id)
 from nanoinfer.errors import CheckpointError
 from nanoinfer.layers import rope_inv_freq
 from nanoinfer.loaders.gguf_file import GGUFFile, TensorInfo, read_gguf
@@ -40,6 +42,12 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# The metadata's dimensions (after "{arch}.") -> ModelConfig's fields (whose MAX_DIMENSIONS bound them)
+GGUF_DIMENSIONS = {"vocab_size": "vocab_size", "embedding_length": "hidden_size",
+                   "feed_forward_length": "intermediate_size", "block_count": "num_layers",
+                   "attention.head_count": "num_heads", "attention.head_count_kv": "num_kv_heads",
+                   "attention.key_length": "head_dim", "rope.dimension_count": "head_dim",
+                   "context_length": "max_position_embeddings"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -57,7 +65,8 @@ def open_gguf(path: Path) -> GGUFFile:
 def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
     arch = gguf_file.string("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(path, f"GGUF architecture {arch!r} is not supported (expected one of {SUPPORTED_ARCHITECTURES})")
+        raise CheckpointError(path, f"GGUF architecture {shown(arch)} is not supported (expected one of "
+                                    f"{SUPPORTED_ARCHITECTURES})")
 
     def key(name, default=None):
         """A single value, not an array (dimension() and the rest check its kind); without a
@@ -68,12 +77,15 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         """A dimension from the metadata; `default` when the key is absent, if it has one."""
         if default is not None and f"{arch}.{name}" not in gguf_file.fields:
             return default
-        return dimension(f"{arch}.{name}", key(name), path)
+        return dimension(f"{arch}.{name}", key(name), path, MAX_DIMENSIONS.get(GGUF_DIMENSIONS[name]))
 
     def number(name, default) -> float:
         return positive_number(f"{arch}.{name}", key(name, default), path)
 
     num_heads = whole("attention.head_count")
+    num_kv_heads = whole("attention.head_count_kv", num_heads)
+    heads_share_kv_heads(path, f"{arch}.attention.head_count", num_heads, f"{arch}.attention.head_count_kv",
+                         num_kv_heads)
     hidden = whole("embedding_length")
     tokens = gguf_file.strings("tokenizer.ggml.tokens", [])
     names = {t.name: t for t in gguf_file.tensors}
@@ -86,11 +98,10 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
                                     f"{arch}.attention.head_count {num_heads}, and no {arch}.attention.key_length "
                                     "says how wide a head is")
-    eos = [gguf_file.scalar(f"tokenizer.ggml.{k}_token_id", -1) for k in ("eos", "eot", "eom")]
     scaling_type = key("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
-        raise CheckpointError(path, f"rope scaling type {scaling_type!r} is not supported (none, linear)")
-    bos = gguf_file.scalar("tokenizer.ggml.bos_token_id", None)
+        raise CheckpointError(path, f"rope scaling type {shown(scaling_type)} is not supported (none, linear)")
+    bos, eos = _special_ids(gguf_file, path)
     return checkpoint_config(
         path,
         architecture=arch,
@@ -99,7 +110,7 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         intermediate_size=whole("feed_forward_length"),
         num_layers=whole("block_count"),
         num_heads=num_heads,
-        num_kv_heads=whole("attention.head_count_kv", num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim or hidden // num_heads,
         rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=number("rope.freq_base", 10000.0),
@@ -108,11 +119,19 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         rope_scaling=RopeScaling("linear", number("rope.scaling.factor", None)) if scaling_type == "linear" else None,
         # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
         qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
-        bos_token_id=None if bos is None else token_id("tokenizer.ggml.bos_token_id", bos, path),
-        # (-1: the key is absent; llama.cpp writes no negative ids)
-        eos_token_ids=tuple(dict.fromkeys(token_id(f"tokenizer.ggml.{k}_token_id", e, path)
-                                          for k, e in zip(("eos", "eot", "eom"), eos) if e != -1)),
+        bos_token_id=bos,
+        eos_token_ids=eos,
     )
+
+
+def _special_ids(gguf_file: GGUFFile, path: Path) -> tuple[int | None, tuple[int, ...]]:
+    """(bos, the ids that end generation: eos, eot, eom) as the metadata names them."""
+    bos = gguf_file.scalar("tokenizer.ggml.bos_token_id", None)
+    ends = [(f"tokenizer.ggml.{k}_token_id", gguf_file.scalar(f"tokenizer.ggml.{k}_token_id", -1))
+            for k in ("eos", "eot", "eom")]
+    return (None if bos is None else token_id("tokenizer.ggml.bos_token_id", bos, path),
+            # (-1: the key is absent; llama.cpp writes no negative ids)
+            tuple(dict.fromkeys(token_id(key, e, path) for key, e in ends if e != -1)))
 
 
 DENSE_TYPES = frozenset(QT[name] for name in ("F32", "F16", "BF16"))

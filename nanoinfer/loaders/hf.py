@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from nanoinfer.config import ModelConfig, RopeScaling, checkpoint_config, dimension, positive_number, token_id
+from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.config_checks import (MAX_DIMENSIONS, checkpoint_config, cut, dimension, heads_share_kv_heads,
+                                     positive_number, shown, token_id)
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import json_kind, read_json_object
 from nanoinfer.loaders.params import build_params
@@ -36,6 +38,11 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# config.json's dimensions -> ModelConfig's fields (whose MAX_DIMENSIONS bound them)
+HF_DIMENSIONS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                 "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                 "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                 "max_position_embeddings": "max_position_embeddings"}
 
 
 def read_hf_config(directory: Path) -> ModelConfig:
@@ -57,12 +64,12 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "ro
     if not params:
         return None
     if not isinstance(params, Mapping):
-        raise CheckpointError(path, f"{name} is {params!r}: expected a JSON object")
+        raise CheckpointError(path, f"{name} is {shown(params)}: expected a JSON object")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return None
     if kind not in ("linear", "llama3"):
-        raise CheckpointError(path, f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+        raise CheckpointError(path, f"rope scaling type {shown(kind)} is not supported (default, linear, llama3)")
     try:
         if kind == "linear":
             return RopeScaling("linear", float(params["factor"]))
@@ -76,7 +83,7 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "ro
     except KeyError as exc:
         raise CheckpointError(path, f"{name} of type {kind!r} has no {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(path, f"{name} {dict(params)!r} is no usable {kind} scaling: {exc}") from None
+        raise CheckpointError(path, f"{name} {shown(dict(params))} is no usable {kind} scaling: {cut(str(exc))}") from None
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any]:
@@ -109,7 +116,8 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
         raise CheckpointError(path, f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
-        raise CheckpointError(path, f"layer type {unknown[0]!r} is not supported (full_attention, sliding_attention)")
+        raise CheckpointError(path, f"layer type {shown(unknown[0])} is not supported (full_attention, "
+                                    "sliding_attention)")
     windowed = tuple(t == "sliding_attention" for t in layer_types)
     if not any(windowed):
         return None, None
@@ -122,11 +130,11 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         raise CheckpointError(path, f"config.json holds {json_kind(cfg)}, expected a JSON object")
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list):
-        raise CheckpointError(path, f"architectures is {archs!r}: expected a list of class names")
+        raise CheckpointError(path, f"architectures is {shown(archs)}: expected a list of class names")
     arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(
-            path, f"architecture {archs!r} is not supported (expected one of {sorted(HF_ARCHITECTURES)})"
+            path, f"architecture {shown(archs)} is not supported (expected one of {sorted(HF_ARCHITECTURES)})"
         )
 
     def whole(name: str, default: int | None = None) -> int:
@@ -134,9 +142,11 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         value = cfg.get(name)
         if value is None and default is None:
             raise CheckpointError(path, f"config.json has no {name!r}")
-        return default if value is None else dimension(name, value, path)
+        return default if value is None else dimension(name, value, path, MAX_DIMENSIONS.get(HF_DIMENSIONS[name]))
 
     hidden, num_heads = whole("hidden_size"), whole("num_attention_heads")
+    num_kv_heads = whole("num_key_value_heads", num_heads)
+    heads_share_kv_heads(path, "num_attention_heads", num_heads, "num_key_value_heads", num_kv_heads)
     if cfg.get("head_dim") is None and hidden % num_heads:
         raise CheckpointError(path, f"hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}, "
                                     "and no head_dim says how wide a head is")
@@ -148,7 +158,7 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     except (KeyError, TypeError, ValueError) as exc:  # (max_window_layers, layer_types of the wrong kind)
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(path, f"its sliding window fields are of the wrong kind: {exc}") from exc
+        raise CheckpointError(path, f"its sliding window fields are of the wrong kind: {cut(str(exc))}") from exc
     if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
         raise CheckpointError(path, "attention_bias/mlp_bias on this architecture is not supported")
     return checkpoint_config(
@@ -159,7 +169,7 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         intermediate_size=whole("intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=whole("num_key_value_heads", num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=whole("head_dim", hidden // num_heads),
         rms_norm_eps=positive_number("rms_norm_eps", 1e-6 if eps is None else eps, path),
         rope_theta=positive_number("rope_theta", theta, path),

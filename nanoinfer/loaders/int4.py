@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from nanoinfer.config_checks import shown
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import json_kind, read_json_object
 from nanoinfer.quantized import GroupedWeight
@@ -61,24 +62,24 @@ def read_int4_format(directory: Path) -> Int4Format | None:
     if method not in METHODS:
         if method in ("fp8", ""):
             return None  # (FP8 checkpoints: nanoinfer/loaders/hf.py)
-        raise CheckpointError(config_file, f"quantization_config's quant_method is {method!r}: supported are "
+        raise CheckpointError(config_file, f"quantization_config's quant_method is {shown(method)}: supported are "
                                            f"{list(METHODS)} (4-bit) and fp8")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
-        raise CheckpointError(config_file, f"{method} checkpoint of {bits} bits: supported are 4-bit ones")
+        raise CheckpointError(config_file, f"{method} checkpoint of {shown(bits)} bits: supported are 4-bit ones")
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if not isinstance(group, int) or not (group == -1 or group > 0 and group % 8 == 0):
-        raise CheckpointError(config_file, f"{method} group_size {group!r}: expected -1 or a multiple of 8")
+        raise CheckpointError(config_file, f"{method} group_size {shown(group)}: expected -1 or a multiple of 8")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
-            raise CheckpointError(config_file, f"AWQ version {version!r}: supported is 'gemm' (AutoAWQ's default)")
+            raise CheckpointError(config_file, f"AWQ version {shown(version)}: supported is 'gemm' (AutoAWQ's default)")
         if qc.get("zero_point", True) is not True:
             raise CheckpointError(config_file, "AWQ without zero points: supported are checkpoints with them")
         return Int4Format("awq", group, 0)
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
-        raise CheckpointError(config_file, f"GPTQ checkpoint_format {fmt!r}: supported are 'gptq' and 'gptq_v2'")
+        raise CheckpointError(config_file, f"GPTQ checkpoint_format {shown(fmt)}: supported are 'gptq' and 'gptq_v2'")
     return Int4Format("gptq", group, 1 if fmt == "gptq" else 0)
 
 

@@ -25,13 +25,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoinfer.config import ModelConfig, checkpoint_config
+from nanoinfer.config import ModelConfig
+from nanoinfer.config_checks import MAX_DIMENSIONS, checkpoint_config, dimension
 from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model import Params
 
 MAGIC = 0x616B3432  # "ak42", little-endian, version 1 and later
 V1_HEADER = 256
+# The header's 7 ints (llama2.c's Config) -> ModelConfig's fields (whose MAX_DIMENSIONS bound them)
+HEADER_FIELDS = {"dim": "hidden_size", "hidden_dim": "intermediate_size", "n_layers": "num_layers",
+                 "n_heads": "num_heads", "n_kv_heads": "num_kv_heads", "vocab_size": "vocab_size",
+                 "seq_len": "max_position_embeddings"}
 
 
 def llama2c_config(path: Path) -> tuple[ModelConfig, int, bool]:
@@ -53,12 +58,12 @@ def llama2c_config(path: Path) -> tuple[ModelConfig, int, bool]:
         shared = dims[5] > 0
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = dims
     vocab = abs(vocab)
-    if min(dim, hidden, layers, heads, kv_heads, vocab, seq_len) <= 0 or dim % heads or heads % kv_heads \
-            or (dim // heads) % 2:
-        raise CheckpointError(path, f"header (dim={dim}, hidden_dim={hidden}, n_layers={layers}, n_heads={heads}, "
-                                    f"n_kv_heads={kv_heads}, vocab_size={vocab}, seq_len={seq_len}) does not "
-                                    "describe a Llama model: expected positive sizes, dim divisible by n_heads "
-                                    "into an even head size, n_heads by n_kv_heads")
+    for (name, field), value in zip(HEADER_FIELDS.items(), (dim, hidden, layers, heads, kv_heads, vocab, seq_len)):
+        dimension(name, value, path, MAX_DIMENSIONS.get(field))
+    if dim % heads or heads % kv_heads or (dim // heads) % 2:
+        raise CheckpointError(path, f"header (dim={dim}, n_heads={heads}, n_kv_heads={kv_heads}) does not describe "
+                                    "a Llama model: expected dim divisible by n_heads into an even head size, "
+                                    "n_heads by n_kv_heads")
     cfg = checkpoint_config(path, architecture="llama", vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
                             num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim // heads,
                             rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=seq_len,

@@ -17,13 +17,16 @@ from pathlib import Path
 
 import torch
 
-from nanoinfer.config import ModelConfig, checkpoint_config
+from nanoinfer.config import ModelConfig
+from nanoinfer.config_checks import MAX_DIMENSIONS, checkpoint_config, dimension, heads_share_kv_heads, shown
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import read_json_object
 from nanoinfer.nanochat import (ROPE_THETA, SMEAR_CHANNELS, VE_GATE_CHANNELS, NanochatLayerParams, NanochatParams,
                                 extra_layers)
 
-CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+# model_config's keys -> ModelConfig's fields (whose MAX_DIMENSIONS bound them)
+CONFIG_KEYS = {"sequence_len": "max_position_embeddings", "vocab_size": "vocab_size", "n_layer": "num_layers",
+               "n_head": "num_heads", "n_kv_head": "num_kv_heads", "n_embd": "hidden_size"}
 
 
 def checkpoint_files(path: Path) -> tuple[Path, Path] | None:
@@ -57,21 +60,22 @@ def nanochat_config(meta_file: Path) -> ModelConfig:
     if not meta_file.is_file():
         raise CheckpointError(meta_file, "missing: a nanochat checkpoint has meta_<step>.json beside its "
                                          "model_<step>.pt")
-    meta = read_json_object(meta_file, "nanochat's meta JSON")
-    try:
-        model = meta["model_config"]
-        values = {k: int(model[k]) for k in CONFIG_KEYS}
-        pattern = str(model.get("window_pattern", "L")).upper()  # (older checkpoints: every layer long)
-    except (KeyError, TypeError, ValueError) as exc:
+    model = read_json_object(meta_file, "nanochat's meta JSON").get("model_config")
+    missing = list(CONFIG_KEYS) if not isinstance(model, dict) else [k for k in CONFIG_KEYS if k not in model]
+    if missing:
         raise CheckpointError(meta_file, f"expected nanochat's meta JSON with model_config holding {list(CONFIG_KEYS)}: "
-                                         f"{exc!r}") from exc
+                                         f"it lacks {missing}")
+    # (each checked, and bounded, before the per-layer window list below is sized by n_layer)
+    values = {k: dimension(k, model[k], meta_file, MAX_DIMENSIONS.get(field)) for k, field in CONFIG_KEYS.items()}
     seq, layers, heads, kv_heads, hidden = (values[k] for k in ("sequence_len", "n_layer", "n_head", "n_kv_head",
                                                                  "n_embd"))
-    if not pattern or set(pattern) - {"S", "L"}:
-        raise CheckpointError(meta_file, f"window_pattern {pattern!r}: expected letters S and L")
-    if min(values.values()) <= 0 or hidden % heads or heads % kv_heads:
-        raise CheckpointError(meta_file, f"model_config {values} does not describe a model: expected positive "
-                                         "sizes, n_embd divisible by n_head, n_head by n_kv_head")
+    pattern = model.get("window_pattern", "L")  # (older checkpoints: every layer long)
+    if not isinstance(pattern, str) or not pattern or set(pattern.upper()) - {"S", "L"}:
+        raise CheckpointError(meta_file, f"window_pattern {shown(pattern)}: expected letters S and L")
+    pattern = pattern.upper()
+    if hidden % heads:
+        raise CheckpointError(meta_file, f"n_embd {hidden} is not a multiple of n_head {heads}")
+    heads_share_kv_heads(meta_file, "n_head", heads, "n_kv_head", kv_heads)
     short = -(-seq // 4 // 128) * 128  # (gpt.py: a quarter of the context, in whole 128s)
     windowed = tuple(pattern[i % len(pattern)] == "S" and i != layers - 1 for i in range(layers))
     head_dim = hidden // heads
