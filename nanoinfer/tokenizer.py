@@ -273,8 +273,9 @@ def read_llama2c_vocab(path: Path, vocab_size: int) -> tuple[list[str], list[flo
 
 
 def _per_token(values, key: str, n_tokens: int, path: str | Path) -> list | None:
-    """A `tokenizer.ggml.{key}` array as a list (None: absent), one value per token."""
-    if values is None:
+    """A `tokenizer.ggml.{key}` array as a list (None: absent, or empty as gguf-py's reader took it),
+    one value per token."""
+    if values is None or len(values) == 0:
         return None
     if len(values) != n_tokens:
         raise CheckpointError(path, f"GGUF metadata key 'tokenizer.ggml.{key}' holds {len(values)} values for "

@@ -102,6 +102,22 @@ def test_empty_arrays(tmp_path):
     assert header.fields["a.strings"] == [] and header.fields["a.floats"].shape == (0,)
 
 
+def test_an_empty_array_is_an_array_of_any_kind(tmp_path):
+    """An empty array's item type tells nothing (writers pick one; gguf-py's reader gave [] for
+    any): each typed read takes it, as strings, integers or numbers."""
+    def key(name, item_type):
+        return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<IIQ", V.ARRAY, item_type, 0)
+
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 3) + key("a.strings", V.STRING) + key("a.ints", V.INT32)
+                     + key("a.bools", V.BOOL))
+    header = read_gguf(path)
+    for name in ("a.strings", "a.ints", "a.bools"):
+        assert header.strings(name) == [], name
+        assert header.integers(name).shape == (0,) and header.integers(name).dtype.kind in "iu", name
+        assert header.numbers(name).shape == (0,) and header.numbers(name).dtype.kind in "iuf", name
+
+
 PEAK_GROWTH = """
 import json, re, sys
 from nanoinfer.loaders.gguf_file import read_gguf

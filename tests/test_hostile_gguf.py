@@ -14,6 +14,7 @@ import pytest
 
 from nanoinfer import CheckpointError
 from nanoinfer.loaders import gguf as gguf_loader
+from nanoinfer.loaders import gguf_file as gguf_file_module
 from nanoinfer.loaders.gguf_file import MAX_METADATA_OBJECTS, MAX_TENSORS, read_gguf
 
 V = gguf.GGUFValueType
@@ -147,6 +148,30 @@ def test_more_strings_than_the_budget(tmp_path, no_reader):
     path = tmp_path / "strings.gguf"
     path.write_bytes(gguf_file([kv("general.x", V.ARRAY, array(V.STRING, count, string("") * count))]))
     refused(path, "general.x", str(count), str(MAX_METADATA_OBJECTS))
+
+
+def test_more_keys_than_the_budget(tmp_path, no_reader):
+    """Each key is a Python object too: a header that does hold its keys (13 bytes each) is
+    refused past the budget before the first is read."""
+    count = MAX_METADATA_OBJECTS + 1
+    path = tmp_path / "keys.gguf"
+    path.write_bytes(gguf_file([kv("", V.UINT8, b"\0")] * count))
+    refused(path, "metadata keys", str(count), str(MAX_METADATA_OBJECTS))
+
+
+def test_keys_and_their_string_values_count_against_the_budget(tmp_path, no_reader, monkeypatch):
+    """The review's million distinct keys (26 MB) loaded whole, +151 MB with the budget at 1000:
+    keys and every string (a scalar's or an array's) are held to it together."""
+    monkeypatch.setattr(gguf_file_module, "MAX_METADATA_OBJECTS", 1000)
+    path = tmp_path / "keys.gguf"
+    path.write_bytes(gguf_file([kv(f"general.k{i}", V.UINT8, b"\0") for i in range(1001)]))
+    refused(path, "1001 metadata keys", "1000")
+    path.write_bytes(gguf_file([kv(f"general.k{i}", V.UINT8, b"\0") for i in range(1000)]))
+    assert len(read_gguf(path).fields) == 1000
+    path.write_bytes(gguf_file([kv(f"general.k{i}", V.STRING, string("v")) for i in range(501)]))
+    refused(path, "general.k499", "1000")  # (501 keys, then 500 strings)
+    path.write_bytes(gguf_file([kv(f"general.k{i}", V.STRING, string("v")) for i in range(500)]))
+    assert len(read_gguf(path).fields) == 500
 
 
 def test_numeric_arrays_are_views_past_the_budget(tmp_path, no_reader):

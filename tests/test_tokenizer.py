@@ -456,6 +456,24 @@ def test_a_gguf_per_token_array_of_the_wrong_length_is_named(key: str, tmp_path:
         Tokenizer.from_gguf(open_gguf(path), path)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_gguf_vocabulary_with_empty_arrays_of_another_item_type_loads(kind: str, tmp_path: Path) -> None:
+    """An empty token_type or scores (written as STRING) or merges (written as INT32) is absent,
+    as gguf-py's reader took it: the vocabulary loads with its defaults."""
+    from tests.test_hostile_gguf import array, gguf_file, kv, string
+
+    tokens = ["<unk>", "a", "b"]
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(gguf_file([
+        kv("tokenizer.ggml.model", V.STRING, string(kind)),
+        kv("tokenizer.ggml.tokens", V.ARRAY, array(V.STRING, 3, b"".join(string(t) for t in tokens))),
+        kv("tokenizer.ggml.token_type", V.ARRAY, array(V.STRING, 0, b"")),
+        kv("tokenizer.ggml.scores", V.ARRAY, array(V.STRING, 0, b"")),
+        kv("tokenizer.ggml.merges", V.ARRAY, array(V.INT32, 0, b""))]))
+    ours = Tokenizer.from_gguf(open_gguf(path), path)
+    assert ours.vocab_size == 3 and ours.decode(ours.encode("ab", add_special_tokens=False)) == "ab"
+
+
 def test_a_gguf_special_token_id_outside_the_vocabulary_is_ignored(tmp_path: Path) -> None:
     """As llama.cpp does ("bad special token"), rather than taking tokens[-1] for an id of -1."""
     path = small_vocab_gguf(tmp_path / "vocab.gguf", **{"tokenizer.ggml.bos_token_id": (-1, V.INT32, None),

@@ -86,7 +86,8 @@ class GGUFFile:
     data_offset: int  # where the data section starts
 
     # Typed reads: a key holding another kind of value is a CheckpointError naming the file and
-    # the key; a missing key is `default`, or an error when there is none.
+    # the key; a missing key is `default`, or an error when there is none. An empty array is an
+    # array of any kind (its item type tells nothing: writers pick one, and gguf-py gave [] for any).
 
     def scalar(self, key: str, default: Any = _REQUIRED) -> Any:
         """Any single value (not an array)."""
@@ -102,22 +103,25 @@ class GGUFFile:
         return self._typed(key, default, "a bool", lambda v: isinstance(v, bool))
 
     def strings(self, key: str, default: Any = _REQUIRED) -> list[str]:
-        return self._typed(key, default, "an array of strings", lambda v: isinstance(v, list))
+        return self._typed(key, default, "an array of strings", lambda v: isinstance(v, list), [])
 
     def integers(self, key: str, default: Any = _REQUIRED) -> np.ndarray:
         return self._typed(key, default, "an array of integers",
-                           lambda v: isinstance(v, np.ndarray) and v.dtype.kind in "iu")
+                           lambda v: isinstance(v, np.ndarray) and v.dtype.kind in "iu", np.empty(0, np.int32))
 
     def numbers(self, key: str, default: Any = _REQUIRED) -> np.ndarray:
         return self._typed(key, default, "an array of numbers",
-                           lambda v: isinstance(v, np.ndarray) and v.dtype.kind in "iuf")
+                           lambda v: isinstance(v, np.ndarray) and v.dtype.kind in "iuf", np.empty(0, np.float32))
 
-    def _typed(self, key: str, default: Any, expected: str, fits: Callable[[Any], bool]) -> Any:
+    def _typed(self, key: str, default: Any, expected: str, fits: Callable[[Any], bool], empty: Any = None) -> Any:
+        """`empty`: what an empty array reads as, for the array reads."""
         if key not in self.fields:
             if default is _REQUIRED:
                 raise CheckpointError(self.path, f"GGUF metadata key {key!r} is missing")
             return default
         value = self.fields[key]
+        if empty is not None and isinstance(value, (list, np.ndarray)) and len(value) == 0:
+            return empty
         if not fits(value):
             raise CheckpointError(self.path, f"GGUF metadata key {key!r} is {describe(value)}: expected {expected}")
         return value
@@ -241,6 +245,9 @@ def _read(header: _Header) -> GGUFFile:
     if tensor_count > header.left() // _MIN_TENSOR_INFO_BYTES:
         raise header.corrupt(f"it declares {tensor_count} tensors, but the {header.left()} bytes after its counts "
                              f"hold at most {header.left() // _MIN_TENSOR_INFO_BYTES}")
+    if kv_count > MAX_METADATA_OBJECTS:
+        raise CheckpointError(header.path, f"it declares {kv_count} metadata keys, past the {MAX_METADATA_OBJECTS} "
+                                           "keys and strings this loader reads (real headers hold under 1M)")
     if tensor_count > MAX_TENSORS:
         raise CheckpointError(header.path, f"it declares {tensor_count} tensors, past the {MAX_TENSORS} this loader "
                                            "reads (real models hold a few thousand)")
@@ -251,7 +258,7 @@ def _read(header: _Header) -> GGUFFile:
 
 
 def _read_metadata(header: _Header, kv_count: int) -> dict[str, MetadataValue]:
-    fields, objects = {}, kv_count
+    fields, objects = {}, kv_count  # (the Python objects read: the keys, and each string as it comes)
     for index in range(kv_count):
         key = header.string(f"the name of metadata key {index}")
         if key in fields:
@@ -266,21 +273,26 @@ def _read_metadata(header: _Header, kv_count: int) -> dict[str, MetadataValue]:
             least = count * (_STRING_BYTES if item == GGUFValueType.STRING else _NUMPY[item].itemsize)
             header.need(least, f"{what}, {count} {item.name} items,")
             if item == GGUFValueType.STRING:
-                objects += count
-                if objects > MAX_METADATA_OBJECTS:
-                    raise CheckpointError(header.path, f"{what} holds {count} strings, taking the metadata past the "
-                                                       f"{MAX_METADATA_OBJECTS} keys and strings this loader reads "
-                                                       "(real vocabularies and merges come to under 1M)")
+                objects = _within_budget(header, objects + count, f"{what} holds {count} strings")
                 fields[key] = header.strings(count, what)
             else:
                 fields[key] = header.view(_NUMPY[item], count)
         elif kind == GGUFValueType.STRING:
+            objects = _within_budget(header, objects + 1, f"{what} holds a string")
             fields[key] = header.string(what)
         else:
             fields[key] = header.scalar(_SCALARS[kind], what)
         if key == "general.alignment":
             _check_alignment(header, kind, fields[key])
     return fields
+
+
+def _within_budget(header: _Header, objects: int, what: str) -> int:
+    """`objects`, the keys and strings read so far with those `what` adds, unless past the budget."""
+    if objects > MAX_METADATA_OBJECTS:
+        raise CheckpointError(header.path, f"{what}, taking the metadata past the {MAX_METADATA_OBJECTS} keys and "
+                                           "strings this loader reads (real vocabularies and merges come to under 1M)")
+    return objects
 
 
 def _check_alignment(header: _Header, kind: GGUFValueType, alignment: MetadataValue) -> None:
