@@ -61,7 +61,8 @@ class EngineCore:
         self.steps_in_flight = self.executor.steps_in_flight if self.async_scheduling else 0
         self.scheduler = Scheduler(config.scheduler, blocks, self.executor, self.steps_in_flight)
         self.limits = RequestLimits(cfg.vocab_size, self.max_model_len, config.scheduler.max_num_seqs,
-                                    blocks.block_size, blocks.num_blocks)
+                                    blocks.block_size, blocks.num_blocks,
+                                    max_model_len if max_model_len > self.max_model_len else None)
         self.resolver = Resolver(self.scheduler, cfg.eos_token_ids)
         self.timer = StepTimer(config.nvtx and self.device.type == "cuda")
         self.speculator = None

@@ -21,6 +21,7 @@ class RequestLimits:
     max_num_seqs: int
     block_size: int
     num_blocks: int  # the KV pool's (on the device)
+    context_length: int | None = None  # the model's (or max_model_len's) where the pool holds fewer tokens
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, or RequestError naming what makes it impossible to serve (the
@@ -38,8 +39,11 @@ class RequestLimits:
             raise RequestError(f"prompt token id {bad[0]!r} is out of range: expected 0 <= id < {vocab}",
                                param="prompt")
         if len(ids) >= limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={limit}",
-                               param="prompt")
+            raise RequestError(f"the prompt has {len(ids)} tokens: expected fewer than max_model_len={limit}"
+                               f"{self._pool_bound()}", param="prompt")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit and self.context_length:
+            raise RequestError(f"the request needs {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                               f"{params.max_tokens} in the completion){self._pool_bound()}", param="max_tokens")
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             # As vLLM (and OpenAI) answer: never cut the completion short without saying so.
             raise RequestError(
@@ -57,6 +61,13 @@ class RequestLimits:
                 f"(n={params.n}, {self.max_total(ids, params)} each) but the pool holds "
                 f"{self.num_blocks * self.block_size}: lower max_tokens or raise num_blocks", param="max_tokens")
         return ids
+
+    def _pool_bound(self) -> str:
+        """Why the limit is lower than the model's context, if it is."""
+        if not self.context_length:
+            return ""
+        return (f", but the KV cache holds {self.max_model_len} tokens, less than the model's context of "
+                f"{self.context_length}: lower max_tokens or raise num_blocks / kv_cache_memory")
 
     def max_total(self, ids: Sequence[int], params: SamplingParams) -> int:
         """The most tokens (prompt and output) one of the request's completions may hold."""
