@@ -5,12 +5,14 @@ import json
 import subprocess
 import sys
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from nanoinfer import CheckpointError, RequestError, SamplingParams
-from nanoinfer.loaders import LoadConfig
+from nanoinfer.loaders import LoadConfig, load_model
 from nanoinfer.sampling_defaults import from_gguf
 from runtime.llm import LLM
 
@@ -83,6 +85,44 @@ def test_a_gguf_files_sampling_keys():
     assert from_gguf(meta.get, "m.gguf") == {"temperature": 0.7, "top_k": 40, "repetition_penalty": 1.1}
     with pytest.raises(CheckpointError, match="m.gguf.*top_p"):
         from_gguf({"general.sampling.top_p": 7.0}.get, "m.gguf")
+
+
+def recommending_gguf(path, **sampling):
+    """A tiny llama GGUF (config, a byte-level vocabulary, an embedding) with `sampling` keys
+    (their suffix after "general.sampling." -> (value, GGUF value type, item type or None))."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(48)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("a") + i) for i in range(16)])
+    for name, (value, value_type, item_type) in sampling.items():
+        writer.add_key_value(f"general.sampling.{name}", value, value_type, sub_type=item_type)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_files_sampling_keys_through_load_model(tmp_path):
+    """load_model's GGUF branch reads the keys from the file's header: llama.cpp's writers type
+    temp as FLOAT32 and top_k as INT32."""
+    V = gguf.GGUFValueType
+    path = recommending_gguf(tmp_path / "m.gguf", temp=(0.5, V.FLOAT32, None), top_k=(40, V.INT32, None))
+    model = load_model(path, device="cpu", load_format="dummy", progress=False)
+    assert dict(model.sampling_defaults) == {"temperature": 0.5, "top_k": 40}
+    assert dict(load_model(path, device="cpu", load_format="dummy", progress=False,
+                           generation_config="none").sampling_defaults) == {}
+    bad = recommending_gguf(tmp_path / "bad.gguf", temp=([0.5, 0.7], V.ARRAY, V.FLOAT32))
+    with pytest.raises(CheckpointError) as info:
+        load_model(bad, device="cpu", load_format="dummy", progress=False)
+    message = str(info.value)
+    assert "bad.gguf" in message and "'general.sampling.temp'" in message and "\n" not in message, message
 
 
 def test_the_cli_takes_the_recommendation_unless_a_flag_is_given(tiny_dir):

@@ -43,8 +43,8 @@ def main():
         from nanoinfer.loaders.gguf import gguf_config, open_gguf
         from nanoinfer.tokenizer import Tokenizer
 
-        reader = open_gguf(path)
-        cfg, tokenizer = gguf_config(reader, path), Tokenizer.from_gguf(reader, path)
+        header = open_gguf(path)
+        cfg, tokenizer = gguf_config(header, path), Tokenizer.from_gguf(header, path)
     print(f"checkpoint: {path}")
     print(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
     print(f"tensor types: {dict(tensor_types(path))}")
