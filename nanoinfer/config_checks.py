@@ -1,4 +1,4 @@
-"""Checks of the values a checkpoint's file gives its model: each refused with the file's key, the value and the allowed range.
+"""Checks of the values a checkpoint gives its model, each refused naming the file's key, the value and the range.
 
 A loader reads each field of its file through these, naming the file's key and the file
 (`path`: the refusal is then a CheckpointError, itself a ValueError); ModelConfig checks

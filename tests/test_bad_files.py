@@ -424,3 +424,9 @@ def test_gguf_error_lines_stay_short(tmp_path, key):
     write_llama_gguf(path, **{key: HUGE})
     message = load_fails(path, "long.gguf", f"llama.{key}" if key == "block_count" else "rope scaling type", "xxx")
     assert len(message) < 400 + len(str(path)) and "\n" not in message, message[:1000]
+
+
+def test_index_error_lines_stay_short(broken):
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {HUGE: "/" + HUGE}}))
+    message = load_fails(broken, "model.safetensors.index.json", "weight_map", "xxx")
+    assert len(message) < 400 + len(str(broken)) and "\n" not in message, message[:1000]

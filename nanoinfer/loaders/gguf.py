@@ -233,7 +233,7 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, 
     used_biases = ("attn_q.bias", "attn_k.bias", "attn_v.bias") if cfg.qkv_bias else ()
     for name in tensors:
         if name.endswith(".bias") and name.split(".", 2)[-1] not in used_biases:
-            raise CheckpointError(path, f"tensor {name!r} is a bias this {cfg.architecture} model has no place "
+            raise CheckpointError(path, f"tensor {shown(name)} is a bias this {cfg.architecture} model has no place "
                                         "for (supported: q/k/v biases)")
 
     def dequant(tensor: TensorInfo) -> torch.Tensor:

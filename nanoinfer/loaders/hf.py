@@ -83,7 +83,8 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "ro
     except KeyError as exc:
         raise CheckpointError(path, f"{name} of type {kind!r} has no {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(path, f"{name} {shown(dict(params))} is no usable {kind} scaling: {cut(str(exc))}") from None
+        raise CheckpointError(path, f"{name} {shown(dict(params))} is no usable {kind} scaling: "
+                                    f"{cut(str(exc))}") from None
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any]:
@@ -199,8 +200,8 @@ def _weight_map(directory: Path) -> dict[str, Path]:
         for name, shard in mapping.items():
             # (a shard is a file of this directory: an index must not reach beyond it)
             if not isinstance(shard, str) or Path(shard).is_absolute() or ".." in Path(shard).parts:
-                raise CheckpointError(index, f"weight_map gives {name!r} the shard {shard!r}: expected a file "
-                                             "name inside the model's directory")
+                raise CheckpointError(index, f"weight_map gives {shown(name)} the shard {shown(shard)}: expected a "
+                                             "file name inside the model's directory")
         files = {name: directory / shard for name, shard in mapping.items()}
         for shard in set(files.values()):
             if not shard.is_file():
