@@ -30,6 +30,7 @@ class AsyncEngine(RequestBook):
         self.model, self.tokenizer = model, model.tokenizer
         self.engine = engine if engine is not None else LLMEngine(model, config)
         self.core = self.engine.core
+        self.max_model_len = self.core.limits.max_model_len  # the longest prompt and output a request may have
         self._stats = self.engine.stats()
         self._worker: Worker | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -66,11 +67,6 @@ class AsyncEngine(RequestBook):
         if report.fatal is not None and self._fatal is None:
             self._fatal = report.fatal
         self._deliver(report.outputs)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt and output a request may have."""
-        return self.core.limits.max_model_len
 
     @property
     def healthy(self) -> bool:

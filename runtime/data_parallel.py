@@ -132,6 +132,7 @@ class DataParallelEngine(RequestReader):
                                     config.enable_prefix_caching)
         self.grammars = _ReplicasGrammars(self.replicas)
         self._requests = _FrontRequests(self.model, limits, self.grammars)
+        self.max_model_len = limits.max_model_len  # the longest prompt and output (the smallest replica's)
         self._replica_of: weakref.WeakKeyDictionary[RequestHandle, ReplicaClient] = weakref.WeakKeyDictionary()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -150,11 +151,6 @@ class DataParallelEngine(RequestReader):
             self.abort_all()
         self._loop = None
         await asyncio.to_thread(stop_all, self.replicas)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt and output a request may have (the replicas' smallest pool's)."""
-        return self._requests.limits.max_model_len
 
     @property
     def healthy(self) -> bool:

@@ -17,10 +17,12 @@ import asyncio
 import io
 import itertools
 import multiprocessing
+import pickle
 import socket
 import struct
 import subprocess
 import threading
+import time
 from typing import Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -28,7 +30,6 @@ from multiprocessing.reduction import ForkingPickler
 
 from runtime import dp_messages as msg
 from runtime.engine.llm_engine import EngineError
-from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState
 from runtime.executor.tp_processes import RankProcess, _environment, _python
 from runtime.request_book import RequestBook, RequestHandle
@@ -43,39 +44,6 @@ class ReplicaLost(EngineError):
 
 class ReplicaProcess(RankProcess):
     label = "dp replica"
-
-
-class RemoteRequest:
-    """The front's view of a request that a replica runs: what a RequestHandle's consumer and the server read of
-    it (ids, prompt, params, counts, how each completion ended, the replica's timings), kept from its outputs."""
-
-    def __init__(self, state: RequestState, key: int):
-        self.key = key
-        self.request_id, self.prompt, self.prompt_ids, self.params = (state.request_id, state.prompt,
-                                                                      state.prompt_ids, state.params)
-        self.priority, self.stream, self.arrival = state.priority, state.stream, state.arrival
-        self.owner: RequestHandle | None = None
-        self._prompt_ids = tuple(state.prompt_ids)  # (every output carries them: one tuple)
-        self.finish_reasons: list[str | None] = [None] * state.params.n
-        self.num_output_tokens, self.cached_tokens = 0, 0
-        self.scheduled_at = self.first_token_at = self.finished_at = None
-        self.token_gaps: tuple[float, ...] = ()
-
-    @property
-    def finished(self) -> bool:
-        return None not in self.finish_reasons
-
-    def absorb(self, out: RequestOutput, timing: msg.Timing | None) -> RequestOutput:
-        """Take in one of the replica's outputs; the output as the consumer reads it (the prompt put back)."""
-        self.cached_tokens = out.num_cached_tokens
-        for c in out.outputs:
-            self.num_output_tokens += len(c.token_ids)
-            if c.finish_reason is not None and self.finish_reasons[c.index] is None:
-                self.finish_reasons[c.index] = c.finish_reason
-        if timing is not None:
-            self.scheduled_at, self.first_token_at, self.finished_at, self.token_gaps = timing
-        return RequestOutput(out.request_id, self.prompt, self._prompt_ids, out.outputs, out.finished,
-                             out.prompt_logprobs, out.num_cached_tokens, out.error)
 
 
 def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, Connection]:
@@ -111,7 +79,10 @@ class ReplicaClient(RequestBook):
         self.name = "the engine process" if alone else f"data-parallel replica {index}"
         self.ready: msg.Ready | None = None
         self._keys = itertools.count()
-        self._remote: dict[int, RemoteRequest] = {}  # by key, until retired here
+        # The front's state of each request the replica runs (it files the replica's progress, detokenizes and
+        # matches stop strings), by key, and each one's key, until retired here.
+        self._states: dict[int, RequestState] = {}
+        self._key_of: dict[int, int] = {}  # id(state) -> key
         self._compiles: dict[int, Future] = {}  # by key, until the replica answers
         self._send_lock = threading.Lock()
         self._stats: dict = {}
@@ -126,7 +97,7 @@ class ReplicaClient(RequestBook):
         while True:
             if self.conn.poll(0.1):
                 try:
-                    message = self.conn.recv()
+                    message = msg.unframe(self.conn.recv_bytes())
                 except (EOFError, OSError):
                     self.process.proc.wait(EXIT_WAIT)
                     raise self.lost(starting=True)
@@ -137,22 +108,18 @@ class ReplicaClient(RequestBook):
             if self.process.exit_code() is not None:
                 raise self.lost(starting=True)
 
-    @property
-    def peers(self) -> tuple[ReplicaClient, ...]:
-        """The front's other replicas."""
-        return tuple(r for r in self._group if r is not self)
-
     def lost(self, starting: bool = False) -> ReplicaLost:
         """The error that reports this (exited) replica: its exit code and its output's last lines."""
         how, last = self.process.exit_and_tail()
         if starting:
             return ReplicaLost(f"{self.name} exited while starting ({how}); {last}")
         # (a peer dying at the same time may not be marked unhealthy yet: its process has exited, though)
-        serving = [p.index for p in self.peers if p.healthy and p.process.exit_code() is None]
+        peers = [r for r in self._group if r is not self]
+        serving = [p.index for p in peers if p.healthy and p.process.exit_code() is None]
         left = (f"replica {', '.join(map(str, serving))} serves on" if len(serving) == 1 else
                 f"replicas {', '.join(map(str, serving))} serve on" if serving else
                 "no replica is left to serve (restart the server)")
-        if not self.peers:  # (alone: nothing serves on, and the server says so at /health)
+        if not peers:  # (alone: nothing serves on, and the server says so at /health)
             return ReplicaLost(f"{self.name} exited ({how}): its requests failed (restart the server); {last}")
         return ReplicaLost(f"{self.name} exited ({how}): its requests failed, {left}; {last}")
 
@@ -172,10 +139,11 @@ class ReplicaClient(RequestBook):
     # -- to the replica ----------------------------------------------------------------------------
 
     def enqueue(self, state: RequestState) -> RequestHandle:
-        """Book a request checked by the front (`state`) and send it to the replica."""
-        remote = RemoteRequest(state, next(self._keys))
-        self._remote[remote.key] = remote
-        return self._add(remote)
+        """Book a request checked by the front (`state`, whose tokenizer detokenizes its outputs here) and send
+        it to the replica."""
+        key = next(self._keys)
+        self._states[key], self._key_of[id(state)] = state, key
+        return self._add(state)
 
     def post(self, message) -> bool:
         """Send `message` (runtime/dp_messages.py); False if the replica is gone (its reader reports that)."""
@@ -188,12 +156,15 @@ class ReplicaClient(RequestBook):
 
     def _command(self, command: Submit | Abort) -> None:
         """The RequestBook's commands, as the replica reads them."""
-        remote: RemoteRequest = command.request
+        state: RequestState = command.request
+        key = self._key_of.get(id(state))
+        if key is None:
+            return  # (retired here already)
         if isinstance(command, Abort):
-            self.post(msg.Abort(remote.key))
+            self.post(msg.Abort(key))
         else:
-            self.post(msg.Submit(remote.key, remote.request_id, remote.prompt, remote.prompt_ids, remote.params,
-                                  remote.priority, remote.stream))
+            self.post(msg.Submit(key, state.request_id, state.prompt, state.prompt_ids, state.params, state.priority,
+                                  state.stream))
 
     def compile(self, spec) -> Future:
         """The grammar compiled in the replica: a future of None, or of the RequestError naming what is wrong."""
@@ -215,7 +186,7 @@ class ReplicaClient(RequestBook):
         replica's loss (unless it was told to stop)."""
         while True:
             try:
-                message = self.conn.recv()
+                message = msg.unframe(self.conn.recv_bytes())
             except (EOFError, OSError):
                 break
             if isinstance(message, msg.Compiled):
@@ -238,13 +209,27 @@ class ReplicaClient(RequestBook):
                 future.set_exception(error)
         _call_soon(self._loop, self._on_lost, error)
 
-    def _on_report(self, report: msg.Report) -> None:
-        """On the loop: the counts, the engine's health, each output to its consumer."""
+    def _on_report(self, report: msg.Step) -> None:
+        """On the loop: the counts, the engine's health, each request's progress filed into its state and what
+        is new handed to its consumer; a stop string matched here ends that completion in the replica too."""
         self._stats = report.stats
         if report.fatal is not None and self._fatal is None:
-            self._fatal = report.fatal
-        remote = self._remote
-        self._deliver([(r, r.absorb(o.output, o.timing)) for o in report.outputs if (r := remote.get(o.key))])
+            self._fatal = pickle.loads(report.fatal)
+        now, states, touched = time.monotonic(), self._states, {}
+        for advance in report.advances:
+            state = states.get(advance.key)
+            if state is not None:  # (else aborted here: its progress was on its way)
+                state.file(advance.progress(), now)
+                touched[advance.key] = state
+        outputs = []
+        for key, state in touched.items():
+            out = state.take()
+            for index in state.stopped:
+                self.post(msg.Abort(key, index, "stop"))
+            state.stopped.clear()
+            if out is not None:
+                outputs.append((state, out))
+        self._deliver(outputs)
 
     def _on_lost(self, error: ReplicaLost) -> None:
         """On the loop: every request of the replica fails with `error`; nothing new comes here."""
@@ -255,7 +240,8 @@ class ReplicaClient(RequestBook):
 
     def _retire(self, request: RequestHandle) -> None:
         super()._retire(request)
-        self._remote.pop(request.state.key, None)
+        key = self._key_of.pop(id(request.state), None)
+        self._states.pop(key, None)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

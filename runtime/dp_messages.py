@@ -1,10 +1,14 @@
-"""What the data-parallel front and a replica process say to each other: every message type, in one place.
+"""What a front and its engine processes say to each other: every message type, in one place.
 
-The front (runtime/data_parallel.py, runtime/dp_client.py) and each replica (runtime/dp_replica.py) share one
-socket, framed and pickled by multiprocessing.connection. A request crosses as its key (the front's number for
-it, never reused: an output of an aborted request that was on its way is dropped by key) and what the engine
-needs, already tokenized and checked; its outputs come back as RequestOutputs (the replica detokenizes), and its
-timings with its last one. Exceptions cross as themselves where they pickle, else as EngineError with their text.
+The front (runtime/data_parallel.py, runtime/dp_client.py: a server's HTTP process) and each engine process
+(runtime/dp_replica.py: data parallelism's replicas, or a server's one engine apart from its front) share one
+socket, framed by multiprocessing.connection. A request crosses as its key (the front's number for it, never
+reused: progress of an aborted request that was on its way is dropped by key) and what the engine needs, already
+tokenized and checked. What comes back at every step is one typed message, `Step` (msgspec's msgpack: no pickle
+on the hot path): every completion's progress — its new token, its end, its logprobs — which the front files into
+its own RequestState, detokenizing and matching stop strings there (as vLLM's front does), so that the engine's
+process spends its time on steps. The rare messages (the engine's readiness, a failure, a grammar's compile,
+commands) are pickled. Exceptions cross as themselves where they pickle, else as EngineError with their text.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import pickle
 from typing import Any, NamedTuple
 
+import msgspec
+
 from nanoinfer.loaders import LoadConfig, LoadedModel
 from nanoinfer.sampling import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine.outputs import RequestOutput
+from runtime.engine.outputs import Progress, TokenLogprob, TokenOutput
 from runtime.engine.request_limits import RequestLimits
 
 # -- the replica's arguments, on its stdin (runtime/executor/tp_processes.py's way: shared weights by handle) --
@@ -50,27 +56,56 @@ class Failed(NamedTuple):
     error: BaseException
 
 
-class Timing(NamedTuple):
-    """A request's milestones in the replica (time.monotonic(): one clock for every process of the host)."""
+class Advance(msgspec.Struct, array_like=True, gc=False):
+    """One completion's progress in one step (runtime/engine/outputs.py's Progress, keyed by its request's key)."""
 
-    scheduled_at: float | None
-    first_token_at: float | None
-    finished_at: float | None
-    token_gaps: tuple[float, ...]
-
-
-class Output(NamedTuple):
     key: int
-    output: RequestOutput
-    timing: Timing | None  # with the request's last output
+    index: int
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    error: bytes | None = None  # the pickled (portable) exception the engine failed the request with
+    scheduled_at: float | None = None  # time.monotonic(): one clock for every process of the host
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, key: int, out: TokenOutput) -> "Advance":
+        seq = out.seq
+        return cls(key, seq.index, out.token_id, out.finished, seq.finish_reason, out.logprob, out.prompt_logprobs,
+                   None if seq.error is None else pickle.dumps(portable(seq.error)), seq.scheduled_at,
+                   seq.num_cached_tokens)
+
+    def progress(self) -> Progress:
+        return Progress(self.index, self.token_id, self.finished, self.finish_reason, self.logprob,
+                        self.prompt_logprobs, None if self.error is None else pickle.loads(self.error),
+                        self.scheduled_at, self.cached_tokens)
 
 
-class Report(NamedTuple):
-    """After each step or command, as AsyncEngine's worker reports (runtime/worker.py's StepReport)."""
+class Step(msgspec.Struct, array_like=True, gc=False):
+    """After each step or command, as AsyncEngine's worker reports (runtime/worker.py's StepReport): one message."""
 
-    outputs: tuple[Output, ...]
-    stats: dict
-    fatal: BaseException | None  # the replica's engine is dead: every request of it was failed
+    advances: list[Advance]
+    stats: dict[str, Any]
+    fatal: bytes | None = None  # pickled: the engine is dead, every request of it was failed
+
+
+# Framing: one tag byte, then a Step in msgpack or any other message pickled.
+_STEP, _PICKLED = b"S", b"P"
+_encode_step = msgspec.msgpack.Encoder().encode
+_decode_step = msgspec.msgpack.Decoder(Step).decode
+
+
+def frame(message) -> bytes:
+    """`message` as the bytes that cross the socket."""
+    return _STEP + _encode_step(message) if isinstance(message, Step) else _PICKLED + pickle.dumps(message)
+
+
+def unframe(data: bytes):
+    """The message `frame` made."""
+    body = memoryview(data)[1:]
+    return _decode_step(body) if data[:1] == _STEP else pickle.loads(body)
 
 
 class Compiled(NamedTuple):
@@ -93,6 +128,8 @@ class Submit(NamedTuple):
 
 class Abort(NamedTuple):
     key: int
+    index: int | None = None  # one completion (its front matched a stop string), else the whole request
+    reason: str = "abort"
 
 
 class Compile(NamedTuple):

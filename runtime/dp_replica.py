@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pickle
 import queue
 import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import torch
 
@@ -52,23 +54,44 @@ def build(args: msg.ReplicaArgs) -> LLMEngine:
     return engine
 
 
+class Refused(NamedTuple):
+    state: RequestState
+    error: BaseException
+
+
+class StepTokens:
+    """The worker's Outputs here (runtime/worker.py): each step's TokenOutputs as the core made them, a refused
+    request as Refused; the front files them into its own RequestState (text, stop strings)."""
+
+    def step(self, engine: LLMEngine) -> list:
+        return engine.step_tokens()
+
+    def refused(self, state: RequestState, error: BaseException) -> Refused:
+        return Refused(state, error)
+
+    def failed(self, engine: LLMEngine, error: BaseException) -> list:
+        return engine.core.fail_all(error)
+
+
 class Replica:
     """One engine behind the front's socket: commands in (main thread), reports out (the worker's thread)."""
 
     def __init__(self, engine: LLMEngine, conn: Connection):
         self.engine, self.conn = engine, conn
         self._send_lock = threading.Lock()  # (the worker, the grammar compiler and the main thread all send)
-        self._states: dict[int, RequestState] = {}  # by the front's key, until their last output went out
-        # The worker hands each report over and steps on; this thread pickles and sends it (while the step
+        # By the front's key, until every completion of it has ended: its state here, its unfinished completions.
+        self._states: dict[int, tuple[RequestState, set[int]]] = {}
+        # The worker hands each report over and steps on; this thread encodes and sends it (while the step
         # waits for the device, which releases the interpreter's lock).
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_reports, daemon=True, name="nanoinfer-dp-send")
-        self.worker = Worker(engine, self._reports.put)
+        self.worker = Worker(engine, self._reports.put, StepTokens())
 
     def send(self, message) -> None:
+        data = msg.frame(message)
         with self._send_lock:
             try:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
             except OSError:  # the front is gone: the main thread's read ends this process
                 pass
 
@@ -95,15 +118,17 @@ class Replica:
 
     def _command(self, command) -> None:
         if isinstance(command, msg.Submit):
-            state = RequestState(command.request_id, command.prompt, command.prompt_ids, command.params,
-                                 self.engine.tokenizer, priority=command.priority, stream=command.stream)
+            # (no tokenizer: the front detokenizes; this state only names the request to the core)
+            state = RequestState(command.request_id, command.prompt, command.prompt_ids, command.params, None,
+                                 priority=command.priority, stream=command.stream)
             state.owner = command.key
-            self._states[command.key] = state
+            self._states[command.key] = (state, set(range(command.params.n)))
             self.worker.submit(Submit(state))
         elif isinstance(command, msg.Abort):
-            state = self._states.pop(command.key, None)
-            if state is not None:
-                self.worker.submit(Abort(state))
+            entry = self._states.get(command.key)
+            if entry is not None:
+                self._ended(command.key, command.index)
+                self.worker.submit(Abort(entry[0], command.index, command.reason))
         elif isinstance(command, msg.Compile):
             self._compile(command)
         elif isinstance(command, msg.PrepareGrammars):
@@ -125,17 +150,31 @@ class Replica:
             self._report(report)
 
     def _report(self, report: StepReport) -> None:
-        """The step's outputs, without the prompt the front has already."""
-        outputs = []
-        for state, out in report.outputs:
-            timing = None
-            if out.finished:
-                self._states.pop(state.owner, None)
-                timing = msg.Timing(state.scheduled_at, state.first_token_at, state.finished_at,
-                                    tuple(state.token_gaps))
-            out = dataclasses.replace(out, prompt=None, prompt_token_ids=(), error=msg.portable(out.error))
-            outputs.append(msg.Output(state.owner, out, timing))
-        self.send(msg.Report(tuple(outputs), report.stats, msg.portable(report.fatal)))
+        """The step's progress as one message: a TokenOutput each, a refused request's end per completion."""
+        advances = []
+        for item in report.outputs:
+            if isinstance(item, Refused):
+                state = item.state
+                failed = pickle.dumps(msg.portable(item.error))
+                advances += [msg.Advance(state.owner, i, None, True, "error", error=failed)
+                             for i in range(state.params.n)]
+                self._ended(state.owner)
+                continue
+            key = item.seq.request.owner
+            advances.append(msg.Advance.of(key, item))
+            if item.finished:
+                self._ended(key, item.seq.index)
+        fatal = None if report.fatal is None else pickle.dumps(msg.portable(report.fatal))
+        self.send(msg.Step(advances, report.stats, fatal))
+
+    def _ended(self, key: int, index: int | None = None) -> None:
+        """Completion `index` (or every one) of request `key` has ended here: the request is forgotten with
+        its last."""
+        entry = self._states.get(key)
+        if entry is not None:
+            entry[1].difference_update(range(entry[0].params.n) if index is None else (index,))
+            if not entry[1]:
+                del self._states[key]
 
 
 def main(argv: list[str]) -> None:
@@ -148,7 +187,7 @@ def main(argv: list[str]) -> None:
     try:
         engine = build(args)
     except Exception as exc:
-        conn.send(msg.Failed(msg.portable(exc)))
+        conn.send_bytes(msg.frame(msg.Failed(msg.portable(exc))))
         from nanoinfer.errors import NanoInferError
 
         if isinstance(exc, NanoInferError):  # (a bad checkpoint or setting: the front raises it, once)

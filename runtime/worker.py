@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState
 
 log = logging.getLogger("nanoinfer.engine")
@@ -27,6 +26,8 @@ class Submit(NamedTuple):
 
 class Abort(NamedTuple):
     request: RequestState
+    index: int | None = None  # one completion (a stop string its front matched), else the whole request
+    reason: str = "abort"
 
 
 class _Stop(NamedTuple):
@@ -36,17 +37,46 @@ class _Stop(NamedTuple):
 class StepReport(NamedTuple):
     """Delivered to the event loop after every step or command."""
 
-    outputs: tuple[tuple[RequestState, RequestOutput], ...]
+    outputs: tuple  # what the worker's Outputs make: (RequestState, RequestOutput) pairs by default
     stats: dict
     fatal: BaseException | None = None  # the engine is dead: every request was failed with this
 
 
+class Outputs(Protocol):
+    """What a worker reports of each step, of a request it refuses, and of every request when the engine dies."""
+
+    def step(self, engine: LLMEngine) -> list: ...
+
+    def refused(self, state: RequestState, error: BaseException) -> object: ...
+
+    def failed(self, engine: LLMEngine, error: BaseException) -> list: ...
+
+
+class RequestOutputs:
+    """AsyncEngine's: each request's RequestOutput (its text detokenized here), with its state."""
+
+    def step(self, engine: LLMEngine) -> list:
+        return engine.step_requests()
+
+    def refused(self, state: RequestState, error: BaseException) -> tuple:
+        state.end("error", error)
+        return state, state.take()
+
+    def failed(self, engine: LLMEngine, error: BaseException) -> list:
+        outputs = engine.core.fail_all(error)
+        for out in outputs:
+            out.seq.request.end("error", error)
+        states = {id(out.seq.request): out.seq.request for out in outputs}.values()
+        return [(s, o) for s in states if (o := s.take()) is not None]
+
+
 class Worker:
-    def __init__(self, engine: LLMEngine, deliver: Callable[[StepReport], None]):
+    def __init__(self, engine: LLMEngine, deliver: Callable[[StepReport], None], outputs: Outputs = RequestOutputs()):
         """`deliver` is called from the worker thread; it must only hand the report over
-        (e.g. loop.call_soon_threadsafe)."""
+        (e.g. loop.call_soon_threadsafe). `outputs`: what its reports carry."""
         self.engine = engine
         self.deliver = deliver
+        self.outputs = outputs
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="nanoinfer-worker", daemon=True)
 
@@ -71,11 +101,7 @@ class Worker:
             log.exception("the engine's step loop failed; the engine is dead")
             engine.fatal = exc
             try:
-                outputs = engine.core.fail_all(exc)
-                for out in outputs:
-                    out.seq.request.end("error", exc)
-                states = {id(out.seq.request): out.seq.request for out in outputs}.values()
-                results = tuple((s, o) for s in states if (o := s.take()) is not None)
+                results = tuple(self.outputs.failed(engine, exc))
             except Exception:  # noqa: BLE001 - the books are beyond repair: report nothing more
                 results = ()
             self.deliver(StepReport(results, engine.core.stats(), exc))
@@ -88,9 +114,8 @@ class Worker:
                 self.deliver(StepReport((self._refused(command.request),), self.engine.core.stats(),
                                         self.engine.fatal))
 
-    def _refused(self, state: RequestState, error: BaseException | None = None) -> tuple:
-        state.end("error", error or self.engine.fatal)
-        return state, state.take()
+    def _refused(self, state: RequestState, error: BaseException | None = None):
+        return self.outputs.refused(state, error or self.engine.fatal)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -110,8 +135,10 @@ class Worker:
             for command in commands:
                 if isinstance(command, _Stop):
                     return
-                if isinstance(command, Abort):
-                    engine.abort(command.request)
+                if isinstance(command, Abort) and command.index is not None:
+                    engine.core.abort_request(command.request, command.reason, command.index)
+                elif isinstance(command, Abort):
+                    engine.abort(command.request, command.reason)
                 elif engine.fatal is not None:
                     refused.append(self._refused(command.request))
                 else:
@@ -120,7 +147,7 @@ class Worker:
                     except Exception as exc:  # noqa: BLE001 - checked on the caller's side already; never lose it
                         refused.append(self._refused(command.request, exc))
             if engine.has_unfinished_requests() and engine.fatal is None:
-                outputs = engine.step_requests()
+                outputs = self.outputs.step(engine)
                 self.deliver(StepReport(tuple(refused + outputs), engine.stats(), engine.fatal))
             elif commands:
                 self.deliver(StepReport(tuple(refused), engine.stats(), engine.fatal))

@@ -133,3 +133,50 @@ def test_serve_with_an_engine_process_stops_cleanly_on_sigterm(smollm2_gguf):
     while any(map(_alive, children)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_alive, children))
+
+
+def test_the_front_detokenizes_and_matches_stop_strings_as_one_engine_does(tiny_chat_model):
+    """The engine process sends tokens; its front files them, detokenizes and matches stop strings (and tells the
+    engine to stop a completion that matched): texts, ids, logprobs and finish reasons equal one engine's."""
+    prompt, free = "The weather today", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def run(engine, params_list):
+        async with engine:
+            results = []
+            for params in params_list:
+                results.append(await engine.generate(prompt, params))
+                streamed = [out async for out in engine.stream(prompt, params)]
+                results.append("".join(o.text for o in streamed))
+            await asyncio.sleep(0.2)  # (the stopped completions' ends reach the engine)
+            return results, engine.stats()
+
+    def engines():
+        cfg = config(block_size=16, num_blocks=256)
+        return AsyncEngine(tiny_chat_model, cfg), data_parallel_from_loaded(tiny_chat_model, cfg)
+
+    one, _ = asyncio.run(run(engines()[0], [free]))
+    stop = one[0].text[8:12]  # (a piece of the greedy text: where it stops is known)
+    cases = [free, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+             SamplingParams(temperature=0.8, n=2, seed=5, max_tokens=12, ignore_eos=True, logprobs=2, stop=[stop]),
+             SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1, logprobs=1)]
+    in_process, process = engines()
+    want, _ = asyncio.run(run(in_process, cases))
+    got, stats = asyncio.run(run(process, cases))
+    assert want[2].finish_reason == "stop" and not want[2].text.endswith(stop)  # (the case is what it claims)
+    for w, g in zip(want, got):
+        if isinstance(w, str):
+            assert g == w
+            continue
+        assert [(c.text, c.token_ids, c.finish_reason) for c in g.outputs] == \
+               [(c.text, c.token_ids, c.finish_reason) for c in w.outputs]
+        # (A completion a stop string ends runs a step or two more in the engine process, until the front's word
+        # arrives: its sibling shares those steps' batch, and the eager fp32 path's last bits follow the batch.)
+        for cg, cw in zip(g.outputs, w.outputs):
+            assert [(lp.token_id, [t for t, _ in lp.top]) for lp in cg.logprobs or ()] == \
+                   [(lp.token_id, [t for t, _ in lp.top]) for lp in cw.logprobs or ()]
+            assert [lp.logprob for lp in cg.logprobs or ()] == pytest.approx([lp.logprob for lp in cw.logprobs or ()],
+                                                                             abs=1e-5)
+        assert g.prompt_logprobs == w.prompt_logprobs
+    replica = stats["replicas"][0]
+    assert replica["running"] == 0 and replica["free_blocks"] == replica["total_blocks"]

@@ -21,7 +21,7 @@ from nanoinfer.sampling import SamplingParams
 from nanoinfer.sampling_defaults import default_params
 from runtime.config import EngineConfig, load_and_engine_configs
 from runtime.engine.engine_core import EngineCore
-from runtime.engine.outputs import RequestOutput
+from runtime.engine.outputs import Progress, RequestOutput, TokenOutput
 from runtime.engine.request_state import RequestState
 
 log = logging.getLogger("nanoinfer.engine")
@@ -153,17 +153,31 @@ class LLMEngine:
         of those that ended)."""
         return [out for _, out in self.step_requests()]
 
+    def step_tokens(self) -> list[TokenOutput]:
+        """One engine step's TokenOutputs as the core made them (an engine process sends them to its front,
+        which files them: runtime/dp_replica.py); a failure the core could not contain fails every request."""
+        try:
+            return self.core.step()
+        except Exception as exc:  # noqa: BLE001 - the core contains what it can; this it could not
+            log.exception("the engine step failed; failing every request in flight")
+            from runtime.engine.faults import EngineDead, RequestFailed
+
+            outputs = self.core.fail_all(exc if isinstance(exc, EngineDead) else RequestFailed.because(
+                "the engine step failed outside any one request", exc))
+            # A dead device, or books that no longer balance, cannot serve anything again.
+            blocks = self.core.scheduler.blocks
+            if isinstance(exc, EngineDead) or blocks.num_free_blocks != blocks.num_blocks:
+                self.fatal = exc
+            return outputs
+
     def step_requests(self) -> list[tuple[RequestState, RequestOutput]]:
         """`step`, each output with its request."""
-        try:
-            outputs = self.core.step()
-        except Exception as exc:  # noqa: BLE001 - the core contains what it can; this it could not
-            outputs = self._fail_all(exc)
+        outputs = self.step_tokens()
         now = time.monotonic()
         touched: dict[int, RequestState] = {}
         for out in outputs:
             state: RequestState = out.seq.request
-            state.file(out, now)
+            state.file(Progress.of(out), now)
             touched[id(state)] = state
         results = []
         for state in touched.values():  # (every running request, every step: kept lean)
@@ -177,18 +191,6 @@ class LLMEngine:
                 if out.finished and self.requests.get(state.request_id) is state:
                     del self.requests[state.request_id]
         return results
-
-    def _fail_all(self, exc: Exception) -> list:
-        log.exception("the engine step failed; failing every request in flight")
-        from runtime.engine.faults import EngineDead, RequestFailed
-
-        outputs = self.core.fail_all(exc if isinstance(exc, EngineDead) else RequestFailed.because(
-            "the engine step failed outside any one request", exc))
-        # A dead device, or books that no longer balance, cannot serve anything again.
-        blocks = self.core.scheduler.blocks
-        if isinstance(exc, EngineDead) or blocks.num_free_blocks != blocks.num_blocks:
-            self.fatal = exc
-        return outputs
 
     def stats(self) -> dict:
         """Counts from the engine core (running, waiting, free_blocks, ...), and healthy."""

@@ -30,6 +30,27 @@ class TokenOutput(NamedTuple):
     prompt_logprobs: tuple | None = None  # with a sequence's first token, when asked for
 
 
+class Progress(NamedTuple):
+    """One completion's step as its request files it (RequestState.file): made from a TokenOutput by the
+    engine in this process, or decoded from an engine process's message (runtime/dp_messages.py)."""
+
+    index: int  # which of the request's n completions
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None  # why it ended, when it did
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple | None = None
+    error: BaseException | None = None
+    scheduled_at: float | None = None  # when the engine first scheduled it (time.monotonic())
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache
+
+    @classmethod
+    def of(cls, out: TokenOutput) -> "Progress":
+        seq = out.seq
+        return cls(seq.index, out.token_id, out.finished, seq.finish_reason, out.logprob, out.prompt_logprobs,
+                   seq.error, seq.scheduled_at, seq.num_cached_tokens)
+
+
 @dataclass(frozen=True)
 class CompletionOutput:
     index: int

@@ -13,8 +13,7 @@ import time
 
 from nanoinfer.sampling import SamplingParams
 from runtime.engine.detokenizer import IncrementalDetokenizer
-from runtime.engine.outputs import TokenOutput
-from runtime.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from runtime.engine.outputs import CompletionOutput, Progress, RequestOutput, TokenLogprob
 
 
 class _Completion:
@@ -77,15 +76,14 @@ class RequestState:
 
     # -- from the engine core ---------------------------------------------------------------
 
-    def file(self, out: TokenOutput, now: float) -> None:
+    def file(self, out: Progress, now: float) -> None:
         """One completion's progress in one step: its token, its end, or the request's failure."""
-        seq = out.seq
         if self.scheduled_at is None:  # (the first output is completion 0's, which found the prefix cache)
-            self.scheduled_at, self.cached_tokens = seq.scheduled_at, seq.num_cached_tokens
-        if seq.error is not None:
-            self.end("error", seq.error)
+            self.scheduled_at, self.cached_tokens = out.scheduled_at, out.cached_tokens
+        if out.error is not None:
+            self.end("error", out.error)
             return
-        c = self.completions[seq.index]
+        c = self.completions[out.index]
         if c.finish_reason is not None:
             return  # ended here already (a stop string, an abort)
         if out.token_id is not None:
@@ -100,7 +98,7 @@ class RequestState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            self._finish(c, seq.finish_reason)
+            self._finish(c, out.finish_reason)
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
         """End every unfinished completion with `reason` (an abort, or the engine failing it
