@@ -62,6 +62,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+ENGINE_COUNTERS = ("nanoinfer_engine_steps_total", "nanoinfer_preemptions_total", "nanoinfer_generated_tokens_total")
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step, preemption and token counts from /metrics (summed over replicas), and its KV blocks."""
+    totals = dict.fromkeys((*ENGINE_COUNTERS, "nanoinfer_kv_blocks_total"), 0.0)
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def cpu_of(pids) -> float:
     return sum(cpu_seconds(p) or 0.0 for p in pids)
 
@@ -105,11 +118,15 @@ async def run_clients(url, prompts, outputs, concurrency=None):
     return sum(map(sum, tokens)), elapsed, ttfts, itls
 
 
-def _client_process(url, prompts, outputs, concurrency, results):
+def _client_process(url, prompts, outputs, concurrency, results, ready, go):
     """One load-generating process's share of the clients (its own interpreter: one Python process parsing
-    every SSE line of 256 streams would be the bottleneck, not the server)."""
+    every SSE line of 256 streams would be the bottleneck, not the server). It starts when every process is
+    ready (`go`): a process still importing would otherwise send its share seconds after the others."""
+    ready.put(os.getpid())
+    go.wait()
+    cpu = time.process_time()
     tokens, _, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, concurrency))
-    results.put((tokens, ttfts, itls, time.process_time()))
+    results.put((tokens, ttfts, itls, time.process_time() - cpu))
 
 
 def run_client_processes(url, prompts, outputs, concurrency, processes):
@@ -118,13 +135,16 @@ def run_client_processes(url, prompts, outputs, concurrency, processes):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [(prompts[i::processes], outputs[i::processes], max(1, concurrency // processes))
               for i in range(processes)]
-    start = time.perf_counter()
-    procs = [ctx.Process(target=_client_process, args=(url, *share, results)) for share in shares]
+    procs = [ctx.Process(target=_client_process, args=(url, *share, results, ready, go)) for share in shares]
     for proc in procs:
         proc.start()
+    for _ in procs:
+        ready.get()
+    start = time.perf_counter()
+    go.set()
     parts = [results.get() for _ in procs]
     elapsed = time.perf_counter() - start
     for proc in procs:
@@ -186,6 +206,7 @@ def main():
         idle_ttfts = []
         for prompt in prompts[:args.idle_requests]:  # one at a time: an idle server's TTFT
             idle_ttfts += asyncio.run(run_clients(url, [prompt], [8]))[2]
+        counters_before = engine_counters(url)
         cpu_before, engines = cpu_seconds(server.pid), descendants(server.pid)
         engines_before = cpu_of(engines)
         profiler = start_profile(server.pid, args.profile_seconds, args.profile) if args.profile else None
@@ -197,6 +218,11 @@ def main():
             tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
             client_cpu = time.process_time() - client_start
         cpu_after, engines_cpu = cpu_seconds(server.pid), cpu_of(engines) - engines_before
+        counters = {k: v - counters_before.get(k, 0) for k, v in engine_counters(url).items()}
+        steps = counters["nanoinfer_engine_steps_total"]
+        print(f"server engine: {steps:.0f} steps, {counters['nanoinfer_generated_tokens_total'] / max(steps, 1):.1f} "
+              f"tokens a step, {counters['nanoinfer_preemptions_total']:.0f} preemptions, "
+              f"{counters_before['nanoinfer_kv_blocks_total']:.0f} KV blocks")
         if profiler is not None:
             profiler.wait()
             if profiler.returncode:
@@ -216,8 +242,14 @@ def main():
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
         llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4)] * len(prompts), use_tqdm=False)  # warm-up
         start = time.perf_counter()
+        before = llm.stats()
         results = llm.generate(prompts, params, use_tqdm=False)
         offline = time.perf_counter() - start
+        after = llm.stats()
+        steps = after["steps"] - before["steps"]
+        print(f"offline engine: {steps} steps, {(after['generated_tokens'] - before['generated_tokens']) / max(steps, 1):.1f} "
+              f"tokens a step, {after['num_preemptions'] - before['num_preemptions']} preemptions, "
+              f"{after['total_blocks']} KV blocks")
     offline_tokens = sum(len(r.token_ids) for r in results)
 
     _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,

@@ -22,6 +22,7 @@ GAUGES = (("nanoinfer_requests_running", "Sequences holding KV blocks", lambda s
           ("nanoinfer_healthy", "1 while the engine is healthy", lambda s: int(s["healthy"])))
 COUNTERS = (("nanoinfer_preemptions", "Sequences preempted", "num_preemptions"),
             ("nanoinfer_generated_tokens", "Tokens generated", "generated_tokens"),
+            ("nanoinfer_engine_steps", "Engine steps run (generated tokens per step: the batch's use)", "steps"),
             ("nanoinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
             ("nanoinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
             ("nanoinfer_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
