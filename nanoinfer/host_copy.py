@@ -24,7 +24,8 @@ class PinnedStaging:
     server's step loop (issue 60's profile). `slots` must exceed the copies of the steps in flight; more only
     wait less."""
 
-    def __init__(self, slots: int = 8):
+    def __init__(self, device: torch.device, slots: int = 8):
+        self.device = torch.device(device)  # (whose stream the copies are queued on: not always the current device's)
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._copied: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
@@ -34,7 +35,7 @@ class PinnedStaging:
         slot, self._next = self._next, (self._next + 1) % len(self._buffers)
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()  # (done already unless `slots` copies were queued since)
-        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        nbytes = size * dtype.itemsize
         buffer = self._buffers[slot]
         if buffer is None or buffer.numel() < nbytes:  # (grown by doubling: a few allocations over a run)
             buffer = torch.empty(max(nbytes, 2 * (0 if buffer is None else buffer.numel()), 1 << 12),
@@ -43,9 +44,9 @@ class PinnedStaging:
         return slot, buffer[:nbytes].view(dtype)
 
     def copied(self, slot: int) -> None:
-        """The copy out of `slot` is queued on the current stream: the buffer is busy until it runs."""
+        """The copy out of `slot` is queued on the device's current stream: the buffer is busy until it runs."""
         event = self._copied[slot] or torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         self._copied[slot] = event
 
 

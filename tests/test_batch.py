@@ -156,7 +156,7 @@ def test_the_model_runners_step_batch_matches_per_token_reference(seed):
     inp = StepInput(tuple(chunks), logits_rows, samplers)
     drafts = torch.tensor(draft_tokens, dtype=torch.int64)
     runner = types.SimpleNamespace(batch=rows, block_size=block_size, device=torch.device("cpu"),  # (what _build reads)
-                                   queue_pending=lambda: None)  # (no step before with its sampling pending)
+                                   queue_pending=lambda: None, staging=None)  # (no step before with its sampling pending)
     batch, sampler_rows, (sampler_rows_t, steps_t) = ModelRunner._build(runner, inp, drafts)
     for name, tensor, values, dtype in zip(Batch._fields, batch, reference_step_batch(inp, drafts, rows, block_size),
                                            (torch.int64,) * 3 + (torch.int32,) * 3 + (torch.int64,)):

@@ -895,7 +895,7 @@ def test_pinned_staging_copies_what_the_allocators_buffers_copy():
     that a buffer written again too early would corrupt an earlier copy."""
     from nanoinfer.host_copy import PinnedStaging, to_device_packed
 
-    staging, rng = PinnedStaging(slots=3), torch.Generator().manual_seed(0)
+    staging, rng = PinnedStaging(torch.device("cuda"), slots=3), torch.Generator().manual_seed(0)
     ours, fresh = [], []
     for step in range(20):
         torch.cuda._sleep(2_000_000)  # (the copies wait behind this on the stream)

@@ -87,8 +87,9 @@ def test_stages_replaying_graphs_emit_what_one_rank_does(model, monkeypatch, tmp
     assert replays.keys() == {"1", "2"} and min(replays.values()) > 0 and fake_cuda_graphs.REPLAYS[0] > 0
     captures = [json.loads(json.dumps(fake_cuda_graphs.CAPTURES))]
     captures += [json.loads((tmp_path / "captures" / rank).read_text()) for rank in ("1", "2")]
-    # (at start the largest mixed and decode buckets, then those the steps used)
-    assert captures[0][:2] == [32, [8, 128]] and len(captures[0]) > 2 and captures[1] == captures[2] == captures[0]
+    # (at start the largest mixed and decode buckets, then those the steps used; a decode bucket's block
+    # tables are as wide as the longest sequence the pool holds: 64 blocks of 4)
+    assert captures[0][:2] == [32, [8, 64]] and len(captures[0]) > 2 and captures[1] == captures[2] == captures[0]
 
 
 def test_a_stages_graphs_replay_its_forward_and_write_only_the_batch_slots(model, monkeypatch):

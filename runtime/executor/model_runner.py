@@ -76,7 +76,7 @@ class ModelRunner(DeviceModel):
         self.batch = InputBatch(config.scheduler.max_num_seqs + 8, self.max_blocks, cfg.vocab_size,
                                 cfg.eos_token_ids, self.device)
         self.row_of = self.batch.row_of
-        self.staging = PinnedStaging() if self.device.type == "cuda" else None  # (each step's inputs go through it)
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None  # (each step's inputs go through it)
         self.draft = None
         if draft is not None:
             from runtime.executor.draft_runner import DraftRunner
