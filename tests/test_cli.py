@@ -5,6 +5,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from nanoinfer import LLM, SamplingParams
 
 
@@ -13,6 +15,7 @@ def run_cli(*args, cache_env=None):
                           env={**os.environ, **(cache_env or {})})
 
 
+@pytest.mark.slow
 def test_generate_streams_the_same_text_as_the_api(smollm2_gguf):
     proc = run_cli("generate", "The capital of France is", "--model", str(smollm2_gguf), "--max-tokens", "8",
                    "--device", "cpu")
@@ -31,6 +34,7 @@ def test_the_default_model_says_what_it_is_and_how_to_run_another(smollm2_gguf):
     assert len(note) == 1 and "135M" in note[0] and "--model" in note[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_chat_flag_applies_the_template(smollm2_gguf):
     proc = run_cli("generate", "Say hi", "--chat", "--model", str(smollm2_gguf), "--max-tokens", "6", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
@@ -39,6 +43,7 @@ def test_chat_flag_applies_the_template(smollm2_gguf):
     assert proc.stdout == expected.text + "\n"
 
 
+@pytest.mark.slow
 def test_bad_values_name_themselves(smollm2_gguf, tmp_path):
     proc = run_cli("generate", "x", "--model", str(smollm2_gguf), "--dtype", "float8", "--device", "cpu")
     assert proc.returncode == 2 and "float8" in proc.stderr
@@ -91,6 +96,7 @@ def test_serve_prints_its_url_serves_and_stops_gracefully(smollm2_gguf):
             proc.kill()
 
 
+@pytest.mark.slow
 def test_chat_keeps_history_stops_on_ctrl_c_and_resets(smollm2_gguf):
     import pexpect
 
@@ -133,6 +139,7 @@ def test_async_scheduling_flag_reaches_the_engine_config():
         assert engine_config(**_engine_kwargs(args)).async_scheduling is want
 
 
+@pytest.mark.slow
 def test_version_and_defaults_in_help():
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("nanoinfer ")
@@ -142,6 +149,7 @@ def test_version_and_defaults_in_help():
     assert "(default: 127.0.0.1)" in run_cli("serve", "--help").stdout
 
 
+@pytest.mark.slow
 def test_generate_reads_the_prompt_from_stdin(smollm2_gguf):
     args = ["-m", "runtime.cli", "generate", "-", "--model", str(smollm2_gguf), "--max-tokens", "4", "--device", "cpu"]
     piped = subprocess.run([sys.executable, *args], input="The capital of France is", capture_output=True, text=True,
@@ -194,6 +202,7 @@ def test_chat_says_when_a_reply_hit_max_tokens(smollm2_gguf):
         child.close()
 
 
+@pytest.mark.slow
 def test_structured_output_flags(smollm2_gguf, tmp_path):
     """llama.cpp's `--json-schema` (text or @FILE) and the regex/choice flags constrain the
     output; a bad pattern, or two at once, is named."""

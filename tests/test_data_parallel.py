@@ -222,6 +222,7 @@ def test_offline_and_misuse_are_refused_by_name():
     assert parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
 
 
+@pytest.mark.slow
 def test_each_replica_runs_its_own_tensor_parallel_group():
     """DP=2 x TP=2 on CPU ranks: each replica's process is its group's rank 0 (its own default process group)."""
     batch = prompts(4, seed=3)
@@ -358,6 +359,7 @@ def test_the_last_replica_lost_says_that_none_serves_on():
     assert not healthy
 
 
+@pytest.mark.slow
 def test_shutdown_stops_every_process_of_every_replica_in_time():
     engine = dp_engine(tensor_parallel_size=2)  # (each replica has a rank process of its own)
 
@@ -402,6 +404,7 @@ asyncio.run(run())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
 def test_replicas_start_from_any_program(how, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -442,6 +445,7 @@ def test_a_replica_that_fails_to_start_raises_its_error(capfd):
     assert "Traceback" not in out + err and "dp replica" not in out + err  # once, by the front, not N times
 
 
+@pytest.mark.slow
 def test_serve_on_a_bad_model_file_says_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")
@@ -467,6 +471,7 @@ def test_a_replica_that_dies_at_start_is_named_with_its_exit_code_and_output():
     assert not descendants(os.getpid())
 
 
+@pytest.mark.slow
 def test_replicas_exit_when_their_front_is_killed(tmp_path):
     script = SCRIPT.replace("asyncio.run(run())", """engine = data_parallel_from_loaded(model, engine_config(block_size=4, num_blocks=64,
                                                                 data_parallel_size=2))

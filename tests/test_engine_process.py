@@ -82,6 +82,7 @@ def test_the_server_reports_a_dead_engine_process_and_keeps_answering(tiny_chat_
             assert http.get("/v1/models").status_code == 200  # (the front answers on)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
 def test_an_engine_process_starts_from_any_program_and_dies_with_its_front(how, tmp_path):
     script = SCRIPT.replace("data_parallel_size=2", "data_parallel_size=1").replace("asyncio.run(run())", """
@@ -114,6 +115,7 @@ time.sleep(300)
     assert not _alive(pid)
 
 
+@pytest.mark.slow
 def test_serve_with_an_engine_process_stops_cleanly_on_sigterm(smollm2_gguf):
     server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--model", str(smollm2_gguf),
                                "--device", "cpu", "--port", "0", "--engine-process", "on", "--log-level", "warning"],
@@ -135,6 +137,7 @@ def test_serve_with_an_engine_process_stops_cleanly_on_sigterm(smollm2_gguf):
     assert not any(map(_alive, children))
 
 
+@pytest.mark.slow
 def test_the_front_detokenizes_and_matches_stop_strings_as_one_engine_does(tiny_chat_model):
     """The engine process sends tokens; its front files them, detokenizes and matches stop strings (and tells the
     engine to stop a completion that matched): texts, ids, logprobs and finish reasons equal one engine's."""

@@ -46,6 +46,7 @@ def truncated(models, num_layers):
     return cut, hf_cut.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [3, None], ids=["first-3-layers", "full-model"])
 def test_logits_match_transformers(models, num_layers):
     ours, theirs = truncated(models, num_layers)
@@ -58,6 +59,7 @@ def test_logits_match_transformers(models, num_layers):
         assert (got - expected).abs().max().item() <= 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [3, None], ids=["first-3-layers", "full-model"])
 def test_greedy_tokens_match_transformers(models, num_layers):
     ours, theirs = truncated(models, num_layers)

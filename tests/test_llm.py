@@ -44,6 +44,7 @@ def test_batch_equals_each_prompt_alone(llm):
     assert all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_tokens(smollm2_gguf):
     # The exact path (fp32 weights): the chunks' attention sums in another order, and the
     # packed path's int8 activations can turn such a rounding into another token.

@@ -155,6 +155,7 @@ def test_stages_follow_preemption_by_swap(model):
     assert two == one and stats_two["num_preemptions"] == stats_one["num_preemptions"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
 def test_two_steps_in_flight_over_stages_emit_what_one_rank_does(model, preemption_mode):
     """Async scheduling over two stages keeps two steps of disjoint sequences in flight
@@ -225,6 +226,7 @@ def test_prompt_logprobs_come_back_in_order(model):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+@pytest.mark.slow
 def test_default_model_in_two_stages_writes_one_ranks_text(smollm2_gguf):
     """The offline facade, SmolLM2-135M's 30 layers as 15 + 15, in fp32: one rank's greedy text."""
     from nanoinfer import LLM

@@ -206,12 +206,14 @@ def test_noise_is_strictly_inside_the_unit_interval_in_float32():
     assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy_over_100k_draws():
     params, steps, logits = grid_rows([SamplingParams(temperature=1.0, top_k=1)])
     tokens = sample(logits, SamplingTensors.build(params, steps, GRID_V, "cpu"))
     assert torch.equal(tokens, logits.argmax(-1))
 
 
+@pytest.mark.slow
 def test_no_draw_falls_outside_the_kept_set():
     # Row kinds cycle: top-k 3, top-p 0.5, min-p 0.3, tokens 0..15 banned (min_tokens).
     kinds = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(min_p=0.3),

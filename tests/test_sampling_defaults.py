@@ -125,6 +125,7 @@ def test_a_gguf_files_sampling_keys_through_load_model(tmp_path):
     assert "bad.gguf" in message and "'general.sampling.temp'" in message and "\n" not in message, message
 
 
+@pytest.mark.slow
 def test_the_cli_takes_the_recommendation_unless_a_flag_is_given(tiny_dir):
     def tokens(*flags):
         done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_dir), *flags], capture_output=True, text=True,

@@ -200,6 +200,7 @@ def test_api_key(tiny_chat_model):
         assert good.models.list().data[0].id == "tiny-chat"
 
 
+@pytest.mark.slow
 def test_full_queue_is_503_with_retry_after(tiny_chat_model):
     with LiveServer(tiny_chat_model, max_pending=2, engine_kw={"max_num_seqs": 1}) as server:
         async def go():
@@ -447,6 +448,7 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client, live_
     assert metric(live_server.url, "nanoinfer_prefix_cache_queries_total") >= 2 * again.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
     """Issue 31: on SIGTERM a non-streaming request in flight got 200 with finish_reason "abort"
     and a WebSocket's requests only a close 1012. Now the server takes no new requests (503)

@@ -374,6 +374,7 @@ def chi_square(counts, probs):
     return float(((counts[keep] - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [0, 5])
 @pytest.mark.parametrize("proposal", ["draft-model", "point-mass", "bad-point-mass"])
 def test_first_emitted_token_follows_the_target(proposal, top_k):
@@ -436,6 +437,7 @@ COPY_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_default_model_greedy_equals_no_speculation(smollm2_gguf):
     """In fp32 (the exact path; the packed path is held to the same in
     tests/test_cpu_determinism.py), n-gram lookup and the model drafting for itself, through the

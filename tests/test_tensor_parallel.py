@@ -267,6 +267,7 @@ def _default_model_rank(rank: int, size: int, init_file: str, path: str, results
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_default_model_over_two_ranks(smollm2_gguf, tmp_path):
     """SmolLM2-135M: 9 query heads over 3 KV heads, split 3 + 6; its exact weights (fp32) and
     its Q4_1 matrices packed for the CPU."""
@@ -368,6 +369,7 @@ def test_engine_tensor_parallel_errors_are_named(tmp_path):
         EngineCore(nanochat, engine_config(num_blocks=16, tensor_parallel_size=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["exact", "packed"])
 def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtype):
     """The offline facade, SmolLM2-135M split 3 + 6 heads: the same greedy text as one rank in
@@ -516,6 +518,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_torchrun_starts_the_ranks(smollm2_gguf):
     """`torchrun --nproc-per-node 2 -m runtime.cli generate ... --tensor-parallel-size 2`: every
     rank runs the command line, rank 0 the engine; the text is one process's. (Both ranks on

@@ -72,6 +72,7 @@ def reference_gguf(hf_gguf) -> tokenizers.Tokenizer:
     return backend
 
 
+@pytest.mark.slow
 def test_gguf_vocab_fields(ours_gguf: Tokenizer, hf_gguf) -> None:
     assert ours_gguf.vocab_size == len(hf_gguf) == 49152
     assert (ours_gguf.bos_token, ours_gguf.eos_token) == ("<|im_start|>", "<|im_end|>")

@@ -93,6 +93,7 @@ def one_rank():
         core.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["script", "stdin"])
 def test_ranks_do_not_run_the_users_program(tmp_path, how, one_rank):
     """A script without a main guard, run as `python script.py` or fed to `python -`: two ranks
@@ -135,6 +136,7 @@ def assert_gone(started) -> None:
     ("rendezvous", 5, "it wrote nothing"),  # (it checked in, then left without a word: rank 0 inside the rendezvous)
     ("setup", 1, "RuntimeError: test rank fails at setup"),
 ])
+@pytest.mark.slow
 def test_a_rank_that_dies_starting_fails_the_start(failing_rank, where, code, tail):
     from runtime.executor.tp_processes import RankLost
 
@@ -209,6 +211,7 @@ def test_a_rank_that_fails_at_close_is_reported_and_close_returns(failing_rank, 
     assert_gone(started)
 
 
+@pytest.mark.slow
 def test_a_rank_waits_for_orders_longer_than_a_collectives_timeout(failing_rank, one_rank):
     """An engine idle for longer than its ranks' collective timeout (10 min; 1 s here) keeps
     them: a rank waits for rank 0's next order without a timeout of its own."""
@@ -222,6 +225,7 @@ def test_a_rank_waits_for_orders_longer_than_a_collectives_timeout(failing_rank,
         core.close()
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_at_close_is_killed(failing_rank):
     """A rank that does not leave when told (here: stopped by SIGSTOP) is killed: close returns
     within 10 s and nothing is left."""
@@ -235,6 +239,7 @@ def test_a_rank_that_hangs_at_close_is_killed(failing_rank):
     assert_gone(started)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grid", [dict(size=2), dict(size=1, pipeline_parallel_size=2)], ids=["tp", "pp"])
 def test_rank_0_failing_mid_forward_ends_the_engine(grid):
     """Rank 0 runs out of memory in the middle of a forward that the other ranks run with it

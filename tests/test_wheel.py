@@ -69,6 +69,7 @@ def test_wheel_holds_every_file_of_the_packages(wheel):
     assert not [f for f in shipped if f.startswith(("tests/", "bench/", "tools/"))]
 
 
+@pytest.mark.slow
 def test_installed_wheel_builds_its_cpu_kernels(wheel, tmp_path):
     """From a wheel installed apart from the checkout, the CPU kernels compile from the files
     the wheel installed (the C source and both headers) and the tuned tables are found."""
