@@ -259,11 +259,15 @@ def _async_engine(args):
 
 
 def _engine_process(args, kwargs: dict) -> bool:
-    """Whether `serve` runs its engine in a process of its own (--engine-process; auto: with CUDA)."""
+    """Whether `serve` runs its engine in a process of its own (--engine-process; auto: with CUDA, unless the
+    engine's ranks are pipeline stages or torchrun's, which an engine process does not run yet). Other commands
+    (eval speed) keep it in process: they measure the engine, not a server."""
     choice = getattr(args, "engine_process", "off")
     if choice == "auto":
         from nanoinfer.loaders import resolve_device
 
+        if kwargs.get("pipeline_parallel_size", 1) > 1 or is_launched():
+            return False
         return resolve_device(kwargs.get("device", "auto")).type == "cuda"
     return choice == "on"
 

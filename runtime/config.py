@@ -141,6 +141,9 @@ class EngineConfig:
                                          "GPU(s) (replica i from cuda:i*tensor_parallel_size); a request goes to the "
                                          "replica holding the longest cached prefix of its prompt, else the least "
                                          "loaded. A server setting: LLM runs one engine", minimum=1)
+    step_timeout: float = setting(600.0, "seconds one step of an engine process (--engine-process, data "
+                                         "parallelism) may run before the server kills it as hung; its requests "
+                                         "fail (a first step that compiles kernels may take a minute)", above=0)
     nvtx: bool = setting(False, "NVTX ranges around each step phase, for Nsight Systems (CUDA only)")
     async_scheduling: bool | None = setting(None, "launch step N+1 before reading step N's tokens (default: on with "
                                                   "CUDA)", optional=True)

@@ -80,14 +80,14 @@ class _ReplicasGrammars:
 
     def prepare(self) -> None:
         for replica in self.replicas:
-            replica.post(msg.PrepareGrammars())
+            replica.link.post(msg.PrepareGrammars())
 
     def compile(self, spec) -> Future:
         """A future done when every healthy replica's compile is: None, or the first one's RequestError."""
         futures = [replica.compile(spec) for replica in self.replicas if replica.healthy]
         done, lock, left = Future(), threading.Lock(), [len(futures)]
         if not futures:
-            done.set_exception(EngineError("the server's engine is down (restart the server)"))
+            done.set_exception(EngineError("the engine processes are down (restart them)"))
 
         def one_done(_) -> None:
             with lock:
@@ -181,7 +181,8 @@ class DataParallelEngine(RequestReader):
             raise RuntimeError("the engine is not running: use `async with engine:` or call start()")
         if not self.healthy:
             fatal = self.replicas[0]._fatal
-            raise EngineError(f"the server's engine is down (restart the server): {fatal}") from fatal
+            what = "the engine process is" if len(self.replicas) == 1 else "every replica is"
+            raise EngineError(f"{what} down (restart it): {fatal}") from fatal
         if request_id is not None and any(r.holds(request_id) for r in self.replicas):
             raise RequestError(f"request_id {request_id!r} is already in flight", param="request_id")
 
@@ -234,7 +235,7 @@ class DataParallelEngine(RequestReader):
 def stop_all(replicas: Sequence[ReplicaClient], wait: float = STOP_WAIT) -> None:
     """Tell every replica to stop, wait up to `wait` seconds for all to exit, kill the rest."""
     for replica in replicas:
-        replica.stop()
+        replica.link.stop()
     deadline = time.monotonic() + wait
     for replica in replicas:
         proc = replica.process.proc
@@ -250,9 +251,10 @@ def stop_all(replicas: Sequence[ReplicaClient], wait: float = STOP_WAIT) -> None
 def _check(config: EngineConfig) -> None:
     n = config.data_parallel_size
     if config.pipeline_parallel_size > 1:
-        raise RequestError(f"data_parallel_size={n} with pipeline_parallel_size={config.pipeline_parallel_size} is "
-                           f"not supported yet: expected pipeline_parallel_size=1 (tensor parallelism inside a replica "
-                           f"is)", param="data_parallel_size")
+        what = f"data_parallel_size={n}" if n > 1 else "an engine process (--engine-process on)"
+        raise RequestError(f"{what} with pipeline_parallel_size={config.pipeline_parallel_size} is not supported yet: "
+                           f"expected pipeline_parallel_size=1 (tensor parallelism inside it is)",
+                           param="data_parallel_size" if n > 1 else "engine_process")
 
 
 def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
@@ -261,7 +263,8 @@ def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
     replicas: list[ReplicaClient] = []  # (each client's group: a lost one names those serving on)
     try:
         for a in args:
-            replicas.append(ReplicaClient(a.index, *spawn(a), group=replicas, alone=len(args) == 1))
+            replicas.append(ReplicaClient(a.index, *spawn(a), group=replicas, alone=len(args) == 1,
+                                          step_timeout=a.config.step_timeout))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:

@@ -20,6 +20,7 @@ import multiprocessing
 import pickle
 import socket
 import struct
+import queue
 import subprocess
 import threading
 import time
@@ -66,16 +67,112 @@ def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, Connection]:
     return process, Connection(ours.detach())
 
 
+class ReplicaLink:
+    """The front's line to one replica process: its socket's writer thread (the event loop never blocks on a
+    process that stopped reading: a hung engine's buffer fills) and reader thread (its messages handed on; beats
+    checked: silent for msg.SILENCE seconds, or a step longer than `step_timeout`, and it is killed as hung), and
+    its grammar compiles in flight."""
+
+    def __init__(self, index: int, process: ReplicaProcess, conn: Connection, step_timeout: float):
+        self.index, self.process, self.conn, self.step_timeout = index, process, conn, step_timeout
+        self._keys = itertools.count()
+        self._compiles: dict[int, Future] = {}  # by key, until the replica answers
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = False  # told to stop: its end is no loss
+        self.gone: BaseException | None = None  # why it ended (set by the reader): nothing answers now
+
+    def start(self, on_message, on_end) -> None:
+        """Hand each message to `on_message` and, at the process's end (not a stop), why (`killed`: a reason the
+        front killed it, or None) to `on_end`, which returns the error its compiles fail with; both on the
+        reader thread."""
+        threading.Thread(target=self._read, args=(on_message, on_end), daemon=True,
+                         name=f"nanoinfer-dp-replica{self.index}-read").start()
+        threading.Thread(target=self._write, daemon=True, name=f"nanoinfer-dp-replica{self.index}-write").start()
+
+    def post(self, message) -> None:
+        """Send `message` (runtime/dp_messages.py) on the writer thread; lost with the replica if it is gone."""
+        self._outbox.put(message)
+
+    def compile(self, spec, gone: BaseException) -> Future:
+        """The grammar compiled in the replica: a future of None, or of the RequestError naming what is wrong
+        (`gone`: its error if the replica is gone by then)."""
+        key, future = next(self._keys), Future()
+        self._compiles[key] = future
+        self.post(msg.Compile(key, spec))
+        if self.gone is not None and self._compiles.pop(key, None) is not None:  # (no answer will come)
+            future.set_exception(self.gone or gone)
+        return future
+
+    def stop(self) -> None:
+        """Tell the replica to stop (it finishes its step, closes its engine and exits)."""
+        self.stopping = True
+        self.post(msg.Stop())
+        self._outbox.put(None)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):  # (the replica is gone: its reader reports that)
+                return
+
+    def _read(self, on_message, on_end) -> None:
+        killed = None
+        try:
+            killed = self._receive(on_message)
+        except Exception as exc:  # noqa: BLE001 - a message it cannot read: the replica cannot be followed
+            killed = f"it sent what its front cannot read ({exc!r})"
+        self._outbox.put(None)
+        if self.stopping:
+            self.gone = EngineError(f"replica {self.index} was stopped")
+            return
+        if killed is not None:
+            self.process.proc.kill()
+        try:
+            self.process.proc.wait(EXIT_WAIT)
+        except subprocess.TimeoutExpired:  # (its socket closed, yet it runs: it cannot serve)
+            self.process.proc.kill()
+            self.process.proc.wait()
+        self.gone = error = on_end(killed)
+        for key in list(self._compiles):
+            future = self._compiles.pop(key, None)
+            if future is not None:
+                future.set_exception(error)
+
+    def _receive(self, on_message) -> str | None:
+        """Messages until the socket's end (None), or why the replica counts as hung."""
+        while True:
+            if not self.conn.poll(msg.SILENCE):
+                if self.stopping or self.process.exit_code() is not None:
+                    continue  # (its end is on its way)
+                return f"it said nothing for {msg.SILENCE:g} s"
+            try:
+                message = msg.unframe(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return None
+            if isinstance(message, msg.Beat):
+                if message.busy_since is not None and time.monotonic() - message.busy_since > self.step_timeout:
+                    return f"a step ran for more than {self.step_timeout:g} s"
+            elif isinstance(message, msg.Compiled):
+                future = self._compiles.pop(message.key, None)
+                if future is not None:
+                    future.set_exception(message.error) if message.error is not None else future.set_result(None)
+            else:
+                on_message(message)
+
+
 class ReplicaClient(RequestBook):
-    """Replica `index`: requests booked here run in its process."""
+    """Replica `index`: requests booked here run in its process (reached through its ReplicaLink)."""
 
     def __init__(self, index: int, process: ReplicaProcess, conn: Connection,
-                 group: Sequence[ReplicaClient] = (), alone: bool = False):
+                 group: Sequence[ReplicaClient] = (), alone: bool = False, step_timeout: float = 600.0):
         """`group`: the front's replicas, this one among them (a lost one's error names those serving on).
         `alone`: the front's one engine process (a server's engine apart from its HTTP front), not a replica
-        among others; errors name it so."""
+        among others; errors name it so. `step_timeout`: seconds a step may run before the process counts as
+        hung (killed, as one that died)."""
         super().__init__()
         self.index, self.process, self.conn = index, process, conn
+        self.link = ReplicaLink(index, process, conn, step_timeout)
         self.name = "the engine process" if alone else f"data-parallel replica {index}"
         self.ready: msg.Ready | None = None
         self._keys = itertools.count()
@@ -83,11 +180,8 @@ class ReplicaClient(RequestBook):
         # matches stop strings), by key, and each one's key, until retired here.
         self._states: dict[int, RequestState] = {}
         self._key_of: dict[int, int] = {}  # id(state) -> key
-        self._compiles: dict[int, Future] = {}  # by key, until the replica answers
-        self._send_lock = threading.Lock()
         self._stats: dict = {}
         self._fatal: BaseException | None = None
-        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._group = group
 
@@ -108,9 +202,11 @@ class ReplicaClient(RequestBook):
             if self.process.exit_code() is not None:
                 raise self.lost(starting=True)
 
-    def lost(self, starting: bool = False) -> ReplicaLost:
-        """The error that reports this (exited) replica: its exit code and its output's last lines."""
+    def lost(self, starting: bool = False, killed: str | None = None) -> ReplicaLost:
+        """The error that reports this (exited) replica: its exit code and its output's last lines (and why the
+        front `killed` it, if it did)."""
         how, last = self.process.exit_and_tail()
+        how = f"{killed}: killed, {how}" if killed else how
         if starting:
             return ReplicaLost(f"{self.name} exited while starting ({how}); {last}")
         # (a peer dying at the same time may not be marked unhealthy yet: its process has exited, though)
@@ -125,7 +221,7 @@ class ReplicaClient(RequestBook):
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._send = loop, self._command
-        threading.Thread(target=self._read, daemon=True, name=f"nanoinfer-dp-replica{self.index}-read").start()
+        self.link.start(lambda message: _call_soon(loop, self._on_report, message), self._ended)
 
     @property
     def healthy(self) -> bool:
@@ -145,15 +241,6 @@ class ReplicaClient(RequestBook):
         self._states[key], self._key_of[id(state)] = state, key
         return self._add(state)
 
-    def post(self, message) -> bool:
-        """Send `message` (runtime/dp_messages.py); False if the replica is gone (its reader reports that)."""
-        with self._send_lock:
-            try:
-                self.conn.send(message)
-                return True
-            except (OSError, ValueError):
-                return False
-
     def _command(self, command: Submit | Abort) -> None:
         """The RequestBook's commands, as the replica reads them."""
         state: RequestState = command.request
@@ -161,57 +248,26 @@ class ReplicaClient(RequestBook):
         if key is None:
             return  # (retired here already)
         if isinstance(command, Abort):
-            self.post(msg.Abort(key))
+            self.link.post(msg.Abort(key))
         else:
-            self.post(msg.Submit(key, state.request_id, state.prompt, state.prompt_ids, state.params, state.priority,
-                                  state.stream))
+            self.link.post(msg.Submit(key, state.request_id, state.prompt_ids, state.params, state.priority))
 
     def compile(self, spec) -> Future:
         """The grammar compiled in the replica: a future of None, or of the RequestError naming what is wrong."""
-        key, future = next(self._keys), Future()
-        self._compiles[key] = future
-        if not self.post(msg.Compile(key, spec)) and self._compiles.pop(key, None) is not None:
-            future.set_exception(self._fatal or ReplicaLost(f"{self.name} is gone"))
-        return future
-
-    def stop(self) -> None:
-        """Tell the replica to stop (it finishes its step, closes its engine and exits)."""
-        self._stopping = True
-        self.post(msg.Stop())
+        return self.link.compile(spec, self._fatal or ReplicaLost(f"{self.name} is gone"))
 
     # -- from the replica --------------------------------------------------------------------------
 
-    def _read(self) -> None:
-        """The reader thread: reports to the loop, compile answers to their futures; at the socket's end, the
-        replica's loss (unless it was told to stop)."""
-        while True:
-            try:
-                message = msg.unframe(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            if isinstance(message, msg.Compiled):
-                future = self._compiles.pop(message.key, None)
-                if future is not None:
-                    future.set_exception(message.error) if message.error is not None else future.set_result(None)
-            else:
-                _call_soon(self._loop, self._on_report, message)
-        if self._stopping:
-            return
-        try:
-            self.process.proc.wait(EXIT_WAIT)
-        except subprocess.TimeoutExpired:  # (its socket closed, yet it runs: it cannot serve)
-            self.process.proc.kill()
-            self.process.proc.wait()
-        error = self.lost()
-        for key in list(self._compiles):
-            future = self._compiles.pop(key, None)
-            if future is not None:
-                future.set_exception(error)
+    def _ended(self, killed: str | None) -> ReplicaLost:
+        """On the reader thread, at the process's end: its error, and every request of it failed on the loop."""
+        error = self.lost(killed=killed)
         _call_soon(self._loop, self._on_lost, error)
+        return error
 
     def _on_report(self, report: msg.Step) -> None:
         """On the loop: the counts, the engine's health, each request's progress filed into its state and what
-        is new handed to its consumer; a stop string matched here ends that completion in the replica too."""
+        is new handed to its consumer; a stop string matched here ends that completion in the replica too. A
+        request whose outputs cannot be made fails alone; an engine that died fails what it had."""
         self._stats = report.stats
         if report.fatal is not None and self._fatal is None:
             self._fatal = pickle.loads(report.fatal)
@@ -219,17 +275,33 @@ class ReplicaClient(RequestBook):
         for advance in report.advances:
             state = states.get(advance.key)
             if state is not None:  # (else aborted here: its progress was on its way)
-                state.file(advance.progress(), now)
                 touched[advance.key] = state
+                try:
+                    state.file(advance.progress(), now)
+                except Exception as exc:  # noqa: BLE001 - this request's own failure
+                    self._fail(advance.key, state, exc)
         outputs = []
         for key, state in touched.items():
-            out = state.take()
+            try:
+                out = state.take()
+            except Exception as exc:  # noqa: BLE001 - this request's own failure (its text could not be made)
+                self._fail(key, state, exc)
+                out = state.take()  # (its failure: no text made)
             for index in state.stopped:
-                self.post(msg.Abort(key, index, "stop"))
+                self.link.post(msg.Abort(key, index, "stop"))
             state.stopped.clear()
             if out is not None:
                 outputs.append((state, out))
         self._deliver(outputs)
+        if self._fatal is not None and report.fatal is not None:
+            self.abort_all(self._fatal)  # (those it failed have their error already; the rest end with it now)
+
+    def _fail(self, key: int, state: RequestState, exc: Exception) -> None:
+        """`state`'s request failed here, in the front (its next take() says so): the replica stops it."""
+        from runtime.engine.faults import RequestFailed
+
+        self.link.post(msg.Abort(key))
+        state.end("error", RequestFailed.because("its outputs could not be made", exc))
 
     def _on_lost(self, error: ReplicaLost) -> None:
         """On the loop: every request of the replica fails with `error`; nothing new comes here."""

@@ -21,7 +21,7 @@ import msgspec
 from nanoinfer.loaders import LoadConfig, LoadedModel
 from nanoinfer.sampling import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine.outputs import Progress, TokenLogprob, TokenOutput
+from runtime.engine.outputs import Progress, TokenLogprob
 from runtime.engine.request_limits import RequestLimits
 
 # -- the replica's arguments, on its stdin (runtime/executor/tp_processes.py's way: shared weights by handle) --
@@ -71,11 +71,9 @@ class Advance(msgspec.Struct, array_like=True, gc=False):
     cached_tokens: int = 0
 
     @classmethod
-    def of(cls, key: int, out: TokenOutput) -> "Advance":
-        seq = out.seq
-        return cls(key, seq.index, out.token_id, out.finished, seq.finish_reason, out.logprob, out.prompt_logprobs,
-                   None if seq.error is None else pickle.dumps(portable(seq.error)), seq.scheduled_at,
-                   seq.num_cached_tokens)
+    def of(cls, key: int, p: Progress) -> "Advance":
+        return cls(key, p.index, p.token_id, p.finished, p.finish_reason, p.logprob, p.prompt_logprobs,
+                   None if p.error is None else pickled(p.error), p.scheduled_at, p.cached_tokens)
 
     def progress(self) -> Progress:
         return Progress(self.index, self.token_id, self.finished, self.finish_reason, self.logprob,
@@ -89,6 +87,18 @@ class Step(msgspec.Struct, array_like=True, gc=False):
     advances: list[Advance]
     stats: dict[str, Any]
     fatal: bytes | None = None  # pickled: the engine is dead, every request of it was failed
+
+
+class Beat(NamedTuple):
+    """Sent by an engine process while no step has ended for BEAT_EVERY seconds: it lives, and steps since
+    `busy_since` (time.monotonic(); None: idle). A front that hears nothing for SILENCE seconds, or a step older
+    than its step timeout, treats the process as hung."""
+
+    busy_since: float | None
+
+
+BEAT_EVERY = 1.0  # seconds
+SILENCE = 3.0  # seconds without a word from an engine process before its front kills it as hung
 
 
 # Framing: one tag byte, then a Step in msgpack or any other message pickled.
@@ -119,11 +129,9 @@ class Compiled(NamedTuple):
 class Submit(NamedTuple):
     key: int
     request_id: str
-    prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
-    stream: bool
 
 
 class Abort(NamedTuple):
@@ -143,6 +151,11 @@ class PrepareGrammars(NamedTuple):
 
 class Stop(NamedTuple):
     pass
+
+
+def pickled(exc: BaseException) -> bytes:
+    """`exc` (portable) as bytes, for a field of a typed message."""
+    return pickle.dumps(portable(exc))
 
 
 def portable(exc: BaseException | None) -> BaseException | None:

@@ -14,18 +14,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import pickle
 import queue
 import signal
 import sys
 import threading
+import traceback
 from multiprocessing.connection import Connection
-from typing import NamedTuple
 
 import torch
 
 from runtime import dp_messages as msg
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.outputs import Progress
 from runtime.engine.request_state import RequestState
 from runtime.worker import Abort, StepReport, Submit, Worker
 
@@ -54,33 +54,32 @@ def build(args: msg.ReplicaArgs) -> LLMEngine:
     return engine
 
 
-class Refused(NamedTuple):
-    state: RequestState
-    error: BaseException
-
-
 class StepTokens:
-    """The worker's Outputs here (runtime/worker.py): each step's TokenOutputs as the core made them, a refused
-    request as Refused; the front files them into its own RequestState (text, stop strings)."""
+    """The worker's Outputs here (runtime/worker.py): each step's progress as the Advances its front files, made on
+    the worker's thread (the sequences change under the next step); a refused request's end per completion."""
 
     def step(self, engine: LLMEngine) -> list:
-        return engine.step_tokens()
+        return [msg.Advance.of(out.seq.request.owner, Progress.of(out)) for out in engine.step_tokens()]
 
-    def refused(self, state: RequestState, error: BaseException) -> Refused:
-        return Refused(state, error)
+    def refused(self, state: RequestState, error: BaseException) -> list:
+        failed = msg.pickled(error)
+        return [msg.Advance(state.owner, i, None, True, "error", error=failed) for i in range(state.params.n)]
 
     def failed(self, engine: LLMEngine, error: BaseException) -> list:
-        return engine.core.fail_all(error)
+        return [msg.Advance.of(out.seq.request.owner, Progress.of(out)) for out in engine.core.fail_all(error)]
 
 
 class Replica:
-    """One engine behind the front's socket: commands in (main thread), reports out (the worker's thread)."""
+    """One engine behind the front's socket: commands in (main thread), reports out (a sender thread, the worker's
+    reports and, while none comes, a Beat a second: the front knows a silent process from a busy one)."""
 
     def __init__(self, engine: LLMEngine, conn: Connection):
         self.engine, self.conn = engine, conn
-        self._send_lock = threading.Lock()  # (the worker, the grammar compiler and the main thread all send)
+        self._send_lock = threading.Lock()  # (the sender, the grammar compiler and the main thread all send)
         # By the front's key, until every completion of it has ended: its state here, its unfinished completions.
+        # (The main thread adds and aborts, the sender forgets what ended: under the lock.)
         self._states: dict[int, tuple[RequestState, set[int]]] = {}
+        self._states_lock = threading.Lock()
         # The worker hands each report over and steps on; this thread encodes and sends it (while the step
         # waits for the device, which releases the interpreter's lock).
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
@@ -119,13 +118,15 @@ class Replica:
     def _command(self, command) -> None:
         if isinstance(command, msg.Submit):
             # (no tokenizer: the front detokenizes; this state only names the request to the core)
-            state = RequestState(command.request_id, command.prompt, command.prompt_ids, command.params, None,
-                                 priority=command.priority, stream=command.stream)
+            state = RequestState(command.request_id, None, command.prompt_ids, command.params, None,
+                                 priority=command.priority)
             state.owner = command.key
-            self._states[command.key] = (state, set(range(command.params.n)))
+            with self._states_lock:
+                self._states[command.key] = (state, set(range(command.params.n)))
             self.worker.submit(Submit(state))
         elif isinstance(command, msg.Abort):
-            entry = self._states.get(command.key)
+            with self._states_lock:
+                entry = self._states.get(command.key)
             if entry is not None:
                 self._ended(command.key, command.index)
                 self.worker.submit(Abort(entry[0], command.index, command.reason))
@@ -146,35 +147,38 @@ class Replica:
         future.add_done_callback(lambda f: self.send(msg.Compiled(command.key, msg.portable(f.exception()))))
 
     def _send_reports(self) -> None:
-        while (report := self._reports.get()) is not None:
-            self._report(report)
+        try:
+            while True:
+                try:
+                    report = self._reports.get(timeout=msg.BEAT_EVERY)
+                except queue.Empty:  # (no step ended for a while: say the process lives, and since when it steps)
+                    self.send(msg.Beat(self.worker.busy_since))
+                    continue
+                if report is None:
+                    return
+                self._report(report)
+        except BaseException:  # noqa: BLE001 - a report that cannot go out: no silent stall, the front sees us go
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
 
     def _report(self, report: StepReport) -> None:
-        """The step's progress as one message: a TokenOutput each, a refused request's end per completion."""
-        advances = []
-        for item in report.outputs:
-            if isinstance(item, Refused):
-                state = item.state
-                failed = pickle.dumps(msg.portable(item.error))
-                advances += [msg.Advance(state.owner, i, None, True, "error", error=failed)
-                             for i in range(state.params.n)]
-                self._ended(state.owner)
-                continue
-            key = item.seq.request.owner
-            advances.append(msg.Advance.of(key, item))
-            if item.finished:
-                self._ended(key, item.seq.index)
-        fatal = None if report.fatal is None else pickle.dumps(msg.portable(report.fatal))
-        self.send(msg.Step(advances, report.stats, fatal))
+        """The step's progress as one message."""
+        for advance in report.outputs:
+            if advance.finished:
+                self._ended(advance.key, advance.index)
+        fatal = None if report.fatal is None else msg.pickled(report.fatal)
+        self.send(msg.Step(list(report.outputs), report.stats, fatal))
 
     def _ended(self, key: int, index: int | None = None) -> None:
         """Completion `index` (or every one) of request `key` has ended here: the request is forgotten with
         its last."""
-        entry = self._states.get(key)
-        if entry is not None:
-            entry[1].difference_update(range(entry[0].params.n) if index is None else (index,))
-            if not entry[1]:
-                del self._states[key]
+        with self._states_lock:
+            entry = self._states.get(key)
+            if entry is not None:
+                entry[1].difference_update(range(entry[0].params.n) if index is None else (index,))
+                if not entry[1]:
+                    del self._states[key]
 
 
 def main(argv: list[str]) -> None:

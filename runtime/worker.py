@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -47,7 +48,7 @@ class Outputs(Protocol):
 
     def step(self, engine: LLMEngine) -> list: ...
 
-    def refused(self, state: RequestState, error: BaseException) -> object: ...
+    def refused(self, state: RequestState, error: BaseException) -> list: ...
 
     def failed(self, engine: LLMEngine, error: BaseException) -> list: ...
 
@@ -58,9 +59,9 @@ class RequestOutputs:
     def step(self, engine: LLMEngine) -> list:
         return engine.step_requests()
 
-    def refused(self, state: RequestState, error: BaseException) -> tuple:
+    def refused(self, state: RequestState, error: BaseException) -> list:
         state.end("error", error)
-        return state, state.take()
+        return [(state, state.take())]
 
     def failed(self, engine: LLMEngine, error: BaseException) -> list:
         outputs = engine.core.fail_all(error)
@@ -77,6 +78,7 @@ class Worker:
         self.engine = engine
         self.deliver = deliver
         self.outputs = outputs
+        self.busy_since: float | None = None  # time.monotonic() the step running now began (None: between steps)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="nanoinfer-worker", daemon=True)
 
@@ -111,10 +113,10 @@ class Worker:
         """After a fatal error: fail every new request at once, until stop()."""
         while not isinstance(command := self.commands.get(), _Stop):
             if isinstance(command, Submit):
-                self.deliver(StepReport((self._refused(command.request),), self.engine.core.stats(),
+                self.deliver(StepReport(tuple(self._refused(command.request)), self.engine.core.stats(),
                                         self.engine.fatal))
 
-    def _refused(self, state: RequestState, error: BaseException | None = None):
+    def _refused(self, state: RequestState, error: BaseException | None = None) -> list:
         return self.outputs.refused(state, error or self.engine.fatal)
 
     def _loop(self) -> None:
@@ -140,14 +142,16 @@ class Worker:
                 elif isinstance(command, Abort):
                     engine.abort(command.request, command.reason)
                 elif engine.fatal is not None:
-                    refused.append(self._refused(command.request))
+                    refused += self._refused(command.request)
                 else:
                     try:
                         engine.add(command.request)
                     except Exception as exc:  # noqa: BLE001 - checked on the caller's side already; never lose it
-                        refused.append(self._refused(command.request, exc))
+                        refused += self._refused(command.request, exc)
             if engine.has_unfinished_requests() and engine.fatal is None:
+                self.busy_since = time.monotonic()
                 outputs = self.outputs.step(engine)
+                self.busy_since = None
                 self.deliver(StepReport(tuple(refused + outputs), engine.stats(), engine.fatal))
             elif commands:
                 self.deliver(StepReport(tuple(refused), engine.stats(), engine.fatal))

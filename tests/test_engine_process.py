@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -51,7 +50,7 @@ def test_a_killed_engine_process_fails_its_requests_by_name_and_takes_no_more():
             killed = time.monotonic()
             (failed,) = await asyncio.gather(engine.collect(handle), return_exceptions=True)
             after = time.monotonic() - killed
-            with pytest.raises(EngineError, match="the server's engine is down"):
+            with pytest.raises(EngineError, match="the engine process is down"):
                 engine.submit([1, 2, 3], GREEDY)
             return failed, after, engine.healthy
     failed, after, healthy = asyncio.run(go())
@@ -153,19 +152,15 @@ def test_the_front_detokenizes_and_matches_stop_strings_as_one_engine_does(tiny_
             await asyncio.sleep(0.2)  # (the stopped completions' ends reach the engine)
             return results, engine.stats()
 
-    def engines():
-        cfg = config(block_size=16, num_blocks=256)
-        return AsyncEngine(tiny_chat_model, cfg), data_parallel_from_loaded(tiny_chat_model, cfg)
-
-    one, _ = asyncio.run(run(engines()[0], [free]))
+    cfg = config(block_size=16, num_blocks=256)
+    one, _ = asyncio.run(run(AsyncEngine(tiny_chat_model, cfg), [free]))
     stop = one[0].text[8:12]  # (a piece of the greedy text: where it stops is known)
     cases = [free, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
              SamplingParams(temperature=0.8, n=2, seed=5, max_tokens=12, ignore_eos=True, logprobs=2, stop=[stop]),
              SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1, logprobs=1)]
-    in_process, process = engines()
-    want, _ = asyncio.run(run(in_process, cases))
-    got, stats = asyncio.run(run(process, cases))
+    want, _ = asyncio.run(run(AsyncEngine(tiny_chat_model, cfg), cases))
+    got, stats = asyncio.run(run(data_parallel_from_loaded(tiny_chat_model, cfg), cases))
     assert want[2].finish_reason == "stop" and not want[2].text.endswith(stop)  # (the case is what it claims)
     for w, g in zip(want, got):
         if isinstance(w, str):
@@ -183,3 +178,104 @@ def test_the_front_detokenizes_and_matches_stop_strings_as_one_engine_does(tiny_
         assert g.prompt_logprobs == w.prompt_logprobs
     replica = stats["replicas"][0]
     assert replica["running"] == 0 and replica["free_blocks"] == replica["total_blocks"]
+
+
+def stopped_mid_stream(live, body, hang):
+    """Stream `body` from `live`, call `hang` once it runs; the stream's last events, and the seconds until
+    /health said 503 after `hang`."""
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # (running)
+            hang()
+            began = time.monotonic()
+            events = [line for line in lines if line]
+        while http.get("/health").status_code != 503:
+            assert time.monotonic() - began < 10, "/health still says ok 10 s after the engine hung"
+            time.sleep(0.05)
+        return events[-3:], time.monotonic() - began
+
+
+def test_a_stopped_engine_process_is_killed_as_hung_and_its_requests_fail(tiny_chat_model):
+    """SIGSTOP: the process lives but says nothing (no beat): its front kills it within msg.SILENCE seconds."""
+    with LiveServer(tiny_chat_model, engine_process="on") as live:
+        pid = live.engine.replicas[0].process.pid
+        body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        events, took = stopped_mid_stream(live, body, lambda: os.kill(pid, signal.SIGSTOP))
+        assert events[0] == "event: error" and "it said nothing for 3 s: killed" in events[1], events
+        assert events[-1] == "data: [DONE]" and took < 5
+        assert not _alive(pid)
+
+
+def very_slow_steps(index, engine):
+    """(`_setup`) After the first few, a step of 30 s: a hung step, as a GPU that never answers makes one."""
+    forward, calls = engine.core.executor._forward, [0]
+
+    def slow(batch):
+        calls[0] += 1
+        if calls[0] > 3:
+            time.sleep(30)
+        return forward(batch)
+    engine.core.executor._forward = slow
+
+
+def test_a_step_past_the_step_timeout_kills_the_engine_process(tiny_chat_model):
+    engine = data_parallel_from_loaded(tiny_chat_model, config(block_size=16, num_blocks=256, step_timeout=2.0),
+                                       _setup="tests.test_engine_process:very_slow_steps")
+
+    async def go():
+        async with engine:
+            began = time.monotonic()
+            (failed,) = await asyncio.gather(engine.generate("Hello", SamplingParams(max_tokens=50, ignore_eos=True)),
+                                             return_exceptions=True)
+            return failed, time.monotonic() - began, engine.healthy
+    failed, took, healthy = asyncio.run(go())
+    assert isinstance(failed, EngineError) and "a step ran for more than 2 s: killed" in str(failed)
+    assert took < 10 and not healthy and not descendants(os.getpid())
+
+
+def test_a_waiting_non_stream_request_gets_a_503_naming_the_dead_engine_process(tiny_chat_model):
+    import threading
+
+    with LiveServer(tiny_chat_model, engine_process="on") as live:
+        body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        answer = {}
+        waiting = threading.Thread(target=lambda: answer.update(r=httpx.post(live.url + "/v1/completions", json=body,
+                                                                                timeout=60)))
+        waiting.start()
+        while live.engine.stats()["generated_tokens"] == 0:
+            time.sleep(0.01)
+        os.kill(live.engine.replicas[0].process.pid, signal.SIGKILL)
+        waiting.join(30)
+        r = answer["r"]
+        assert r.status_code == 503 and "the engine process exited (code -9, SIGKILL)" in r.json()["error"]["message"]
+
+
+def dead_device_at_step_5(index, engine):
+    """(`_setup`) The fifth step meets a device error nothing on it survives (the process lives on)."""
+    from runtime.engine.faults import EngineDead
+
+    step, calls = engine.core.step, [0]
+
+    def failing():
+        calls[0] += 1
+        if calls[0] == 5:
+            raise EngineDead("the device failed: CUDA error: an illegal memory access was encountered")
+        return step()
+    engine.core.step = failing
+
+
+def test_a_dead_device_in_the_engine_process_fails_everything_by_its_error_and_the_front_says_503(tiny_chat_model):
+    engine = data_parallel_from_loaded(tiny_chat_model, config(block_size=16, num_blocks=256),
+                                       _setup="tests.test_engine_process:dead_device_at_step_5")
+
+    async def go():
+        async with engine:
+            results = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
+                                             for p in ("Hello", "The sea", "One two")), return_exceptions=True)
+            with pytest.raises(EngineError, match="the engine process is down"):
+                engine.submit("again", GREEDY)
+            return results, engine.healthy, engine.replicas[0].process.exit_code()
+    results, healthy, code = asyncio.run(go())
+    assert all(isinstance(r, EngineError) and "illegal memory access" in str(r) for r in results), results
+    assert not healthy and code is None  # (the process lived on, its engine dead: the front refuses for it)

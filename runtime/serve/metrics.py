@@ -41,6 +41,8 @@ class _EngineCollector:
     def collect(self):
         s = self.engine.stats()
         replicas = s.get("replicas")
+        if replicas is not None and len(replicas) == 1:  # (one engine process: the series as one engine's)
+            s, replicas = {**replicas[0], "healthy": s["healthy"]}, None
         labels = [] if replicas is None else ["replica"]
         series = [([], s)] if replicas is None else [([str(i)], r) for i, r in enumerate(replicas)]
         for name, doc, value_of in GAUGES:
