@@ -237,8 +237,10 @@ def main():
         _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,
                        len(engines), engines_cpu)
         return
+    # With more requests than clients, the offline engine keeps as many in flight as the clients do: the same load.
+    in_flight = {"max_num_seqs": args.clients} if requests > args.clients else {}
     with LLM(args.model, device=args.device, progress=False, load_format=args.load_format, cuda_graph_capture="all",
-             **({"num_blocks": args.num_blocks} if args.num_blocks else {})) as llm:
+             **({"num_blocks": args.num_blocks} if args.num_blocks else {}), **in_flight) as llm:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
         llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4)] * len(prompts), use_tqdm=False)  # warm-up
         start = time.perf_counter()
@@ -256,8 +258,8 @@ def main():
                    len(engines), engines_cpu)
     offline_tps = offline_tokens / offline
     print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
-    if requests == args.clients:  # (offline runs every request at once: the same load only then)
-        print(f"server keeps {tokens / elapsed / offline_tps:.0%} of the offline tok/s (goal >= 90%)")
+    print(f"server keeps {tokens / elapsed / offline_tps:.0%} of the offline tok/s (offline with "
+          f"{min(requests, args.clients)} in flight; goal >= 95%, >= 90% at 64 streams)")
 
 
 def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,

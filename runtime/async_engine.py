@@ -15,6 +15,7 @@ from nanoinfer.sampling import SamplingParams
 from runtime.config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
 from runtime.engine.request_state import RequestState
+from runtime.loop_inbox import LoopInbox
 from runtime.request_book import RequestBook, RequestHandle
 from runtime.worker import StepReport, Worker
 
@@ -48,7 +49,7 @@ class AsyncEngine(RequestBook):
         if self._worker is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._worker = Worker(self.engine, lambda report: self._loop.call_soon_threadsafe(self._on_report, report))
+        self._worker = Worker(self.engine, LoopInbox(self._loop, self._on_reports).put)
         self._send = self._worker.submit
         self._worker.start()
 
@@ -61,12 +62,14 @@ class AsyncEngine(RequestBook):
             await asyncio.to_thread(worker.stop)
         self.engine.close()
 
-    def _on_report(self, report: StepReport) -> None:
-        """On the loop, after each step: the counts, the device's health, each output to its consumer."""
-        self._stats = report.stats
-        if report.fatal is not None and self._fatal is None:
-            self._fatal = report.fatal
-        self._deliver(report.outputs)
+    def _on_reports(self, reports: list[StepReport]) -> None:
+        """On the loop, with the steps reported since the last call: the counts, the device's health, each
+        output to its consumer (several of one request's, when the loop fell behind, taken as one)."""
+        for report in reports:
+            self._stats = report.stats
+            if report.fatal is not None and self._fatal is None:
+                self._fatal = report.fatal
+            self._deliver(report.outputs)
 
     @property
     def healthy(self) -> bool:

@@ -33,6 +33,7 @@ from runtime import dp_messages as msg
 from runtime.engine.llm_engine import EngineError
 from runtime.engine.request_state import RequestState
 from runtime.executor.tp_processes import RankProcess, _environment, _python
+from runtime.loop_inbox import LoopInbox
 from runtime.request_book import RequestBook, RequestHandle
 from runtime.worker import Abort, Submit
 
@@ -221,7 +222,7 @@ class ReplicaClient(RequestBook):
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._send = loop, self._command
-        self.link.start(lambda message: _call_soon(loop, self._on_report, message), self._ended)
+        self.link.start(LoopInbox(loop, self._on_report).put, self._ended)
 
     @property
     def healthy(self) -> bool:
@@ -264,22 +265,26 @@ class ReplicaClient(RequestBook):
         _call_soon(self._loop, self._on_lost, error)
         return error
 
-    def _on_report(self, report: msg.Step) -> None:
-        """On the loop: the counts, the engine's health, each request's progress filed into its state and what
-        is new handed to its consumer; a stop string matched here ends that completion in the replica too. A
-        request whose outputs cannot be made fails alone; an engine that died fails what it had."""
-        self._stats = report.stats
-        if report.fatal is not None and self._fatal is None:
-            self._fatal = pickle.loads(report.fatal)
+    def _on_report(self, steps: list[msg.Step]) -> None:
+        """On the loop, with the steps reported since the last call: the counts, the engine's health, each
+        request's progress filed into its state and what is new handed to its consumer as one output (a front
+        behind its engine takes several steps at once: one chunk for their tokens); a stop string matched here
+        ends that completion in the replica too. A request whose outputs cannot be made fails alone; an engine
+        that died fails what it had."""
+        self._stats = steps[-1].stats
+        fatal = next((step.fatal for step in steps if step.fatal is not None), None)
+        if fatal is not None and self._fatal is None:
+            self._fatal = pickle.loads(fatal)
         now, states, touched = time.monotonic(), self._states, {}
-        for advance in report.advances:
-            state = states.get(advance.key)
-            if state is not None:  # (else aborted here: its progress was on its way)
-                touched[advance.key] = state
-                try:
-                    state.file(advance.progress(), now)
-                except Exception as exc:  # noqa: BLE001 - this request's own failure
-                    self._fail(advance.key, state, exc)
+        for step in steps:
+            for advance in step.advances:
+                state = states.get(advance.key)
+                if state is not None:  # (else aborted here: its progress was on its way)
+                    touched[advance.key] = state
+                    try:
+                        state.file(advance.progress(), now)
+                    except Exception as exc:  # noqa: BLE001 - this request's own failure
+                        self._fail(advance.key, state, exc)
         outputs = []
         for key, state in touched.items():
             try:
@@ -293,7 +298,7 @@ class ReplicaClient(RequestBook):
             if out is not None:
                 outputs.append((state, out))
         self._deliver(outputs)
-        if self._fatal is not None and report.fatal is not None:
+        if self._fatal is not None and fatal is not None:
             self.abort_all(self._fatal)  # (those it failed have their error already; the rest end with it now)
 
     def _fail(self, key: int, state: RequestState, exc: Exception) -> None:

@@ -17,6 +17,7 @@ from nanoinfer.tokenizer import Tokenizer
 from runtime.async_engine import AsyncEngine, engine_config
 from runtime.serve.config import ServerConfig
 from runtime.serve.server import create_app
+from runtime.serve.serving import uvicorn_config
 from tests.tiny import random_params, tiny_config
 
 
@@ -52,9 +53,11 @@ class LiveServer:
             self.engine = data_parallel_from_loaded(model, config)
         else:
             self.engine = AsyncEngine(model, config)
-        self.app = create_app(self.engine, ServerConfig(**{"served_model_name": "tiny-chat", **settings}))
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                **(uvicorn_kw or {}))
+        server_config = ServerConfig(**{"served_model_name": "tiny-chat", **settings})
+        self.app = create_app(self.engine, server_config)
+        # (uvicorn as `nanoinfer serve` runs it: the same protocols, limits and loop)
+        config = uvicorn_config(self.app, server_config, host="127.0.0.1", port=0, log_level="warning",
+                                lifespan="on", **(uvicorn_kw or {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -70,7 +70,10 @@ def refused(server, **connect_kw) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):
-    with LiveServer(tiny_chat_model, cors_origin=("http://app.example",)) as live:  # (--max-body-bytes: 1 MiB)
+    # (--max-body-bytes: 1 MiB; uvicorn's bound on a message, which `serve` sets to it, above it here: the app's
+    # own check of a message's size is what these tests see)
+    with LiveServer(tiny_chat_model, cors_origin=("http://app.example",), uvicorn_kw={"ws_max_size": 16 << 20}) \
+            as live:
         yield live
 
 

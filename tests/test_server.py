@@ -329,6 +329,14 @@ def test_the_host_check_covers_every_route_and_parses_the_header_strictly(tiny_c
         ws = pytest.importorskip("websockets.sync.client")
         with pytest.raises(Exception, match="400"):
             ws.connect(server.url.replace("http", "ws") + "/v1/chat/ws", additional_headers={"host": "evil.example"})
+        import socket  # (two Host headers, the allowed one first: httptools passes both, h11 refused them)
+
+        for path in (b"/health", b"/v1/chat/ws"):
+            with socket.create_connection(("127.0.0.1", int(port)), timeout=5) as raw:
+                raw.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\nUpgrade: "
+                            b"websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                            b"Sec-WebSocket-Version: 13\r\n\r\n")
+                assert raw.recv(1024).startswith(b"HTTP/1.1 400"), path
 
 
 def test_allowed_hosts_names_what_a_server_on_other_addresses_answers(tiny_chat_model):
@@ -401,26 +409,38 @@ def test_metrics_count_requests_tokens_and_latencies(live_server):
 
 def test_slow_and_oversized_request_heads_are_cut_off(tiny_chat_model):
     """uvicorn has no deadline for a request's head: one byte every few seconds would hold a
-    connection for ever (serving.py adds one), and a head over the limit is refused."""
+    connection for ever (runtime/serve/protocols.py adds one), and httptools no bound on its
+    size: a head over --max-header-bytes is refused (431) before it grows further."""
     import socket
 
-    from runtime.serve.serving import _protocol
-
-    with LiveServer(tiny_chat_model, uvicorn_kw={"http": _protocol(0.5), "h11_max_incomplete_event_size": 4096}) \
-            as server:
+    with LiveServer(tiny_chat_model, timeout_headers=0.5, max_header_bytes=4096) as server:
         host, port = server.url[len("http://"):].split(":")
         with socket.create_connection((host, int(port)), timeout=5) as slow:
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # ...and never the blank line
             time.sleep(1.0)
             slow.sendall(b"X-Late: 1\r\n")  # still trickling in: too late
             assert slow.recv(1024) == b""  # closed
+        with socket.create_connection((host, int(port)), timeout=5) as kept:
+            # A connection kept alive gets a new deadline for each request's head.
+            for _ in range(3):
+                kept.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                assert kept.recv(1024).startswith(b"HTTP/1.1 200")
+                time.sleep(0.3)
         with socket.create_connection((host, int(port)), timeout=5) as big:
-            # (h11 bounds the head it holds unfinished: a head that arrives whole in one read,
-            # at most uvicorn's 64 KiB, is parsed before any limit applies)
+            # (a head that arrives whole in one read, at most uvicorn's 64 KiB, is parsed before
+            # any limit applies: the bound is on what is held unfinished)
             big.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 8192)
-            time.sleep(0.1)
-            big.sendall(b"\r\n\r\n")
-            assert big.recv(1024).startswith(b"HTTP/1.1 400")
+            reply = big.recv(1024)
+            assert reply.startswith(b"HTTP/1.1 431") and b"4096 bytes" in reply, reply
+            assert big.recv(1024) == b""  # closed
+        with socket.create_connection((host, int(port)), timeout=5) as endless:
+            sent = 0
+            with pytest.raises(OSError):  # (reset, or a closed pipe, once the server has closed it)
+                while sent < 1 << 20:
+                    endless.sendall(b"X-More: " + b"b" * 1000 + b"\r\n")
+                    sent += 1010
+                    time.sleep(0.001)
+        assert sent < 1 << 20
         assert httpx.get(server.url + "/health").status_code == 200
 
 

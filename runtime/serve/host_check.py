@@ -36,7 +36,10 @@ class HostCheck:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] in ("http", "websocket"):
             try:
-                self.check(Headers(scope=scope).get("host"))
+                hosts = Headers(scope=scope).getlist("host")
+                if len(hosts) > 1:  # (RFC 9112 §3.2: a request with more than one is refused, whatever they say)
+                    raise HTTPError(400, f"{len(hosts)} Host headers: a request has one", param="host")
+                self.check(hosts[0] if hosts else None)
             except HTTPError as err:
                 log.info("%s %s: %d, %s", scope.get("method", "WebSocket"), scope["path"], err.status, err.body.message)
                 if scope["type"] == "websocket":

@@ -9,7 +9,7 @@ import time
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from runtime.async_engine import AsyncEngine, RequestHandle
 from runtime.serve import protocol as api
@@ -30,11 +30,43 @@ def _sse_error(err: HTTPError) -> bytes:
     return b"event: error\ndata: " + _encode(api.ErrorResponse(err.body)) + b"\n\n"
 
 
-async def _disconnected(request: Request) -> None:
+async def _disconnected(receive) -> None:
     """Returns when the client goes away (after the body is read, uvicorn's `receive` waits
     for exactly that)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class EventStream(Response):
+    """An SSE response: each item of `events` (bytes: every event ready at one wake-up) written with one ASGI
+    send. Starlette's StreamingResponse costs an anyio task group and a send per event, per token of every
+    stream; this is one task writing and one (idle) waiting for the client to leave, which stops the writer:
+    a generator's `finally` runs, and its requests are released."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events):
+        self.events, self.status_code, self.background = events, 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        writer = asyncio.ensure_future(self._write(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((writer, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, watch):
+                task.cancel()
+            await asyncio.gather(writer, watch, return_exceptions=True)
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            raise writer.exception()
+
+    async def _write(self, send) -> None:
+        async for body in self.events:
+            if body:  # (a wake-up whose tokens make no text yet: nothing to write)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Responder:
@@ -59,36 +91,34 @@ class Responder:
             self.finished(out.id, handles, status)
         return Response(_encode(out.response(results)), media_type="application/json")
 
-    def stream(self, rid: str, handles: list[RequestHandle], out) -> StreamingResponse:
-        """SSE of the renderer's chunks, then `[DONE]`. A request the engine fails ends the
-        stream with an `error` event first."""
+    def stream(self, rid: str, handles: list[RequestHandle], out) -> EventStream:
+        """SSE of the renderer's chunks, then `[DONE]`: what each wake-up brings (a delta of one
+        prompt, several tokens of a stream that fell behind) is one write. A request the engine
+        fails ends the stream with an `error` event first."""
         async def events():
-            status = 499  # until it ends: a client that leaves mid-stream closes it here
+            status, tail = 499, b""  # until it ends: a client that leaves mid-stream closes it here
             try:
-                for chunk in out.start():
-                    yield _sse(chunk)
+                yield b"".join(map(_sse, out.start()))
                 async for position, delta in self.engine.merge(handles):
-                    for chunk in out.chunks(position, delta):
-                        yield _sse(chunk)
-                for chunk in out.end():
-                    yield _sse(chunk)
+                    yield b"".join(map(_sse, out.chunks(position, delta)))
+                tail = b"".join(map(_sse, out.end()))
                 status = 200
             except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
                 err = HTTPError.of(exc, self.engine.healthy)
                 status = err.status
                 if status >= 500:
                     log.error("%s failed: %r", rid, exc)
-                yield _sse_error(err)
+                tail = _sse_error(err)
             finally:
                 self.finished(rid, handles, status)
-            yield _DONE
-        return StreamingResponse(events(), media_type="text/event-stream")
+            yield tail + _DONE
+        return EventStream(events())
 
     async def collect(self, request: Request, handles: list[RequestHandle]):
         """Every prompt's whole output. If one prompt fails, or the client leaves, the others
         are aborted (cancelling a collect() aborts its request): no work for a dead response."""
         work = [asyncio.ensure_future(self.engine.collect(h)) for h in handles]
-        watch = asyncio.ensure_future(_disconnected(request))
+        watch = asyncio.ensure_future(_disconnected(request.receive))
         try:
             pending = {*work, watch}
             while not watch.done() and not all(t.done() for t in work):

@@ -8,68 +8,17 @@ connections close. The HTTP app itself is runtime/serve/server.py.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import socket
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from nanoinfer.errors import NanoInferError
 from runtime.async_engine import AsyncEngine
 from runtime.serve.config import ServerConfig, allowed_hosts
+from runtime.serve.protocols import WebSocketProtocol, http_protocol
 from runtime.serve.server import create_app
-
-
-def _protocol(header_timeout: float):
-    """uvicorn's h11 protocol with a deadline for each request's head: uvicorn has none, so a
-    client sending its headers a byte every few seconds would hold a connection for ever."""
-    class Protocol(H11Protocol):
-        _head_deadline: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport):
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE and self._head_deadline is not None:
-                self._head_deadline.cancel()  # the head is in: the request runs as long as it needs
-                self._head_deadline = None
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request on this connection gets its own deadline
-
-        def connection_lost(self, exc):
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-            self._head_deadline = self.loop.call_later(header_timeout, self._head_timed_out)
-
-        def _head_timed_out(self) -> None:
-            self._head_deadline = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-    return Protocol
-
-
-class _WebSocketProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's WebSocket protocol, quiet about a handshake refused with an HTTP answer (a
-    cross-origin page, a wrong Host, a draining server): uvicorn 0.54 logs each as the error
-    "ASGI callable returned without completing handshake" (uvicorn PR #3138 fixes it)."""
-
-    async def send(self, message) -> None:
-        await super().send(message)
-        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
-            self.handshake_complete = True
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -121,9 +70,14 @@ def build_server(engine: AsyncEngine, config: ServerConfig) -> uvicorn.Server:
             # by SIGTERM; a clean stop on request is a normal exit here (status 0).
             self._captured_signals.clear()
 
-    uvicorn_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-        timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive,
-        http=_protocol(config.timeout_headers), h11_max_incomplete_event_size=config.max_header_bytes,
-        ws=_WebSocketProtocol, ws_max_size=config.max_body_bytes)
-    return Server(uvicorn_config)
+    return Server(uvicorn_config(app, config))
+
+
+def uvicorn_config(app, config: ServerConfig, **overrides) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` as `config` says (a test's LiveServer changes the binding)."""
+    settings = dict(host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                    timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive,
+                    http=http_protocol(config.timeout_headers, config.max_header_bytes),
+                    loop="auto",  # uvloop where installed (not on Windows): its loop and writes are C
+                    ws=WebSocketProtocol, ws_max_size=config.max_body_bytes)  # (a larger message is never read)
+    return uvicorn.Config(app, **{**settings, **overrides})

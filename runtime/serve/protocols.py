@@ -1,0 +1,87 @@
+"""uvicorn's HTTP and WebSocket protocols with the server's limits: a deadline and a size for each request's head.
+
+HTTP is httptools' parser (llhttp, in C) on uvloop where installed: under a few hundred streams the server's
+process spends its time writing chunks, and h11, pure Python, cost a third of that (bench/RESULTS.md, issue 60).
+uvicorn has no deadline for a request's head and httptools no bound on its size, so this adds both: a client
+sending its headers a byte every few seconds would otherwise hold a connection for ever, and one sending a
+header without end would grow the parser's buffer without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+
+def http_protocol(header_timeout: float, max_header_bytes: int):
+    """The HTTP protocol class: a request's head (line and headers) must arrive within `header_timeout`
+    seconds of the connection opening or its previous response ending (else the connection closes), and
+    hold at most `max_header_bytes` (else a 431 answer, and the connection closes)."""
+    class Protocol(HttpToolsProtocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+        _head_bytes = 0  # of the head arriving, fed to the parser so far
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            in_head = self._head_deadline is not None
+            super().data_received(data)
+            if in_head and self._head_deadline is not None and not self.transport.is_closing():
+                self._head_bytes += len(data)  # (the head is still incomplete: all of it was head)
+                if self._head_bytes > max_header_bytes:
+                    self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                                 f"the request's head is over {max_header_bytes} bytes (the server's "
+                                 f"--max-header-bytes)")
+
+        def on_headers_complete(self) -> None:
+            self._disarm()  # the head is in: the request runs as long as it needs
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request on this connection gets its own deadline
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_bytes = 0
+            self._head_deadline = self.loop.call_later(header_timeout, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_timed_out(self) -> None:
+            self._head_deadline = None
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
+
+        def _refuse(self, status: http.HTTPStatus, message: str) -> None:
+            self._disarm()
+            body = message.encode()
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (status.value, status.phrase.encode(), len(body), body))
+            self.transport.close()
+    return Protocol
+
+
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol, quiet about a handshake refused with an HTTP answer (a
+    cross-origin page, a wrong Host, a draining server): uvicorn 0.54 logs each as the error
+    "ASGI callable returned without completing handshake" (uvicorn PR #3138 fixes it)."""
+
+    async def send(self, message) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            self.handshake_complete = True
