@@ -6,8 +6,9 @@ beside the offline engine (LLM.generate) on the same requests in the same run.
 
 Prompts are random token ids (fixed seed) sent to /v1/completions with ignore-free greedy
 sampling; every request asks for its output length, and min-length is enforced by checking
-the usage. TTFT = request sent to first content chunk; ITL = gaps between content chunks
-divided by the tokens they carry. The server runs in its own process (as in production); with
+the usage. TTFT = request sent to first content chunk; ITL = gaps between content chunks (as
+vLLM's benchmark counts them: a chunk that carries several tokens is one gap). The server runs in
+its own process (as in production); with --api-server-count N its fronts are N processes; with
 --data-parallel-size N its N replicas are processes of their own (runtime/data_parallel.py). DP=1 against
 DP=2, two H100s, the small shape (DIR from `python bench/dummy_checkpoint.py qwen3-0.6b DIR`), in one lease:
 
@@ -73,6 +74,14 @@ def engine_counters(url: str) -> dict[str, float]:
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def is_api_server(pid: int) -> bool:
+    """Whether `pid` is one of a server's other HTTP fronts (runtime/serve/api_servers.py)."""
+    try:
+        return b"runtime.serve.api_servers" in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
 
 
 def cpu_of(pids) -> float:
@@ -207,8 +216,10 @@ def main():
         for prompt in prompts[:args.idle_requests]:  # one at a time: an idle server's TTFT
             idle_ttfts += asyncio.run(run_clients(url, [prompt], [8]))[2]
         counters_before = engine_counters(url)
-        cpu_before, engines = cpu_seconds(server.pid), descendants(server.pid)
-        engines_before = cpu_of(engines)
+        below = descendants(server.pid)
+        fronts = [server.pid, *(p for p in below if is_api_server(p))]  # (--api-server-count N: N front processes)
+        engines = [p for p in below if p not in fronts]
+        cpu_before, engines_before = cpu_of(fronts), cpu_of(engines)
         profiler = start_profile(server.pid, args.profile_seconds, args.profile) if args.profile else None
         if args.client_processes > 1:
             tokens, elapsed, ttfts, itls, client_cpu = run_client_processes(url, prompts, outputs, args.clients,
@@ -217,7 +228,7 @@ def main():
             client_start = time.process_time()
             tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
             client_cpu = time.process_time() - client_start
-        cpu_after, engines_cpu = cpu_seconds(server.pid), cpu_of(engines) - engines_before
+        cpu_after, engines_cpu = cpu_of(fronts), cpu_of(engines) - engines_before
         counters = {k: v - counters_before.get(k, 0) for k, v in engine_counters(url).items()}
         steps = counters["nanoinfer_engine_steps_total"]
         print(f"server engine: {steps:.0f} steps, {counters['nanoinfer_generated_tokens_total'] / max(steps, 1):.1f} "
@@ -275,7 +286,7 @@ def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu
           f"{ms(statistics.median(itls)) + '/' + ms(percentile(itls, 99)):>17}")
     if cpu_before is not None:  # (with data parallelism the server's process is the front alone)
         cpu = cpu_after - cpu_before
-        print(f"server process CPU {cpu:.2f} s over the run: {cpu / elapsed:.0%} of a core, "
+        print(f"server front processes CPU {cpu:.2f} s over the run: {cpu / elapsed:.0%} of a core, "
               f"{cpu / max(tokens, 1) * 1e6:.0f} us a token")
     if num_engines:
         print(f"engine processes ({num_engines}) CPU {engines_cpu:.2f} s: {engines_cpu / elapsed:.0%} of a core, "

@@ -252,7 +252,7 @@ def _async_engine(args):
     if kwargs.get("data_parallel_size", 1) > 1 or _engine_process(args, kwargs):
         from runtime.data_parallel import data_parallel_from_model
 
-        return data_parallel_from_model(args.model, **kwargs)
+        return data_parallel_from_model(args.model, fronts=getattr(args, "api_server_count", 1), **kwargs)
     from runtime.async_engine import AsyncEngine
 
     return AsyncEngine.from_model(args.model, **kwargs)
@@ -263,6 +263,11 @@ def _engine_process(args, kwargs: dict) -> bool:
     engine's ranks are pipeline stages or torchrun's, which an engine process does not run yet). Other commands
     (eval speed) keep it in process: they measure the engine, not a server."""
     choice = getattr(args, "engine_process", "off")
+    if getattr(args, "api_server_count", 1) > 1:  # (several fronts share one engine: it runs apart from them all)
+        if choice == "off":
+            raise RequestError(f"--api-server-count {args.api_server_count} needs the engine in a process of its own: "
+                               f"expected --engine-process on or auto, not off", param="api_server_count")
+        return True
     if choice == "auto":
         from nanoinfer.loaders import resolve_device
 

@@ -124,7 +124,7 @@ class DataParallelEngine(RequestReader):
     and data_parallel_from_loaded). Use as `async with engine:` (start/shutdown), as an AsyncEngine."""
 
     def __init__(self, replicas: Sequence[ReplicaClient], config: EngineConfig):
-        self.replicas = tuple(replicas)  # (one: the server's engine in a process of its own)
+        self.replicas, self.config = tuple(replicas), config  # (one replica: a server's engine apart from it)
         ready = [r.ready for r in self.replicas]
         self.model, self.tokenizer = ready[0].model, ready[0].model.tokenizer
         limits = dataclasses.replace(ready[0].limits, num_blocks=min(r.limits.num_blocks for r in ready))
@@ -263,8 +263,10 @@ def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
     replicas: list[ReplicaClient] = []  # (each client's group: a lost one names those serving on)
     try:
         for a in args:
-            replicas.append(ReplicaClient(a.index, *spawn(a), group=replicas, alone=len(args) == 1,
+            process, conns = spawn(a)
+            replicas.append(ReplicaClient(a.index, process, conns[0], group=replicas, alone=len(args) == 1,
                                           step_timeout=a.config.step_timeout))
+            replicas[-1].front_conns = conns[1:]
         for replica in replicas:
             replica.wait_ready()
     except BaseException:
@@ -279,23 +281,25 @@ def _threads(devices: Sequence[torch.device]) -> int | None:
     return max(1, (os.cpu_count() or 1) // cpus) if cpus else None
 
 
-def data_parallel_from_model(model: str | Path | None = None, *, _setup: str | None = None,
+def data_parallel_from_model(model: str | Path | None = None, *, _setup: str | None = None, fronts: int = 1,
                              **kwargs) -> DataParallelEngine:
     """Load `model` as `AsyncEngine.from_model` does (the same keywords, `data_parallel_size` among them):
-    each replica loads it in its own process, onto its own device."""
+    each replica loads it in its own process, onto its own device. `fronts`: the API server processes that will
+    send it requests (`serve --api-server-count`), this one first: each replica keeps a socket for each (the
+    others' in its client's `front_conns`, for runtime/serve/api_servers.py to hand over)."""
     load, config = load_and_engine_configs(**kwargs)  # (checked before minutes of loading)
     _check(config)
     devices = replica_devices(resolve_device(load.device), config.data_parallel_size,
                               config.tensor_parallel_size)
     one, threads = dataclasses.replace(config, data_parallel_size=1), _threads(devices)
     path = None if model is None else str(model)
-    return _start([msg.ReplicaArgs(i, one, str(d), None, path, load, threads, _setup)
+    return _start([msg.ReplicaArgs(i, one, str(d), None, path, load, threads, _setup, fronts)
                    for i, d in enumerate(devices)])
 
 
 def data_parallel_from_loaded(model: LoadedModel, config: EngineConfig,
                               devices: Sequence[torch.device] | None = None, *,
-                              _setup: str | None = None) -> DataParallelEngine:
+                              _setup: str | None = None, fronts: int = 1) -> DataParallelEngine:
     """`config.data_parallel_size` replicas of a loaded model, on `devices` (default: from the model's device on,
     as `replica_devices` says): its weights handed to each replica's process as shared memory (CPU) or CUDA IPC
     handles, copied there to the replica's device where they are not on it. `_setup` ("module:function", for
@@ -305,5 +309,5 @@ def data_parallel_from_loaded(model: LoadedModel, config: EngineConfig,
     devices = list(devices) if devices is not None else replica_devices(model.params.device, n,
                                                                          config.tensor_parallel_size)
     one, threads = dataclasses.replace(config, data_parallel_size=1), _threads(devices)
-    return _start([msg.ReplicaArgs(i, one, str(d), model, None, None, threads, _setup)
+    return _start([msg.ReplicaArgs(i, one, str(d), model, None, None, threads, _setup, fronts)
                    for i, d in enumerate(devices)])

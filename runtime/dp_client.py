@@ -48,24 +48,53 @@ class ReplicaProcess(RankProcess):
     label = "dp replica"
 
 
-def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, Connection]:
-    """Start replica `args.index`'s process and hand it `args` (as tp_processes hands a rank its own)."""
-    ours, theirs = socket.socketpair()
+def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, list[Connection]]:
+    """Start replica `args.index`'s process and hand it `args` (as tp_processes hands a rank its own); our ends of
+    its sockets, one per front (`args.fronts`: this process's first, then the other API servers')."""
+    pairs = [socket.socketpair() for _ in range(args.fronts)]
     try:
-        process = ReplicaProcess(args.index, [*_python(), "-m", "runtime.dp_replica", str(theirs.fileno())],
-                                 _environment(), pass_fds=(theirs.fileno(),))
+        fds = [theirs.fileno() for _, theirs in pairs]
+        process = ReplicaProcess(args.index, [*_python(), "-m", "runtime.dp_replica", *map(str, fds)],
+                                 _environment(), pass_fds=tuple(fds))
     except BaseException:
-        ours.close()
+        for ours, _ in pairs:
+            ours.close()
         raise
     finally:
-        theirs.close()
+        for _, theirs in pairs:
+            theirs.close()
     authkey = bytes(multiprocessing.current_process().authkey)
     buf = io.BytesIO()
     ForkingPickler(buf).dump(args)
     data = struct.pack("<I", len(authkey)) + authkey + buf.getvalue()
     threading.Thread(target=process.send, args=(data,), daemon=True,
                      name=f"nanoinfer-dp-replica{args.index}-send").start()
-    return process, Connection(ours.detach())
+    return process, [Connection(ours.detach()) for ours, _ in pairs]
+
+
+class EngineElsewhere:
+    """An engine process as an API server other than the first sees it (`serve --api-server-count N`): not its
+    child — the first API server started it, watches it and stops it — so there is no exit code, output or
+    process to kill here; its socket's end is what this front knows."""
+
+    class _NotOurs:
+        def kill(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> None:
+            pass
+
+    proc = _NotOurs()
+    killed = False
+
+    def __init__(self, index: int):
+        self.rank = index
+
+    def exit_code(self) -> int | None:
+        return None
+
+    def exit_and_tail(self) -> tuple[str, str]:
+        return "its socket closed", "the first API server's output has its own"
 
 
 class ReplicaLink:
@@ -74,7 +103,7 @@ class ReplicaLink:
     checked: silent for msg.SILENCE seconds, or a step longer than `step_timeout`, and it is killed as hung), and
     its grammar compiles in flight."""
 
-    def __init__(self, index: int, process: ReplicaProcess, conn: Connection, step_timeout: float):
+    def __init__(self, index: int, process: ReplicaProcess | EngineElsewhere, conn: Connection, step_timeout: float):
         self.index, self.process, self.conn, self.step_timeout = index, process, conn, step_timeout
         self._keys = itertools.count()
         self._compiles: dict[int, Future] = {}  # by key, until the replica answers
@@ -165,7 +194,7 @@ class ReplicaLink:
 class ReplicaClient(RequestBook):
     """Replica `index`: requests booked here run in its process (reached through its ReplicaLink)."""
 
-    def __init__(self, index: int, process: ReplicaProcess, conn: Connection,
+    def __init__(self, index: int, process: ReplicaProcess | EngineElsewhere, conn: Connection,
                  group: Sequence[ReplicaClient] = (), alone: bool = False, step_timeout: float = 600.0):
         """`group`: the front's replicas, this one among them (a lost one's error names those serving on).
         `alone`: the front's one engine process (a server's engine apart from its HTTP front), not a replica
@@ -173,6 +202,7 @@ class ReplicaClient(RequestBook):
         hung (killed, as one that died)."""
         super().__init__()
         self.index, self.process, self.conn = index, process, conn
+        self.front_conns: list[Connection] = []  # our ends of its other fronts' sockets, until handed to them
         self.link = ReplicaLink(index, process, conn, step_timeout)
         self.name = "the engine process" if alone else f"data-parallel replica {index}"
         self.ready: msg.Ready | None = None

@@ -36,6 +36,7 @@ class ReplicaArgs(NamedTuple):
     load: LoadConfig | None  # as this says (its device: the replica's)
     threads: int | None  # torch's intra-op threads (CPU replicas share the cores)
     setup: str | None = None  # "module:function" called with (index, LLMEngine) before serving (tests' faults)
+    fronts: int = 1  # the processes that send it requests (a server's API server processes), a socket each
 
 
 # -- replica to front ---------------------------------------------------------------------------

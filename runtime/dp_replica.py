@@ -3,7 +3,8 @@
 The front (runtime/data_parallel.py) starts one per replica, whatever the user's program is (a notebook,
 `python -`, a script without a main guard: nothing of it runs here). Its arguments (runtime/dp_messages.py's
 ReplicaArgs: the weights shared by handle, or a checkpoint to load) come on stdin as a tensor-parallel rank's do
-(runtime/executor/tp_rank.py); FD is its end of a socket pair with the front. Here the engine runs as in
+(runtime/executor/tp_rank.py); FD is its end of a socket pair with the front (FD... with a server's N API server
+processes, one each: `serve --api-server-count N`; the first is the one that started it). Here the engine runs as in
 AsyncEngine: the step loop on a Worker thread (runtime/worker.py), commands read on the main thread. With
 tensor_parallel_size > 1 this process is its group's rank 0 and starts the other ranks itself: each replica has
 its own default process group, its own process.
@@ -19,7 +20,7 @@ import signal
 import sys
 import threading
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import torch
 
@@ -28,6 +29,9 @@ from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import Progress
 from runtime.engine.request_state import RequestState
 from runtime.worker import Abort, StepReport, Submit, Worker
+
+
+OUTBOX = 4096  # messages waiting for a front other than the first before it counts as hung
 
 
 def build(args: msg.ReplicaArgs) -> LLMEngine:
@@ -70,13 +74,22 @@ class StepTokens:
 
 
 class Replica:
-    """One engine behind the front's socket: commands in (main thread), reports out (a sender thread, the worker's
-    reports and, while none comes, a Beat a second: the front knows a silent process from a busy one)."""
+    """One engine behind its fronts' sockets: commands in (main thread), reports out (a sender thread, the worker's
+    reports and, while none comes, a Beat a second: a front knows a silent process from a busy one).
 
-    def __init__(self, engine: LLMEngine, conn: Connection):
-        self.engine, self.conn = engine, conn
+    With several fronts (API server processes), each request is known here by its front's key times the number of
+    fronts plus the front's index, and each step's progress goes to each front as a Step of its own requests. The
+    first front stops this process; another one that goes away has its requests aborted."""
+
+    def __init__(self, engine: LLMEngine, conns: list[Connection]):
+        self.engine, self.conns = engine, conns
         self._send_lock = threading.Lock()  # (the sender, the grammar compiler and the main thread all send)
-        # By the front's key, until every completion of it has ended: its state here, its unfinished completions.
+        # The other fronts' messages go through a writer thread each: one that reads slowly (an API server still
+        # starting, when this sends Ready) never holds up the first's; one that reads nothing for OUTBOX messages
+        # is hung, and dropped.
+        self._outboxes: list[queue.Queue | None] = [None] + [queue.Queue(OUTBOX) for _ in conns[1:]]
+        self._dropped: set[int] = set()
+        # By key, until every completion of it has ended: its state here, its unfinished completions.
         # (The main thread adds and aborts, the sender forgets what ended: under the lock.)
         self._states: dict[int, tuple[RequestState, set[int]]] = {}
         self._states_lock = threading.Lock()
@@ -86,65 +99,110 @@ class Replica:
         self._sender = threading.Thread(target=self._send_reports, daemon=True, name="nanoinfer-dp-send")
         self.worker = Worker(engine, self._reports.put, StepTokens())
 
-    def send(self, message) -> None:
+    def send(self, message, front: int | None = None) -> None:
+        """`message` to front `front`, or to every front."""
         data = msg.frame(message)
-        with self._send_lock:
+        for i in range(len(self.conns)) if front is None else (front,):
+            if i == 0:
+                with self._send_lock:
+                    try:
+                        self.conns[0].send_bytes(data)
+                    except OSError:  # the front is gone: the main thread's read ends this process
+                        pass
+            elif i not in self._dropped:
+                try:
+                    self._outboxes[i].put_nowait(data)
+                except queue.Full:
+                    self._dropped.add(i)
+                    self._front_gone(i)
+
+    def _write(self, front: int) -> None:
+        outbox, conn = self._outboxes[front], self.conns[front]
+        while (data := outbox.get()) is not None:
             try:
-                self.conn.send_bytes(data)
-            except OSError:  # the front is gone: the main thread's read ends this process
-                pass
+                conn.send_bytes(data)
+            except OSError:  # (that front is gone: the main thread's read sees it)
+                return
 
     def run(self) -> None:
-        """Serve commands until Stop, or until the front's end closes."""
+        """Serve commands until Stop, or until the first front's end closes."""
+        for front in range(1, len(self.conns)):
+            threading.Thread(target=self._write, args=(front,), daemon=True, name=f"nanoinfer-front{front}-send").start()
         model = dataclasses.replace(self.engine.model, params=None)
         self.send(msg.Ready(model, self.engine.core.limits, self.engine.stats()))
         self._sender.start()
         self.worker.start()
+        live = {conn: i for i, conn in enumerate(self.conns)}
         try:
             while True:
-                try:
-                    command = self.conn.recv()
-                except (EOFError, OSError):
-                    return
-                if isinstance(command, msg.Stop):
-                    return
-                self._command(command)
+                for conn in wait(list(live)):
+                    front = live[conn]
+                    try:
+                        command = conn.recv()
+                    except (EOFError, OSError):
+                        if front == 0:
+                            return
+                        del live[conn]
+                        self._front_gone(front)
+                        continue
+                    if isinstance(command, msg.Stop) and front == 0:
+                        return
+                    if isinstance(command, msg.Stop):  # (another API server stopping: its socket is done)
+                        del live[conn]
+                        self._front_gone(front)
+                        continue
+                    self._command(command, front)
         finally:
             self.worker.stop()
             self._reports.put(None)
             self._sender.join()
+            for outbox in self._outboxes[1:]:
+                try:
+                    outbox.put_nowait(None)
+                except queue.Full:  # (a hung front's writer: a daemon thread, gone with the process)
+                    pass
             self.engine.close()
 
-    def _command(self, command) -> None:
+    def _front_gone(self, front: int) -> None:
+        """An API server process ended: its requests are aborted (nobody reads them)."""
+        fronts = len(self.conns)
+        with self._states_lock:
+            keys = [key for key in self._states if key % fronts == front]
+        for key in keys:
+            self._command(msg.Abort(key // fronts), front)
+
+    def _command(self, command, front: int) -> None:
         if isinstance(command, msg.Submit):
             # (no tokenizer: the front detokenizes; this state only names the request to the core)
+            key = command.key * len(self.conns) + front
             state = RequestState(command.request_id, None, command.prompt_ids, command.params, None,
                                  priority=command.priority)
-            state.owner = command.key
+            state.owner = key
             with self._states_lock:
-                self._states[command.key] = (state, set(range(command.params.n)))
+                self._states[key] = (state, set(range(command.params.n)))
             self.worker.submit(Submit(state))
         elif isinstance(command, msg.Abort):
+            key = command.key * len(self.conns) + front
             with self._states_lock:
-                entry = self._states.get(command.key)
+                entry = self._states.get(key)
             if entry is not None:
-                self._ended(command.key, command.index)
+                self._ended(key, command.index)
                 self.worker.submit(Abort(entry[0], command.index, command.reason))
         elif isinstance(command, msg.Compile):
-            self._compile(command)
+            self._compile(command, front)
         elif isinstance(command, msg.PrepareGrammars):
             self.engine.core.executor.grammars.prepare()
         else:
             raise TypeError(f"unknown command from the front: {command!r}")
 
-    def _compile(self, command: msg.Compile) -> None:
+    def _compile(self, command: msg.Compile, front: int) -> None:
         """The grammar compiled here (and cached: the request that asks for it finds it); its error, if any, back."""
         try:
             future = self.engine.core.executor.grammars.compile(command.spec)
         except Exception as exc:  # noqa: BLE001 - a bad grammar is the request's, never this process's end
-            self.send(msg.Compiled(command.key, msg.portable(exc)))
+            self.send(msg.Compiled(command.key, msg.portable(exc)), front)
             return
-        future.add_done_callback(lambda f: self.send(msg.Compiled(command.key, msg.portable(f.exception()))))
+        future.add_done_callback(lambda f: self.send(msg.Compiled(command.key, msg.portable(f.exception())), front))
 
     def _send_reports(self) -> None:
         try:
@@ -163,12 +221,21 @@ class Replica:
             os._exit(1)
 
     def _report(self, report: StepReport) -> None:
-        """The step's progress as one message."""
+        """The step's progress as one message to each front (its own requests', by its own keys)."""
         for advance in report.outputs:
             if advance.finished:
                 self._ended(advance.key, advance.index)
         fatal = None if report.fatal is None else msg.pickled(report.fatal)
-        self.send(msg.Step(list(report.outputs), report.stats, fatal))
+        fronts = len(self.conns)
+        if fronts == 1:
+            self.send(msg.Step(list(report.outputs), report.stats, fatal))
+            return
+        per_front: list[list[msg.Advance]] = [[] for _ in range(fronts)]
+        for advance in report.outputs:
+            advance.key, front = divmod(advance.key, fronts)  # (the front's own key: this Advance is sent only)
+            per_front[front].append(advance)
+        for front, advances in enumerate(per_front):
+            self.send(msg.Step(advances, report.stats, fatal), front)
 
     def _ended(self, key: int, index: int | None = None) -> None:
         """Completion `index` (or every one) of request `key` has ended here: the request is forgotten with
@@ -186,19 +253,20 @@ def main(argv: list[str]) -> None:
 
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the process group: the front stops us)
-    conn = Connection(int(argv[0]))
+    conns = [Connection(int(fd)) for fd in argv]
     args: msg.ReplicaArgs = read_arguments(sys.stdin.buffer)
     try:
         engine = build(args)
     except Exception as exc:
-        conn.send_bytes(msg.frame(msg.Failed(msg.portable(exc))))
+        conns[0].send_bytes(msg.frame(msg.Failed(msg.portable(exc))))
         from nanoinfer.errors import NanoInferError
 
         if isinstance(exc, NanoInferError):  # (a bad checkpoint or setting: the front raises it, once)
             sys.exit(1)
         raise  # (a bug: its traceback in the replica's output, exit code 1)
-    Replica(engine, conn).run()
-    conn.close()
+    Replica(engine, conns).run()
+    for conn in conns:
+        conn.close()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -187,17 +187,23 @@ class RankProcesses:
         """Wait up to `wait` seconds for the ranks to exit (they were told to), kill the rest; the
         ranks that ended badly on their own (an exit code other than 0), as errors."""
         self.unwatch()
-        deadline = time.monotonic() + wait
-        for r in self.ranks:
-            try:
-                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                r.killed = True
-                r.proc.kill()
-        for r in self.ranks:
-            r.proc.wait()
+        wait_or_kill(self.ranks, wait)
         return [r.lost(" before the engine closed") for r in self.ranks
                 if r.proc.returncode != 0 and not (r.killed or r.reported)]
+
+
+def wait_or_kill(processes: Sequence[RankProcess], wait: float) -> None:
+    """Up to `wait` seconds for `processes` (told to stop) to exit; those still running are killed (`killed`: by
+    us, no death to report), and every one waited for."""
+    deadline = time.monotonic() + wait
+    for process in processes:
+        try:
+            process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.killed = True
+            process.proc.kill()
+    for process in processes:
+        process.proc.wait()
 
 
 def _python() -> list[str]:

@@ -45,6 +45,9 @@ class ServerConfig:
                                           "both in this process; auto: on with CUDA, off on the CPU. "
                                           "--data-parallel-size N > 1 runs N such processes",
                                   choices=("auto", "on", "off"))
+    api_server_count: int = setting(1, "HTTP front processes serving the port over the same engine (vLLM's name): "
+                                       "past a few hundred streams one front is a core's work. N > 1 runs the "
+                                       "engine in a process of its own (--engine-process on)", minimum=1, maximum=64)
 
     def __post_init__(self):
         check_settings(self)

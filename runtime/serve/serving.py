@@ -8,6 +8,7 @@ connections close. The HTTP app itself is runtime/serve/server.py.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -35,18 +36,34 @@ def check_port_free(host: str, port: int) -> None:
             raise NanoInferError(f"port {port} on {host} {why}: pick another with --port") from exc
 
 
-def serve(engine: AsyncEngine, config: ServerConfig) -> None:
+def serve(engine: AsyncEngine, config: ServerConfig, *, sockets: list[socket.socket] | None = None,
+          index: int = 0) -> None:
+    """Serve `engine` until SIGINT/SIGTERM. With --api-server-count N > 1, the first API server (`index` 0,
+    binding the port) starts the other N - 1 (runtime/serve/api_servers.py), which come here with their own
+    `sockets` on the same port."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if allowed_hosts(config) is None:
+    if allowed_hosts(config) is None and index == 0:
         logging.getLogger("nanoinfer.server").warning(
             "answering any Host name: a page on another site can reach this server through DNS rebinding "
             "(--allowed-hosts names the ones to answer)")
-    build_server(engine, config).run()
+    others = None
+    if config.api_server_count > 1 and index == 0:
+        from runtime.serve.api_servers import ApiServers, listening_socket
+
+        sockets = [listening_socket(config.host, config.port)]
+        others = ApiServers(engine, config, sockets[0].getsockname()[1])
+        try:
+            others.wait_serving()
+        except BaseException:
+            others.stop(0.0)
+            raise
+    build_server(engine, config, others, index).run(sockets=sockets)
 
 
-def build_server(engine: AsyncEngine, config: ServerConfig) -> uvicorn.Server:
+def build_server(engine: AsyncEngine, config: ServerConfig, others=None, index: int = 0) -> uvicorn.Server:
     """The uvicorn server `serve` runs: SIGINT/SIGTERM set its `should_exit` (a test running it
-    in a thread sets that itself), and its shutdown drains before closing connections."""
+    in a thread sets that itself), and its shutdown drains before closing connections (with the
+    other API servers, `others`, draining at the same time)."""
     app = create_app(engine, config)
 
     class Server(uvicorn.Server):
@@ -54,14 +71,21 @@ def build_server(engine: AsyncEngine, config: ServerConfig) -> uvicorn.Server:
             await super().startup(sockets)
             if self.started:
                 port = self.servers[0].sockets[0].getsockname()[1]
-                print(f"nanoinfer: serving {app.state.model_name} at http://{config.host}:{port}  (chat page at /, "
-                      f"API at /v1)", flush=True)
+                what = f"serving {app.state.model_name}" if index == 0 else f"API server {index} serving"
+                print(f"nanoinfer: {what} at http://{config.host}:{port}  (chat page at /, API at /v1)", flush=True)
 
         async def shutdown(self, sockets=None):
             # SIGINT/SIGTERM: drain while still listening (new requests get a 503, not a refused
             # connection), so that every request in flight ends with its answer or an error
-            # before uvicorn closes connections (a WebSocket with 1012 at once).
+            # before uvicorn closes connections (a WebSocket with 1012 at once). The other API
+            # servers drain theirs meanwhile, and are gone before the engine stops.
+            if others is not None:
+                others.terminate()
             await app.state.drain(config.shutdown_timeout, give_up=lambda: self.force_exit)
+            if others is not None:
+                from runtime.serve.api_servers import STOP_GRACE
+
+                await asyncio.to_thread(others.stop, config.shutdown_timeout + STOP_GRACE)
             await super().shutdown(sockets)
 
         def handle_exit(self, sig, frame):

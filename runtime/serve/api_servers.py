@@ -1,0 +1,137 @@
+"""More HTTP fronts: `serve --api-server-count N` — N-1 processes more serving the same port over the same engine.
+
+One front process writes every stream's chunks in one interpreter; past a few hundred streams that is a core's
+work (bench/RESULTS.md, issue 60), and the streams' latency follows it. With --api-server-count N (vLLM's name)
+the first process — the one `nanoinfer serve` runs — starts the engine processes with a socket for each front
+(runtime/dp_client.py's `spawn`), then N-1 processes `python -m runtime.serve.api_servers FD...`, each handed
+its end of every engine process's socket and the port. Each binds the port as the first does (SO_REUSEPORT: the
+kernel spreads new connections over them), makes its own DataParallelEngine over the same engine processes (they
+are not its children: EngineElsewhere, the first watches and stops them) and serves as the first does; a request
+stays with its connection's front. On SIGTERM the first tells the others, and all drain together; the others end
+with the first however it ends. Each front's /metrics counts its own requests; the engine's counts are the
+engine's, the same in every front.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+from runtime.config import EngineConfig
+from runtime.serve.config import ServerConfig
+
+STOP_GRACE = 5.0  # seconds past the shutdown timeout for the other API servers to exit (then they are killed)
+STARTUP_TIMEOUT = 120.0  # seconds for each to start serving (an interpreter, torch, the tokenizer)
+
+
+class ApiServerArgs(NamedTuple):
+    index: int  # 1..N-1 (the first is 0)
+    server: ServerConfig
+    engine: EngineConfig
+    port: int  # the port the first bound (a chosen one where --port was 0)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port) that the other API servers' sockets share (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+class ApiServers:
+    """The other API server processes of a server, started by its first over `engine` (a DataParallelEngine whose
+    replicas were started with a socket for each: `fronts=N`)."""
+
+    def __init__(self, engine, config: ServerConfig, port: int):
+        from runtime.executor.tp_processes import RankProcess, _environment, _python
+
+        class ApiServerProcess(RankProcess):
+            label = "api server"
+
+        self.processes: list[RankProcess] = []
+        engine_config = engine.config
+        try:
+            for index in range(1, config.api_server_count):
+                conns: list[Connection] = [replica.front_conns[index - 1] for replica in engine.replicas]
+                fds = tuple(conn.fileno() for conn in conns)
+                process = ApiServerProcess(index, [*_python(), "-m", "runtime.serve.api_servers", *map(str, fds)],
+                                           _environment(), pass_fds=fds)
+                self.processes.append(process)
+                authkey = bytes(multiprocessing.current_process().authkey)
+                data = pickle.dumps(ApiServerArgs(index, config, engine_config, port))
+                threading.Thread(target=process.send, args=(struct.pack("<I", len(authkey)) + authkey + data,),
+                                 daemon=True, name=f"nanoinfer-api-server{index}-send").start()
+        except BaseException:
+            self.stop(0.0)
+            raise
+        finally:
+            for replica in engine.replicas:  # (theirs now: a copy kept here would hold a closed front's socket open)
+                for conn in replica.front_conns:
+                    conn.close()
+                replica.front_conns = []
+
+    def wait_serving(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Until each says it serves (its "serving at" line), so that the first's own line means every front
+        takes connections; the error naming one that exited first, or took longer than `timeout` seconds."""
+        from nanoinfer.errors import NanoInferError
+
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            while not any(f"API server {process.rank} serving at" in line for line in list(process.tail)):
+                if process.exit_code() is not None:
+                    how, last = process.exit_and_tail()
+                    raise NanoInferError(f"API server {process.rank} exited while starting ({how}); {last}")
+                if time.monotonic() > deadline:
+                    raise NanoInferError(f"API server {process.rank} did not start serving in {timeout:g} s")
+                time.sleep(0.05)
+
+    def terminate(self) -> None:
+        """Tell each to drain and stop (SIGTERM: as `serve` itself is told)."""
+        for process in self.processes:
+            if process.exit_code() is None:
+                process.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, wait: float) -> None:
+        """SIGTERM to each, then up to `wait` seconds for all to exit; the rest are killed."""
+        from runtime.executor.tp_processes import wait_or_kill
+
+        self.terminate()
+        wait_or_kill(self.processes, wait)
+
+
+def main(argv: list[str]) -> None:
+    from runtime.data_parallel import DataParallelEngine
+    from runtime.dp_client import EngineElsewhere, ReplicaClient
+    from runtime.executor.tp_rank import exit_with_parent, read_arguments
+    from runtime.serve.serving import serve
+
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+    conns = [Connection(int(fd)) for fd in argv]
+    args: ApiServerArgs = read_arguments(sys.stdin.buffer)
+    replicas: list[ReplicaClient] = []
+    for index, conn in enumerate(conns):
+        replicas.append(ReplicaClient(index, EngineElsewhere(index), conn, group=replicas, alone=len(conns) == 1,
+                                      step_timeout=args.engine.step_timeout))
+    for replica in replicas:
+        replica.wait_ready()  # (each engine process says Ready to every front)
+    engine = DataParallelEngine(replicas, args.engine)
+    serve(engine, args.server, sockets=[listening_socket(args.server.host, args.port)], index=args.index)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
