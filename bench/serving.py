@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import re
@@ -88,6 +89,13 @@ def cpu_of(pids) -> float:
     return sum(cpu_seconds(p) or 0.0 for p in pids)
 
 
+LONG_GAPS: list[tuple[float, float]] = []  # (time.monotonic() at its end, seconds) of chunk gaps over 100 ms
+# The gaps before chunks whose text has no U+FFFD: a chunk that has one ends bytes the detokenizer held back until
+# they made text, or until the stream's end (random weights sample byte tokens that never do): its gap is the
+# hold-back's, not the server's latency.
+WHOLE_TEXT_ITLS: list[float] = []
+
+
 async def one_client(http, url, prompt, max_tokens, ttfts, itls):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -106,13 +114,28 @@ async def one_client(http, url, prompt, max_tokens, ttfts, itls):
                     ttfts.append(now - start)
                 else:
                     itls.append(now - last)
+                    if "\ufffd" not in chunk["choices"][0]["text"]:
+                        WHOLE_TEXT_ITLS.append(now - last)
+                    if now - last > 0.1:  # (a long gap: when it ended, on the host's clock)
+                        LONG_GAPS.append((time.monotonic(), now - last))
                 last = now
     return tokens
 
 
 async def run_clients(url, prompts, outputs, concurrency=None):
     """Every (prompt, output length) as one streamed request, `concurrency` at a time (None: all at
-    once): each client sends its next request as soon as its last one ends."""
+    once): each client sends its next request as soon as its last one ends. The client's own garbage
+    collector is off meanwhile: its full collections (50-110 ms with hundreds of streams' objects)
+    would count as gaps between the server's chunks."""
+    gc.collect()
+    gc.disable()
+    try:
+        return await _run_clients(url, prompts, outputs, concurrency)
+    finally:
+        gc.enable()
+
+
+async def _run_clients(url, prompts, outputs, concurrency):
     ttfts, itls = [], []
     work = iter(zip(prompts, outputs))
 
@@ -135,7 +158,7 @@ def _client_process(url, prompts, outputs, concurrency, results, ready, go):
     go.wait()
     cpu = time.process_time()
     tokens, _, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, concurrency))
-    results.put((tokens, ttfts, itls, time.process_time() - cpu))
+    results.put((tokens, ttfts, itls, time.process_time() - cpu, LONG_GAPS, WHOLE_TEXT_ITLS))
 
 
 def run_client_processes(url, prompts, outputs, concurrency, processes):
@@ -158,8 +181,40 @@ def run_client_processes(url, prompts, outputs, concurrency, processes):
     elapsed = time.perf_counter() - start
     for proc in procs:
         proc.join()
+    LONG_GAPS.extend(gap for p in parts for gap in p[4])
+    WHOLE_TEXT_ITLS.extend(gap for p in parts for gap in p[5])
     return (sum(p[0] for p in parts), elapsed, [t for p in parts for t in p[1]], [t for p in parts for t in p[2]],
             sum(p[3] for p in parts))
+
+
+def print_server_gaps(url: str) -> None:
+    """The gaps between tokens as the server's front saw them (its ITL histogram, since it started): those over
+    0.1, 0.25, 0.5 and 1 s — beside the clients' gaps, where a stall happens (the server, or the way to the client)."""
+    buckets, total = {}, 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("nanoinfer_inter_token_latency_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("nanoinfer_inter_token_latency_seconds_count"):
+            total = float(line.rsplit(" ", 1)[1])
+    over = {le: total - n for le, n in buckets.items() if le in ("0.02", "0.05", "0.1", "0.2", "0.5", "1.0")}
+    p99 = next((le for le, n in buckets.items() if total and n / total >= 0.99), "?")
+    print(f"server-side token gaps: {total:.0f}, p99 <= {p99} s; over " +
+          ", ".join(f"{le} s: {n:.0f}" for le, n in over.items()))
+
+
+def print_long_gaps(run_start: float) -> None:
+    """The chunk gaps over 100 ms, by the 50 ms window their end fell in (seconds into the run): many streams'
+    gaps ending together is a stall of the server (a long step, a collection), one stream's its own."""
+    if not LONG_GAPS:
+        return
+    windows: dict[float, list[float]] = {}
+    for end, gap in LONG_GAPS:
+        windows.setdefault(round((end - run_start) / 0.05) * 0.05, []).append(gap)
+    top = sorted(windows.items(), key=lambda w: -len(w[1]))[:12]
+    print(f"chunk gaps over 100 ms: {len(LONG_GAPS)}; the busiest windows (s into the run: gaps, longest ms, "
+          f"run start {run_start:.2f} on the host's monotonic clock): " +
+          ", ".join(f"{t:.2f}: {len(g)}, {max(g) * 1e3:.0f}" for t, g in sorted(top)))
 
 
 def start_profile(pid: int, seconds: float, path: str) -> subprocess.Popen:
@@ -221,6 +276,9 @@ def main():
         engines = [p for p in below if p not in fronts]
         cpu_before, engines_before = cpu_of(fronts), cpu_of(engines)
         profiler = start_profile(server.pid, args.profile_seconds, args.profile) if args.profile else None
+        LONG_GAPS.clear()
+        WHOLE_TEXT_ITLS.clear()
+        run_start = time.monotonic()
         if args.client_processes > 1:
             tokens, elapsed, ttfts, itls, client_cpu = run_client_processes(url, prompts, outputs, args.clients,
                                                                             args.client_processes)
@@ -229,7 +287,9 @@ def main():
             tokens, elapsed, ttfts, itls = asyncio.run(run_clients(url, prompts, outputs, args.clients))
             client_cpu = time.process_time() - client_start
         cpu_after, engines_cpu = cpu_of(fronts), cpu_of(engines) - engines_before
+        print_long_gaps(run_start)
         counters = {k: v - counters_before.get(k, 0) for k, v in engine_counters(url).items()}
+        print_server_gaps(url)
         steps = counters["nanoinfer_engine_steps_total"]
         print(f"server engine: {steps:.0f} steps, {counters['nanoinfer_generated_tokens_total'] / max(steps, 1):.1f} "
               f"tokens a step, {counters['nanoinfer_preemptions_total']:.0f} preemptions, "
@@ -284,6 +344,9 @@ def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu
     print(f"{'server (SSE clients)':<22}{tokens:>8}{elapsed:>9.2f}{served_tps:>9.1f}"
           f"{ms(statistics.median(ttfts)) + '/' + ms(percentile(ttfts, 99)):>18}"
           f"{ms(statistics.median(itls)) + '/' + ms(percentile(itls, 99)):>17}")
+    if WHOLE_TEXT_ITLS and len(WHOLE_TEXT_ITLS) < len(itls):
+        print(f"  ITL p50/p99 of the {len(WHOLE_TEXT_ITLS)} of {len(itls)} chunks without held-back bytes (U+FFFD): "
+              f"{ms(statistics.median(WHOLE_TEXT_ITLS))}/{ms(percentile(WHOLE_TEXT_ITLS, 99))} ms")
     if cpu_before is not None:  # (with data parallelism the server's process is the front alone)
         cpu = cpu_after - cpu_before
         print(f"server front processes CPU {cpu:.2f} s over the run: {cpu / elapsed:.0%} of a core, "

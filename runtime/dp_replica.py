@@ -13,6 +13,7 @@ its own default process group, its own process.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import os
 import queue
@@ -264,6 +265,9 @@ def main(argv: list[str]) -> None:
         if isinstance(exc, NanoInferError):  # (a bad checkpoint or setting: the front raises it, once)
             sys.exit(1)
         raise  # (a bug: its traceback in the replica's output, exit code 1)
+    # What the start made (the model's tables, the tokenizer, compiled kernels) lives as long as the process: out
+    # of the collector's way, or every full collection walks it while steps wait (as the server's front does).
+    gc.freeze()
     Replica(engine, conns).run()
     for conn in conns:
         conn.close()
