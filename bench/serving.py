@@ -122,6 +122,17 @@ async def one_client(http, url, prompt, max_tokens, ttfts, itls):
     return tokens
 
 
+async def idle_requests(url, prompts) -> list[float]:
+    """An idle server's TTFT: `prompts` one at a time, 8 tokens each, on one kept-alive connection (as an
+    SDK's client sends them; its first request, which opens the connection, is not counted)."""
+    ttfts: list[float] = []
+    async with httpx.AsyncClient(timeout=600) as http:
+        await one_client(http, url, [1, 2, 3], 8, [], [])
+        for prompt in prompts:
+            await one_client(http, url, prompt, 8, ttfts, [])
+    return ttfts
+
+
 async def run_clients(url, prompts, outputs, concurrency=None):
     """Every (prompt, output length) as one streamed request, `concurrency` at a time (None: all at
     once): each client sends its next request as soon as its last one ends. The client's own garbage
@@ -255,6 +266,11 @@ def main():
     requests = args.requests or args.clients
     prompts = [[rng.randrange(100, 20000) for _ in range(rng.randint(*args.input_len))] for _ in range(requests)]
     outputs = [rng.randint(*args.output_len) for _ in range(requests)]
+    # The idle server's requests: prompts of their own, so that neither the server nor the offline engine has
+    # them cached from its warm-up or its run.
+    idle = random.Random(1)
+    idle_prompts = [[idle.randrange(100, 20000) for _ in range(idle.randint(*args.input_len))]
+                    for _ in range(args.idle_requests)]
     common = (["--model", args.model] if args.model else []) + ["--device", args.device, "--load-format",
                                                                  args.load_format] + \
         (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
@@ -267,9 +283,7 @@ def main():
         url = re.search(r"http://[\d.]+:\d+", server.stdout.readline()).group(0)
         asyncio.run(run_clients(url, prompts[:2], [4, 4]))  # warm-up
         asyncio.run(run_clients(url, prompts[:args.clients], [4] * args.clients))  # (prefill shapes, compiled)
-        idle_ttfts = []
-        for prompt in prompts[:args.idle_requests]:  # one at a time: an idle server's TTFT
-            idle_ttfts += asyncio.run(run_clients(url, [prompt], [8]))[2]
+        idle_ttfts = asyncio.run(idle_requests(url, idle_prompts))
         counters_before = engine_counters(url)
         below = descendants(server.pid)
         fronts = [server.pid, *(p for p in below if is_api_server(p))]  # (--api-server-count N: N front processes)
@@ -314,6 +328,11 @@ def main():
              **({"num_blocks": args.num_blocks} if args.num_blocks else {}), **in_flight) as llm:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
         llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4)] * len(prompts), use_tqdm=False)  # warm-up
+        idle_firsts = []  # the idle server's requests, offline: one at a time, to their first token
+        for prompt in idle_prompts:
+            first = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            idle_firsts.append(time.perf_counter() - first)
         start = time.perf_counter()
         before = llm.stats()
         results = llm.generate(prompts, params, use_tqdm=False)
@@ -328,6 +347,8 @@ def main():
     _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu_before, cpu_after, client_cpu,
                    len(engines), engines_cpu)
     offline_tps = offline_tokens / offline
+    print(f"offline first token of the idle requests, one at a time: p50 {statistics.median(idle_firsts) * 1e3:.1f} ms "
+          f"(the server's idle TTFT p50 {statistics.median(idle_ttfts) * 1e3:.1f} ms)")
     print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}")
     print(f"server keeps {tokens / elapsed / offline_tps:.0%} of the offline tok/s (offline with "
           f"{min(requests, args.clients)} in flight; goal >= 95%, >= 90% at 64 streams)")
