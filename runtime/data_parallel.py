@@ -271,6 +271,9 @@ def _start(args: Sequence[msg.ReplicaArgs]) -> DataParallelEngine:
             replica.wait_ready()
     except BaseException:
         stop_all(replicas, wait=1.0)
+        for replica in replicas:
+            for conn in replica.front_conns:
+                conn.close()
         raise
     return DataParallelEngine(replicas, args[0].config)
 

@@ -18,8 +18,10 @@ import importlib
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 
@@ -90,6 +92,7 @@ class Replica:
         # is hung, and dropped.
         self._outboxes: list[queue.Queue | None] = [None] + [queue.Queue(OUTBOX) for _ in conns[1:]]
         self._dropped: set[int] = set()
+        self._counts_sent = [0.0] * len(conns)  # time.monotonic() of each front's last Step
         # By key, until every completion of it has ended: its state here, its unfinished completions.
         # (The main thread adds and aborts, the sender forgets what ended: under the lock.)
         self._states: dict[int, tuple[RequestState, set[int]]] = {}
@@ -113,9 +116,19 @@ class Replica:
             elif i not in self._dropped:
                 try:
                     self._outboxes[i].put_nowait(data)
-                except queue.Full:
-                    self._dropped.add(i)
-                    self._front_gone(i)
+                except queue.Full:  # (it reads nothing: hung, or stopped)
+                    self._drop(i)
+
+    def _drop(self, front: int) -> None:
+        """Front `front` (not the first) is hung: its requests are aborted and its socket shut, so that it sees the
+        end (and exits: runtime/serve/api_servers.py) and this process's read of it ends too."""
+        self._dropped.add(front)
+        self._front_gone(front)
+        try:
+            with socket.socket(fileno=os.dup(self.conns[front].fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # (gone already)
+            pass
 
     def _write(self, front: int) -> None:
         outbox, conn = self._outboxes[front], self.conns[front]
@@ -144,12 +157,14 @@ class Replica:
                         if front == 0:
                             return
                         del live[conn]
+                        self._dropped.add(front)
                         self._front_gone(front)
                         continue
                     if isinstance(command, msg.Stop) and front == 0:
                         return
                     if isinstance(command, msg.Stop):  # (another API server stopping: its socket is done)
                         del live[conn]
+                        self._dropped.add(front)
                         self._front_gone(front)
                         continue
                     self._command(command, front)
@@ -235,8 +250,13 @@ class Replica:
         for advance in report.outputs:
             advance.key, front = divmod(advance.key, fronts)  # (the front's own key: this Advance is sent only)
             per_front[front].append(advance)
+        now = time.monotonic()
         for front, advances in enumerate(per_front):
-            self.send(msg.Step(advances, report.stats, fatal), front)
+            # A front with nothing in this step hears the counts twice a second at most: one still starting (the
+            # first, before its server runs) is not sent a Step for every step its peers' requests take.
+            if advances or fatal is not None or now - self._counts_sent[front] > msg.BEAT_EVERY / 2:
+                self._counts_sent[front] = now
+                self.send(msg.Step(advances, report.stats, fatal), front)
 
     def _ended(self, key: int, index: int | None = None) -> None:
         """Completion `index` (or every one) of request `key` has ended here: the request is forgotten with

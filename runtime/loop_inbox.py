@@ -33,8 +33,9 @@ class LoopInbox(Generic[T]):
             self._posted = True
         try:
             self._loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: nobody is left to tell
-            pass
+        except RuntimeError:  # the loop is closed: nobody is left to tell (nor anything kept for them)
+            with self._lock:
+                self._items, self._posted = [], False
 
     def _drain(self) -> None:
         with self._lock:

@@ -413,7 +413,7 @@ def test_slow_and_oversized_request_heads_are_cut_off(tiny_chat_model):
     size: a head over --max-header-bytes is refused (431) before it grows further."""
     import socket
 
-    with LiveServer(tiny_chat_model, timeout_headers=0.5, max_header_bytes=4096) as server:
+    with LiveServer(tiny_chat_model, timeout_headers=0.5, max_header_bytes=4096, max_body_bytes=32768) as server:
         host, port = server.url[len("http://"):].split(":")
         with socket.create_connection((host, int(port)), timeout=5) as slow:
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # ...and never the blank line
@@ -441,6 +441,17 @@ def test_slow_and_oversized_request_heads_are_cut_off(tiny_chat_model):
                     sent += 1010
                     time.sleep(0.001)
         assert sent < 1 << 20
+        with socket.create_connection((host, int(port)), timeout=5) as early:
+            # A body the server refuses before reading it (over --max-body-bytes) is no head: its answer stands.
+            body = b'{"prompt": "' + b"x" * 60_000 + b'"}'
+            early.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body))
+            for i in range(0, len(body), 1000):
+                early.sendall(body[i:i + 1000])
+            answer = b""
+            while chunk := early.recv(65536):  # (until the server closes: its answer and nothing after)
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 413") and b"431" not in answer, answer[:300]
         assert httpx.get(server.url + "/health").status_code == 200
 
 

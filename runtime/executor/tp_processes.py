@@ -57,6 +57,8 @@ class RankProcess:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, pass_fds=pass_fds)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.ready_line: str | None = None  # a line (part) that, once the process prints it, sets `ready`
+        self.ready = threading.Event()
         self.killed = False  # by us, at close: not a death to report
         self.reported = False  # its RankLost was raised already
         self._reader = threading.Thread(target=self._read_output, daemon=True,
@@ -103,6 +105,8 @@ class RankProcess:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode(errors="replace")
             self.tail.append(line)
+            if self.ready_line is not None and self.ready_line in line:
+                self.ready.set()
             try:
                 sys.stderr.write(f"[{self.label} {self.rank}] {line}")
             except (OSError, ValueError):  # (a closed or redirected stderr loses the echo, never the tail)

@@ -30,7 +30,9 @@ from typing import NamedTuple
 from runtime.config import EngineConfig
 from runtime.serve.config import ServerConfig
 
-STOP_GRACE = 5.0  # seconds past the shutdown timeout for the other API servers to exit (then they are killed)
+# seconds past the shutdown timeout for the other API servers to exit (then they are killed): their streams' error
+# events, then uvicorn's own graceful stop (10 s)
+STOP_GRACE = 20.0
 STARTUP_TIMEOUT = 120.0  # seconds for each to start serving (an interpreter, torch, the tokenizer)
 
 
@@ -71,6 +73,7 @@ class ApiServers:
                 fds = tuple(conn.fileno() for conn in conns)
                 process = ApiServerProcess(index, [*_python(), "-m", "runtime.serve.api_servers", *map(str, fds)],
                                            _environment(), pass_fds=fds)
+                process.ready_line = f"API server {index} serving at"  # (serving.py's line: it takes connections)
                 self.processes.append(process)
                 authkey = bytes(multiprocessing.current_process().authkey)
                 data = pickle.dumps(ApiServerArgs(index, config, engine_config, port))
@@ -92,7 +95,7 @@ class ApiServers:
 
         deadline = time.monotonic() + timeout
         for process in self.processes:
-            while not any(f"API server {process.rank} serving at" in line for line in list(process.tail)):
+            while not process.ready.wait(0.05):
                 if process.exit_code() is not None:
                     how, last = process.exit_and_tail()
                     raise NanoInferError(f"API server {process.rank} exited while starting ({how}); {last}")
@@ -130,7 +133,20 @@ def main(argv: list[str]) -> None:
     for replica in replicas:
         replica.wait_ready()  # (each engine process says Ready to every front)
     engine = DataParallelEngine(replicas, args.engine)
+    threading.Thread(target=_stop_without_engines, args=(replicas,), daemon=True, name="engine-watch").start()
     serve(engine, args.server, sockets=[listening_socket(args.server.host, args.port)], index=args.index)
+
+
+def _stop_without_engines(replicas) -> None:
+    """An API server whose engine processes are all gone (or which one dropped as hung) stops (SIGTERM: it
+    drains, answering what it holds with errors): a front left on the shared port could only refuse its share
+    of the connections, which the others take once it is gone."""
+    while not all(replica.link.gone is not None for replica in replicas):
+        time.sleep(0.5)
+    if any(replica.link.stopping for replica in replicas):
+        return  # (this server's own shutdown stopped them)
+    print(f"nanoinfer: API server stopping: {replicas[0].link.gone}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

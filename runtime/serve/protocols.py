@@ -21,30 +21,47 @@ def http_protocol(header_timeout: float, max_header_bytes: int):
     seconds of the connection opening or its previous response ending (else the connection closes), and
     hold at most `max_header_bytes` (else a 431 answer, and the connection closes)."""
     class Protocol(HttpToolsProtocol):
+        # A head is in progress from a message's first byte to its last header (`_in_head`); its bytes are
+        # counted there, whatever else runs on the connection (a pipelined head behind a stream included). The
+        # deadline runs while the connection waits for a message to begin (opened, or its last response done
+        # with nothing newer begun) and while a head arrives.
         _head_deadline: asyncio.TimerHandle | None = None
-        _head_bytes = 0  # of the head arriving, fed to the parser so far
+        _in_head = False
+        _head_bytes = 0  # of the head in progress, fed to the parser so far
+        _begun = 0  # messages begun on this connection
+        _answered = 0  # responses completed
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            in_head = self._head_deadline is not None
             super().data_received(data)
-            if in_head and self._head_deadline is not None and not self.transport.is_closing():
-                self._head_bytes += len(data)  # (the head is still incomplete: all of it was head)
+            if self._in_head and not self.transport.is_closing():
+                # (the chunk where a head began may also end the message before it: counted whole, a bound
+                # that a pipelining client with a large body in the same read could trip, never one too loose)
+                self._head_bytes += len(data)
                 if self._head_bytes > max_header_bytes:
                     self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                                  f"the request's head is over {max_header_bytes} bytes (the server's "
                                  f"--max-header-bytes)")
 
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._begun += 1
+            self._in_head, self._head_bytes = True, 0
+            if self._head_deadline is None:
+                self._arm()
+
         def on_headers_complete(self) -> None:
+            self._in_head = False
             self._disarm()  # the head is in: the request runs as long as it needs
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            self._answered += 1
+            if self._begun == self._answered and not self.transport.is_closing():
                 self._arm()  # the next request on this connection gets its own deadline
 
         def connection_lost(self, exc) -> None:
@@ -53,7 +70,6 @@ def http_protocol(header_timeout: float, max_header_bytes: int):
 
         def _arm(self) -> None:
             self._disarm()
-            self._head_bytes = 0
             self._head_deadline = self.loop.call_later(header_timeout, self._head_timed_out)
 
         def _disarm(self) -> None:
@@ -63,7 +79,8 @@ def http_protocol(header_timeout: float, max_header_bytes: int):
 
         def _head_timed_out(self) -> None:
             self._head_deadline = None
-            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            waiting = self._in_head or self._begun == self._answered  # (not a request that runs)
+            if waiting and not self.transport.is_closing():
                 self.transport.close()
 
         def _refuse(self, status: http.HTTPStatus, message: str) -> None:

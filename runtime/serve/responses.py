@@ -4,6 +4,7 @@ done — and its one log line and metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -45,24 +46,33 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events):
-        self.events, self.status_code, self.background = events, 200, None
+    def __init__(self, events, unstarted=None):
+        """`events`: an async generator of bytes; `unstarted`: called if it never ran (cancelled first), to
+        release what it would have (its own `finally` runs only where it started)."""
+        self.events, self.unstarted, self.status_code, self.background = events, unstarted, 200, None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self._started = False
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        writer = asyncio.ensure_future(self._write(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
+        writer = watch = None
         try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            writer = asyncio.ensure_future(self._write(send))
+            watch = asyncio.ensure_future(_disconnected(receive))
             await asyncio.wait((writer, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (writer, watch):
+            tasks = [task for task in (writer, watch) if task is not None]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(writer, watch, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.events.aclose()  # (where a send was cut short: its requests released now, not at collection)
+            if not self._started and self.unstarted is not None:
+                self.unstarted()
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise writer.exception()
 
     async def _write(self, send) -> None:
+        self._started = True
         async for body in self.events:
             if body:  # (a wake-up whose tokens make no text yet: nothing to write)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -99,8 +109,10 @@ class Responder:
             status, tail = 499, b""  # until it ends: a client that leaves mid-stream closes it here
             try:
                 yield b"".join(map(_sse, out.start()))
-                async for position, delta in self.engine.merge(handles):
-                    yield b"".join(map(_sse, out.chunks(position, delta)))
+                # (closed with this generator, wherever it stops: the requests are released at once)
+                async with contextlib.aclosing(self.engine.merge(handles)) as deltas:
+                    async for position, delta in deltas:
+                        yield b"".join(map(_sse, out.chunks(position, delta)))
                 tail = b"".join(map(_sse, out.end()))
                 status = 200
             except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
@@ -112,7 +124,12 @@ class Responder:
             finally:
                 self.finished(rid, handles, status)
             yield tail + _DONE
-        return EventStream(events())
+
+        def unstarted() -> None:  # (cancelled before it ran: as a client that left)
+            for handle in handles:
+                self.engine.release(handle)
+            self.finished(rid, handles, 499)
+        return EventStream(events(), unstarted)
 
     async def collect(self, request: Request, handles: list[RequestHandle]):
         """Every prompt's whole output. If one prompt fails, or the client leaves, the others
