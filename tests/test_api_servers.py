@@ -69,12 +69,12 @@ def test_a_killed_api_server_loses_only_its_own_requests(smollm2_gguf):
         (api_server,) = [pid for pid in descendants(server.pid)
                          if b"runtime.serve.api_servers" in open(f"/proc/{pid}/cmdline", "rb").read()]
         with ThreadPoolExecutor(16) as pool:  # (16 connections: the kernel gives each front some)
-            long = [pool.submit(complete, url, True, 150) for _ in range(16)]
+            long = [pool.submit(complete, url, True, 80) for _ in range(16)]
             while metric(url, "nanoinfer_requests_running") < 16:
                 time.sleep(0.05)
             os.kill(api_server, signal.SIGKILL)
             texts = [f.exception() or f.result() for f in long]
-        whole = complete(url, stream=False, max_tokens=150)
+        whole = complete(url, stream=False, max_tokens=80)
         served = [t for t in texts if t == whole]
         assert 0 < len(served) < 16, texts  # the first front's streams ended whole, the dead one's did not
         deadline = time.monotonic() + 10  # the dead front's requests were aborted in the engine: nothing left
