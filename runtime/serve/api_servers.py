@@ -14,7 +14,6 @@ engine's, the same in every front.
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import pickle
