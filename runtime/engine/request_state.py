@@ -39,6 +39,10 @@ class RequestState:
                  tokenizer, *, priority: int = 0, stream: bool = True):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.priority, self.stream = priority, stream
+        # A stream's deltas: every step (1), or once this many tokens have gathered (`serve --stream-interval`:
+        # fewer, larger chunks, for a front that spends its core on many streams); its first token and its
+        # end go out at once.
+        self.stream_interval = 1
         self.completions = [_Completion(self._detokenizer(tokenizer)) for _ in range(params.n)]
         self.num_unfinished = params.n  # completions without a finish reason (read at every step)
         self.prompt_logprobs: tuple | None = None
@@ -126,6 +130,8 @@ class RequestState:
             return self._failed()
         if not (self.stream or self.num_unfinished == 0 or self.params.stop):
             return None  # (waiting for its end, no stop strings: nothing to do at this step)
+        if self.stream_interval > 1 and self.stream and not self._interval_due():
+            return None  # (its tokens gather until the next delta: detokenized then, all at once)
         feed = self.stream or bool(self.params.stop) or self.finished
         for index, c in enumerate(self.completions):
             if c.detok is None:
@@ -166,6 +172,13 @@ class RequestState:
             prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt, tuple(self.prompt_ids), outputs, self.finished,
                              prompt_logprobs, self.cached_tokens, error)
+
+    def _interval_due(self) -> bool:
+        """Whether a completion has a delta to hand out under `stream_interval`: its first token, an
+        interval's worth of tokens, or its end."""
+        every = self.stream_interval
+        return any((c.sent == 0 and c.token_ids) or len(c.token_ids) - c.sent >= every
+                   or (c.finish_reason is not None and not c.reported) for c in self.completions)
 
     def _failed(self) -> RequestOutput | None:
         """The one output of a request the engine failed: its completions end with "error"."""

@@ -140,6 +140,8 @@ class Admission:
         states = [await self.engine.prepare(prompt, params, rid if len(prompts) == 1 else f"{rid}-{i}",
                                             chat_template_kwargs=chat_template_kwargs, stream=stream)
                   for i, prompt in enumerate(prompts)]
+        for state in states:
+            state.stream_interval = self.config.stream_interval
         self.shutdown.check_open()
         if self.engine.num_seqs_in_flight + wanted > most:
             raise HTTPError(503, f"the server is at its limit of {most} queued sequences; retry later",

@@ -48,6 +48,9 @@ class ServerConfig:
     api_server_count: int = setting(1, "HTTP front processes serving the port over the same engine (vLLM's name): "
                                        "past a few hundred streams one front is a core's work. N > 1 runs the "
                                        "engine in a process of its own (--engine-process on)", minimum=1, maximum=64)
+    stream_interval: int = setting(1, "tokens a stream gathers before its next SSE chunk (vLLM's name; its first "
+                                      "token and its end go at once): above 1, fewer writes per token for a front "
+                                      "serving hundreds of streams, at the cost of a smoother stream", minimum=1)
 
     def __post_init__(self):
         check_settings(self)
