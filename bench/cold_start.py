@@ -55,7 +55,7 @@ def one(model: str, load_format: str, device: str, graph_capture: str) -> dict:
     # draw's compile, KV pool sizing (a profiling step), graph capture (the layers' Triton
     # kernels compiled and the GEMVs autotuned), the rest; and from the first request the
     # graphs its steps captured on first use (the same compiles, for their buckets).
-    from nanoinfer.graphs import StepGraphs
+    from nanoinfer.backends.cuda.graphs import StepGraphs
     from runtime.executor import device_model
 
     phases = {}

@@ -36,7 +36,7 @@ LLAMA_CPP = "llama-cpp-python==0.3.36"
 
 
 def time_ours(engine, prompt_ids, new_tokens):
-    from nanoinfer.sampling_params import SamplingParams
+    from nanoinfer.sampling.sampling_params import SamplingParams
 
     engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     start = time.perf_counter()
@@ -50,7 +50,7 @@ def time_ours(engine, prompt_ids, new_tokens):
 
 def time_core_total(engine, prompt_ids, new_tokens) -> float:
     """Seconds for one whole request through the bare engine core's step loop."""
-    from nanoinfer.sampling_params import SamplingParams
+    from nanoinfer.sampling.sampling_params import SamplingParams
 
     start = time.perf_counter()
     engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
@@ -61,7 +61,7 @@ def time_core_total(engine, prompt_ids, new_tokens) -> float:
 
 def time_llm_total(llm, prompt_ids, new_tokens) -> float:
     """Seconds for the same request through `LLM.generate` (its output processing included)."""
-    from nanoinfer.sampling_params import SamplingParams
+    from nanoinfer.sampling.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
@@ -208,7 +208,7 @@ def main():
                 results[name].append(fn(target, prompt_ids, args.new_tokens))
     rows = [(name, min(r[0] for r in runs) * 1e3, max(r[1] for r in runs)) for name, runs in results.items()]
     base = next((tps for name, _, tps in rows if name.startswith("llama.cpp")), None)
-    from nanoinfer import cpu_native
+    from nanoinfer.backends.cpu import cpu_native
 
     print(f"model {model.path.name}  prompt {len(prompt_ids)} tokens  new {args.new_tokens}  threads {args.threads}")
     print(f"cpu kernels: {cpu_native.describe(cpu_native.library())}")

@@ -19,11 +19,11 @@ PROMPT = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    i
 
 
 def main() -> None:
-    from nanoinfer.batch import SeqChunk, build_batch
-    from nanoinfer.kernels import kernels_for
-    from nanoinfer.kv_cache import allocate_kv_pool
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.backends.choose import kernels_for
+    from nanoinfer.model.kv_cache import allocate_kv_pool
     from nanoinfer.loaders import load_model
-    from nanoinfer.model import forward
+    from nanoinfer.model.decoder import forward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default=PROMPT)

@@ -4,7 +4,7 @@
 
 Loads the default model (packed, so `kernels_for` gives it cpu_native's `random_draw`), then
 generates bench/throughput.py's workload (random prompts of 16–64 tokens, seeded requests)
-alternating the native draw and `nanoinfer.draw.random_draw` (the engine's `kernels.draw`
+alternating the native draw and `nanoinfer.sampling.draw.random_draw` (the engine's `kernels.draw`
 set to None), and prints each run's tok/s and whether the two draws gave every request the
 same tokens. Separate processes vary on a 2-core machine by more than the difference, hence
 one process (bench/RESULTS.md, twenty-third session).

@@ -21,7 +21,7 @@ def write(shape: str, out: Path) -> None:
     from bench.shapes import HF_CONFIGS
     from nanoinfer.loaders.gguf import open_gguf
     from nanoinfer.hub import DEFAULT_MODEL, resolve_model_name
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     cls, fields = HF_CONFIGS[shape]
     config = getattr(transformers, cls)(**fields, max_position_embeddings=40960)

@@ -4,7 +4,7 @@ gpt-fast rounds each projection and the LM head to 4 bits per group of inputs (a
 zero, round to nearest: the numbers `quantization="int4"` gives the projections), packs them
 with torch's `_convert_weight_to_int4pack` and multiplies with `_weight_int4pack_mm` (the "tinygemm"
 kernel) at every row count. Here the same weights go through that kernel instead of
-nanoinfer.gemv's `int4_mm`, so the two kernels meet in one engine (bench/latency.py's
+nanoinfer.backends.cuda.gemv's `int4_mm`, so the two kernels meet in one engine (bench/latency.py's
 `gpt-fast-int4`). A bench module: the library has no use for it.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer import quantized
+from nanoinfer.quant import quantized
 from nanoinfer.loaders.quantize import PROJECTIONS, int4_groups
-from nanoinfer.model import Params
+from nanoinfer.model.decoder import Params
 
 INNER_K_TILES = 8  # gpt-fast's default
 
@@ -58,7 +58,7 @@ def tinygemm_params(params: Params) -> Params:
 
 
 def with_tinygemm(linear):
-    """`linear` (nanoinfer.gemv.linear) with TinygemmInt4 weights sent to `_weight_int4pack_mm`."""
+    """`linear` (nanoinfer.backends.cuda.gemv.linear) with TinygemmInt4 weights sent to `_weight_int4pack_mm`."""
     def tinygemm_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(w, TinygemmInt4):
             return linear(x, w, b)

@@ -17,7 +17,7 @@ same streams (a step: every live row's mask filled in one go, timed, then its to
 - copy: `deep_copy`s of one compilation, one call (the engine before the rounds; copies share
   one lexer behind a lock, so they are masked one at a time whatever the threads);
 - same: copies that all follow stream 0 (every row at the same state);
-- engine: nanoinfer.structured.Grammars (`constraint` per sequence, `fill`: --lexers
+- engine: nanoinfer.structured.grammars.Grammars (`constraint` per sequence, `fill`: --lexers
   compilations per spec, default two per thread, filled in rounds of one row per lexer).
 Reported per mode and thread count: µs of wall time per row (all steps' fill time over all rows
 filled), and the median and p90 of a step's wall time per row.
@@ -42,7 +42,7 @@ from bench.structured import SCHEMAS
 
 
 def tokenizer_of(model: str | None):
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     if model:
         return Tokenizer.from_hf_dir(model)
@@ -55,7 +55,7 @@ def tokenizer_of(model: str | None):
 
 def random_streams(new, vocab: int, seqs: int, tokens: int, seed: int) -> list[list[int]]:
     """Each sequence: a random token its mask allows at each step, until the grammar ends."""
-    from nanoinfer.structured import allocate_bitmask, unpack_bitmask
+    from nanoinfer.structured.grammars import allocate_bitmask, unpack_bitmask
 
     rng, mask, streams = np.random.default_rng(seed), allocate_bitmask(1, vocab), []
     for _ in range(seqs):
@@ -73,7 +73,7 @@ def replay(mode: str, threads: int, streams: list[list[int]], new, spec, tokeniz
     """Replaying `streams` in `mode`: each step's fill time per row, all steps' fill time, rows filled."""
     from llguidance import LLExecutor
 
-    from nanoinfer.structured import Grammars, allocate_bitmask
+    from nanoinfer.structured.grammars import Grammars, allocate_bitmask
 
     n = len(streams)
     if mode == "same":
@@ -116,7 +116,7 @@ def replay(mode: str, threads: int, streams: list[list[int]], new, spec, tokeniz
 
 
 def lock_check(new, streams: list[list[int]], threads: int, vocab: int) -> None:
-    from nanoinfer.structured import allocate_bitmask
+    from nanoinfer.structured.grammars import allocate_bitmask
 
     def replay_share(root, share):
         mask = allocate_bitmask(1, vocab)
@@ -163,14 +163,14 @@ def main():
 
     from llguidance import LLMatcher, LLParserLimits
 
-    from nanoinfer.structured import MAX_ROW_ITEMS, GrammarSpec, grammar_tokenizer
+    from nanoinfer.structured.grammars import MAX_ROW_ITEMS, GrammarSpec, grammar_tokenizer
 
     tokenizer = tokenizer_of(args.model)
     llm_tokenizer = grammar_tokenizer(tokenizer, args.vocab)
     spec = GrammarSpec("json_schema", SCHEMAS[args.schema])
     grammar = spec.grammar()
 
-    def new():  # (as nanoinfer.structured.Constraint compiles)
+    def new():  # (as nanoinfer.structured.grammars.Constraint compiles)
         return LLMatcher(llm_tokenizer, grammar, log_level=0,
                          limits=LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ROW_ITEMS))
 

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from nanoinfer import cpu_native
-from nanoinfer.kquants import KQuantWeight
-from nanoinfer.quantized import BlockWeight
+from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.quant.kquants import KQuantWeight
+from nanoinfer.quant.quantized import BlockWeight
 from tests.tiny import grouped
 from tools.kquant_quantize import quantize
 

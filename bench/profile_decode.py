@@ -20,7 +20,7 @@ import torch
 
 
 def profile(model, batch, context, steps, rows):
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.engine.engine_core import EngineConfig, EngineCore
     from runtime.config import SchedulerConfig
 

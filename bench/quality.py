@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoinfer import quantized
+from nanoinfer.quant import quantized
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"
 PROMPT = [{"role": "user", "content": "Explain in a few paragraphs why lighthouses were built and how they worked."}]
@@ -38,10 +38,10 @@ PROMPT = [{"role": "user", "content": "Explain in a few paragraphs why lighthous
 
 def all_logits(model, ids: list[int], kv_cache_dtype: str) -> torch.Tensor:
     """Logits at every position of `ids` (one prefill; the next token's prediction at each)."""
-    from nanoinfer.batch import SeqChunk, build_batch
-    from nanoinfer.kernels import kernels_for
-    from nanoinfer.kv_cache import allocate_kv_pool, kv_dtype
-    from nanoinfer.model import forward
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.backends.choose import kernels_for
+    from nanoinfer.model.kv_cache import allocate_kv_pool, kv_dtype
+    from nanoinfer.model.decoder import forward
 
     cfg, bs = model.config, 16
     blocks = -(-len(ids) // bs)
@@ -70,7 +70,7 @@ def llama_cpp_perplexity(path, ids: list[int], threads: int) -> float:
 
 
 def greedy(model, prompt_ids: list[int], tokens: int, kv_cache_dtype: str) -> list[int]:
-    from nanoinfer.sampling_params import SamplingParams
+    from nanoinfer.sampling.sampling_params import SamplingParams
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
 

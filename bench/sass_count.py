@@ -2,7 +2,7 @@
 
     python -m bench.sass_count [int4|int8|bf16 ...] [--group 128]
 
-Compiles nanoinfer.gemv's one-row kernels for an H100 (sm_90) with the ptxas that ships in
+Compiles nanoinfer.backends.cuda.gemv's one-row kernels for an H100 (sm_90) with the ptxas that ships in
 Triton's wheel, as the launcher would for real shapes (every pointer and size divisible by
 16), disassembles them with the wheel's cuobjdump, finds the main loop (the backward branch)
 and prints, for each config of the kernel's autotune list, the loop's instructions per packed
@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nanoinfer import gemv
+from nanoinfer.backends.cuda import gemv
 
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")

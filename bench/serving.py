@@ -198,20 +198,38 @@ def run_client_processes(url, prompts, outputs, concurrency, processes):
             sum(p[3] for p in parts))
 
 
+def _histograms(url: str) -> dict[str, tuple[dict[str, float], float]]:
+    """The server's histograms since it started: name -> ({bucket's upper bound: count at or below}, count)."""
+    out: dict[str, tuple[dict[str, float], float]] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith("_bucket"):
+            out.setdefault(name[:-7], ({}, 0.0))[0][line.split('le="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        elif name.endswith("_count") and name[:-6] in out:
+            out[name[:-6]] = (out[name[:-6]][0], float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def _bound(buckets: dict[str, float], total: float, share: float) -> str:
+    """The smallest bucket bound that `share` of the observations are at or below."""
+    return next((le for le, n in buckets.items() if total and n / total >= share), "?")
+
+
 def print_server_gaps(url: str) -> None:
     """The gaps between tokens as the server's front saw them (its ITL histogram, since it started): those over
-    0.1, 0.25, 0.5 and 1 s — beside the clients' gaps, where a stall happens (the server, or the way to the client)."""
-    buckets, total = {}, 0.0
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("nanoinfer_inter_token_latency_seconds_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("nanoinfer_inter_token_latency_seconds_count"):
-            total = float(line.rsplit(" ", 1)[1])
+    0.1, 0.25, 0.5 and 1 s — beside the clients' gaps, where a stall happens (the server, or the way to the client);
+    and the front's own TTFT and queue time (from a request's admission: the clients' TTFT less these is the way
+    in, through HTTP and admission, and out)."""
+    histograms = _histograms(url)
+    buckets, total = histograms.get("nanoinfer_inter_token_latency_seconds", ({}, 0.0))
     over = {le: total - n for le, n in buckets.items() if le in ("0.02", "0.05", "0.1", "0.2", "0.5", "1.0")}
-    p99 = next((le for le, n in buckets.items() if total and n / total >= 0.99), "?")
-    print(f"server-side token gaps: {total:.0f}, p99 <= {p99} s; over " +
+    print(f"server-side token gaps: {total:.0f}, p99 <= {_bound(buckets, total, 0.99)} s; over " +
           ", ".join(f"{le} s: {n:.0f}" for le, n in over.items()))
+    for name, what in (("nanoinfer_time_to_first_token_seconds", "TTFT"),
+                       ("nanoinfer_request_queue_time_seconds", "queue time")):
+        buckets, total = histograms.get(name, ({}, 0.0))
+        print(f"server-side {what} since its start ({total:.0f} requests): p50 <= {_bound(buckets, total, 0.5)} s, "
+              f"p99 <= {_bound(buckets, total, 0.99)} s")
 
 
 def print_long_gaps(run_start: float) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from nanoinfer.config import ModelConfig, RopeScaling
+from nanoinfer.model.config import ModelConfig, RopeScaling
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.dummy import dummy_params
-from nanoinfer.quantized import nbytes
+from nanoinfer.quant.quantized import nbytes
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1e6, 40960, True, qk_norm=True),

@@ -77,8 +77,8 @@ def cpu(args):
 
 def gpu(args):
     from bench.shapes import random_model
-    from nanoinfer.sampling import SamplingParams
-    from nanoinfer.speculative import Verified
+    from nanoinfer.sampling.sampler import SamplingParams
+    from nanoinfer.sampling.rejection import Verified
     from runtime.executor import model_runner
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore

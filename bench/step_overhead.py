@@ -28,20 +28,20 @@ def measure(batch: int, context: int, steps: int) -> float:
     """Median host µs of a decode step at `batch` sequences of `context` tokens."""
     import torch
 
-    import nanoinfer.model
+    import nanoinfer.model.decoder
     from nanoinfer import SamplingParams
     from nanoinfer.loaders import LoadedModel
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
     from tests.tiny import random_params, tiny_config
 
-    real = nanoinfer.model.forward
+    real = nanoinfer.model.decoder.forward
     cfg = tiny_config(vocab_size=64, max_position_embeddings=8192)  # (the stub's "device" work: next to nothing)
 
     def stub(params, kv, batch_, cfg_, *args, **kw):
         return torch.zeros(batch_.logits_indices.shape[0], cfg_.vocab_size)
 
-    for module in list(sys.modules.values()):  # every `from nanoinfer.model import forward`
+    for module in list(sys.modules.values()):  # every `from nanoinfer.model.decoder import forward`
         if module is not None and getattr(module, "forward", None) is real:
             module.forward = stub
     model = LoadedModel(cfg, random_params(cfg), None, Path("stub"))

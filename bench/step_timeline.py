@@ -39,13 +39,13 @@ CALLS = [
     ("runtime.executor.step", "DeviceToHost", "wait"),
     ("runtime.executor.grammar_masks", None, "grammar_masks"),
     ("runtime.executor.grammar_masks", "StepMasks", "on_device"),
-    ("nanoinfer.structured", "Grammars", "consume"),
-    ("nanoinfer.structured", "Grammars", "fill"),
-    ("nanoinfer.structured", "Grammars", "fill_later"),
-    ("nanoinfer.structured", None, "apply_bitmask"),
-    ("nanoinfer.bitmask_triton", None, "masked_float_logits"),
-    ("nanoinfer.draw", None, "processed_probs"),
-    ("nanoinfer.draw_triton", None, "triton_draw"),
+    ("nanoinfer.structured.grammars", "Grammars", "consume"),
+    ("nanoinfer.structured.grammars", "Grammars", "fill"),
+    ("nanoinfer.structured.grammars", "Grammars", "fill_later"),
+    ("nanoinfer.structured.grammars", None, "apply_bitmask"),
+    ("nanoinfer.backends.cuda.bitmask_triton", None, "masked_float_logits"),
+    ("nanoinfer.sampling.draw", None, "processed_probs"),
+    ("nanoinfer.backends.cuda.draw_triton", None, "triton_draw"),
 ]
 
 

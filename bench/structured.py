@@ -78,7 +78,7 @@ def main():
 
     from nanoinfer import LLM, SamplingParams
 
-    from nanoinfer.structured import Grammars
+    from nanoinfer.structured.grammars import Grammars
     from runtime.executor import grammar_masks
 
     # (the runner imports grammar_masks() from its module at each step: the patch is seen)

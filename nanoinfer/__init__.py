@@ -5,7 +5,7 @@ re-exported lazily (the core never imports the runtime at import time).
 """
 
 from nanoinfer.errors import CheckpointError, ModelFetchError, NanoInferError, RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineError",
            "CheckpointError", "ModelFetchError", "NanoInferError", "RequestError"]

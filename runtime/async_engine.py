@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
 from runtime.engine.request_state import RequestState
@@ -78,7 +78,7 @@ class AsyncEngine(RequestBook):
 
     @property
     def grammars(self):
-        """Structured output's compiler (nanoinfer/structured.py's Grammars, made on first use):
+        """Structured output's compiler (nanoinfer/structured/grammars.py's Grammars, made on first use):
         the server compiles a request's grammar there before queueing it."""
         return self.core.executor.grammars
 

@@ -37,7 +37,7 @@ SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"
                   "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
 
 
-# The sampling settings a checkpoint may recommend (nanoinfer/sampling_defaults.py): a flag left
+# The sampling settings a checkpoint may recommend (nanoinfer/sampling/sampling_defaults.py): a flag left
 # unset takes the model's recommendation (--generation-config), else the command's own default.
 RECOMMENDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -45,7 +45,7 @@ RECOMMENDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeti
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float, recommended: bool = True) -> None:
     """The sampling flags; `recommended`: those a model recommends values for follow its recommendation
     when not given (generate and chat; an evaluation keeps its own, greedy, defaults)."""
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     own = {"max_tokens": 256, "temperature": temperature}
     unset = {name: f"the model's recommendation, else {own.get(name, getattr(SamplingParams, name))}"
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _sampling(args):
     """The flags' SamplingParams: those given, else the command's own defaults (checked before a model loads;
     `_recommended` then puts the model's recommendation in place of the defaults)."""
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     given = {key: value for key, value in (("json", getattr(args, "json_schema", None)),
                                            ("regex", getattr(args, "regex", None)),
@@ -203,7 +203,7 @@ def _recommended(params, args, recommended: dict):
     """`params` with the model's `recommended` sampling settings for the flags not given."""
     import dataclasses
 
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     given = from_namespace(SamplingParams, args)  # (a flag a model may recommend is absent unless given)
     return dataclasses.replace(params, **{k: v for k, v in recommended.items() if k not in given})

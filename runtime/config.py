@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError
-from nanoinfer.kv_cache import KV_CACHE_DTYPES
+from nanoinfer.model.kv_cache import KV_CACHE_DTYPES
 from nanoinfer.loaders import QUANTIZATIONS, LoadConfig
 from nanoinfer.settings import check_settings, json_object, setting, setting_names, split_kwargs
 
@@ -19,7 +19,7 @@ POLICIES = ("fcfs", "priority")
 # sizing (runtime/executor/kv_budget.py) reserves room for this many rows.
 PROMPT_LOGPROB_ROWS = 512
 PREEMPTION_MODES = ("recompute", "swap")
-GRAPH_CAPTURES = ("lazy", "all")  # cuda_graph_capture's (nanoinfer/graphs.py: StepGraphs' `lazy`)
+GRAPH_CAPTURES = ("lazy", "all")  # cuda_graph_capture's (nanoinfer/backends/cuda/graphs.py: StepGraphs' `lazy`)
 
 
 @dataclass(frozen=True)

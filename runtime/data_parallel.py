@@ -41,7 +41,7 @@ import torch
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel, resolve_device
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime import dp_messages as msg
 from runtime.async_engine import EngineError, Prompt, RequestHandle
 from runtime.config import EngineConfig, load_and_engine_configs

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from nanoinfer.loaders import LoadConfig, LoadedModel
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.outputs import Progress, TokenLogprob
 from runtime.engine.request_limits import RequestLimits
@@ -143,7 +143,7 @@ class Abort(NamedTuple):
 
 class Compile(NamedTuple):
     key: int
-    spec: Any  # nanoinfer.structured.GrammarSpec
+    spec: Any  # nanoinfer.structured.grammars.GrammarSpec
 
 
 class PrepareGrammars(NamedTuple):

@@ -41,7 +41,7 @@ def build(args: msg.ReplicaArgs) -> LLMEngine:
     """The replica's engine over the front's weights (copied to this replica's device, where they are not on it),
     or over the checkpoint loaded here."""
     from nanoinfer.loaders import load_model
-    from nanoinfer.model import map_params
+    from nanoinfer.model.decoder import map_params
 
     device = torch.device(args.device)
     if device.type == "cuda":  # (streams, graphs and kernels are made on the current device)

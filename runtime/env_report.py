@@ -32,7 +32,7 @@ def report() -> list[str]:
     """The lines `nanoinfer env` prints (builds cpu_native.c on a machine's first call: about a second)."""
     import torch
 
-    from nanoinfer import cpu_native
+    from nanoinfer.backends.cpu import cpu_native
 
     try:
         version = metadata.version("nanoinfer")

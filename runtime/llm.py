@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
-from nanoinfer.sampling import SamplingParams
-from nanoinfer.sampling_defaults import default_params
+from nanoinfer.sampling.sampler import SamplingParams
+from nanoinfer.sampling.sampling_defaults import default_params
 from runtime.config import engine_config, load_and_engine_configs
 from runtime.engine.llm_engine import LLMEngine, Prompt, failed
 from runtime.engine.outputs import RequestOutput

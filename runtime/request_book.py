@@ -13,7 +13,7 @@ import dataclasses
 from typing import AsyncIterator, Callable, Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.llm_engine import Prompt, failed
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.request_state import RequestState, merge

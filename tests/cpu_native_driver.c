@@ -1,4 +1,4 @@
-/* A command-line front to nanoinfer/cpu_native.c's kernels, for a cross-compiled build run
+/* A command-line front to nanoinfer/backends/cpu/cpu_native.c's kernels, for a cross-compiled build run
  * under an emulator (tests/test_cpu_native_arm.py), where Python cannot load the library.
  *
  * Usage: cpu_native_driver DIR. DIR/cases holds one call a line; each reads its inputs from

@@ -1,5 +1,5 @@
 """CUDA graphs emulated on the CPU, for dry runs of the code that captures and replays them
-(nanoinfer/graphs.py and its callers) where there is no GPU.
+(nanoinfer/backends/cuda/graphs.py and its callers) where there is no GPU.
 
 A "graph" records the step StepGraphs ran inside its capture, over the graph's static inputs,
 and a replay runs that step again over the same tensors, copying its results into the outputs
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from nanoinfer.graphs import StepGraphs
+from nanoinfer.backends.cuda.graphs import StepGraphs
 
 REPLAYS = [0]  # this process's replays
 CAPTURES: list = []  # this process's captured buckets, in order (StepGraphs._capture's keys)
@@ -102,7 +102,7 @@ class _PaddingAttention:
 def _claiming_graphs(kernels_for, partition_blocks: int):
     """kernels_for whose CPU kernels (unless eager) say graphs may be captured; the attention's
     split-K partition (which sizes the narrow decode graphs) `partition_blocks` blocks."""
-    from nanoinfer.draw import random_draw
+    from nanoinfer.sampling.draw import random_draw
 
     def claiming(cfg, device, block_size, *, eager=False, **kwargs):
         kernels = kernels_for(cfg, device, block_size, eager=eager, **kwargs)
@@ -117,7 +117,7 @@ def _claiming_graphs(kernels_for, partition_blocks: int):
 def _unpinned(real_run):
     """StepGraphs.run taking a batch built on the host (a draft model's passes) as one on the
     device: its one staging copy needs pinned memory, which the CPU has not."""
-    from nanoinfer.batch import HostBatch
+    from nanoinfer.model.batch import HostBatch
 
     def run(self, batch, *args, **kwargs):
         return real_run(self, batch.to(self.device) if isinstance(batch, HostBatch) else batch, *args, **kwargs)

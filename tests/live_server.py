@@ -13,7 +13,7 @@ import uvicorn
 
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.gguf import open_gguf
-from nanoinfer.tokenizer import Tokenizer
+from nanoinfer.text.tokenizer import Tokenizer
 from runtime.async_engine import AsyncEngine, engine_config
 from runtime.serve.config import ServerConfig
 from runtime.serve.server import create_app

@@ -203,7 +203,7 @@ def test_config_fields_of_the_wrong_kind(broken, fields, words):
 
 
 def test_nanochat_meta_with_odd_heads(tmp_path):
-    from nanoinfer.loaders.nanochat import nanochat_config
+    from nanoinfer.loaders.nanochat_checkpoint import nanochat_config
 
     meta = tmp_path / "meta_000001.json"
     meta.write_text(json.dumps({"model_config": {"sequence_len": 64, "vocab_size": 32, "n_layer": 1, "n_head": 4,
@@ -213,7 +213,7 @@ def test_nanochat_meta_with_odd_heads(tmp_path):
 
 
 def test_nanochat_meta_nesting_too_deeply(tmp_path):
-    from nanoinfer.loaders.nanochat import nanochat_config
+    from nanoinfer.loaders.nanochat_checkpoint import nanochat_config
 
     meta = tmp_path / "meta_000001.json"
     meta.write_text('{"model_config": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -384,7 +384,7 @@ def test_gguf_dimension_past_any_model(tmp_path, key, value, memory_capped):
 
 
 def test_nanochat_meta_of_ten_billion_layers(tmp_path, memory_capped):
-    from nanoinfer.loaders.nanochat import nanochat_config
+    from nanoinfer.loaders.nanochat_checkpoint import nanochat_config
 
     meta = tmp_path / "meta_000001.json"
     meta.write_text(json.dumps({"model_config": {"sequence_len": 64, "vocab_size": 32, "n_layer": 10**10,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanoinfer.batch import Batch, SeqChunk, build_batch, host_batch
+from nanoinfer.model.batch import Batch, SeqChunk, build_batch, host_batch
 
 
 def reference_batch(chunks, block_size):
@@ -64,11 +64,11 @@ def test_a_table_too_short_is_refused():
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_graph_inputs_are_written_alike_from_the_host_and_the_device(decode):
-    """A CUDA graph's inputs (nanoinfer/graphs.py): a HostBatch written into a staging copy of
+    """A CUDA graph's inputs (nanoinfer/backends/cuda/graphs.py): a HostBatch written into a staging copy of
     its layout and the same batch's tensors written into the buffer itself give the same
     fields, padded: tokens at position 0 with slot -1, sequences with no keys (a mixed
     graph's padding tokens form one more sequence; its logits rows are 0 past the batch's)."""
-    from nanoinfer.graphs import _fill, _Inputs
+    from nanoinfer.backends.cuda.graphs import _fill, _Inputs
 
     chunks = ([SeqChunk([5], 20, [1, 2], True), SeqChunk([9], 3, [7], True)] if decode else
               [SeqChunk([5, 6, 7], 3, [4, 5], True), SeqChunk([9], 20, [1, 2], True), SeqChunk([3, 4], 0, [6], False)])
@@ -117,12 +117,12 @@ def reference_step_batch(inp, draft_tokens, batch_rows, block_size):
 @pytest.mark.parametrize("seed", range(40))
 def test_the_model_runners_step_batch_matches_per_token_reference(seed):
     """ModelRunner._build lays out its input batch's rows with the layout host_batch uses
-    (nanoinfer.batch.layout): for a random mix of prefill chunks, decodes, decodes of a token
+    (nanoinfer.model.batch.layout): for a random mix of prefill chunks, decodes, decodes of a token
     still in flight and verifications of drafts, every field equals the per-token reference."""
     import random
     import types
 
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.engine.sequence import Sequence
     from runtime.executor.input_batch import InputBatch
     from runtime.executor.model_runner import ModelRunner

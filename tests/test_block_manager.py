@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.block_manager import BlockManager, PoolExhausted
 from runtime.engine.sequence import Sequence
 

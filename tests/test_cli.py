@@ -228,7 +228,7 @@ def test_structured_output_flags(smollm2_gguf, tmp_path):
 def test_env_says_which_cpu_kernels_run():
     """`nanoinfer env` prints the versions, the CPU's SIMD features and the kernels chosen for it
     (the line the engine logs at start), for bug reports."""
-    from nanoinfer import cpu_native
+    from nanoinfer.backends.cpu import cpu_native
     from runtime.env_report import cpu_model_and_flags
 
     proc = run_cli("env")

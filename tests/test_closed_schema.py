@@ -1,4 +1,4 @@
-"""JSON-schema objects are closed by default (nanoinfer/closed_schema.py): the rewrite itself
+"""JSON-schema objects are closed by default (nanoinfer/structured/closed_schema.py): the rewrite itself
 (nested objects, arrays, $defs, combinations, what the schema says kept, the input untouched),
 the grammar compiled from an open schema refusing undeclared keys, and the default model
 answering a named tool and a response_format schema with declared keys only, through the
@@ -12,8 +12,8 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 
-from nanoinfer.closed_schema import closed_schema  # noqa: E402
-from nanoinfer.structured import Constraint, GrammarSpec, grammar_tokenizer  # noqa: E402
+from nanoinfer.structured.closed_schema import closed_schema  # noqa: E402
+from nanoinfer.structured.grammars import Constraint, GrammarSpec, grammar_tokenizer  # noqa: E402
 
 A = {"type": "object", "properties": {"a": {"type": "integer"}}}
 B = {"type": "object", "properties": {"b": {"type": "integer"}}}
@@ -163,7 +163,7 @@ def test_pydantic_schemas_are_closed_through_their_refs():
 @pytest.fixture(scope="module")
 def vocab(smollm2_gguf):
     from nanoinfer.loaders.gguf import open_gguf
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
     return tokenizer, grammar_tokenizer(tokenizer, tokenizer.vocab_size)
@@ -415,7 +415,7 @@ def union(keys):
 
 PLANNED_IN_LINEAR_WORK = LARGE_SCHEMAS + """
 import re, resource
-import nanoinfer.closed_schema as closing
+import nanoinfer.structured.closed_schema as closing
 
 mapped = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -448,7 +448,7 @@ def test_many_refs_to_a_large_definition_plan_in_linear_work():
 def test_the_keys_a_closed_copy_would_list_count_against_the_bound(monkeypatch):
     """200 places closed over a definition's 200 keys list 40,000: within the default bound, closed;
     past a smaller one, compiled as written."""
-    import nanoinfer.closed_schema as closing
+    import nanoinfer.structured.closed_schema as closing
 
     builders = {}
     exec(LARGE_SCHEMAS, builders)
@@ -460,7 +460,7 @@ def test_the_keys_a_closed_copy_would_list_count_against_the_bound(monkeypatch):
 
 
 def test_a_schema_past_the_planning_bound_compiles_as_written(monkeypatch):
-    import nanoinfer.closed_schema as closing
+    import nanoinfer.structured.closed_schema as closing
 
     monkeypatch.setattr(closing, "MAX_VISITS", 3)
     schema = {"anyOf": [A, B, A, B]}

@@ -77,7 +77,7 @@ def test_continue_final_message_with_add_generation_prompt_is_a_400(live_server)
 
 def test_continue_final_message_matches_transformers(live_server):
     transformers = pytest.importorskip("transformers")
-    from nanoinfer.chat_template import render_chat_template
+    from nanoinfer.text.chat_template import render_chat_template
 
     template = live_server.engine.tokenizer.chat_template
     for content in ("The capital of France is", "Trailing space ", "x"):

@@ -13,15 +13,16 @@ import shutil
 import pytest
 import torch
 
-from nanoinfer import cpu_layers, cpu_native
+from nanoinfer.backends.cpu import cpu_layers
+from nanoinfer.backends.cpu import cpu_native
 from nanoinfer.attention.reference import REFERENCE
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kernels import kernels_for
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.backends.choose import kernels_for
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.quantize import quantize_params
-from nanoinfer.model import forward
-from nanoinfer.quantized import BlockWeight
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.model.decoder import forward
+from nanoinfer.quant.quantized import BlockWeight
+from nanoinfer.sampling.sampling_params import SamplingParams
 from tests.test_cpu_native import block_params
 from tests.tiny import random_params, tiny_config
 

@@ -1,4 +1,4 @@
-"""The CPU's fused layer pieces (nanoinfer/cpu_native.c, nanoinfer/cpu_layers.py) against the
+"""The CPU's fused layer pieces (nanoinfer/backends/cpu/cpu_native.c, nanoinfer/backends/cpu/cpu_layers.py) against the
 torch ops they replace: each call on random shapes, then whole packed models and the engine."""
 
 import dataclasses
@@ -7,18 +7,21 @@ import shutil
 import pytest
 import torch
 
-from nanoinfer import cpu_layers, cpu_native, kquants, rope_write_cpu
+from nanoinfer.backends.cpu import cpu_layers
+from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.quant import kquants
+from nanoinfer.backends.cpu import rope_write_cpu
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.attention.torch_paged import TorchPagedAttention
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.kernels import kernels_for
-from nanoinfer.kv_cache import allocate_kv_pool
-from nanoinfer.layers import rms_norm
+from nanoinfer.backends.choose import kernels_for
+from nanoinfer.model.kv_cache import allocate_kv_pool
+from nanoinfer.model.layers import rms_norm
 from nanoinfer.loaders.quantize import quantize_params
-from nanoinfer.model import forward
-from nanoinfer.quantized import BlockWeight, GroupedWeight, Int4Weight, reference_block_matmul
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.model.decoder import forward
+from nanoinfer.quant.quantized import BlockWeight, GroupedWeight, Int4Weight, reference_block_matmul
+from nanoinfer.sampling.sampling_params import SamplingParams
 from tests.tiny import grouped, random_params, tiny_config
 
 BF16_ULP = 2.0**-7  # one bf16 rounding step, relative: sums taken in another order may flip one
@@ -349,11 +352,11 @@ EDGE_SEEDS = [0, 1, -1, 2**32, 2**32 - 1, -(2**32), 2**63 - 1, -(2**63), -123456
 
 @pytest.mark.parametrize("vocab", [1, 1000, 49152, 151936])
 def test_random_draw_equals_its_reference(native, vocab):
-    """cpu_native's draw against nanoinfer.draw.random_draw: the same token per row. Flat rows
+    """cpu_native's draw against nanoinfer.sampling.draw.random_draw: the same token per row. Flat rows
     (every token equally likely) are won by the largest uniform, so they check the hash bit for
     bit; sharp random rows with top-k zeros check the race and its skipped logs; then a row with
     one token, one whose only token is the last, one all zeros (token 0, as torch's argmax)."""
-    from nanoinfer.draw import random_draw
+    from nanoinfer.sampling.draw import random_draw
 
     g = torch.Generator().manual_seed(vocab)
     rows = 3 * len(EDGE_SEEDS)

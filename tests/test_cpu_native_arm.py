@@ -1,4 +1,4 @@
-"""cpu_native.c's ARM NEON path (nanoinfer/cpu_native_arm.h) at each tier, cross-compiled for aarch64
+"""cpu_native.c's ARM NEON path (nanoinfer/backends/cpu/cpu_native_arm.h) at each tier, cross-compiled for aarch64
 and run under qemu-aarch64 (tests/cpu_native_driver.c calls the kernels on arrays written here):
 block_matmul, kquant_matmul and quantize_groups_q8 bit for bit against the x86 build, attention
 against it within the x86 path's own tolerance to torch."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanoinfer import cpu_native
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kquants import KQuantWeight, reference_kquant_matmul
-from nanoinfer.quantized import BlockWeight, GroupedWeight, reference_block_matmul
+from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.quant.kquants import KQuantWeight, reference_kquant_matmul
+from nanoinfer.quant.quantized import BlockWeight, GroupedWeight, reference_block_matmul
 from tools.kquant_quantize import quantize as kquant_quantize
 
 CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanoinfer.loaders.gguf import open_gguf
-from nanoinfer.tokenizer import Tokenizer
+from nanoinfer.text.tokenizer import Tokenizer
 from runtime.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40) | st.sampled_from(

@@ -1,4 +1,4 @@
-"""The Triton draw (nanoinfer/draw_triton.py) against its oracle, nanoinfer.draw.random_draw: the same token per row.
+"""The Triton draw (nanoinfer/backends/cuda/draw_triton.py) against its oracle, nanoinfer.sampling.draw.random_draw: the same token per row.
 
 Needs CUDA and Triton; skipped cleanly without them. With TRITON_INTERPRET=1 the kernels run on
 CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 PYTHONPATH=/path/to/triton:. pytest ...).
@@ -22,8 +22,8 @@ triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from nanoinfer.draw import random_draw, uniform_noise  # noqa: E402
-from nanoinfer.draw_triton import _row_key, _uniform, triton_draw  # noqa: E402
+from nanoinfer.sampling.draw import random_draw, uniform_noise  # noqa: E402
+from nanoinfer.backends.cuda.draw_triton import _row_key, _uniform, triton_draw  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the Triton draw needs CUDA")

@@ -90,9 +90,9 @@ LM = [{"context": "The capital of France is", "continuation": "Paris"},
 def reference(model, scored):
     """Per prompt: mean loss over its span and whether greedy predicts every span token, from one
     plain forward over the whole prompt (no engine, no batching with other prompts)."""
-    from nanoinfer.batch import SeqChunk, build_batch
-    from nanoinfer.kv_cache import allocate_kv_pool
-    from nanoinfer.model import forward
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.model.kv_cache import allocate_kv_pool
+    from nanoinfer.model.decoder import forward
 
     out = []
     for tokens, (start, end) in zip(scored.tokens, scored.spans):
@@ -179,7 +179,7 @@ def test_scores_are_the_libraries_own():
 def test_cli_generate_scores_the_models_answers(smollm2_gguf, tmp_path):
     """The model's own greedy answers as references score 1 everywhere; other references lower."""
     from nanoinfer import LLM
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.cli import main
 
     prompts = ["The capital of France is", "Water is made of", "The first month of the year is"]

@@ -20,11 +20,11 @@ ONE_STEP = """
 import json, sys
 import torch
 from nanoinfer import SamplingParams, cpu_native
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kernels import forward_of, kernels_for
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.backends.choose import forward_of, kernels_for
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
-from nanoinfer.sampling import SamplingTensors, sample
+from nanoinfer.sampling.sampler import SamplingTensors, sample
 
 model = load_model(sys.argv[1], device="cpu", progress=False)
 cfg, params = model.config, model.params
@@ -39,19 +39,19 @@ print(json.dumps({"text": model.tokenizer.decode([int(token[0])]), "native": cpu
                   "modules": sorted(m for m in sys.modules if m.startswith("nanoinfer"))}))
 """
 
-UNUSED = ("nanoinfer.nanochat", "nanoinfer.nanochat_tokenizer", "nanoinfer.loaders.nanochat", "nanoinfer.loaders.hf",
+UNUSED = ("nanoinfer.model.nanochat", "nanoinfer.text.nanochat_tokenizer", "nanoinfer.loaders.nanochat_checkpoint", "nanoinfer.loaders.hf",
           "nanoinfer.loaders.hf_hub", "nanoinfer.loaders.llama2c", "nanoinfer.loaders.dummy",
-          "nanoinfer.loaders.quantize", "nanoinfer.penalties", "nanoinfer.structured", "nanoinfer.lark_check",
-          "nanoinfer.speculative", "nanoinfer.ngram", "nanoinfer.tensor_parallel", "nanoinfer.graphs",
-          "nanoinfer.gemv", "nanoinfer.rope_write", "nanoinfer.argmax", "nanoinfer.draw_triton",
+          "nanoinfer.loaders.quantize", "nanoinfer.sampling.penalties", "nanoinfer.structured.grammars", "nanoinfer.structured.lark_check",
+          "nanoinfer.sampling.rejection", "nanoinfer.sampling.ngram", "nanoinfer.parallel.shards", "nanoinfer.backends.cuda.graphs",
+          "nanoinfer.backends.cuda.gemv", "nanoinfer.backends.cuda.rope_write", "nanoinfer.backends.cuda.argmax", "nanoinfer.backends.cuda.draw_triton",
           # The chat template (and jinja2) load at the first chat request, an HF directory's tokenizer files'
           # readers with such a load.
-          "nanoinfer.chat_template", "nanoinfer.tokenizer_hf",
+          "nanoinfer.text.chat_template", "nanoinfer.text.tokenizer_hf",
           # A sampled row's distribution and draw load with the first step that samples: this one is greedy.
-          "nanoinfer.draw")
+          "nanoinfer.sampling.draw")
 # What the packed CPU path replaces (it runs them where no C compiler built cpu_native).
 REPLACED_BY_NATIVE = ("nanoinfer.attention", "nanoinfer.attention.reference", "nanoinfer.attention.torch_paged",
-                      "nanoinfer.rope_write_cpu")
+                      "nanoinfer.backends.cpu.rope_write_cpu")
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ import torch
 
 from nanoinfer.attention.reference import REFERENCE
 from nanoinfer.attention.torch_paged import TorchPagedAttention
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.kv_cache import FP8, kv_bytes_per_block, to_kv
+from nanoinfer.model.kv_cache import FP8, kv_bytes_per_block, to_kv
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import LayerFunctions, qkv_projection
-from nanoinfer.rope_write_cpu import rope_and_write, rope_tables
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.model.decoder import LayerFunctions, qkv_projection
+from nanoinfer.backends.cpu.rope_write_cpu import rope_and_write, rope_tables
+from nanoinfer.sampling.sampling_params import SamplingParams
 from runtime.async_engine import engine_config
 from runtime.engine.engine_core import EngineCore
 from tests.tiny import random_params, tiny_config

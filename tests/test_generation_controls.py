@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 from nanoinfer import AsyncEngine, SamplingParams
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config
-from nanoinfer.penalties import Penalties, apply_penalties
-from nanoinfer.sampling import SamplingTensors, sample
+from nanoinfer.sampling.penalties import Penalties, apply_penalties
+from nanoinfer.sampling.sampler import SamplingTensors, sample
 from runtime.async_engine import engine_config
 from runtime.engine.engine_core import EngineConfig, EngineCore
 from tests.tiny import patch_forward, random_params, tiny_config

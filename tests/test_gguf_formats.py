@@ -20,12 +20,12 @@ from gguf import MODEL_ARCH, GGMLQuantizationType as QT, GGUFWriter, LlamaFileTy
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import CheckpointError
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
-from nanoinfer.model import forward
+from nanoinfer.model.decoder import forward
 
 # hidden and intermediate sizes are multiples of 256 so every matrix row holds whole K-quant
 # superblocks; 4 query heads over 2 KV heads (GQA 2), head_dim 64.

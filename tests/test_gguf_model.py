@@ -7,12 +7,12 @@ import pytest
 import torch
 import transformers
 
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
-from nanoinfer.model import forward
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.model.decoder import forward
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.engine_core import EngineConfig, EngineCore
 
 PROMPTS = [

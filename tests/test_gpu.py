@@ -15,15 +15,15 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
-from nanoinfer.batch import SeqChunk, build_batch, host_batch  # noqa: E402
-from nanoinfer.graphs import StepGraphs  # noqa: E402
-from nanoinfer.kernels import cuda_layer_functions, kernels_for  # noqa: E402
-from nanoinfer.kv_cache import allocate_kv_pool  # noqa: E402
-from nanoinfer.layers import rms_norm  # noqa: E402
+from nanoinfer.model.batch import SeqChunk, build_batch, host_batch  # noqa: E402
+from nanoinfer.backends.cuda.graphs import StepGraphs  # noqa: E402
+from nanoinfer.backends.choose import cuda_layer_functions, kernels_for  # noqa: E402
+from nanoinfer.model.kv_cache import allocate_kv_pool  # noqa: E402
+from nanoinfer.model.layers import rms_norm  # noqa: E402
 from nanoinfer.loaders import LoadedModel  # noqa: E402
 from nanoinfer.loaders.hf import load_hf_params, read_hf_config  # noqa: E402
-from nanoinfer.model import EAGER, forward, map_params  # noqa: E402
-from nanoinfer.sampling import SamplingParams  # noqa: E402
+from nanoinfer.model.decoder import EAGER, forward, map_params  # noqa: E402
+from nanoinfer.sampling.sampler import SamplingParams  # noqa: E402
 from runtime.async_engine import engine_config  # noqa: E402
 from runtime.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_graph_replay_equals_eager_bit_for_bit(hf_and_ours):
 
 
 def test_cuda_layer_parts_match_eager_and_replay_exactly(hf_and_ours):
-    """A mixed step (a 40-token chunk beside a decode: nanoinfer.batched_layers' row kernels)."""
+    """A mixed step (a 40-token chunk beside a decode: nanoinfer.backends.cuda.batched_layers' row kernels)."""
     _, model = hf_and_ours
     cfg, bs = model.config, 16
     kv, backend = random_pool_and_backend(cfg, bs)
@@ -114,7 +114,7 @@ def test_cuda_layer_parts_match_eager_and_replay_exactly(hf_and_ours):
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch: Hopper on")
 def test_one_token_steps_launched_early_equal_those_launched_in_turn(hf_and_ours, monkeypatch):
-    """nanoinfer.pdl: the decode kernels started before the ones ahead end (their GEMVs fetching
+    """nanoinfer.backends.cuda.pdl: the decode kernels started before the ones ahead end (their GEMVs fetching
     weights meanwhile), eager and in graph replays, give what plain launches give, bit for bit."""
     _, model = hf_and_ours
     cfg, bs = model.config, 16
@@ -225,8 +225,8 @@ def test_triton_random_draw_equals_eager():
     """The Triton draw (CUDA's kernels) picks the same token as the eager hash + race, masked
     tokens never win, and rows with a different (seed, step) draw differently; captured in a
     CUDA graph and replayed on new inputs it still does (tests/test_draw_triton.py has the edge cases)."""
-    from nanoinfer.draw import random_draw
-    from nanoinfer.draw_triton import triton_draw
+    from nanoinfer.sampling.draw import random_draw
+    from nanoinfer.backends.cuda.draw_triton import triton_draw
 
     assert kernels_for(tiny_cfg(), torch.device("cuda"), 16).draw is triton_draw
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -258,8 +258,8 @@ def test_triton_random_draw_equals_eager():
 
 @pytest.mark.parametrize("vocab", [7, 4096, 4097, 49152, 128256, 151936])
 def test_split_argmax_matches_torch(vocab):
-    """nanoinfer/argmax.py against torch's argmax (first index on ties) and isfinite, per row."""
-    from nanoinfer.sampling import greedy_and_finite
+    """nanoinfer/backends/cuda/argmax.py against torch's argmax (first index on ties) and isfinite, per row."""
+    from nanoinfer.sampling.sampler import greedy_and_finite
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -283,7 +283,7 @@ def test_split_argmax_matches_torch(vocab):
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_gemv_matches_an_fp32_matmul(n, k, rows):
     """Both kernels (one row; 2-16 rows on tensor cores) against fp32, bias through `linear`."""
-    from nanoinfer.gemv import gemv, linear
+    from nanoinfer.backends.cuda.gemv import gemv, linear
 
     g = torch.Generator(device="cuda").manual_seed(n * k + rows)
     for dtype in (torch.bfloat16, torch.float16):
@@ -311,9 +311,9 @@ def test_gemv_matches_an_fp32_matmul(n, k, rows):
                                                               (True, 96, 8, torch.float16), (False, 80, 4, torch.bfloat16)])
 def test_rope_and_write_matches_the_reference_composition(qk_norm, head_dim, kv_heads, dtype):
     from nanoinfer.attention.reference import REFERENCE
-    from nanoinfer.layers import rope_cos_sin, rope_inv_freq
-    from nanoinfer.model import attention_inputs
-    from nanoinfer.rope_write import rope_and_write
+    from nanoinfer.model.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.model.decoder import attention_inputs
+    from nanoinfer.backends.cuda.rope_write import rope_and_write
     from tests.tiny import random_params, tiny_config
 
     cfg = tiny_config(hidden_size=256, num_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -461,13 +461,17 @@ def test_faults_on_cuda_are_contained(hf_and_ours, monkeypatch):
 @pytest.mark.parametrize("form", ["bf16", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("hidden,inter", [(1024, 3072), (2048, 8192), (576, 1536)])
 def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
-    """nanoinfer.fused_layers at one token against nanoinfer.model's parts: the same roundings,
+    """nanoinfer.backends.cuda.fused_layers at one token against nanoinfer.model.decoder's parts: the same roundings,
     so the same bf16 numbers up to the order of the fp32 sums (one bf16 step at most). (4-bit
     weights: SwiGLU and the last residual in the int4 GEMV's epilogues; under a RankSum only the
     lead rank adds the residual.)"""
-    from nanoinfer import batched_layers, fused_layers, model, quantized, row_kernels
-    from nanoinfer.config import ModelConfig
-    from nanoinfer.gemv import linear
+    from nanoinfer.backends.cuda import batched_layers
+    from nanoinfer.backends.cuda import fused_layers
+    from nanoinfer.model import decoder as model
+    from nanoinfer.quant import quantized
+    from nanoinfer.backends.cuda import row_kernels
+    from nanoinfer.model.config import ModelConfig
+    from nanoinfer.backends.cuda.gemv import linear
     from nanoinfer.loaders.quantize import int4_groups
 
     g = torch.Generator(device="cuda").manual_seed(hidden + inter)
@@ -523,11 +527,13 @@ def test_qkv_rope_and_write_in_one_kernel_equals_the_two(form, dtype, head_dim, 
     """QKV's GEMV with RoPE and the KV write in its epilogue against the GEMV, then rope_write's
     kernel (itself checked against the fp32 composition above); untouched slots stay as they were;
     q/k norms and an fp8 pool take the two kernels."""
-    from nanoinfer import fused_layers, model, quantized
-    from nanoinfer.gemv import linear
-    from nanoinfer.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.backends.cuda import fused_layers
+    from nanoinfer.model import decoder as model
+    from nanoinfer.quant import quantized
+    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.model.layers import rope_cos_sin, rope_inv_freq
     from nanoinfer.loaders.quantize import int4_groups
-    from nanoinfer.rope_write import rope_and_write
+    from nanoinfer.backends.cuda.rope_write import rope_and_write
     from tests.tiny import tiny_config
 
     g = torch.Generator(device="cuda").manual_seed(head_dim + slot)
@@ -573,8 +579,8 @@ def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, rows,
     """int8 at 1-16 rows (two: on CUDA cores up to 8,192 output rows, past them on tensor
     cores), fp8 at one (several rows of fp8 scale their activations too:
     test_batched_quantized_matmul_matches_the_cpu_reference)."""
-    from nanoinfer import quantized
-    from nanoinfer.gemv import linear
+    from nanoinfer.quant import quantized
+    from nanoinfer.backends.cuda.gemv import linear
 
     g = torch.Generator(device="cuda").manual_seed(n + k + rows)
     dense = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
@@ -590,7 +596,7 @@ def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, rows,
 @pytest.mark.parametrize("form", ["int8", "fp8"])
 @pytest.mark.parametrize("tokens", [2, 17, 256])
 def test_batched_quantized_matmul_matches_the_cpu_reference(form, tokens):
-    from nanoinfer import quantized
+    from nanoinfer.quant import quantized
 
     n, k = 3072, 1024
     g = torch.Generator().manual_seed(tokens)
@@ -609,10 +615,10 @@ def test_batched_quantized_matmul_matches_the_cpu_reference(form, tokens):
 @pytest.mark.parametrize("halves,reordered", [(True, False), (False, False), (False, True)],
                          ids=["fp16_scales", "fp32_scales", "act_order"])
 def test_int4_mm_matches_its_dequantized_reference(rows, n, k, group, halves, reordered):
-    """nanoinfer.gemv's 4-bit kernels (the GEMV at one row, the tensor-core GEMM past it)
+    """nanoinfer.backends.cuda.gemv's 4-bit kernels (the GEMV at one row, the tensor-core GEMM past it)
     against x @ dequantize(w).T in fp32, with fp16 or fp32 scales and reordered inputs."""
-    from nanoinfer import quantized
-    from nanoinfer.gemv import linear
+    from nanoinfer.quant import quantized
+    from nanoinfer.backends.cuda.gemv import linear
 
     g = torch.Generator().manual_seed(n + k + rows + group)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -642,7 +648,8 @@ def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tens
     leave a partial block; the residual), against the plain product put through the same ops."""
     import triton
 
-    from nanoinfer import gemv, quantized
+    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.quant import quantized
 
     g = torch.Generator().manual_seed(n + k + group)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -675,7 +682,7 @@ def test_quantized_batch1_path_is_as_close_to_its_weights_as_bf16(hf_and_ours, f
     weights dequantized in fp32, as close as the bf16 model is to fp32; CUDA graphs replay it
     exactly. (Token agreement with bf16 is no test here: this random model's quantization error
     alone moves its logits by 11% RMS for int8. Quality on a real model: bench/RESULTS.md.)"""
-    from nanoinfer import quantized
+    from nanoinfer.quant import quantized
     from nanoinfer.loaders.quantize import PROJECTIONS, quantize_params
 
     _, model = hf_and_ours
@@ -727,9 +734,9 @@ def test_quantized_engine_serves_mixed_batches(hf_and_ours, form):
 def test_rope_and_write_into_an_fp8_pool():
     """The fused kernel stores k and v into an e4m3 pool: what the bf16 kernel stores, rounded
     once more (within one e4m3 step), values past 448 saturated."""
-    from nanoinfer.kv_cache import FP8, to_kv
-    from nanoinfer.layers import rope_cos_sin, rope_inv_freq
-    from nanoinfer.rope_write import rope_and_write
+    from nanoinfer.model.kv_cache import FP8, to_kv
+    from nanoinfer.model.layers import rope_cos_sin, rope_inv_freq
+    from nanoinfer.backends.cuda.rope_write import rope_and_write
     from tests.tiny import tiny_config
 
     cfg = tiny_config(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=128, num_layers=1)
@@ -789,9 +796,9 @@ def test_speculative_decoding_on_cuda_agrees_up_to_near_ties(hf_and_ours, method
 def test_tensor_parallel_world_of_one_over_nccl():
     """The engine's tensor-parallel path on one GPU: NCCL world of one, the gloo control group,
     the batch broadcast, the sharded forward's collectives; its logits are the plain forward's."""
-    from nanoinfer.batch import SeqChunk, build_batch
-    from nanoinfer.kv_cache import allocate_kv_pool
-    from nanoinfer.model import EAGER, forward, map_params
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.model.kv_cache import allocate_kv_pool
+    from nanoinfer.model.decoder import EAGER, forward, map_params
     from runtime.executor.tensor_parallel import RankSetup, TensorParallelRanks
     from tests.tiny import random_params, tiny_config
 
@@ -893,7 +900,7 @@ def test_pinned_staging_copies_what_the_allocators_buffers_copy():
     """A step loop's PinnedStaging (its buffers reused in turn, each once its copy has run) against a fresh
     pinned buffer per copy: the same tensors, over more copies than it has buffers, queued behind slow work so
     that a buffer written again too early would corrupt an earlier copy."""
-    from nanoinfer.host_copy import PinnedStaging, to_device_packed
+    from nanoinfer.backends.host_copy import PinnedStaging, to_device_packed
 
     staging, rng = PinnedStaging(torch.device("cuda"), slots=3), torch.Generator().manual_seed(0)
     ours, fresh = [], []

@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 from pathlib import Path  # noqa: E402
 
 from nanoinfer.loaders import LoadedModel  # noqa: E402
-from nanoinfer.model import map_params  # noqa: E402
-from nanoinfer.sampling import SamplingParams  # noqa: E402
+from nanoinfer.model.decoder import map_params  # noqa: E402
+from nanoinfer.sampling.sampler import SamplingParams  # noqa: E402
 from tests.test_tensor_parallel import engine_outputs  # noqa: E402
 from tests.tiny import random_params, tiny_config  # noqa: E402
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.attention.reference import REFERENCE
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kv_cache import allocate_kv_pool
-from nanoinfer.model import EAGER, forward, map_params
-from nanoinfer.tensor_parallel import Shard, layer_functions, shard_config, shard_params
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.model.kv_cache import allocate_kv_pool
+from nanoinfer.model.decoder import EAGER, forward, map_params
+from nanoinfer.parallel.shards import Shard, layer_functions, shard_config, shard_params
 from tests.tiny import random_params, tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -25,7 +25,7 @@ BS = 16
 
 def _model(arch: str = "qwen3"):
     """Qwen3's q/k norms keep rope_write's kernel after QKV; llama's heads take RoPE and the KV
-    write in QKV's GEMV epilogue (nanoinfer.fused_layers.qkv_rope_and_write)."""
+    write in QKV's GEMV epilogue (nanoinfer.backends.cuda.fused_layers.qkv_rope_and_write)."""
     cfg = tiny_config(architecture=arch, qk_norm=arch == "qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64)
     return cfg, map_params(lambda t: t.to(torch.bfloat16), random_params(cfg, seed=7))
@@ -42,10 +42,10 @@ def _steps(cfg, params, kv, layer_fns, backend, device):
 
 
 def _rank(rank: int, size: int, init_file: str, results, arch: str) -> None:
-    from nanoinfer import fused_layers
-    from nanoinfer.gemv import linear
-    from nanoinfer.kernels import kernels_for
-    from nanoinfer.peer_sum import PeerLinks
+    from nanoinfer.backends.cuda import fused_layers
+    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.backends.choose import kernels_for
+    from nanoinfer.backends.cuda.peer_sum import PeerLinks
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -112,7 +112,7 @@ def test_fused_one_token_parts_under_two_ranks_add_each_residual_once(tmp_path, 
     for name in ("fused-eager", "kernels"):
         assert err[name] <= 1.5 * err["unfused"] + 1e-2, err
     assert torch.equal(runs["kernels"].argmax(-1), exact.argmax(-1)), err
-    # Sums over NVLink peer memory (nanoinfer.peer_sum): two bf16 partials added in fp32 and
+    # Sums over NVLink peer memory (nanoinfer.backends.cuda.peer_sum): two bf16 partials added in fp32 and
     # rounded once, as NCCL adds them, so the logits are NCCL's to the bit, on both ranks.
     for rank in (0, 1):
         assert np.array_equal(got[rank][1]["peer"], got[rank][1]["kernels"]), rank
@@ -125,11 +125,11 @@ def test_close_over_two_gpus_leaves_no_group_behind():
     so a second engine over two GPUs runs in the same process and gives the same tokens (this one
     with its KV pool sized by the profiling step, which failed on rank 0's vocabulary share). The first
     sums over peer memory, the second with NCCL (a second rendezvous in one process hung:
-    nanoinfer.peer_sum), as the third, asked to, does."""
+    nanoinfer.backends.cuda.peer_sum), as the third, asked to, does."""
     from pathlib import Path
 
     from nanoinfer.loaders import LoadedModel
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
 
@@ -137,7 +137,7 @@ def test_close_over_two_gpus_leaves_no_group_behind():
     model = LoadedModel(cfg, map_params(lambda t: t.cuda(), params), None, Path("tiny-tp"))
     outputs = []
     # (the second sizes its pool by profiling a step on rank 0's shard)
-    from nanoinfer.peer_sum import PeerLinks
+    from nanoinfer.backends.cuda.peer_sum import PeerLinks
 
     first = PeerLinks.first_in_process()  # (no earlier test of this process made the rendezvous)
     for extra, peer in ((dict(num_blocks=64), first), ({}, False), (dict(peer_sums=False), False)):

@@ -5,13 +5,13 @@ import pytest
 import torch
 import transformers
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import CheckpointError
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.hf import config_from_hf, load_hf_params, read_hf_config
-from nanoinfer.model import forward
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.model.decoder import forward
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.engine_core import EngineConfig, EngineCore
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanoinfer.penalties import apply_penalties
-from nanoinfer.sampling import SamplingParams, SamplingTensors
+from nanoinfer.sampling.penalties import apply_penalties
+from nanoinfer.sampling.sampler import SamplingParams, SamplingTensors
 from runtime.executor.input_batch import InputBatch
 from runtime.engine.sequence import Sequence
 

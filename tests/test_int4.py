@@ -12,15 +12,15 @@ import json
 import pytest
 import torch
 
-from nanoinfer import quantized
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.quant import quantized
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import CheckpointError, RequestError
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
 from nanoinfer.loaders.int4 import Int4Format, read_int4_matrix
 from nanoinfer.loaders.quantize import int4_groups, quantize_params
-from nanoinfer.model import forward
-from nanoinfer.quantized import GroupedWeight, Int4CudaWeight, Int8Weight
+from nanoinfer.model.decoder import forward
+from nanoinfer.quant.quantized import GroupedWeight, Int4CudaWeight, Int8Weight
 from tests.test_gguf_formats import hf_model
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]

@@ -1,4 +1,4 @@
-"""K-quants kept in their super-blocks (nanoinfer/kquants.py, cpu_native_kquants.h): the blocks read
+"""K-quants kept in their super-blocks (nanoinfer/quant/kquants.py, cpu_native_kquants.h): the blocks read
 as gguf-py reads them, the C matmul bit for bit its torch reference on every x86 tier, and whole
 layers of K-quant (and mixed) matrices the same through the one-call layer as piece by piece."""
 
@@ -11,12 +11,15 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from nanoinfer import cpu_layers, cpu_native, kquants, quantized
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kquants import KQuantWeight, StackedWeight
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.backends.cpu import cpu_layers
+from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.quant import kquants
+from nanoinfer.quant import quantized
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.quant.kquants import KQuantWeight, StackedWeight
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.params import kquant_form
-from nanoinfer.model import forward
+from nanoinfer.model.decoder import forward
 from tests.tiny import grouped, random_params, tiny_config
 from tools.kquant_quantize import quantize
 
@@ -141,7 +144,7 @@ def test_default_model_with_kquant_layers_keeps_the_dequantized_paths_logits(smo
     same weights dequantized to fp32. The packed path rounds activations to int8 (per 256 for
     K-quants, per 32 for groups), so the logits differ by a few parts in a hundred of their
     spread, not bit for bit; their argmaxes agree (each matmul is its reference's bits: above)."""
-    from nanoinfer.kernels import kernels_for
+    from nanoinfer.backends.choose import kernels_for
     from nanoinfer.loaders import load_model
 
     model = load_model(smollm2_gguf, device="cpu", progress=False)

@@ -1,4 +1,4 @@
-"""CUDA graphs captured on first use (nanoinfer/graphs.py, `cuda_graph_capture="lazy"`), emulated
+"""CUDA graphs captured on first use (nanoinfer/backends/cuda/graphs.py, `cuda_graph_capture="lazy"`), emulated
 on the CPU (tests/fake_cuda_graphs.py): at start only the largest mixed and decode buckets, each
 other bucket when a step first needs it, once; the engine's greedy tokens equal those of capturing
 every bucket at start and of no graphs; tensor-parallel ranks capture the buckets rank 0 does,
@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.graphs import StepGraphs
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.backends.cuda.graphs import StepGraphs
+from nanoinfer.sampling.sampler import SamplingParams
 from tests.tiny import random_params, tiny_config
 
 BS = 4  # tokens per block

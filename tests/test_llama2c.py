@@ -7,11 +7,11 @@ import struct
 import pytest
 import torch
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import CheckpointError
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
-from nanoinfer.model import forward
+from nanoinfer.model.decoder import forward
 
 DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, SEQ = 32, 48, 2, 4, 2, 300, 64
 HS = DIM // HEADS

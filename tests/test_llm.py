@@ -141,7 +141,7 @@ def test_dummy_load_format_needs_only_the_config_and_tokenizer(smollm2_gguf, tmp
 
     from nanoinfer import CheckpointError, RequestError
     from nanoinfer.loaders.gguf import open_gguf
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     config = transformers.Qwen3Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8).to_dict()

@@ -1,7 +1,7 @@
-"""nanochat checkpoints: the tokenizer (nanoinfer/nanochat_tokenizer.py: the pickled tiktoken
+"""nanochat checkpoints: the tokenizer (nanoinfer/text/nanochat_tokenizer.py: the pickled tiktoken
 encoding read by a restricted unpickler, crafted pickles refused without running,
 conversations rendered to the ids nanochat's render_conversation gives) and the model
-(nanoinfer/nanochat.py against the reference in tests/nanochat_files.py: logits, greedy
+(nanoinfer/model/nanochat.py against the reference in tests/nanochat_files.py: logits, greedy
 tokens through the engine, chat through LLM, bad checkpoints named)."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoinfer.errors import CheckpointError, RequestError
-from nanoinfer.nanochat_tokenizer import SPECIAL_TOKENS, nanochat_tokenizer
+from nanoinfer.text.nanochat_tokenizer import SPECIAL_TOKENS, nanochat_tokenizer
 from tests.nanochat_files import META, nanochat_state, prompt, reference_greedy, reference_logits, write_checkpoint
 
 
@@ -99,14 +99,14 @@ def test_crafted_pickles_are_refused_without_running(tmp_path, monkeypatch):
         nanochat_tokenizer(path)
 
 
-# -- the model (nanoinfer/nanochat.py, nanoinfer/loaders/nanochat.py) ---------------------------
+# -- the model (nanoinfer/model/nanochat.py, nanoinfer/loaders/nanochat_checkpoint.py) ---------------------------
 
 def test_nanochat_logits_equal_the_reference_implementation(tmp_path):
     """A whole prompt longer than the short window, through the paged forward in one step."""
-    from nanoinfer.batch import SeqChunk, build_batch
-    from nanoinfer.kv_cache import allocate_kv_pool
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.model.kv_cache import allocate_kv_pool
     from nanoinfer.loaders import load_model
-    from nanoinfer.kernels import forward_of
+    from nanoinfer.backends.choose import forward_of
 
     sd = nanochat_state()
     write_checkpoint(tmp_path / "base_checkpoints" / "d4", sd, compiled=True)
@@ -127,7 +127,7 @@ def test_nanochat_engine_greedy_equals_the_reference(tmp_path):
     token smears with a predecessor written by an earlier step), decode steps, a second
     request reusing the first's cached prefix blocks, and contexts past the short window."""
     from nanoinfer.loaders import load_model
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
 
@@ -172,7 +172,7 @@ def test_nanochat_chat_through_llm_and_the_server_from_a_nanochat_base_directory
     reference model does (the model id is the checkpoint directory's name); the server
     streams the same reply."""
     from nanoinfer import LLM
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     tiktoken = pytest.importorskip("tiktoken")
     ranks = {bytes([b]): b for b in range(256)}

@@ -4,9 +4,9 @@ logits of one uncached forward over the whole sequence."""
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kv_cache import allocate_kv_pool
-from nanoinfer.model import forward, forward_out_of_place
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.model.kv_cache import allocate_kv_pool
+from nanoinfer.model.decoder import forward, forward_out_of_place
 from tests.tiny import random_params, tiny_config
 
 CFG = tiny_config()

@@ -1,4 +1,4 @@
-"""nanoinfer.pdl decides where kernels launch early: CUDA on Hopper or later only, never in
+"""nanoinfer.backends.cuda.pdl decides where kernels launch early: CUDA on Hopper or later only, never in
 Triton's interpreter or with NANOINFER_PDL=0, and a launch asks for it exactly where its kernel
 waits. (Its effect on results, none: tests/test_gpu.py's
 `test_one_token_steps_launched_early_equal_those_launched_in_turn`.)"""
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from nanoinfer import pdl  # noqa: E402
+from nanoinfer.backends.cuda import pdl  # noqa: E402
 
 
 def test_kernels_launch_early_only_on_a_capable_gpu(monkeypatch):

@@ -1,4 +1,4 @@
-"""nanoinfer.peer_sum's kernels: projections that push their outputs into every rank's slot, then
+"""nanoinfer.backends.cuda.peer_sum's kernels: projections that push their outputs into every rank's slot, then
 a pull per rank, give each rank the sum of the ranks' products, step after step in alternating
 slots (whose words' flags alternate with each use).
 
@@ -16,8 +16,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from nanoinfer import gemv  # noqa: E402
-from nanoinfer.peer_sum import PeerLinks  # noqa: E402
+from nanoinfer.backends.cuda import gemv  # noqa: E402
+from nanoinfer.backends.cuda.peer_sum import PeerLinks  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the kernels need CUDA")
@@ -98,7 +98,7 @@ def test_a_pull_waits_for_every_word_of_every_rank(one_config):
 def test_a_process_connects_peer_sums_once(monkeypatch):
     """A second rendezvous in one process hung (torch counts its exchanges per process, and an
     engine's ranks are new processes): once one was made, `connect` refuses at once, naming why."""
-    from nanoinfer import peer_sum
+    from nanoinfer.backends.cuda import peer_sum
 
     links = PeerLinks(0, 2, 64, torch.bfloat16, torch.device(DEVICE))
     monkeypatch.setitem(peer_sum._RENDEZVOUS, "made", False)

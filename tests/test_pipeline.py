@@ -5,12 +5,12 @@ pool's layers."""
 import pytest
 import torch
 
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.kv_cache import allocate_kv_pool
-from nanoinfer.model import forward
-from nanoinfer.pipeline import Stage, stage_config, stage_layers, stage_params
-from nanoinfer.tensor_parallel import shard_config, shard_params
+from nanoinfer.model.kv_cache import allocate_kv_pool
+from nanoinfer.model.decoder import forward
+from nanoinfer.parallel.pipeline import Stage, stage_config, stage_layers, stage_params
+from nanoinfer.parallel.shards import shard_config, shard_params
 from tests.tiny import random_params, tiny_config
 
 
@@ -104,7 +104,7 @@ def _mixed_batch(logits_rows=None):
 def test_micro_batches_run_one_after_another_are_the_whole_step(parts, logits_rows):
     """Split, run micro-batch by micro-batch on one pool and put back in order: the whole
     step's logits and KV pool (to fp32 rounding), whatever the logits rows' order (prompt logprobs ask for many)."""
-    from nanoinfer.pipeline import split_batch
+    from nanoinfer.parallel.pipeline import split_batch
 
     cfg = tiny_config(num_layers=2)
     params = random_params(cfg, seed=7)
@@ -126,7 +126,7 @@ def test_micro_batches_run_one_after_another_are_the_whole_step(parts, logits_ro
 
 def test_micro_batches_share_tokens_evenly_by_whole_sequences():
     """A long prefill chunk stands alone; the host's copies of the index tensors cut alike."""
-    from nanoinfer.pipeline import split_batch
+    from nanoinfer.parallel.pipeline import split_batch
 
     batch = _mixed_batch()
     assert [b.num_seqs for b in split_batch(batch, 2).batches] == [1, 3]
@@ -139,7 +139,7 @@ def test_micro_batches_share_tokens_evenly_by_whole_sequences():
 def test_one_micro_batch_is_the_step_itself():
     """Cut into one part (or a step of one sequence), the micro-batch is the step's own Batch:
     no index tensors copied (rank 0's host pays each copy every step)."""
-    from nanoinfer.pipeline import split_batch
+    from nanoinfer.parallel.pipeline import split_batch
 
     batch = _mixed_batch([9, 0, 3, 6, 11, 7])
     micro = split_batch(batch, 1, batch.query_start_loc.tolist(), batch.logits_indices.tolist())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from tests.test_tensor_parallel import engine_outputs, running
 from tests.test_tp_ranks import (  # noqa: F401 - (a fixture)
     BOUND,
@@ -63,7 +63,7 @@ def test_stages_replaying_graphs_emit_what_one_rank_does(model, monkeypatch, tmp
     """Each stage's CUDA graphs (one per padded micro-batch size: the first stage's of tokens,
     a middle one's and the last one's of the activations they receive), emulated on the CPU
     (tests/fake_cuda_graphs.py), with the sends and receives between replays: one rank's
-    tokens, through forks, and every rank replays; each captures on first use (nanoinfer/graphs.py)
+    tokens, through forks, and every rank replays; each captures on first use (nanoinfer/backends/cuda/graphs.py)
     the buckets of the same micro-batches, in the same order."""
     import json
 
@@ -99,11 +99,11 @@ def test_a_stages_graphs_replay_its_forward_and_write_only_the_batch_slots(model
     batch's slots alike and nowhere else, padding rows included."""
     import torch
 
-    from nanoinfer.batch import SeqChunk, build_batch
-    from nanoinfer.graphs import GraphSizes
-    from nanoinfer.kv_cache import allocate_kv_pool
-    from nanoinfer.model import forward
-    from nanoinfer.pipeline import Stage, stage_config, stage_params
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.backends.cuda.graphs import GraphSizes
+    from nanoinfer.model.kv_cache import allocate_kv_pool
+    from nanoinfer.model.decoder import forward
+    from nanoinfer.parallel.pipeline import Stage, stage_config, stage_params
     from runtime.executor import tensor_parallel
     from runtime.executor.pipeline_parallel import capture_stage, graph_or_eager
     from tests import fake_cuda_graphs
@@ -338,7 +338,7 @@ def test_a_stage_that_fails_at_close_is_reported_and_close_returns(failing_rank,
     core = engine()
     assert greedy(core) == one_rank
     begun = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="nanoinfer.tensor_parallel"):
+    with caplog.at_level(logging.ERROR, logger="nanoinfer.parallel.shards"):
         core.close()
     assert time.monotonic() - begun < BOUND
     (report,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -388,7 +388,7 @@ def test_the_default_path_runs_no_pipeline_code():
     """One rank: neither the stages' module nor the split is imported."""
     code = ("import sys; from pathlib import Path; from tests.tiny import random_params, tiny_config; "
             "from nanoinfer.loaders import LoadedModel; from runtime.llm import LLM; "
-            "from nanoinfer.sampling import SamplingParams; cfg = tiny_config(num_layers=4); "
+            "from nanoinfer.sampling.sampler import SamplingParams; cfg = tiny_config(num_layers=4); "
             "llm = LLM.from_loaded(LoadedModel(cfg, random_params(cfg), None, Path('tiny')), num_blocks=16, "
             "block_size=4); "
             "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False); "
@@ -406,7 +406,7 @@ def _order_rank(rank: int, init_file: str, results, transport: str, ring) -> Non
     import torch
     import torch.distributed as dist
 
-    from nanoinfer.batch import SeqChunk, build_batch
+    from nanoinfer.model.batch import SeqChunk, build_batch
     from runtime.executor.control_channel import ChannelReader, ChannelWriter
     from runtime.executor.tensor_parallel import (
         SLOT_SIZE,
@@ -481,7 +481,7 @@ def test_the_profiling_step_samples_on_the_first_stage(monkeypatch):
     the pool it sized left no room for the first big sampled step."""
     from nanoinfer.attention.reference import REFERENCE
     from nanoinfer.loaders import LoadedModel
-    from nanoinfer.pipeline import Stage, stage_config, stage_params
+    from nanoinfer.parallel.pipeline import Stage, stage_config, stage_params
     from runtime.async_engine import engine_config
     from runtime.executor import kv_budget
 

@@ -11,17 +11,18 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from nanoinfer import cpu_native, quantized
-from nanoinfer.batch import SeqChunk, build_batch
+from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.quant import quantized
+from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
 from nanoinfer.loaders.gguf import grouped_weight
-from nanoinfer.kquants import KQuantWeight
-from nanoinfer.model import EAGER, LayerFunctions, forward
-from nanoinfer.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
-from nanoinfer.rope_write_cpu import qkv_rope_and_write, rope_tables
+from nanoinfer.quant.kquants import KQuantWeight
+from nanoinfer.model.decoder import EAGER, LayerFunctions, forward
+from nanoinfer.quant.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
+from nanoinfer.backends.cpu.rope_write_cpu import qkv_rope_and_write, rope_tables
 from tests.test_gguf_formats import K_QUANTS, hf_model, kquant_encode, make_kquant_representable, write_gguf
 from tests.tiny import random_params, tiny_config
 
@@ -172,7 +173,7 @@ def test_a_quantized_gguf_runs_packed_on_the_cpu_unless_a_dtype_is_asked_for(smo
     assert exact.quantization == "none" and isinstance(exact.params.layers[0].qkv_proj, torch.Tensor)
     from nanoinfer.loaders import _resolve_quantization
 
-    # On CUDA a GGUF stays packed when asked (its 4-bit matrices in nanoinfer.gemv's int4 kernels); auto dequantizes.
+    # On CUDA a GGUF stays packed when asked (its 4-bit matrices in nanoinfer.backends.cuda.gemv's int4 kernels); auto dequantizes.
     assert _resolve_quantization("gguf", torch.device("cuda"), gguf=True, quantized_file=True) == "gguf"
     assert _resolve_quantization("auto", torch.device("cuda"), gguf=True, quantized_file=True) == "none"
 

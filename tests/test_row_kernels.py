@@ -1,5 +1,5 @@
-"""nanoinfer.row_kernels (RMSNorm, residual add + RMSNorm, SiLU · up) and the many-token layer
-parts made of them (nanoinfer.batched_layers) against the eager functions they replace.
+"""nanoinfer.backends.cuda.row_kernels (RMSNorm, residual add + RMSNorm, SiLU · up) and the many-token layer
+parts made of them (nanoinfer.backends.cuda.batched_layers) against the eager functions they replace.
 
 Needs CUDA and Triton; skipped cleanly without them. With TRITON_INTERPRET=1 the kernels run on
 CPU tensors in Triton's interpreter: `TRITON_INTERPRET=1 python -m pytest tests/test_row_kernels.py`.
@@ -20,9 +20,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from nanoinfer import batched_layers, model, quantized, row_kernels  # noqa: E402
-from nanoinfer.config import ModelConfig  # noqa: E402
-from nanoinfer.layers import rms_norm, swiglu  # noqa: E402
+from nanoinfer.backends.cuda import batched_layers  # noqa: E402
+from nanoinfer.model import decoder as model
+from nanoinfer.quant import quantized
+from nanoinfer.backends.cuda import row_kernels
+from nanoinfer.model.config import ModelConfig  # noqa: E402
+from nanoinfer.model.layers import rms_norm, swiglu  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the row kernels need CUDA")
@@ -107,7 +110,7 @@ def test_quantize_rows_fp8_gives_the_reference_values(dtype, tokens, width):
 
 def test_the_widest_row_and_strided_rows():
     """A hidden size of 8,192 in one block; rows that are a wider tensor's columns (as
-    nanoinfer.model's parts may hand over a slice)."""
+    nanoinfer.model.decoder's parts may hand over a slice)."""
     x, w = randn(3, 8192, dtype=torch.bfloat16, seed=0, scale=2), gain(8192, torch.bfloat16, 1)
     close(row_kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
     wide = randn(5, 1200, dtype=torch.float16, seed=2)
@@ -171,15 +174,15 @@ def test_batched_layer_parts_match_the_eager_parts(dtype, tokens, hidden, inter,
     assert sums == [(tokens, hidden)] * 4  # (two per part: after o_proj and after down_proj)
 
 
-# A forward of CUDA's layer parts (nanoinfer.kernels.cuda_layer_functions) beside the eager parts, both
+# A forward of CUDA's layer parts (nanoinfer.backends.choose.cuda_layer_functions) beside the eager parts, both
 # with the reference attention (the interpreter's bf16 tl.dot is no oracle), in a process of its own:
 # what it imported is what a start's layers would.
 FORWARD = """
 import json, sys, torch
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kernels import cuda_layer_functions
-from nanoinfer.kv_cache import allocate_kv_pool
-from nanoinfer.model import EAGER, forward, map_params
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.backends.choose import cuda_layer_functions
+from nanoinfer.model.kv_cache import allocate_kv_pool
+from nanoinfer.model.decoder import EAGER, forward, map_params
 from tests.tiny import random_params, tiny_config
 
 device, dtype = sys.argv[1], getattr(torch, sys.argv[2])

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nanoinfer.errors import RequestError
-from nanoinfer.draw import apply_top_k_top_p, exponential_race, uniform_noise, uniform_noise_from_bits
-from nanoinfer.sampling import SamplingParams, SamplingTensors, greedy_and_finite, sample
+from nanoinfer.sampling.draw import apply_top_k_top_p, exponential_race, uniform_noise, uniform_noise_from_bits
+from nanoinfer.sampling.sampler import SamplingParams, SamplingTensors, greedy_and_finite, sample
 
 V = 12
 PROBS = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003])
@@ -104,8 +104,8 @@ def test_mixed_rows_in_one_batch_follow_their_own_params():
 
 
 def test_a_step_without_greedy_rows_is_the_draw_alone_and_computes_no_argmax(monkeypatch):
-    import nanoinfer.sampling as sampling
-    from nanoinfer.draw import processed_probs, random_draw
+    import nanoinfer.sampling.sampler as sampling
+    from nanoinfer.sampling.draw import processed_probs, random_draw
 
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
     sampled = [SamplingParams(temperature=0.7, seed=s) for s in range(6)]
@@ -280,7 +280,7 @@ def test_float32_range_helper():
 
 
 def test_logprobs_in_slices_equal_logprobs_at_once():
-    from nanoinfer.sampling import compute_logprobs
+    from nanoinfer.sampling.sampler import compute_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 500, generator=g) * 3

@@ -13,7 +13,7 @@ import transformers
 
 from nanoinfer import CheckpointError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadConfig, load_model
-from nanoinfer.sampling_defaults import from_gguf
+from nanoinfer.sampling.sampling_defaults import from_gguf
 from runtime.llm import LLM
 
 PROMPT = [5, 9, 13, 2, 7]
@@ -37,7 +37,7 @@ def llm(path, **kw):
 
 
 def test_the_checkpoints_recommendation_is_the_default(tiny_dir, caplog):
-    caplog.set_level("INFO", logger="nanoinfer.sampling_defaults")
+    caplog.set_level("INFO", logger="nanoinfer.sampling.sampling_defaults")
     with llm(tiny_dir) as engine:
         assert "recommended sampling settings {'temperature': 0.6" in caplog.text  # (said once, at load)
         assert dict(engine.model.sampling_defaults) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.block_manager import BlockManager
 from runtime.config import SchedulerConfig
 from runtime.engine.policy import WaitingQueue, plan, rank

@@ -13,9 +13,9 @@ import torch
 from nanoinfer import SamplingParams
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.ngram import propose_ngram
-from nanoinfer.sampling import SamplingTensors
-from nanoinfer.speculative import draft_sample, target_distribution, verify
+from nanoinfer.sampling.ngram import propose_ngram
+from nanoinfer.sampling.sampler import SamplingTensors
+from nanoinfer.sampling.rejection import draft_sample, target_distribution, verify
 from runtime.async_engine import engine_config
 from runtime.engine.engine_core import EngineCore
 from tests.tiny import random_params, tiny_config
@@ -408,7 +408,7 @@ def test_first_emitted_token_follows_the_target(proposal, top_k):
 
 def test_bonus_token_is_the_plain_samplers_draw():
     """A row without a draft draws exactly what the sampler draws at that (seed, step)."""
-    from nanoinfer.sampling import sample
+    from nanoinfer.sampling.sampler import sample
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(50, VOCAB, generator=g)

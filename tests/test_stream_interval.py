@@ -7,7 +7,7 @@ import httpx
 import msgspec
 import pytest
 
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.outputs import Progress
 from runtime.engine.request_state import RequestState
 from runtime.serve.config import ServerConfig

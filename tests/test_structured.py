@@ -1,4 +1,4 @@
-"""Structured output's machinery (nanoinfer/structured.py) over the default model's vocabulary:
+"""Structured output's machinery (nanoinfer/structured/grammars.py) over the default model's vocabulary:
 50 generated JSON schemas, each constraining random logits to a document that parses and
 validates (jsonschema); regex and choice; the device-side mask against a reference; bad
 grammars named."""
@@ -13,7 +13,7 @@ import torch
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoinfer.errors import RequestError  # noqa: E402
-from nanoinfer.structured import (Constraint, GrammarSpec, allocate_bitmask, apply_bitmask,  # noqa: E402
+from nanoinfer.structured.grammars import (Constraint, GrammarSpec, allocate_bitmask, apply_bitmask,  # noqa: E402
                                   grammar_tokenizer)
 
 
@@ -21,7 +21,7 @@ from nanoinfer.structured import (Constraint, GrammarSpec, allocate_bitmask, app
 def vocab(smollm2_gguf):
     """(our tokenizer, llguidance's view of it, the model's vocabulary size)."""
     from nanoinfer.loaders.gguf import open_gguf
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
     size = tokenizer.vocab_size
@@ -138,7 +138,7 @@ def test_bad_grammars_are_named(vocab):
 def test_parallel_fill_with_drafts_equals_one_row_at_a_time(vocab):
     """`Grammars.fill` (llguidance's threads, drafts included) against `Constraint.fill` per row:
     the same masks, the matchers where they were."""
-    from nanoinfer.structured import Grammars
+    from nanoinfer.structured.grammars import Grammars
 
     tokenizer, _, size = vocab
     grammars = Grammars(tokenizer, size)
@@ -169,8 +169,8 @@ def test_fill_in_rounds_over_several_lexers_equals_one_row_at_a_time(vocab, monk
     share its lexer: filled in rounds, one row per lexer): step after step, over random token
     streams the grammars allow, its masks (`fill`) and verdicts (`consume`) are those of a
     Constraint per sequence filled and fed one row at a time."""
-    from nanoinfer import structured
-    from nanoinfer.structured import Grammars, in_rounds, unpack_bitmask
+    from nanoinfer.structured import grammars as structured
+    from nanoinfer.structured.grammars import Grammars, in_rounds, unpack_bitmask
 
     tokenizer, lltok, size = vocab
     monkeypatch.setattr(structured, "LEXER_COMPILE_S", 60.0)  # (however slowly this machine compiles)
@@ -221,7 +221,7 @@ def test_fill_in_rounds_over_several_lexers_equals_one_row_at_a_time(vocab, monk
 def test_a_spec_gets_compilations_by_threads_size_and_compile_time():
     """Two per fill thread by default (one on one thread), fewer for a large grammar (each takes
     ~40x its text) or a slow one (the engine thread waits for each)."""
-    from nanoinfer.structured import LEXER_BYTES, LEXER_COMPILE_S, Grammars
+    from nanoinfer.structured.grammars import LEXER_BYTES, LEXER_COMPILE_S, Grammars
 
     small, large = GrammarSpec("regex", "[a-z]+"), GrammarSpec("regex", "a" * (LEXER_BYTES // 40 // 3))
     assert Grammars(None, 100, threads=1).lexers_for(small) == 1
@@ -234,8 +234,8 @@ def test_a_spec_gets_compilations_by_threads_size_and_compile_time():
 def test_bounds_are_checked_before_anything_native():
     """A grammar's size, rules, $refs and choices are bounded in Python, the bound named with
     the field the client sent (llguidance's compiler recursed once per nested rule or $ref, and
-    overflowed its stack on a few thousand: see nanoinfer/structured.py)."""
-    from nanoinfer import structured
+    overflowed its stack on a few thousand: see nanoinfer/structured/grammars.py)."""
+    from nanoinfer.structured import grammars as structured
 
     chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(structured.MAX_GRAMMAR_RULES)) + '\nr_end: "x"'
     with pytest.raises(RequestError, match=r"defines 10,00\d rules: expected at most 10,000") as e:
@@ -258,7 +258,7 @@ def test_bounds_are_checked_before_anything_native():
 def test_grammars_compile_once_and_name_the_field(vocab):
     """Grammars compiles on its own thread, once per spec (a refusal too), and names the field
     the spec came from; a language with no string is refused when compiled."""
-    from nanoinfer.structured import Grammars
+    from nanoinfer.structured.grammars import Grammars
 
     tokenizer, _, size = vocab
     grammars = Grammars(tokenizer, size)
@@ -292,7 +292,7 @@ def test_grammars_compile_once_and_name_the_field(vocab):
     ('start: %json {"type": "object"}', None),
 ])
 def test_lark_grammars_whose_start_derives_no_string(grammar, unproductive):
-    from nanoinfer.lark_check import unproductive_start
+    from nanoinfer.structured.lark_check import unproductive_start
 
     assert unproductive_start(grammar) == unproductive
 
@@ -300,7 +300,7 @@ def test_lark_grammars_whose_start_derives_no_string(grammar, unproductive):
 def test_the_compiled_grammars_kept_are_bounded_by_their_text(vocab):
     """A Grammars keeps compiled grammars up to `cache_bytes` of spec text (one compiled takes
     ~40x its text); one dropped is compiled again when a sequence needs it."""
-    from nanoinfer.structured import Grammars
+    from nanoinfer.structured.grammars import Grammars
 
     tokenizer, _, size = vocab
     grammars = Grammars(tokenizer, size, cache_bytes=20)

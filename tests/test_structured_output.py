@@ -15,8 +15,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from nanoinfer import SamplingParams  # noqa: E402
 from nanoinfer.errors import RequestError  # noqa: E402
-from nanoinfer.sampling import greedy_and_finite  # noqa: E402
-from nanoinfer.structured import GrammarSpec, Grammars, allocate_bitmask, unpack_bitmask  # noqa: E402
+from nanoinfer.sampling.sampler import greedy_and_finite  # noqa: E402
+from nanoinfer.structured.grammars import GrammarSpec, Grammars, allocate_bitmask, unpack_bitmask  # noqa: E402
 from runtime.async_engine import engine_config  # noqa: E402
 from runtime.engine.engine_core import EngineCore  # noqa: E402
 from runtime.executor.model_runner import ForwardOutput  # noqa: E402
@@ -194,7 +194,7 @@ def test_draft_model_verification_keeps_the_grammar(tiny_chat_model):
 def test_a_grammar_that_goes_wrong_fails_its_request_alone(tiny_chat_model, monkeypatch, async_scheduling):
     """A mask that let a token through which the grammar then refuses (here: masks broken on
     purpose) fails that request with its reason; the others finish."""
-    from nanoinfer import structured
+    from nanoinfer.structured import grammars as structured
 
     def allow_all(self, rows, bitmask, **kwargs):
         for _, row, _ in rows:
@@ -313,7 +313,7 @@ def test_vllm_extensions_on_completions(client):
 def test_a_mask_that_cannot_be_computed_fails_its_request_alone(tiny_chat_model, monkeypatch, async_scheduling):
     """llguidance failing on one grammar (here: on purpose, at its third mask): that request
     fails, the others finish."""
-    from nanoinfer import structured
+    from nanoinfer.structured import grammars as structured
 
     real, calls = structured.Grammars.fill, []
 
@@ -364,7 +364,7 @@ def test_mixed_constrained_batches_are_the_same_with_async_scheduling(tiny_chat_
     """Constrained steps overlap the next step's forward (their grammars fed meanwhile): every
     token, finish reason and error is as in the synchronous loop. One grammar's masks break
     after its third (all allowed): the token it then refuses fails that request alone."""
-    from nanoinfer import structured
+    from nanoinfer.structured import grammars as structured
 
     fill, fills = structured.Grammars.fill, {}
 
@@ -394,7 +394,7 @@ def test_mixed_constrained_batches_are_the_same_with_async_scheduling(tiny_chat_
 def test_a_constrained_step_is_planned_before_the_step_before_it_resolves(tiny_chat_model, monkeypatch):
     """Async scheduling with a grammar: step N+1 is planned and its forward launched while step
     N's token is still in flight; its mask is filled only after the grammar consumed that token."""
-    from nanoinfer import structured
+    from nanoinfer.structured import grammars as structured
 
     core = EngineCore(tiny_chat_model, engine_config(block_size=16, num_blocks=64, async_scheduling=True))
     seq = core.add_request(prompts(tiny_chat_model, 1, seed=7)[0],
@@ -426,7 +426,7 @@ def test_masks_are_filled_while_the_next_step_is_planned(tiny_chat_model, monkey
     """Async scheduling: a constrained step's masks are filled on a thread of their own while
     the engine thread plans the next step (its sampling queued by the next launch). Each fill
     here waits for that plan: filled on the engine thread, it would wait in vain."""
-    from nanoinfer import structured
+    from nanoinfer.structured import grammars as structured
 
     core = EngineCore(tiny_chat_model, engine_config(block_size=16, num_blocks=64, async_scheduling=True))
     seq = core.add_request(prompts(tiny_chat_model, 1, seed=7)[0],

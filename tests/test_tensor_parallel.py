@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.attention.reference import REFERENCE
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kernels import kernels_for
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.backends.choose import kernels_for
 from nanoinfer.errors import RequestError
-from nanoinfer.kv_cache import allocate_kv_pool
+from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders.quantize import PROJECTIONS, quantize_params
-from nanoinfer.model import EAGER, forward
-from nanoinfer.quantized import BlockWeight, dequantize
-from nanoinfer.tensor_parallel import Shard, all_reduce, layer_functions, shard_config, shard_params
+from nanoinfer.model.decoder import EAGER, forward
+from nanoinfer.quant.quantized import BlockWeight, dequantize
+from nanoinfer.parallel.shards import Shard, all_reduce, layer_functions, shard_config, shard_params
 from tests.tiny import grouped, random_params, tiny_config
 
 CASES = {
@@ -176,7 +176,7 @@ def test_what_cannot_be_split_is_named():
 def test_quantized_groups_are_not_cut():
     """A rank's columns of o_proj (2 heads of 8) would split GGUF groups of 32: named; a form
     that cannot be split at all, too."""
-    from nanoinfer.quantized import Int4Weight
+    from nanoinfer.quant.quantized import Int4Weight
 
     cfg = tiny_config()
     params = random_params(cfg)
@@ -197,7 +197,7 @@ def test_quantized_groups_are_not_cut():
     (8, 2, 4, [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]),
 ])
 def test_rank_heads(heads, kv, size, expected):
-    from nanoinfer.tensor_parallel import rank_heads
+    from nanoinfer.parallel.shards import rank_heads
 
     cfg = tiny_config(num_heads=heads, num_kv_heads=kv)
     assert [rank_heads(cfg, r, size) for r in range(size)] == expected
@@ -219,7 +219,7 @@ def test_cuda_int4_matrices_split_through_their_groups():
     """CUDA's 4-bit words (Int4CudaWeight: `quantization="int4"`, AWQ, GPTQ) are split through
     their exact groups: each rank's part, dequantized, is the slice of the whole's; an act-order
     one is named. (Built on the CPU: the packing is the same.)"""
-    from nanoinfer.quantized import Int4CudaWeight
+    from nanoinfer.quant.quantized import Int4CudaWeight
 
     cfg = tiny_config(**CASES["llama-int8"])  # (heads and units spanning whole groups of 32)
     params = random_params(cfg, seed=5)
@@ -324,7 +324,7 @@ def test_engine_over_two_ranks_emits_what_one_rank_does(case):
     and, in a pool too small for the batch, preemption by swap (block swaps on every rank) or
     by recompute; and with speculative decoding by a draft model (which runs whole on rank 0)."""
     from nanoinfer.loaders import LoadedModel
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72)
     model = LoadedModel(cfg, random_params(cfg, seed=3), None, Path("tiny"))
@@ -376,7 +376,7 @@ def test_default_model_generates_the_same_text_over_two_ranks(smollm2_gguf, dtyp
     fp32; with its Q4_1 matrices packed for the CPU's fused layers (the default), parting from
     it only at a near-tie."""
     from nanoinfer import LLM
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     runs = []
@@ -409,7 +409,7 @@ def test_default_model_packed_over_two_ranks_gives_its_own_bits_in_any_batch(smo
     the same tokens and logprobs for a prompt batched with others, alone from the prefix cache,
     or prefilled in chunks of 7."""
     from nanoinfer import LLM
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
 
     prompts = ["The capital of France is", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
                "Names: Alice, Bob, Carol, Dave, Erin, Frank, Grace, Heidi, Ivan, Judy. Their initials: A, B,"]
@@ -453,7 +453,7 @@ def tiny_split_model():
 
 
 def test_a_lost_rank_fails_the_engine_with_a_clear_error():
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
     from runtime.engine.faults import EngineDead
@@ -618,7 +618,7 @@ def test_every_ranks_kv_pool_fits_the_budget():
     heads the ranks do not divide (the default model's 3 over 2 ranks: 1 + 2), rank 0 holds
     the fewest: blocks counted at its bytes gave rank 1 a pool of twice the budget (on a GPU,
     more memory than it has), and twice the swap space."""
-    from nanoinfer.kv_cache import kv_bytes_per_block
+    from nanoinfer.model.kv_cache import kv_bytes_per_block
     from runtime.async_engine import engine_config
     from runtime.engine.engine_core import EngineCore
 
@@ -656,7 +656,7 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
     from runtime.executor import tensor_parallel
     from runtime.executor.tensor_parallel import Grid, lead_peer_links
 
-    class Links:  # (nanoinfer.peer_sum.PeerLinks' part that the choice reads: no GPU, no Triton)
+    class Links:  # (nanoinfer.backends.cuda.peer_sum.PeerLinks' part that the choice reads: no GPU, no Triton)
         made = False
 
         def first_in_process(self):
@@ -671,7 +671,7 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
     assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # (torchrun's ranks: on this host only with its LOCAL_WORLD_SIZE)
-    with caplog.at_level("WARNING", logger="nanoinfer.tensor_parallel"):
+    with caplog.at_level("WARNING", logger="nanoinfer.parallel.shards"):
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.loaders.gguf import open_gguf
-from nanoinfer.tokenizer import Tokenizer
+from nanoinfer.text.tokenizer import Tokenizer
 
 # ---- text strategies -------------------------------------------------------------------------
 
@@ -381,7 +381,7 @@ def test_corrupt_tokenizer_config(saved_dir: Path, tmp_path: Path) -> None:
 def test_the_hf_tokenizer_reader_imports_no_loader() -> None:
     """tokenizer_hf reads its JSON files through nanoinfer/json_files.py, a leaf module: the
     tokenizer does not depend on the loaders package (torch, the hub, the settings)."""
-    code = "import sys, nanoinfer.tokenizer_hf; print([m for m in sys.modules if m.startswith('nanoinfer.loaders')])"
+    code = "import sys, nanoinfer.text.tokenizer_hf; print([m for m in sys.modules if m.startswith('nanoinfer.loaders')])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr

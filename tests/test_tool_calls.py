@@ -133,7 +133,7 @@ def test_template_styles():
 
 
 def test_a_template_that_renders_tools_gets_them(smollm2_gguf):
-    from nanoinfer.chat_template import render_chat_template
+    from nanoinfer.text.chat_template import render_chat_template
 
     setup = tool_setup(TOOLS, "auto", CONVERSATION, TOOL_TEMPLATE)
     assert setup.messages == CONVERSATION and setup.template_kwargs == {"tools": TOOLS} and setup.grammar is None

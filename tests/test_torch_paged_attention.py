@@ -7,9 +7,9 @@ from hypothesis import given, settings, strategies as st
 
 from nanoinfer.attention.reference import REFERENCE, ReferenceAttention, query_tile_rows
 from nanoinfer.attention.torch_paged import TorchPagedAttention
-from nanoinfer.batch import SeqChunk, build_batch
-from nanoinfer.kv_cache import allocate_kv_pool
-from nanoinfer.model import forward
+from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.model.kv_cache import allocate_kv_pool
+from nanoinfer.model.decoder import forward
 from tests.tiny import random_params, tiny_config
 
 

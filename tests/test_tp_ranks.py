@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from tests.test_tensor_parallel import running, tiny_split_model
 
 ROOT = Path(__file__).parent.parent
@@ -29,7 +29,7 @@ def user_script(model_import: str, config: str, prompts: list[list[int]], max_to
     greedy tokens of `prompts` and the ranks' pids printed as JSON."""
     return f"""
 import json
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.async_engine import engine_config
 from runtime.engine.engine_core import EngineCore
 {model_import}
@@ -202,7 +202,7 @@ def test_a_rank_that_fails_at_close_is_reported_and_close_returns(failing_rank, 
     core = engine(2)
     assert greedy(core) == one_rank
     begun = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="nanoinfer.tensor_parallel"):
+    with caplog.at_level(logging.ERROR, logger="nanoinfer.parallel.shards"):
         core.close()
     assert time.monotonic() - begun < BOUND
     (report,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

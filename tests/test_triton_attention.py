@@ -19,8 +19,8 @@ triton = pytest.importorskip("triton")
 
 from nanoinfer.attention.reference import ReferenceAttention  # noqa: E402
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
-from nanoinfer.batch import Batch  # noqa: E402
-from nanoinfer.config import ModelConfig  # noqa: E402
+from nanoinfer.model.batch import Batch  # noqa: E402
+from nanoinfer.model.config import ModelConfig  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the Triton backend needs CUDA")
@@ -181,7 +181,7 @@ def test_few_sequences_decode_in_fine_partitions(contexts, head_dim, group):
 def test_few_sequences_decode_in_fine_partitions_over_an_fp8_pool(contexts, head_dim):
     """The same over an e4m3 pool with a GQA group of 4 (the tensor-core kernel's fp8 loads;
     groups of 1 and 2 take triton_decode_cc's kernel, which keeps coarse partitions)."""
-    from nanoinfer.kv_cache import FP8, to_kv
+    from nanoinfer.model.kv_cache import FP8, to_kv
 
     cfg = make_cfg(8, 4, head_dim)
     seed = seed_of(sum(contexts), head_dim, "fp8")
@@ -228,7 +228,7 @@ def test_fp8_pool_write_then_attend(group, head_dim, dtype):
     """An e4m3 pool (kv_cache_dtype="fp8"): stores round and saturate as the torch path's do
     (bitwise), and attention over the pool matches the fp32 reference over the same values
     (e4m3 widens exactly to bf16/fp16), split, unsplit and prefill alike."""
-    from nanoinfer.kv_cache import FP8, to_kv
+    from nanoinfer.model.kv_cache import FP8, to_kv
 
     cfg = make_cfg(2, group, head_dim)
     for split_tokens, large in ((256, False), (256, True), (0, False)):
@@ -254,7 +254,7 @@ def test_fp8_decode_on_cuda_cores(group, head_dim, num_seqs, window, dtype, monk
     kernel: against the fp32 reference over the same e4m3 values, split into partitions
     (few sequences) and not, with and without a window."""
     from nanoinfer.attention import triton_decode_cc
-    from nanoinfer.kv_cache import FP8, to_kv
+    from nanoinfer.model.kv_cache import FP8, to_kv
 
     calls = []
     kernel = triton_decode_cc.decode_attention

@@ -1,8 +1,8 @@
-"""Triton's set-up begun on a thread (nanoinfer/triton_setup.py): it ends, and leaves the key Triton would compute."""
+"""Triton's set-up begun on a thread (nanoinfer/backends/cuda/triton_setup.py): it ends, and leaves the key Triton would compute."""
 
 import pytest
 
-from nanoinfer import triton_setup
+from nanoinfer.backends.cuda import triton_setup
 
 
 def test_the_setup_thread_ends_and_caches_tritons_own_key():

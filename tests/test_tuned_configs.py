@@ -1,4 +1,4 @@
-"""Shipped Triton tuning choices (nanoinfer.tuned_configs): the GEMV autotuners' prune hook takes
+"""Shipped Triton tuning choices (nanoinfer.backends.cuda.tuned_configs): the GEMV autotuners' prune hook takes
 the shipped config for a known key and leaves every config to tuning otherwise; tables round-trip
 from an Autotuner's cache through the file; a malformed file is an error naming it. CPU only:
 the hook is called as Triton's Autotuner calls it, with stand-in configs and tensors."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoinfer import tuned_configs
+from nanoinfer.backends.cuda import tuned_configs
 from nanoinfer.errors import RequestError
-from nanoinfer.tuned_configs import (
+from nanoinfer.backends.cuda.tuned_configs import (
     ConfigChoice,
     KernelTable,
     ShippedChoice,
@@ -224,9 +224,9 @@ def test_the_shipped_int4_choices_are_filed_under_the_keys_its_launches_make():
     """Triton's tuner keys a call by its key arguments and every tensor argument's dtype: when the
     one-row int4 kernel gained a tensor argument (the residual), every shipped key missed until the
     table gained its dtype (a review's finding). Here the key of an 8B down projection's launch,
-    from the arguments `nanoinfer.gemv` passes, against the H100 table. (Needs Triton, not a GPU.)"""
+    from the arguments `nanoinfer.backends.cuda.gemv` passes, against the H100 table. (Needs Triton, not a GPU.)"""
     pytest.importorskip("triton")
-    from nanoinfer import gemv
+    from nanoinfer.backends.cuda import gemv
 
     n, k, group = 4096, 14336, 128
     scale = torch.empty(n, k // group, dtype=torch.float16)

@@ -80,7 +80,7 @@ def test_installed_wheel_builds_its_cpu_kernels(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
                     "--target", str(site), str(wheel)], check=True, capture_output=True, text=True)
     script = (
-        "import sys, nanoinfer, nanoinfer.cpu_native as n, nanoinfer.tuned_configs as t\n"
+        "import sys, nanoinfer, nanoinfer.backends.cpu.cpu_native as n, nanoinfer.backends.cuda.tuned_configs as t\n"
         f"assert nanoinfer.__file__.startswith({str(site)!r}), nanoinfer.__file__\n"
         f"lib = n.load(cache=__import__('pathlib').Path({str(tmp_path / 'native')!r}))\n"
         "assert lib is not None, 'the CPU kernels did not build'\n"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from nanoinfer.config import ModelConfig
-from nanoinfer.layers import rope_inv_freq
-from nanoinfer.model import LayerParams, Params
-from nanoinfer.quantized import GroupedWeight
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.layers import rope_inv_freq
+from nanoinfer.model.decoder import LayerParams, Params
+from nanoinfer.quant.quantized import GroupedWeight
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -79,7 +79,7 @@ def byte_level_tokenizer(path, vocab_size: int = 600):
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

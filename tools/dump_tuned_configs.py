@@ -1,13 +1,13 @@
 """Tune the GEMV kernels on this GPU for given model shapes and write their winners as the GPU's shipped table.
 
     python tools/dump_tuned_configs.py --shape qwen3-0.6b llama-3.2-1b llama-3.1-8b [--quantization none int8]
-                                       [--device cuda] [--out nanoinfer/tuned]
+                                       [--device cuda] [--out nanoinfer/backends/cuda/tuned]
 
 For each shape (bench/shapes.py, random weights made on the device) and weight form, an engine
 starts as a server's does (its graph capture runs every GEMV variant it will run) and answers one
 request, with NANOINFER_AUTOTUNE=full: every key tunes over all its configs, whatever tables
-ship. Then each nanoinfer.gemv Autotuner's cache (key -> the winning Config) is merged into
-`<out>/<device file stem>.json` (nanoinfer.tuned_configs), which a start on the same GPU model
+ship. Then each nanoinfer.backends.cuda.gemv Autotuner's cache (key -> the winning Config) is merged into
+`<out>/<device file stem>.json` (nanoinfer.backends.cuda.tuned_configs), which a start on the same GPU model
 reads to compile one config per key instead of all of them. Keys already in the file and not
 tuned here are kept; keys tuned here replace theirs. The file is written after each shape.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # (bench.shapes, and this tree's nanoinfer when run from a checkout)
 
-# Before nanoinfer.gemv's hooks first run: tune every key over all configs, whatever tables ship.
+# Before nanoinfer.backends.cuda.gemv's hooks first run: tune every key over all configs, whatever tables ship.
 os.environ["NANOINFER_AUTOTUNE"] = "full"
 
 
@@ -41,11 +41,11 @@ def say(message: str) -> None:
 
 
 def gemv_autotuners() -> dict:
-    """nanoinfer.gemv's Autotuners by the kernel name their ShippedChoice hook looks tables up by."""
+    """nanoinfer.backends.cuda.gemv's Autotuners by the kernel name their ShippedChoice hook looks tables up by."""
     from triton.runtime.autotuner import Autotuner
 
-    from nanoinfer import gemv
-    from nanoinfer.tuned_configs import ShippedChoice
+    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.backends.cuda.tuned_configs import ShippedChoice
 
     found = {}
     for attr, value in vars(gemv).items():
@@ -53,11 +53,11 @@ def gemv_autotuners() -> dict:
             continue
         hook = value.early_config_prune
         if not isinstance(hook, ShippedChoice) or hook.kernel != value.base_fn.__name__:
-            raise SystemExit(f"nanoinfer.gemv.{attr}: expected prune_configs_by={{'early_config_prune': "
+            raise SystemExit(f"nanoinfer.backends.cuda.gemv.{attr}: expected prune_configs_by={{'early_config_prune': "
                              f"ShippedChoice({value.base_fn.__name__!r})}}, found {hook!r}")
         found[hook.kernel] = value
     if not found:
-        raise SystemExit("nanoinfer.gemv has no Triton Autotuner: nothing to dump")
+        raise SystemExit("nanoinfer.backends.cuda.gemv has no Triton Autotuner: nothing to dump")
     return found
 
 
@@ -69,7 +69,7 @@ def warm_up(shape: str, quantization: str, device: str) -> None:
 
     from bench.shapes import random_model
     from nanoinfer.loaders.quantize import quantize_params
-    from nanoinfer.sampling import SamplingParams
+    from nanoinfer.sampling.sampler import SamplingParams
     from runtime.config import engine_config
     from runtime.engine.engine_core import EngineCore
 
@@ -103,7 +103,7 @@ def main() -> None:
     import torch
 
     from bench.shapes import SHAPES
-    from nanoinfer.tuned_configs import KernelTable, choices_from_cache, merge, read_table, table_path, write_table
+    from nanoinfer.backends.cuda.tuned_configs import KernelTable, choices_from_cache, merge, read_table, table_path, write_table
 
     unknown = [s for s in args.shape if s not in SHAPES]
     if unknown:

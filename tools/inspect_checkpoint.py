@@ -36,12 +36,12 @@ def main():
     path = resolve_model_name(args.model) if args.model in KNOWN_MODELS else Path(args.model)
     if path.is_dir():
         from nanoinfer.loaders.hf import read_hf_config
-        from nanoinfer.tokenizer import Tokenizer
+        from nanoinfer.text.tokenizer import Tokenizer
 
         cfg, tokenizer = read_hf_config(path), Tokenizer.from_hf_dir(path)
     else:
         from nanoinfer.loaders.gguf import gguf_config, open_gguf
-        from nanoinfer.tokenizer import Tokenizer
+        from nanoinfer.text.tokenizer import Tokenizer
 
         header = open_gguf(path)
         cfg, tokenizer = gguf_config(header, path), Tokenizer.from_gguf(header, path)

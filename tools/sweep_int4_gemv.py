@@ -1,8 +1,8 @@
 """Time the one-row int4 GEMV's configs as a decode step runs them and ship the winners in this GPU's table.
 
-    python tools/sweep_int4_gemv.py --shape qwen3-0.6b llama-3.2-1b llama-3.1-8b [--group 128] [--out nanoinfer/tuned]
+    python tools/sweep_int4_gemv.py --shape qwen3-0.6b llama-3.2-1b llama-3.1-8b [--group 128] [--out nanoinfer/backends/cuda/tuned]
 
-Triton's tuner times each config for 20 ms, one call at a time (nanoinfer.gemv's `_quick_bench`):
+Triton's tuner times each config for 20 ms, one call at a time (nanoinfer.backends.cuda.gemv's `_quick_bench`):
 for the 4-bit kernel its picks differed between leases of one H100 model by up to 10% of a
 projection's time, and each start with no table re-tunes (bench/RESULTS.md, twenty-fourth and
 twenty-fifth sessions). Here every config of `_int4_gemv_kernel` runs each projection of each
@@ -45,8 +45,9 @@ def main() -> None:
     from triton.runtime.errors import OutOfResources, PTXASError
 
     from bench.shapes import SHAPES
-    from nanoinfer import gemv, quantized
-    from nanoinfer.tuned_configs import (ConfigChoice, KernelTable, autotune_key, merge, read_table, table_path,
+    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.quant import quantized
+    from nanoinfer.backends.cuda.tuned_configs import (ConfigChoice, KernelTable, autotune_key, merge, read_table, table_path,
                                          write_table)
 
     unknown = [s for s in args.shape if s not in SHAPES]

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
+from nanoinfer.model.batch import Batch
+from nanoinfer.model.config import ModelConfig
 
 
 class AttentionBackend(Protocol):

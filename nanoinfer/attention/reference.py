@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
-from nanoinfer.kv_cache import to_kv
+from nanoinfer.model.batch import Batch
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.kv_cache import to_kv
 
 # 64 MiB of fp32 scores per tile: 233 query rows of the default model (9 heads) at 8000 keys.
 DEFAULT_MAX_SCORE_BYTES = 64 * 2**20

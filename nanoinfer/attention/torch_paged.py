@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from nanoinfer.attention.reference import REFERENCE, ReferenceMetadata
-from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
+from nanoinfer.model.batch import Batch
+from nanoinfer.model.config import ModelConfig
 
 
 class DecodeGroup(NamedTuple):

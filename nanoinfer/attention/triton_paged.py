@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer import pdl
+from nanoinfer.backends.cuda import pdl
 from nanoinfer.attention import triton_decode_cc
 from nanoinfer.attention.triton_softmax import online_softmax
-from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
+from nanoinfer.model.batch import Batch
+from nanoinfer.model.config import ModelConfig
 
 _LOG2E = 1.4426950408889634
 
@@ -98,7 +98,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:  # (nanoinfer.pdl)
+    if PDL:  # (nanoinfer.backends.cuda.pdl)
         pdl.start()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -201,7 +201,7 @@ def _reduce_partitions_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, query_start_loc_pt
                               max_partitions, stride_ot, stride_oh,
                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                               PARTS: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # (nanoinfer.pdl)
+    if PDL:  # (nanoinfer.backends.cuda.pdl)
         pdl.start()
     token = tl.program_id(0)
     head = tl.program_id(1)

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from nanoinfer.config import ModelConfig
+from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
-from nanoinfer import sampling_defaults
-from nanoinfer.model import Params
+from nanoinfer.sampling import sampling_defaults
+from nanoinfer.model.decoder import Params
 from nanoinfer.settings import check_settings, setting, split_kwargs
 
 if TYPE_CHECKING:
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -74,7 +74,7 @@ class LoadedModel:
     path: Path
     name: str | None = None  # how users named it, when that was a short name or a Hub id
     quantization: str = "none"  # how the matrices are held: QUANTIZATIONS less "auto"
-    # SamplingParams keywords for requests that name no params of their own (nanoinfer/sampling_defaults.py)
+    # SamplingParams keywords for requests that name no params of their own (nanoinfer/sampling/sampling_defaults.py)
     sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -87,10 +87,10 @@ class LoadedModel:
 
 def _load_device(config: LoadConfig) -> torch.device:
     """The device `config` loads onto; on CUDA, Triton's own set-up begins meanwhile on a thread
-    (nanoinfer/triton_setup.py), so that it overlaps the load."""
+    (nanoinfer/backends/cuda/triton_setup.py), so that it overlaps the load."""
     dev = resolve_device(config.device)
     if dev.type == "cuda":
-        from nanoinfer import triton_setup
+        from nanoinfer.backends.cuda import triton_setup
 
         triton_setup.begin()
     return dev
@@ -155,7 +155,7 @@ def _load_format(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     # A nanochat checkpoint is a model_<step>.pt, or a directory holding them (and perhaps HF files too).
     nanochat_files = None
     if path.is_dir() or (path.suffix == ".pt" and path.is_file()):
-        from nanoinfer.loaders import nanochat
+        from nanoinfer.loaders import nanochat_checkpoint as nanochat
 
         nanochat_files = nanochat.checkpoint_files(path)
     if nanochat_files is not None:  # model_<step>.pt + meta_<step>.json, its tokenizer.pkl above
@@ -171,8 +171,8 @@ def _load_format(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
 
 def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
-    from nanoinfer.loaders import nanochat
-    from nanoinfer.nanochat_tokenizer import nanochat_tokenizer
+    from nanoinfer.loaders import nanochat_checkpoint as nanochat
+    from nanoinfer.text.nanochat_tokenizer import nanochat_tokenizer
 
     if config.load_format == "dummy":
         raise RequestError("load_format='dummy' makes Llama-family weights: a nanochat checkpoint loads "
@@ -194,7 +194,7 @@ def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: t
 
 def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     from nanoinfer.loaders.int4 import read_int4_format
 
@@ -208,7 +208,7 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     params = None if dummy else load_hf_params(path, cfg, torch_dtype, dev, progress=config.progress,
                                                fp8=quantization == "fp8", int4=int4,
                                                packed=int4 is not None and quantization == int4.method)
-    from nanoinfer.sampling_defaults import from_generation_config
+    from nanoinfer.sampling.sampling_defaults import from_generation_config
 
     return _Loaded(cfg, torch_dtype, params, Tokenizer.from_hf_dir(path), quantization,
                    lambda: from_generation_config(path))
@@ -216,7 +216,7 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
 def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     from nanoinfer.loaders.llama2c import llama2c_config, load_llama2c_params
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     cfg, offset, shared = llama2c_config(path)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
@@ -230,7 +230,7 @@ def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
 def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     from nanoinfer.loaders.gguf import gguf_config, is_quantized, load_gguf_params, open_gguf
-    from nanoinfer.tokenizer import Tokenizer
+    from nanoinfer.text.tokenizer import Tokenizer
 
     header = open_gguf(path)
     cfg = gguf_config(header, path)
@@ -239,7 +239,7 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
                                          dtype_asked=config.dtype != "auto")
     params = None if config.load_format == "dummy" else load_gguf_params(
         header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
-    from nanoinfer.sampling_defaults import from_gguf
+    from nanoinfer.sampling.sampling_defaults import from_gguf
 
     return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(header, path), quantization,
                    lambda: from_gguf(lambda key: header.scalar(key, None), path))

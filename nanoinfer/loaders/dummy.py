@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoinfer.config import ModelConfig
-from nanoinfer.layers import rope_inv_freq
-from nanoinfer.model import LayerParams, Params
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.layers import rope_inv_freq
+from nanoinfer.model.decoder import LayerParams, Params
 
 
 def dummy_params(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> Params:

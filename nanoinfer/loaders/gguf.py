@@ -9,16 +9,16 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
-from nanoinfer.config import ModelConfig, RopeScaling
-from nanoinfer.config_checks import (MAX_DIMENSIONS, checkpoint_config, dimension, heads_share_kv_heads,
+from nanoinfer.model.config import ModelConfig, RopeScaling
+from nanoinfer.model.config_checks import (MAX_DIMENSIONS, checkpoint_config, dimension, heads_share_kv_heads,
                                      positive_number, shown, token_id)
 from nanoinfer.errors import CheckpointError
-from nanoinfer.layers import rope_inv_freq
+from nanoinfer.model.layers import rope_inv_freq
 from nanoinfer.loaders.gguf_file import GGUFFile, TensorInfo, read_gguf
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
-from nanoinfer.model import Params
-from nanoinfer.kquants import KQuantWeight
-from nanoinfer.quantized import GroupedWeight, Int8Weight
+from nanoinfer.model.decoder import Params
+from nanoinfer.quant.kquants import KQuantWeight
+from nanoinfer.quant.quantized import GroupedWeight, Int8Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TYPES = frozenset(
@@ -215,7 +215,7 @@ def packed_matrix(tensor: TensorInfo) -> KQuantWeight | GroupedWeight | None:
 
 def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
                      progress: bool = True, packed: bool = False) -> Params:
-    """`packed`: quantized matrices stay quantized (nanoinfer.quantized, CPU kernels): Q4_0,
+    """`packed`: quantized matrices stay quantized (nanoinfer.quant.quantized, CPU kernels): Q4_0,
     Q4_1, Q5_0, Q5_1 and Q8_0 in groups, Q4_K, Q5_K and Q6_K in their super-blocks (both exact;
     `build_params` puts them in the device's form); without it every tensor is dequantized to `dtype`."""
     by_hf_name = {}

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from nanoinfer.config import ModelConfig, RopeScaling
-from nanoinfer.config_checks import (MAX_DIMENSIONS, checkpoint_config, cut, dimension, heads_share_kv_heads,
+from nanoinfer.model.config import ModelConfig, RopeScaling
+from nanoinfer.model.config_checks import (MAX_DIMENSIONS, checkpoint_config, cut, dimension, heads_share_kv_heads,
                                      positive_number, shown, token_id)
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import json_kind, read_json_object
 from nanoinfer.loaders.params import build_params
-from nanoinfer.model import Params
-from nanoinfer.quantized import FP8, Fp8Weight, dequantize
+from nanoinfer.model.decoder import Params
+from nanoinfer.quant.quantized import FP8, Fp8Weight, dequantize
 
 if TYPE_CHECKING:
     from nanoinfer.loaders.int4 import Int4Format

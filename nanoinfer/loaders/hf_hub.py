@@ -14,7 +14,7 @@ from pathlib import Path
 from nanoinfer.errors import ModelFetchError
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
-# What an HF directory load reads (nanoinfer/loaders/hf.py, nanoinfer/tokenizer_hf.py).
+# What an HF directory load reads (nanoinfer/loaders/hf.py, nanoinfer/text/tokenizer_hf.py).
 HF_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json",
             "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
             "chat_template.json"]

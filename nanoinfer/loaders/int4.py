@@ -18,7 +18,7 @@ GPTQ also `X.g_idx` (each input's group). What they stand for, transposed to our
   (GroupedWeight.cols).
 
 The result is a GroupedWeight (scale and min = -scale * zero per group): the loader's exact
-form, which nanoinfer/loaders/params.py packs for the device (nanoinfer.quantized).
+form, which nanoinfer/loaders/params.py packs for the device (nanoinfer.quant.quantized).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from nanoinfer.config_checks import shown
+from nanoinfer.model.config_checks import shown
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import json_kind, read_json_object
-from nanoinfer.quantized import GroupedWeight
+from nanoinfer.quant.quantized import GroupedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output 8j + AWQ_ORDER[k]
 METHODS = ("awq", "gptq")

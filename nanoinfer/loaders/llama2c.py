@@ -14,7 +14,7 @@ Two layouts, as llama2.c's export.py writes them:
 them, with Meta's rotary layout for wq/wk (each head's dimension pairs adjacent): we rotate
 halves as Hugging Face does, so their rows are regrouped once at load.
 
-The tokenizer.bin is read by nanoinfer/tokenizer.py (`Tokenizer.from_llama2c`).
+The tokenizer.bin is read by nanoinfer/text/tokenizer.py (`Tokenizer.from_llama2c`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoinfer.config import ModelConfig
-from nanoinfer.config_checks import MAX_DIMENSIONS, checkpoint_config, dimension
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.config_checks import MAX_DIMENSIONS, checkpoint_config, dimension
 from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
-from nanoinfer.model import Params
+from nanoinfer.model.decoder import Params
 
 MAGIC = 0x616B3432  # "ak42", little-endian, version 1 and later
 V1_HEADER = 256

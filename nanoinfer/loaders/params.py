@@ -2,7 +2,7 @@
 
 Both loaders hand tensors over under transformers' names and layouts, so this is the one
 place that knows how a checkpoint's tensors become our parameters. A loader may hand a
-matrix over still quantized (nanoinfer.quantized): it keeps its form, fused row-wise, and a
+matrix over still quantized (nanoinfer.quant.quantized): it keeps its form, fused row-wise, and a
 grouped one is packed for its kernel here (the embedding stays grouped: it is looked up).
 """
 
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm.auto import tqdm
 
-from nanoinfer import cpu_native
-from nanoinfer.config import ModelConfig
+from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import CheckpointError
-from nanoinfer.layers import rope_inv_freq
-from nanoinfer.model import LayerParams, Params
-from nanoinfer.kquants import Q4_K, KQuantWeight, StackedWeight
-from nanoinfer.quantized import (
+from nanoinfer.model.layers import rope_inv_freq
+from nanoinfer.model.decoder import LayerParams, Params
+from nanoinfer.quant.kquants import Q4_K, KQuantWeight, StackedWeight
+from nanoinfer.quant.quantized import (
     GroupedWeight,
     Int4CudaWeight,
     Int8Weight,
@@ -32,7 +32,7 @@ from nanoinfer.quantized import (
 )
 
 if TYPE_CHECKING:
-    from nanoinfer.quantized import Weight
+    from nanoinfer.quant.quantized import Weight
 
 # name -> tensor (or a quantized matrix), or None when the checkpoint does not have it.
 TensorSource = Callable[[str], "torch.Tensor | Weight | None"]
@@ -50,7 +50,7 @@ def unpermute_rotary_rows(w, num_heads: int):
 
 def device_form(w: GroupedWeight, device: torch.device, dtype: torch.dtype) -> "Weight":
     """A grouped matrix in the form `device`'s kernels read: on CUDA 4-bit groups packed for
-    nanoinfer.gemv (8-bit ones per-row int8); on the CPU cpu_native's blocks where it builds
+    nanoinfer.backends.cuda.gemv (8-bit ones per-row int8); on the CPU cpu_native's blocks where it builds
     (groups of 32), else torch's int4 kernel's. A reordered GPTQ matrix (act-order) is
     dequantized to `dtype` on the CPU, whose packed kernels read inputs in order."""
     if device.type == "cuda":

@@ -7,7 +7,7 @@ in int8 per output channel (llama.cpp's 4-bit types keep theirs at 6 bits; on th
 model a 4-bit head costs 6.6% more perplexity than a 16-bit one, an 8-bit head 0.3%, and halves
 a batch-1 step's largest read: bench/RESULTS.md). int8 and int4 are weight-only;
 fp8 (e4m3) also rounds activations per token where a matmul has several rows (see
-nanoinfer.quantized.Fp8Weight). The embedding stays as loaded (it is looked up, not
+nanoinfer.quant.quantized.Fp8Weight). The embedding stays as loaded (it is looked up, not
 multiplied); a tied LM head gets its own quantized copy. Norms and biases keep the model's
 dtype. Matrices a checkpoint already holds in the wanted form (an FP8 checkpoint) stay.
 """
@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 
-from nanoinfer.model import Params
-from nanoinfer.quantized import Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, Weight, dequantize
+from nanoinfer.model.decoder import Params
+from nanoinfer.quant.quantized import Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, Weight, dequantize
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from nanoinfer.tokenizer import Tokenizer
+from nanoinfer.text.tokenizer import Tokenizer
 
 # Tokens of context decoded before the new ones, so merges and leading spaces render right.
 _CONTEXT_TOKENS = 5

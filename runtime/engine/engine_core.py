@@ -24,7 +24,7 @@ import torch
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.outputs import TokenOutput

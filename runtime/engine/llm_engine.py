@@ -17,8 +17,8 @@ from typing import Sequence, Union
 
 from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
-from nanoinfer.sampling import SamplingParams
-from nanoinfer.sampling_defaults import default_params
+from nanoinfer.sampling.sampler import SamplingParams
+from nanoinfer.sampling.sampling_defaults import default_params
 from runtime.config import EngineConfig, load_and_engine_configs
 from runtime.engine.engine_core import EngineCore
 from runtime.engine.outputs import Progress, RequestOutput, TokenOutput

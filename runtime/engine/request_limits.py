@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.outputs import CompletionOutput, Progress, RequestOutput, TokenLogprob
 

@@ -9,7 +9,7 @@ fails its own request, no other. Verified drafts (runtime/engine/speculative.py)
 
 from __future__ import annotations
 
-from nanoinfer.sampling import Logprobs
+from nanoinfer.sampling.sampler import Logprobs
 from runtime.engine.outputs import TokenLogprob, TokenOutput
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence, SequenceStatus

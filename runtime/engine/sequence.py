@@ -6,10 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable
 
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 if TYPE_CHECKING:  # (structured output is imported by the requests that use it)
-    from nanoinfer.structured import Constraint
+    from nanoinfer.structured.grammars import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -67,7 +67,7 @@ class Sequence:
     # leading tokens the draft model's own KV pool holds.
     num_lookahead: int = 0
     num_draft_computed: int = 0
-    # Structured output (nanoinfer/structured.py): the grammar state of the tokens resolved so far.
+    # Structured output (nanoinfer/structured/grammars.py): the grammar state of the tokens resolved so far.
     constraint: "Constraint | None" = None
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ Each step, before the plan, every decoding sequence is given up to `num_speculat
 draft tokens to verify after its pending one (fewer near its length limit). N-gram lookup
 proposes them on the host right away; a draft model proposes them on the device once the plan
 has given the sequence its slots (runtime/executor/draft_runner.py). The target then computes the
-pending token and the drafts in one forward, and verification (nanoinfer/speculative.py)
+pending token and the drafts in one forward, and verification (nanoinfer/sampling/rejection.py)
 keeps the leading drafts it accepts plus one token of its own.
 
 A step that verifies drafts needs every sequence's tokens on the host (the proposals and
@@ -22,7 +22,7 @@ from collections import deque
 
 import numpy as np
 
-from nanoinfer.ngram import propose_ngram
+from nanoinfer.sampling.ngram import propose_ngram
 from runtime.config import SpeculativeConfig
 from runtime.engine.sequence import Sequence
 from runtime.executor.step import InFlightStep, VerifiedRows, VerifiedTensors

@@ -1,7 +1,7 @@
 """Structured output in the engine: a request's grammar checked at submit, then fed each resolved token.
 
 The grammars themselves (compiled by llguidance on their own thread) and the masks a step's
-logits get are the executor's (nanoinfer/structured.py, runtime/executor/grammar_masks.py).
+logits get are the executor's (nanoinfer/structured/grammars.py, runtime/executor/grammar_masks.py).
 Here: each sequence's `constraint` is made when it is added, and once a step that a grammar
 constrained is resolved, the grammars consume its tokens; a token a grammar refuses fails its
 request. The engine core builds this on the first request that asks for structured output.
@@ -17,7 +17,7 @@ from runtime.executor.step import InFlightStep
 
 class StructuredOutput:
     def __init__(self, grammars):
-        """`grammars`: the executor's nanoinfer.structured.Grammars."""
+        """`grammars`: the executor's nanoinfer.structured.grammars.Grammars."""
         self.grammars = grammars
 
     def check(self, spec) -> None:
@@ -40,7 +40,7 @@ class StructuredOutput:
         if constraint.too_complex:  # the client's grammar, not our fault (a 400)
             return RequestError(f"the {constraint.spec.kind} is too complex to follow after {seq.num_output_tokens} "
                                 f"output tokens ({constraint.error}): simplify it", param=constraint.spec.param)
-        if constraint.failure is not None:  # its mask could not be filled (nanoinfer.structured.Grammars.fill_later)
+        if constraint.failure is not None:  # its mask could not be filled (nanoinfer.structured.grammars.Grammars.fill_later)
             failure = constraint.failure
             return failure if isinstance(failure, (RequestError, RequestFailed)) else RequestFailed.because(
                 "internal error while computing this request's grammar mask", failure)

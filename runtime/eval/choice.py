@@ -20,7 +20,7 @@ import random
 from typing import NamedTuple, Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 DELIMITER, SHOTS = " ", 0  # nanochat's defaults: a space before the continuation, no examples

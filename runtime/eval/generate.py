@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 ROUGE = ("rouge1", "rouge2", "rougeL")
 

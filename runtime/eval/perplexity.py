@@ -15,7 +15,7 @@ import math
 from typing import NamedTuple, Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 
 class Perplexity(NamedTuple):

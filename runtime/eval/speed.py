@@ -17,7 +17,7 @@ import time
 from typing import NamedTuple, Sequence
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
+from nanoinfer.sampling.sampler import SamplingParams
 
 
 class SpeedPoint(NamedTuple):

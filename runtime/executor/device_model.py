@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoinfer.batch import Batch
-from nanoinfer.kernels import forward_of, kernels_for, prepare
-from nanoinfer.kv_cache import kv_dtype
+from nanoinfer.model.batch import Batch
+from nanoinfer.backends.choose import forward_of, kernels_for, prepare
+from nanoinfer.model.kv_cache import kv_dtype
 from nanoinfer.loaders import LoadedModel
 from runtime.config import EngineConfig
 from runtime.executor.kv_pools import KVPools
@@ -38,9 +38,9 @@ class DeviceModel:
         self.kv = self.pools.kv
 
     def _capture(self, **sizes) -> None:
-        """CUDA graphs of `_eager_forward` at `sizes` (nanoinfer/graphs.py), where the kernels allow them."""
+        """CUDA graphs of `_eager_forward` at `sizes` (nanoinfer/backends/cuda/graphs.py), where the kernels allow them."""
         if self.kernels.graphs:
-            from nanoinfer.graphs import StepGraphs
+            from nanoinfer.backends.cuda.graphs import StepGraphs
 
             self.graphs = StepGraphs(self._eager_forward, self.device, **sizes)
             self.graphs.capture()

@@ -28,13 +28,13 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from nanoinfer.batch import Batch, SeqChunk, host_batch
+from nanoinfer.model.batch import Batch, SeqChunk, host_batch
 from nanoinfer.errors import RequestError
-from nanoinfer.host_copy import to_device_packed
-from nanoinfer.kv_cache import kv_bytes_per_block, kv_dtype
+from nanoinfer.backends.host_copy import to_device_packed
+from nanoinfer.model.kv_cache import kv_bytes_per_block, kv_dtype
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.sampling import SamplingColumns, greedy_tokens
-from nanoinfer.speculative import draft_sample
+from nanoinfer.sampling.sampler import SamplingColumns, greedy_tokens
+from nanoinfer.sampling.rejection import draft_sample
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.device_model import DeviceModel
 from runtime.executor.step import Sequence
@@ -82,7 +82,7 @@ class DraftRunner(DeviceModel):
         self.batch = batch
         self._allocate(num_blocks, num_cpu_blocks)
         if self.kernels.graphs:  # (its passes are decode steps, and a catch-up step of 1-2 tokens each)
-            from nanoinfer.graphs import StepGraphs
+            from nanoinfer.backends.cuda.graphs import StepGraphs
 
             self._capture(max_batch=StepGraphs.batch_cap(config.scheduler.max_num_seqs), max_blocks=batch.max_blocks,
                           max_tokens=config.scheduler.max_num_batched_tokens,

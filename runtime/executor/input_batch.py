@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanoinfer.host_copy import to_device_packed
-from nanoinfer.sampling import SamplingColumns, SamplingTensors
+from nanoinfer.backends.host_copy import to_device_packed
+from nanoinfer.sampling.sampler import SamplingColumns, SamplingTensors
 from runtime.executor.step import Sequence
 
 if TYPE_CHECKING:
-    from nanoinfer.penalties import PenaltyRows
+    from nanoinfer.sampling.penalties import PenaltyRows
 
 
 class InputBatch:
@@ -117,7 +117,7 @@ class InputBatch:
 
     def _init_penalties(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """Fill the joined rows' penalty tables (neutral for the rows that use no penalties)."""
-        from nanoinfer.penalties import (
+        from nanoinfer.sampling.penalties import (
             PenaltyRows,  # (the first row that uses penalties brings them)
         )
 

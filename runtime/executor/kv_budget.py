@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from nanoinfer.batch import Batch
-from nanoinfer.kernels import forward_of
-from nanoinfer.kv_cache import allocate_kv_pool, kv_dtype
+from nanoinfer.model.batch import Batch
+from nanoinfer.backends.choose import forward_of
+from nanoinfer.model.kv_cache import allocate_kv_pool, kv_dtype
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
-from nanoinfer.sampling_params import MAX_LOGPROBS
+from nanoinfer.sampling.sampler import SamplingParams, SamplingTensors, compute_logprobs, sample
+from nanoinfer.sampling.sampling_params import MAX_LOGPROBS
 from runtime.config import PROMPT_LOGPROB_ROWS
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend) -> int:
     _, total = torch.cuda.mem_get_info(dev)
     # Headroom for CUDA graphs and allocator fragmentation. (The graphs' pool is taken after the KV
     # pool, its largest graphs at start, which settle its size even where the others are captured
-    # on first use: nanoinfer/graphs.py.)
+    # on first use: nanoinfer/backends/cuda/graphs.py.)
     return int(total * config.gpu_memory_utilization) - peak - (512 << 20)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoinfer.config import ModelConfig
-from nanoinfer.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.kv_cache import allocate_kv_pool, copy_blocks, swap_blocks
 
 
 class KVPools:

@@ -19,11 +19,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from nanoinfer.batch import Batch, layout
-from nanoinfer.host_copy import PinnedStaging, to_device_packed
-from nanoinfer.kv_cache import kv_bytes_per_block
+from nanoinfer.model.batch import Batch, layout
+from nanoinfer.backends.host_copy import PinnedStaging, to_device_packed
+from nanoinfer.model.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.sampling import compute_logprobs, greedy_and_finite, sample
+from nanoinfer.sampling.sampler import compute_logprobs, greedy_and_finite, sample
 from runtime.config import EngineConfig
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_budget import kv_blocks_for_memory
@@ -94,7 +94,7 @@ class ModelRunner(DeviceModel):
             self._capture(**self._graph_sizes()._asdict())
 
     def _graph_sizes(self):
-        from nanoinfer.graphs import GraphSizes, StepGraphs
+        from nanoinfer.backends.cuda.graphs import GraphSizes, StepGraphs
 
         spec, c = self.config.speculative_config, self.config
         return GraphSizes(
@@ -116,9 +116,9 @@ class ModelRunner(DeviceModel):
 
     @property
     def grammars(self):
-        """Structured output's compiler and masks (nanoinfer/structured.py), made on first use."""
+        """Structured output's compiler and masks (nanoinfer/structured/grammars.py), made on first use."""
         if self._grammars is None:
-            from nanoinfer.structured import Grammars
+            from nanoinfer.structured.grammars import Grammars
 
             self._grammars = Grammars(self.model.tokenizer, self.cfg.vocab_size)
         return self._grammars

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the model's layers in stages over ranks, a step's sequences through them as micro-batches.
 
 The ranks form a grid (tensor_parallel.Grid): `pp` stages of `tp` ranks each, rank = stage * tp
-+ shard. Each stage holds its run of the layers (nanoinfer/pipeline.py; the first the
++ shard. Each stage holds its run of the layers (nanoinfer/parallel/pipeline.py; the first the
 embedding, the last the final norm and the LM head), its ranks a shard of them each with
 their own all-reduces (a process group per stage), and a KV pool for its own layers only. The
 processes, the orders and the faults are tensor parallelism's (tensor_parallel.py): rank 0
@@ -25,14 +25,14 @@ stream for its sends nor for the batch's broadcast (the side stream does): the o
 take the broadcast only once their GPU is done with the step before.
 
 On CUDA, where a stage has one rank, it computes a micro-batch by replaying a CUDA graph of its
-forward (nanoinfer/graphs.py: one per padded micro-batch size, as one GPU captures one per
+forward (nanoinfer/backends/cuda/graphs.py: one per padded micro-batch size, as one GPU captures one per
 batch size; the layer parts' kernels inside), and the sends and receives stay outside, eager
 NCCL calls between replays: the received activations are copied into the graph's static input,
 and its output copied out before it is sent on (the next replay reuses that memory while the
 send may still be reading it). A micro-batch no graph fits runs eagerly. Stages of several
 ranks run eagerly (the runner turns enforce_eager on): their all-reduce over the stage's
 process group was a plain call that Dynamo traced into when the layer parts were compiled; they
-are not now (nanoinfer.kernels), but graphs of such stages are untried.
+are not now (nanoinfer.backends.choose), but graphs of such stages are untried.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
-from nanoinfer.graphs import GraphSizes, StepGraphs
-from nanoinfer.pipeline import MicroBatches, Stage, split_batch
-from nanoinfer.sampling import greedy_and_finite
+from nanoinfer.model.batch import Batch
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.backends.cuda.graphs import GraphSizes, StepGraphs
+from nanoinfer.parallel.pipeline import MicroBatches, Stage, split_batch
+from nanoinfer.sampling.sampler import greedy_and_finite
 from runtime.executor.model_runner import ForwardOutput
 from runtime.executor.sample_stream import SampleStream
 from runtime.executor.tensor_parallel import Cut, TensorParallelRunner

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from nanoinfer.sampling import Logprobs, SamplingParams
+from nanoinfer.sampling.sampler import Logprobs, SamplingParams
 
 
 class Sequence(Protocol):
@@ -38,7 +38,7 @@ class Sequence(Protocol):
     num_unresolved: int  # sampled by a step still in flight
     num_draft_computed: int  # how far a draft model's cache holds
     block_table: list[int]
-    constraint: Any  # structured output's grammar state (nanoinfer/structured.py), or None
+    constraint: Any  # structured output's grammar state (nanoinfer/structured/grammars.py), or None
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -99,7 +99,7 @@ class StepInput(NamedTuple):
     logits_rows: tuple[int, ...]  # token rows whose logits are computed
     samplers: tuple[tuple[Sequence, int], ...]  # (sequence, its index into those logits rows)
     prompt_rows: tuple[PromptLogprobRows, ...] = ()
-    verifiers: tuple[VerifiedRows, ...] = ()  # rows verified (nanoinfer/speculative.py) rather than sampled
+    verifiers: tuple[VerifiedRows, ...] = ()  # rows verified (nanoinfer/sampling/rejection.py) rather than sampled
     host_drafts: tuple[int, ...] = ()  # the verifiers' drafts, in order, when the host proposed them (n-gram)
 
 

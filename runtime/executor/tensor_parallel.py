@@ -4,7 +4,7 @@ The engine stays one process (rank 0: scheduler, sampler, its own shard of the m
 `tensor_parallel_size` N it starts ranks 1..N-1, one process each, running our own module
 (tp_rank.py, started and watched by tp_processes.py: never the user's program, so a notebook,
 `python -` and a script without a main guard work); every rank holds its shard of the weights
-(nanoinfer/tensor_parallel.py) and a KV pool of its own heads, indexed by rank 0's block
+(nanoinfer/parallel/shards.py) and a KV pool of its own heads, indexed by rank 0's block
 tables. Rank 0 tells the others what to do, in the order it does it:
 
 - `forward`: before each of its forwards, the step's Batch (a header with the shapes, then
@@ -61,15 +61,15 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
 
-from nanoinfer.batch import Batch
-from nanoinfer.config import ModelConfig
+from nanoinfer.model.batch import Batch
+from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import DeviceLost, RequestError
-from nanoinfer.graphs import GraphSizes, StepGraphs
-from nanoinfer.kernels import kernels_for
-from nanoinfer.kv_cache import kv_bytes_per_block
+from nanoinfer.backends.cuda.graphs import GraphSizes, StepGraphs
+from nanoinfer.backends.choose import kernels_for
+from nanoinfer.model.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model import Params, forward, map_params
-from nanoinfer.tensor_parallel import (
+from nanoinfer.model.decoder import Params, forward, map_params
+from nanoinfer.parallel.shards import (
     Shard,
     check_shardable,
     layer_functions,
@@ -81,7 +81,7 @@ from runtime.executor.kv_pools import KVPools
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.tp_processes import RankLost, RankProcesses
 
-log = logging.getLogger("nanoinfer.tensor_parallel")
+log = logging.getLogger("nanoinfer.parallel.shards")
 
 # Long enough for the slowest step (a long CPU prefill); a rank that died ends the others sooner.
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -114,7 +114,7 @@ class RankSetup(NamedTuple):
     eager: bool  # kernels_for's (enforce_eager): no fused layers, no graphs
     graphs: GraphSizes | None  # the CUDA graphs rank 0 captures, which every rank captures alike
     micro_batches: int = 1  # pipeline parallelism: the most micro-batches a step is cut into
-    peer_sums: bool = False  # one-token sums over NVLink peer memory (nanoinfer.peer_sum), connected now
+    peer_sums: bool = False  # one-token sums over NVLink peer memory (nanoinfer.backends.cuda.peer_sum), connected now
 
 
 class Grid(NamedTuple):
@@ -137,7 +137,7 @@ def rank_config(cfg: ModelConfig, grid: Grid, rank: int) -> ModelConfig:
     """Rank `rank`'s view of the model (rank_part's config, without the weights)."""
     stage, shard = grid.place(rank)
     if grid.pp > 1:
-        from nanoinfer.pipeline import Stage, stage_config
+        from nanoinfer.parallel.pipeline import Stage, stage_config
 
         cfg = stage_config(cfg, Stage(stage, grid.pp))
         if grid.tp == 1:
@@ -149,7 +149,7 @@ def rank_part(cfg: ModelConfig, params: Params, grid: Grid, rank: int) -> tuple[
     """Rank `rank`'s view of the model and its weights: its stage's layers, of those its shard."""
     stage, shard = grid.place(rank)
     if grid.pp > 1:
-        from nanoinfer.pipeline import Stage, stage_config, stage_params
+        from nanoinfer.parallel.pipeline import Stage, stage_config, stage_params
 
         params, cfg = stage_params(params, cfg, Stage(stage, grid.pp)), stage_config(cfg, Stage(stage, grid.pp))
         if grid.tp == 1:  # (one shard: the stage's weights as they are)
@@ -159,19 +159,19 @@ def rank_part(cfg: ModelConfig, params: Params, grid: Grid, rank: int) -> tuple[
 
 def rank_layer_functions(base, grid: Grid, rank: int, vocab_size: int, tp_group, links=None):
     """Rank `rank`'s layers with the collectives of its stage's shards (`tp_group`: theirs, None
-    for the default group when there is one stage; `links`: nanoinfer.peer_sum's, or None)."""
+    for the default group when there is one stage; `links`: nanoinfer.backends.cuda.peer_sum's, or None)."""
     if grid.pp > 1 and grid.tp == 1:
         return base
     return layer_functions(base, Shard(grid.place(rank)[1], grid.tp), vocab_size, tp_group, links)
 
 
 def peer_links(cfg: ModelConfig, grid: Grid, rank: int, dtype: torch.dtype, device: torch.device):
-    """Rank `rank`'s nanoinfer.peer_sum links where its one-token sums can take them (tensor
+    """Rank `rank`'s nanoinfer.backends.cuda.peer_sum links where its one-token sums can take them (tensor
     parallelism alone, on CUDA, in a 16-bit model), else None. Not yet connected. Whether this
     engine uses them is rank 0's choice (`lead_peer_links`), which the ranks follow."""
     if device.type != "cuda" or grid.pp > 1 or grid.tp == 1 or dtype not in (torch.bfloat16, torch.float16):
         return None
-    from nanoinfer.peer_sum import PeerLinks
+    from nanoinfer.backends.cuda.peer_sum import PeerLinks
 
     return PeerLinks(rank, grid.tp, cfg.hidden_size, dtype, device)
 
@@ -180,7 +180,7 @@ def lead_peer_links(cfg: ModelConfig, grid: Grid, dtype: torch.dtype, device: to
     """Rank 0's peer links (`peer_links`) where this engine can use them: every rank on this
     host (torchrun's LOCAL_WORLD_SIZE, where torchrun started them), each rank's GPU able to
     reach every other's memory, and no rendezvous made in this process before (see
-    nanoinfer.peer_sum: a later engine's would wait for ever); else None, and a warning says
+    nanoinfer.backends.cuda.peer_sum: a later engine's would wait for ever); else None, and a warning says
     why. The ranks follow this choice (RankSetup.peer_sums)."""
     links = peer_links(cfg, grid, 0, dtype, device)
     if links is None:
@@ -192,7 +192,7 @@ def lead_peer_links(cfg: ModelConfig, grid: Grid, dtype: torch.dtype, device: to
         why = "these GPUs cannot all reach each other's memory"
     elif not links.first_in_process():
         why = ("an engine of this process connected them before, and torch's symmetric memory meets new ranks "
-               "once a process (nanoinfer.peer_sum)")
+               "once a process (nanoinfer.backends.cuda.peer_sum)")
     if why is None:
         return links
     log.warning("peer sums: %s; this engine sums with NCCL", why)
@@ -489,7 +489,7 @@ def _check_grid(cfg: ModelConfig, grid: Grid) -> None:
     if grid.tp > 1 or grid.pp == 1:
         check_shardable(cfg, grid.tp)
     if grid.pp > 1:
-        from nanoinfer.pipeline import Stage, stage_config
+        from nanoinfer.parallel.pipeline import Stage, stage_config
 
         stage_config(cfg, Stage(0, grid.pp))
 
@@ -802,7 +802,7 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
         return (forward(part, pools.kv, batch, local, kernels.attention, fns, logits_dtype=None, hidden=hidden),)
 
     if grid.pp > 1:  # (its micro-batches' graphs, if any, are its stage step's: sends and receives between them)
-        from nanoinfer.pipeline import Stage
+        from nanoinfer.parallel.pipeline import Stage
         from runtime.executor.pipeline_parallel import (
             capture_stage,
             graph_or_eager,

@@ -2,7 +2,7 @@
 
 Each verifying sequence computes its pending token and its j drafts in j + 1 rows; its rows'
 target distributions accept a leading run of the drafts and draw one token of their own after
-them (nanoinfer/speculative.py). The runner (runtime/executor/model_runner.py) makes one of
+them (nanoinfer/sampling/rejection.py). The runner (runtime/executor/model_runner.py) makes one of
 these per step that verifies: its results join the step's as `StepTensors.verified`.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoinfer.host_copy import to_device_packed
-from nanoinfer.sampling import compute_logprobs
-from nanoinfer.speculative import draft_history, verify
+from nanoinfer.backends.host_copy import to_device_packed
+from nanoinfer.sampling.sampler import compute_logprobs
+from nanoinfer.sampling.rejection import draft_history, verify
 from runtime.executor.step import DeviceToHost, StepInput, VerifiedTensors
 
 

@@ -9,9 +9,9 @@ import re
 from typing import Any, Mapping, NamedTuple
 
 from nanoinfer.errors import RequestError
-from nanoinfer.sampling import SamplingParams
-from nanoinfer.sampling_params import MAX_LOGPROBS
-from nanoinfer.structured import GrammarSpec
+from nanoinfer.sampling.sampler import SamplingParams
+from nanoinfer.sampling.sampling_params import MAX_LOGPROBS
+from nanoinfer.structured.grammars import GrammarSpec
 from runtime.serve.tool_calls import ToolSetup, tool_setup
 from runtime.serve.protocol import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeChatRequest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoinfer.sampling_params import MAX_N
+from nanoinfer.sampling.sampling_params import MAX_N
 from nanoinfer.settings import check_settings, setting
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling.sampling_params import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

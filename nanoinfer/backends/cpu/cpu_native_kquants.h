@@ -1,0 +1,220 @@
+/* K-quant matmuls: GGUF's Q4_K, Q5_K and Q6_K super-blocks multiplied as the file stores them.
+ *
+ * cpu_native.c includes this after its group block matmul. The weights are ggml's block_q4_K,
+ * block_q5_K and block_q6_K rows (nanoinfer/quant/kquants.py's KQuantWeight); the activations are
+ * rounded per 256 to int8 with one fp32 scale (llama.cpp's Q8_K: xd = amax / 127), and the
+ * per-16 sums of those int8 kept for the mins (Q4_K, Q5_K) and Q6_K's offset of 32:
+ *   Q4_K/Q5_K: sum_i (d sc_j q_i - dmin m_j) xd x_i = xd d sum_j sc_j (q_j . x_j) - xd dmin sum_j m_j sum x_j
+ *   Q6_K:      sum_i d sc_s (q_i - 32) xd x_i      = xd d sum_s sc_s (q_s . x_s - 32 sum x_s)
+ * A super-block's sums are integers (exact in any order, so every tier gets the same ones),
+ * then per super-block in order acc += (xd d) sumi - (xd dmin) summ in fp32, unfused:
+ * kquants.reference_kquant_matmul is the same computation in torch ops, bit for bit.
+ *
+ * Per super-block and weight row, the values are first unpacked into bytes (q, 0..63, plain
+ * loops the compiler vectorizes; once for all of a call's tokens), then dotted with the activations 32 at a time: vpdpbusd on
+ * AVX-512 VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2 (exact: q < 64 and |x| <= 127 keep
+ * a pair's sum within int16), elsewhere a plain loop (on ARM the compiler's own SDOT/SMLAL
+ * vectorization of it; no hand-written NEON yet). The 32-wide sums come back as eight int32
+ * lanes of four values each, so Q6_K's two sub-blocks of 16 in one load take their scales as
+ * lanes 0-3 and 4-7.
+ */
+
+#define QK_K 256
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f)
+        u = sign | 0x7f800000u | (man << 13);
+    else if (exp)
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man)
+        u = sign;
+    else { /* subnormal: normalize */
+        int e = -1;
+        do e++, man <<= 1; while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* eight int32 lanes, lane l = sum of w[4l + i] * x[4l + i], i < 4 (w < 64) */
+static inline __m256i dot32_lanes(const uint8_t *w, const int8_t *x) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)x);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* sum_j sc[j] (q_j . x_j) over sub-blocks of 32 (n of them) */
+static inline int scaled_dots32(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < n; j++)
+        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot32_lanes(q + 32 * j, x + 32 * j), _mm256_set1_epi32(sc[j])));
+    return hsum_i32(acc);
+}
+
+/* sum_s sc[s] (q_s . x_s) over sub-blocks of 16 (2 n of them) */
+static inline int scaled_dots16(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < n; j++) {
+        __m256i s = _mm256_setr_epi32(sc[2 * j], sc[2 * j], sc[2 * j], sc[2 * j], sc[2 * j + 1], sc[2 * j + 1],
+                                      sc[2 * j + 1], sc[2 * j + 1]);
+        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot32_lanes(q + 32 * j, x + 32 * j), s));
+    }
+    return hsum_i32(acc);
+}
+#else
+static inline int scaled_dots(const uint8_t *q, const int8_t *x, const int32_t *sc, int n, int width) {
+    int total = 0;
+    for (int j = 0; j < n; j++) {
+        int s = 0;
+        for (int i = 0; i < width; i++) s += (int)q[width * j + i] * (int)x[width * j + i];
+        total += sc[j] * s;
+    }
+    return total;
+}
+static inline int scaled_dots32(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
+    return scaled_dots(q, x, sc, n, 32);
+}
+static inline int scaled_dots16(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
+    return scaled_dots(q, x, sc, 2 * n, 16);
+}
+#endif
+
+/* x [rows, k] bf16 to Q8_K: xq [rows, k] int8, xd [rows, k / 256] fp32, bsum [rows, k / 16] int32 */
+void quantize_q8k(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, int32_t *bsum) {
+    for (int64_t b = 0; b < (int64_t)rows * k / QK_K; b++) {
+        float v[QK_K], amax = 0.0f;
+        for (int i = 0; i < QK_K; i++) {
+            v[i] = bf16_to_f32(x[b * QK_K + i]);
+            amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int s = 0; s < QK_K / 16; s++) {
+            int sum = 0;
+            for (int i = 16 * s; i < 16 * s + 16; i++) sum += xq[b * QK_K + i] = (int8_t)nearbyintf(v[i] * inv);
+            bsum[b * 16 + s] = sum;
+        }
+        xd[b] = amax / 127.0f;
+    }
+}
+
+/* Q4_K's and Q5_K's 6-bit scales and mins (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(const uint8_t *s, int32_t *sc, int32_t *m) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63, m[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | (s[j] >> 6) << 4;
+        m[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
+    }
+}
+
+/* A super-block unpacked: values as bytes (0..63), scales (and Q4_K's/Q5_K's mins), factors. */
+typedef struct {
+    uint8_t q[QK_K];
+    int32_t sc[16], m[8];
+    float d, dmin;
+} kq_block;
+
+static inline void kquant_unpack(const uint8_t *b, int type, kq_block *u) {
+    uint8_t *q = u->q;
+    if (type == 14) { /* Q6_K: ql[128], qh[64], scales[16] int8, d */
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32)
+            for (int l = 0; l < 32; l++) {
+                uint8_t *o = q + 128 * h + l;
+                o[0] = (ql[l] & 15) | (qh[l] & 3) << 4;
+                o[32] = (ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4;
+                o[64] = (ql[l] >> 4) | (qh[l] >> 4 & 3) << 4;
+                o[96] = (ql[l + 32] >> 4) | (qh[l] >> 6) << 4;
+            }
+        for (int s = 0; s < 16; s++) u->sc[s] = (int8_t)b[192 + s];
+        u->d = half_to_float((uint16_t)(b[208] | b[209] << 8));
+        return;
+    }
+    /* Q4_K: d, dmin, scales[12], qs[128]; Q5_K: the same with qh[32] before qs */
+    const uint8_t *qs = b + (type == 12 ? 16 : 48), *qh = b + 16;
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            q[64 * c + l] = qs[32 * c + l] & 15;
+            q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+    if (type == 13)
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) q[32 * j + l] |= (qh[l] >> j & 1) << 4;
+    scale_min_k4(b + 4, u->sc, u->m);
+    u->d = half_to_float((uint16_t)(b[0] | b[1] << 8)), u->dmin = half_to_float((uint16_t)(b[2] | b[3] << 8));
+}
+
+/* An unpacked super-block against one of the activations: its fp32 contribution. */
+static inline float kquant_block_dot(const kq_block *u, int type, const int8_t *xq, float xd, const int32_t *bsum) {
+    if (type == 14) {
+        int offset = 0;
+        for (int s = 0; s < 16; s++) offset += u->sc[s] * bsum[s];
+        int sumi = scaled_dots16(u->q, xq, u->sc, 8) - 32 * offset;
+        return (xd * u->d) * (float)sumi;
+    }
+    int summ = 0;
+    for (int j = 0; j < 8; j++) summ += u->m[j] * (bsum[2 * j] + bsum[2 * j + 1]);
+    int sumi = scaled_dots32(u->q, xq, u->sc, 8);
+    return (xd * u->d) * (float)sumi - (xd * u->dmin) * (float)summ;
+}
+
+static int block_bytes(int type) { return type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 0; }
+
+/* y [rows, ldy] (columns col0 ..  col0 + n) = x [rows, k] bf16 @ w.T, w [n, k] K-quant rows of
+ * `type` (ggml's id: 12 Q4_K, 13 Q5_K, 14 Q6_K); bf16, or fp32 where y_f32. Returns 0, -1
+ * without memory for the quantized x, -2 for a type or k it does not take. */
+static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y,
+                            int64_t ldy, int y_f32, int threads) {
+    int blocks = k / QK_K, bytes = block_bytes(type);
+    if (!bytes || k % QK_K) return -2;
+    int64_t row_bytes = (int64_t)blocks * bytes;
+    int8_t *xq = malloc((size_t)rows * k + sizeof(float) * rows * blocks + sizeof(int32_t) * rows * k / 16);
+    if (!xq) return -1;
+    float *xd = (float *)(xq + (int64_t)rows * k);
+    int32_t *bsum = (int32_t *)(xd + (int64_t)rows * blocks);
+    quantize_q8k(x, rows, k, xq, xd, bsum);
+    /* A row's super-blocks are unpacked once for all the tokens; each token's sum still runs
+     * over the blocks in order (the same bits whatever rows share the call). */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        float acc[rows];
+        kq_block u;
+        for (int t = 0; t < rows; t++) acc[t] = 0.0f;
+        for (int b = 0; b < blocks; b++) {
+            kquant_unpack(wr + b * bytes, type, &u);
+            for (int t = 0; t < rows; t++)
+                acc[t] += kquant_block_dot(&u, type, xq + (int64_t)t * k + b * QK_K, xd[t * blocks + b],
+                                           bsum + ((int64_t)t * blocks + b) * 16);
+        }
+        for (int t = 0; t < rows; t++) {
+            if (y_f32)
+                ((float *)y)[t * ldy + r] = acc[t];
+            else
+                ((uint16_t *)y)[t * ldy + r] = f32_to_bf16(acc[t]);
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* kquant_matmul_to over y [rows, n] (what cpu_native.py binds) */
+int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y, int y_f32,
+                  int threads) {
+    return kquant_matmul_to(x, rows, k, w, type, n, y, n, y_f32, threads);
+}

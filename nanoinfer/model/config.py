@@ -1,0 +1,99 @@
+"""ModelConfig: the frozen description of a model's shapes and numerics (each format's loader fills it in)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nanoinfer.model.config_checks import MAX_DIMENSIONS, dimension, positive_number, token_id
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `kind` is "linear" or "llama3" (Llama-3.1's wavelength-band
+    interpolation); the other fields only matter for llama3."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        positive_number("rope scaling factor", self.factor)
+        if self.kind == "llama3":  # (its smoothing divides by the two factors' difference)
+            positive_number("rope scaling low_freq_factor", self.low_freq_factor)
+            positive_number("rope scaling high_freq_factor", self.high_freq_factor)
+            dimension("rope scaling original_max_position_embeddings", self.original_max_position_embeddings)
+            if not self.high_freq_factor > self.low_freq_factor:
+                raise ValueError(f"rope scaling high_freq_factor={self.high_freq_factor!r} is not above "
+                                 f"low_freq_factor={self.low_freq_factor!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "nanochat" (nanoinfer/model/nanochat.py)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # keys older than this many positions are masked, in windowed layers
+    windowed_layers: tuple[bool, ...] | None = None  # per layer (Qwen's layer_types); None = all of them
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None  # the checkpoint's own dtype, for dtype="auto"
+    # Pool layers past the model's, for per-token state a family keeps beside its keys and
+    # values (nanochat: each token's normed embedding, which the next token's smear reads).
+    kv_extra_layers: int = 0
+
+    def __post_init__(self):
+        """Every loader's config meets these, whatever its file says (a ValueError naming the field)."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            dimension(name, getattr(self, name), most=MAX_DIMENSIONS.get(name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}: "
+                             "each KV head serves a whole group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates a head's dimensions in pairs")
+        positive_number("rms_norm_eps", self.rms_norm_eps)
+        positive_number("rope_theta", self.rope_theta)
+        if self.sliding_window is not None:
+            dimension("sliding_window", self.sliding_window)
+        if self.bos_token_id is not None:
+            token_id("bos_token_id", self.bos_token_id)
+        for eos in self.eos_token_ids:
+            token_id("eos_token_ids", eos)
+        if self.windowed_layers is not None and len(self.windowed_layers) != self.num_layers:
+            raise ValueError(f"windowed_layers has {len(self.windowed_layers)} entries for {self.num_layers} layers")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window; None for a layer of full causal attention."""
+        if self.windowed_layers is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if windowed else None for windowed in self.windowed_layers)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def with_layers(self, num_layers: int) -> "ModelConfig":
+        """The same model cut to its first `num_layers` layers (tests, tools)."""
+        windowed = None if self.windowed_layers is None else self.windowed_layers[:num_layers]
+        return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed)
+
