@@ -87,6 +87,8 @@ class ReplicaRouter:
 
     def route(self, prompt_ids: Sequence[int], loads: Sequence[Load], healthy: Sequence[bool]) -> int:
         """`pick` for the prompt, recorded."""
+        if self.num_replicas == 1:  # (one engine process: no choice, so no prompt hashed on the front's loop)
+            return self.pick((), loads, healthy)
         keys = self.keys(prompt_ids)
         replica = self.pick(keys, loads, healthy)
         self.record(replica, keys)

@@ -101,6 +101,18 @@ def test_the_record_is_bounded_by_the_pool_and_drops_deep_blocks_first():
     assert not ReplicaRouter([4, 4], BLOCK, prefix_caching=False).keys(long)
 
 
+def test_one_replica_takes_every_request_without_its_prompt_hashed(monkeypatch):
+    """`serve --engine-process on` is one replica: nothing to choose, so no prefix keys (a burst of long
+    prompts hashed block by block on the front's event loop was its largest cost per request)."""
+    from runtime import replica_router
+
+    router = ReplicaRouter([64], BLOCK)
+    monkeypatch.setattr(replica_router, "block_key", lambda *a: pytest.fail("a prompt hashed for one replica"))
+    assert router.route(list(range(1, 40)), [Load(5, 100)], [True]) == 0
+    with pytest.raises(ValueError, match="no replica is healthy"):
+        router.route([4] * 9, [IDLE], [False])
+
+
 # -- replicas over the tiny model ------------------------------------------------------------------
 
 
