@@ -230,6 +230,10 @@ def test_bad_requests_fail_alone():
                 await engine.generate([1, 500], greedy())
             with pytest.raises(RequestError, match="string, a list of token ids"):
                 await engine.generate([1.5, 2], greedy())
+            with pytest.raises(RequestError, match="string, a list of token ids"):
+                await engine.generate([1, True], greedy())  # (a bool is no token id, though Python calls it an int)
+            with pytest.raises(RequestError, match="token id -1 is out of range"):
+                await engine.generate([3, -1, 2], greedy())
             with pytest.raises(RequestError, match="no tokenizer"):
                 await engine.generate("text needs a tokenizer", greedy())
             engine_ok = (await good).finish_reason == "length"

@@ -22,6 +22,7 @@ from nanoinfer.sampling.sampling_defaults import default_params
 from runtime.config import EngineConfig, load_and_engine_configs
 from runtime.engine.engine_core import EngineCore
 from runtime.engine.outputs import Progress, RequestOutput, TokenOutput
+from runtime.engine.request_limits import all_ints
 from runtime.engine.request_state import RequestState
 
 log = logging.getLogger("nanoinfer.engine")
@@ -113,7 +114,7 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(items, **variables)
             # The template writes BOS itself where the model wants one: add no specials again.
             return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if not all_ints(items):
             raise RequestError("prompt must be a string, a list of token ids, or a list of chat messages (dicts)")
         return None, items
 

@@ -12,6 +12,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.sampling.sampler import SamplingParams
 from nanoinfer.sampling.sampling_params import MAX_LOGPROBS
 from nanoinfer.structured.grammars import GrammarSpec
+from runtime.engine.request_limits import all_ints
 from runtime.serve.tool_calls import ToolSetup, tool_setup
 from runtime.serve.protocol import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeChatRequest
 
@@ -87,7 +88,7 @@ def completion_prompts(req: CompletionRequest) -> list:
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif all(isinstance(t, int) for t in prompt):
+    elif all_ints(prompt):
         prompts = [prompt]
     elif all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt):
         prompts = list(prompt)
