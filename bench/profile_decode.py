@@ -22,7 +22,7 @@ import torch
 def profile(model, batch, context, steps, rows):
     from nanoinfer.sampling.sampler import SamplingParams
     from runtime.engine.engine_core import EngineConfig, EngineCore
-    from runtime.config import SchedulerConfig
+    from runtime.engine_config import SchedulerConfig
 
     engine = EngineCore(model, EngineConfig(block_size=16, max_model_len=max(2048, context + 4 * steps + 64),
                                             gpu_memory_utilization=0.8, cuda_graph_capture="all",

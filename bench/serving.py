@@ -9,7 +9,7 @@ sampling; every request asks for its output length, and min-length is enforced b
 the usage. TTFT = request sent to first content chunk; ITL = gaps between content chunks (as
 vLLM's benchmark counts them: a chunk that carries several tokens is one gap). The server runs in
 its own process (as in production); with --api-server-count N its fronts are N processes; with
---data-parallel-size N its N replicas are processes of their own (runtime/data_parallel.py). DP=1 against
+--data-parallel-size N its N replicas are processes of their own (runtime/engine_process/data_parallel.py). DP=1 against
 DP=2, two H100s, the small shape (DIR from `python bench/dummy_checkpoint.py qwen3-0.6b DIR`), in one lease:
 
     for dp in 1 2; do python bench/serving.py --model DIR --load-format dummy --device cuda --clients 64 \

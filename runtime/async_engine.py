@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams
-from runtime.config import EngineConfig, engine_config
+from runtime.engine_config import EngineConfig, engine_config
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
 from runtime.engine.request_state import RequestState
 from runtime.loop_inbox import LoopInbox

@@ -19,9 +19,9 @@ from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.flags import add_flags, from_namespace, parse_config_file
 from nanoinfer.hub import DEFAULT_MODEL
 from nanoinfer.loaders import LoadConfig
-from runtime.config import EngineConfig, SchedulerConfig
+from runtime.engine_config import EngineConfig, SchedulerConfig
 from runtime.launch import LaunchConfig, LocalRanks, is_launched
-from runtime.serve.config import ServerConfig
+from runtime.serve.server_config import ServerConfig
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -246,11 +246,11 @@ def _generate(args) -> int:
 
 def _async_engine(args):
     """The engine a server runs: an AsyncEngine in this process, or engine processes behind this one as their
-    front (runtime/data_parallel.py): one with --engine-process, N with --data-parallel-size N > 1."""
+    front (runtime/engine_process/data_parallel.py): one with --engine-process, N with --data-parallel-size N > 1."""
     kwargs = {**_load_kwargs(args), **_engine_kwargs(args)}
     _say_if_default(args)
     if kwargs.get("data_parallel_size", 1) > 1 or _engine_process(args, kwargs):
-        from runtime.data_parallel import data_parallel_from_model
+        from runtime.engine_process.data_parallel import data_parallel_from_model
 
         return data_parallel_from_model(args.model, fronts=getattr(args, "api_server_count", 1), **kwargs)
     from runtime.async_engine import AsyncEngine

@@ -13,7 +13,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.loaders import load_model
 from nanoinfer.sampling.sampler import SamplingParams
 from nanoinfer.sampling.sampling_defaults import default_params
-from runtime.config import engine_config, load_and_engine_configs
+from runtime.engine_config import engine_config, load_and_engine_configs
 from runtime.engine.llm_engine import LLMEngine, Prompt, failed
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.request_state import RequestState

@@ -59,7 +59,7 @@ class RequestHandle:
 class RequestReader:
     """How a consumer reads submitted requests: as deltas (`stream`, `merge`) or whole
     (`generate`, `collect`). The engine underneath provides `submit` and `release`: one
-    RequestBook (AsyncEngine), or the replicas' (runtime/data_parallel.py)."""
+    RequestBook (AsyncEngine), or the replicas' (runtime/engine_process/data_parallel.py)."""
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True) -> RequestHandle:

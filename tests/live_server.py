@@ -15,7 +15,7 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.loaders.gguf import open_gguf
 from nanoinfer.text.tokenizer import Tokenizer
 from runtime.async_engine import AsyncEngine, engine_config
-from runtime.serve.config import ServerConfig
+from runtime.serve.server_config import ServerConfig
 from runtime.serve.server import create_app
 from runtime.serve.serving import uvicorn_config
 from tests.tiny import random_params, tiny_config
@@ -48,7 +48,7 @@ class LiveServer:
                  **settings):
         config = engine_config(**{"num_blocks": 2048, "block_size": 16, **(engine_kw or {})})
         if config.data_parallel_size > 1 or settings.get("engine_process") == "on":
-            from runtime.data_parallel import data_parallel_from_loaded
+            from runtime.engine_process.data_parallel import data_parallel_from_loaded
 
             self.engine = data_parallel_from_loaded(model, config)
         else:

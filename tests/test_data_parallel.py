@@ -19,10 +19,10 @@ from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders import LoadedModel
 from runtime.async_engine import AsyncEngine, engine_config
 from runtime.cli import parse_args
-from runtime.data_parallel import (DataParallelEngine, data_parallel_from_loaded, data_parallel_from_model,
+from runtime.engine_process.data_parallel import (DataParallelEngine, data_parallel_from_loaded, data_parallel_from_model,
                                      replica_devices)
 from runtime.llm import LLM
-from runtime.replica_router import Load, ReplicaRouter
+from runtime.engine_process.router import Load, ReplicaRouter
 from tests.live_server import LiveServer
 from tests.tiny import random_params, tiny_config
 
@@ -104,7 +104,7 @@ def test_the_record_is_bounded_by_the_pool_and_drops_deep_blocks_first():
 def test_one_replica_takes_every_request_without_its_prompt_hashed(monkeypatch):
     """`serve --engine-process on` is one replica: nothing to choose, so no prefix keys (a burst of long
     prompts hashed block by block on the front's event loop was its largest cost per request)."""
-    from runtime import replica_router
+    from runtime.engine_process import router as replica_router
 
     router = ReplicaRouter([64], BLOCK)
     monkeypatch.setattr(replica_router, "block_key", lambda *a: pytest.fail("a prompt hashed for one replica"))
@@ -396,7 +396,7 @@ from pathlib import Path
 from nanoinfer import SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.async_engine import engine_config
-from runtime.data_parallel import data_parallel_from_loaded
+from runtime.engine_process.data_parallel import data_parallel_from_loaded
 from tests.tiny import random_params, tiny_config
 
 cfg = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -14,7 +14,7 @@ import pytest
 
 from nanoinfer import EngineError, SamplingParams
 from runtime.async_engine import AsyncEngine
-from runtime.data_parallel import data_parallel_from_loaded
+from runtime.engine_process.data_parallel import data_parallel_from_loaded
 from tests.live_server import LiveServer
 from tests.test_data_parallel import GREEDY, MODEL, ROOT, SCRIPT, _alive, config, descendants, prompts
 

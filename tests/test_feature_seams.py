@@ -77,12 +77,12 @@ print(json.dumps({"text": out[0].outputs[0].text,
 
 # The engine's features: their code plugs in at the step's seams and is imported by the
 # request (or the failure) that needs it.
-UNUSED_IN_RUNTIME = ("runtime.engine.speculative", "runtime.engine.structured", "runtime.engine.faults",
+UNUSED_IN_RUNTIME = ("runtime.engine.speculative", "runtime.engine.structured_output", "runtime.engine.faults",
                      "runtime.executor.draft_runner", "runtime.executor.verify", "runtime.executor.grammar_masks",
                      "runtime.executor.tensor_parallel", "runtime.executor.control_channel", "runtime.serve",
                      "runtime.async_engine", "runtime.worker",
-                     "runtime.data_parallel", "runtime.replica_router", "runtime.dp_client", "runtime.dp_messages",
-                     "runtime.dp_replica")
+                     "runtime.engine_process.data_parallel", "runtime.engine_process.router", "runtime.engine_process.client", "runtime.engine_process.messages",
+                     "runtime.engine_process.replica")
 
 
 @pytest.mark.slow

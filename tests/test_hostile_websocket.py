@@ -174,7 +174,7 @@ def test_serve_reads_no_websocket_message_over_the_limit(tiny_chat_model):
     from types import SimpleNamespace
 
     from runtime.async_engine import AsyncEngine, engine_config
-    from runtime.serve.config import ServerConfig
+    from runtime.serve.server_config import ServerConfig
     from runtime.serve.serving import build_server
     from tests.live_server import start_in_thread
 

@@ -371,7 +371,7 @@ def test_what_cannot_run_in_stages_is_named_before_any_rank_starts(model, tmp_pa
     nanochat = load_model(tmp_path / "d4", device="cpu", progress=False)
     with pytest.raises(RequestError, match="a nanochat model runs whole"):
         EngineCore(nanochat, engine_config(num_blocks=16, pipeline_parallel_size=2))
-    from runtime.data_parallel import data_parallel_from_loaded
+    from runtime.engine_process.data_parallel import data_parallel_from_loaded
 
     with pytest.raises(RequestError, match="data_parallel_size=2 with pipeline_parallel_size=2 is not supported"):
         data_parallel_from_loaded(model, engine_config(data_parallel_size=2, pipeline_parallel_size=2))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.block_manager import BlockManager
-from runtime.config import SchedulerConfig
+from runtime.engine_config import SchedulerConfig
 from runtime.engine.policy import WaitingQueue, plan, rank
 from runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -633,7 +633,7 @@ def test_random_workloads_finish(workload):
 def test_prompt_logprob_rows_per_step_are_bounded():
     """Each prompt token whose logprobs are asked for costs a [vocab] row of logits: a step
     computes at most PROMPT_LOGPROB_ROWS of them, however large the token budget."""
-    from runtime.config import PROMPT_LOGPROB_ROWS
+    from runtime.engine_config import PROMPT_LOGPROB_ROWS
 
     config = SchedulerConfig(max_num_batched_tokens=4096)
     sim = Sim(512, 16, 0, config)

@@ -341,7 +341,7 @@ def test_the_host_check_covers_every_route_and_parses_the_header_strictly(tiny_c
 
 def test_allowed_hosts_names_what_a_server_on_other_addresses_answers(tiny_chat_model):
     """Issue 31: binding a non-loopback address turned the check off, with no way to list names."""
-    from runtime.serve.config import ServerConfig, allowed_hosts
+    from runtime.serve.server_config import ServerConfig, allowed_hosts
 
     assert allowed_hosts(ServerConfig()) == ("localhost", "127.0.0.1", "[::1]", "::1")
     assert allowed_hosts(ServerConfig(host="0.0.0.0")) is None  # (any, as before: say which with --allowed-hosts)
@@ -489,7 +489,7 @@ def test_shutdown_drains_then_ends_what_is_left_with_errors(tiny_chat_model):
     from concurrent.futures import ThreadPoolExecutor
 
     from runtime.async_engine import AsyncEngine, engine_config
-    from runtime.serve.config import ServerConfig
+    from runtime.serve.server_config import ServerConfig
     from runtime.serve.serving import build_server
     from tests.live_server import start_in_thread
 

@@ -10,7 +10,7 @@ import pytest
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.outputs import Progress
 from runtime.engine.request_state import RequestState
-from runtime.serve.config import ServerConfig
+from runtime.serve.server_config import ServerConfig
 from tests.live_server import LiveServer
 
 

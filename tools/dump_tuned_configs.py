@@ -70,7 +70,7 @@ def warm_up(shape: str, quantization: str, device: str) -> None:
     from bench.shapes import random_model
     from nanoinfer.loaders.quantize import quantize_params
     from nanoinfer.sampling.sampler import SamplingParams
-    from runtime.config import engine_config
+    from runtime.engine_config import engine_config
     from runtime.engine.engine_core import EngineCore
 
     model = random_model(shape, device=device)

@@ -10,7 +10,7 @@ A step that a grammar constrained is read during the next one's launch, once tha
 queued: its grammars consume its tokens while the device runs, then fill the next masks.
 Features plug in where a step has a seam: speculative decoding before the plan and after the
 resolve (runtime/engine/speculative.py), structured output at submit and resolve
-(runtime/engine/structured.py), fault containment in the `except` clauses
+(runtime/engine/structured_output.py), fault containment in the `except` clauses
 (runtime/engine/faults.py). A request that uses none of them runs none of their code.
 """
 
@@ -25,7 +25,7 @@ import torch
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams
-from runtime.config import EngineConfig
+from runtime.engine_config import EngineConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.outputs import TokenOutput
 from runtime.engine.policy import Plan
@@ -70,7 +70,7 @@ class EngineCore:
             from runtime.engine.speculative import Speculator
 
             self.speculator = self.resolver.speculator = Speculator(config.speculative_config)
-        self.structured = None  # runtime/engine/structured.py, from the first request that asks for it
+        self.structured = None  # runtime/engine/structured_output.py, from the first request that asks for it
         self.step_count = 0
         self._next_id = 0
         self._seed_source = random.Random()
@@ -90,7 +90,7 @@ class EngineCore:
 
     def _structured(self):
         if self.structured is None:
-            from runtime.engine.structured import StructuredOutput
+            from runtime.engine.structured_output import StructuredOutput
 
             self.structured = self.resolver.grammars = StructuredOutput(self.executor.grammars)
         return self.structured

@@ -19,7 +19,7 @@ from nanoinfer.errors import NanoInferError, RequestError
 from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling.sampler import SamplingParams
 from nanoinfer.sampling.sampling_defaults import default_params
-from runtime.config import EngineConfig, load_and_engine_configs
+from runtime.engine_config import EngineConfig, load_and_engine_configs
 from runtime.engine.engine_core import EngineCore
 from runtime.engine.outputs import Progress, RequestOutput, TokenOutput
 from runtime.engine.request_limits import all_ints
@@ -44,11 +44,11 @@ def failed(out: RequestOutput) -> EngineError:
 
 
 def _check_one_replica(config: EngineConfig) -> None:
-    """An engine is one replica: several are the server's (runtime/data_parallel.py)."""
+    """An engine is one replica: several are the server's (runtime/engine_process/data_parallel.py)."""
     n = config.data_parallel_size
     if n > 1:
         raise RequestError(f"data_parallel_size={n} is a server setting (`nanoinfer serve --data-parallel-size {n}`, "
-                           f"or DataParallelEngine in runtime/data_parallel.py): LLM, LLMEngine and AsyncEngine run "
+                           f"or DataParallelEngine in runtime/engine_process/data_parallel.py): LLM, LLMEngine and AsyncEngine run "
                            f"one engine; offline, run one per process", param="data_parallel_size")
 
 
@@ -156,7 +156,7 @@ class LLMEngine:
 
     def step_tokens(self) -> list[TokenOutput]:
         """One engine step's TokenOutputs as the core made them (an engine process sends them to its front,
-        which files them: runtime/dp_replica.py); a failure the core could not contain fails every request."""
+        which files them: runtime/engine_process/replica.py); a failure the core could not contain fails every request."""
         try:
             return self.core.step()
         except Exception as exc:  # noqa: BLE001 - the core contains what it can; this it could not

@@ -32,7 +32,7 @@ class TokenOutput(NamedTuple):
 
 class Progress(NamedTuple):
     """One completion's step as its request files it (RequestState.file): made from a TokenOutput by the
-    engine in this process, or decoded from an engine process's message (runtime/dp_messages.py)."""
+    engine in this process, or decoded from an engine process's message (runtime/engine_process/messages.py)."""
 
     index: int  # which of the request's n completions
     token_id: int | None

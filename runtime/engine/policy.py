@@ -18,7 +18,7 @@ import bisect
 import heapq
 from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
-from runtime.config import PROMPT_LOGPROB_ROWS, SchedulerConfig
+from runtime.engine_config import PROMPT_LOGPROB_ROWS, SchedulerConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.prefix_cache import NO_HIT
 from runtime.engine.sequence import Sequence

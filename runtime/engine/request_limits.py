@@ -2,7 +2,7 @@
 
 The engine core checks every request here before queueing it; a data-parallel front checks here too, with its
 replicas' limits, so that a request no replica could serve is a RequestError (a 400) where it is submitted,
-not a failure in a replica's process (runtime/data_parallel.py).
+not a failure in a replica's process (runtime/engine_process/data_parallel.py).
 """
 
 from __future__ import annotations

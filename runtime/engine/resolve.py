@@ -4,7 +4,7 @@ The step's results come back as a StepTensors (runtime/executor/step.py), read b
 of sequences that finished meanwhile (an abort, or a stop token found in the step before) are
 dropped: their one extra row of work is the price of overlap. A row that cannot be applied
 fails its own request, no other. Verified drafts (runtime/engine/speculative.py) and grammars
-(runtime/engine/structured.py) are applied by their features, when a step has them.
+(runtime/engine/structured_output.py) are applied by their features, when a step has them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Resolver:
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generated_tokens = 0
-        self.grammars = None  # structured output's consumer (runtime/engine/structured.py), once a request uses it
+        self.grammars = None  # structured output's consumer (runtime/engine/structured_output.py), once a request uses it
         self.speculator = None  # speculative decoding's (runtime/engine/speculative.py), when configured
 
     def resolve(self, step: InFlightStep) -> list[TokenOutput]:

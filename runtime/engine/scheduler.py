@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Hashable
 
-from runtime.config import SchedulerConfig
+from runtime.engine_config import SchedulerConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.outputs import TokenOutput
 from runtime.engine.policy import Plan, WaitingQueue, decode_plan, plan

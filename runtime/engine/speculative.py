@@ -23,7 +23,7 @@ from collections import deque
 import numpy as np
 
 from nanoinfer.sampling.ngram import propose_ngram
-from runtime.config import SpeculativeConfig
+from runtime.engine_config import SpeculativeConfig
 from runtime.engine.sequence import Sequence
 from runtime.executor.step import InFlightStep, VerifiedRows, VerifiedTensors
 

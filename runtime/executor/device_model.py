@@ -13,7 +13,7 @@ from nanoinfer.model.batch import Batch
 from nanoinfer.backends.choose import forward_of, kernels_for, prepare
 from nanoinfer.model.kv_cache import kv_dtype
 from nanoinfer.loaders import LoadedModel
-from runtime.config import EngineConfig
+from runtime.engine_config import EngineConfig
 from runtime.executor.kv_pools import KVPools
 
 

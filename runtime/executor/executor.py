@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
-from runtime.config import EngineConfig
+from runtime.engine_config import EngineConfig
 from runtime.executor.kv_pools import KVPools
 from runtime.executor.step import InFlightStep, Sequence, StepInput
 

@@ -14,7 +14,7 @@ from nanoinfer.model.kv_cache import allocate_kv_pool, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams, SamplingTensors, compute_logprobs, sample
 from nanoinfer.sampling.sampling_params import MAX_LOGPROBS
-from runtime.config import PROMPT_LOGPROB_ROWS
+from runtime.engine_config import PROMPT_LOGPROB_ROWS
 
 if TYPE_CHECKING:
     from nanoinfer.attention import AttentionBackend

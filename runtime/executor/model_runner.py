@@ -24,7 +24,7 @@ from nanoinfer.backends.host_copy import PinnedStaging, to_device_packed
 from nanoinfer.model.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import compute_logprobs, greedy_and_finite, sample
-from runtime.config import EngineConfig
+from runtime.engine_config import EngineConfig
 from runtime.executor.input_batch import InputBatch
 from runtime.executor.kv_budget import kv_blocks_for_memory
 from runtime.executor.device_model import DeviceModel

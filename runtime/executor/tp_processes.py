@@ -48,7 +48,7 @@ class RankLost(DeviceLost):
 
 class RankProcess:
     """One rank's process, its output's last lines, and why it ended. (A data-parallel replica's process too:
-    `label` prefixes its lines, `pass_fds` are inherited, see runtime/dp_client.py.)"""
+    `label` prefixes its lines, `pass_fds` are inherited, see runtime/engine_process/client.py.)"""
 
     label = "tp rank"
 

@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from runtime.async_engine import AsyncEngine, RequestHandle
 from runtime.serve import protocol as api
 from runtime.serve.api_mapping import chat_inputs, completion_params, completion_prompts, param_of
-from runtime.serve.config import ServerConfig
+from runtime.serve.server_config import ServerConfig
 from runtime.serve.http_errors import HTTPError
 from runtime.serve.renderers import ChatRenderer, CompletionRenderer
 from runtime.serve.shutdown import Shutdown

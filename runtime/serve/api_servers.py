@@ -3,7 +3,7 @@
 One front process writes every stream's chunks in one interpreter; past a few hundred streams that is a core's
 work (bench/RESULTS.md, issue 60), and the streams' latency follows it. With --api-server-count N (vLLM's name)
 the first process — the one `nanoinfer serve` runs — starts the engine processes with a socket for each front
-(runtime/dp_client.py's `spawn`), then N-1 processes `python -m runtime.serve.api_servers FD...`, each handed
+(runtime/engine_process/client.py's `spawn`), then N-1 processes `python -m runtime.serve.api_servers FD...`, each handed
 its end of every engine process's socket and the port. Each binds the port as the first does (SO_REUSEPORT: the
 kernel spreads new connections over them), makes its own DataParallelEngine over the same engine processes (they
 are not its children: EngineElsewhere, the first watches and stops them) and serves as the first does; a request
@@ -26,8 +26,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from runtime.config import EngineConfig
-from runtime.serve.config import ServerConfig
+from runtime.engine_config import EngineConfig
+from runtime.serve.server_config import ServerConfig
 
 # seconds past the shutdown timeout for the other API servers to exit (then they are killed): their streams' error
 # events, then uvicorn's own graceful stop (10 s)
@@ -117,8 +117,8 @@ class ApiServers:
 
 
 def main(argv: list[str]) -> None:
-    from runtime.data_parallel import DataParallelEngine
-    from runtime.dp_client import EngineElsewhere, ReplicaClient
+    from runtime.engine_process.data_parallel import DataParallelEngine
+    from runtime.engine_process.client import EngineElsewhere, ReplicaClient
     from runtime.executor.tp_rank import exit_with_parent, read_arguments
     from runtime.serve.serving import serve
 

@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.websockets import WebSocket
 
 from runtime.serve import protocol as api
-from runtime.serve.config import ServerConfig, allowed_hosts
+from runtime.serve.server_config import ServerConfig, allowed_hosts
 from runtime.serve.http_errors import HTTPError, error_response
 from runtime.serve.websocket import refuse
 

@@ -41,7 +41,7 @@ from starlette.staticfiles import StaticFiles
 from runtime.async_engine import AsyncEngine
 from runtime.serve import protocol as api
 from runtime.serve.admission import Admission
-from runtime.serve.config import ServerConfig
+from runtime.serve.server_config import ServerConfig
 from runtime.serve.host_check import HostCheck
 from runtime.serve.http_errors import HTTPError, error_response
 from runtime.serve.metrics import ServerMetrics

@@ -17,7 +17,7 @@ import uvicorn
 
 from nanoinfer.errors import NanoInferError
 from runtime.async_engine import AsyncEngine
-from runtime.serve.config import ServerConfig, allowed_hosts
+from runtime.serve.server_config import ServerConfig, allowed_hosts
 from runtime.serve.protocols import WebSocketProtocol, http_protocol
 from runtime.serve.server import create_app
 

@@ -1,7 +1,7 @@
-"""A data-parallel replica's process: `python -m runtime.dp_replica FD` — one engine, fed by the front over a socket.
+"""A data-parallel replica's process: `python -m runtime.engine_process.replica FD` — one engine, fed by the front over a socket.
 
-The front (runtime/data_parallel.py) starts one per replica, whatever the user's program is (a notebook,
-`python -`, a script without a main guard: nothing of it runs here). Its arguments (runtime/dp_messages.py's
+The front (runtime/engine_process/data_parallel.py) starts one per replica, whatever the user's program is (a notebook,
+`python -`, a script without a main guard: nothing of it runs here). Its arguments (runtime/engine_process/messages.py's
 ReplicaArgs: the weights shared by handle, or a checkpoint to load) come on stdin as a tensor-parallel rank's do
 (runtime/executor/tp_rank.py); FD is its end of a socket pair with the front (FD... with a server's N API server
 processes, one each: `serve --api-server-count N`; the first is the one that started it). Here the engine runs as in
@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from runtime import dp_messages as msg
+from runtime.engine_process import messages as msg
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import Progress
 from runtime.engine.request_state import RequestState

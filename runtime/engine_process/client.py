@@ -1,6 +1,6 @@
 """ReplicaClient: the front's side of one data-parallel replica — its process, its socket, its requests in flight.
 
-The replica is `python -m runtime.dp_replica` (runtime/dp_replica.py), started as a tensor-parallel rank is
+The replica is `python -m runtime.engine_process.replica` (runtime/engine_process/replica.py), started as a tensor-parallel rank is
 (runtime/executor/tp_processes.py: our module whatever the user's program is, its arguments on stdin, the weights
 shared by handle, its output echoed and its last lines kept). A client is a RequestBook (runtime/request_book.py)
 whose commands go over the socket instead of to a worker thread: a reader thread takes the replica's reports and
@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
-from runtime import dp_messages as msg
+from runtime.engine_process import messages as msg
 from runtime.engine.llm_engine import EngineError
 from runtime.engine.request_state import RequestState
 from runtime.executor.tp_processes import RankProcess, _environment, _python
@@ -54,7 +54,7 @@ def spawn(args: msg.ReplicaArgs) -> tuple[ReplicaProcess, list[Connection]]:
     pairs = [socket.socketpair() for _ in range(args.fronts)]
     try:
         fds = [theirs.fileno() for _, theirs in pairs]
-        process = ReplicaProcess(args.index, [*_python(), "-m", "runtime.dp_replica", *map(str, fds)],
+        process = ReplicaProcess(args.index, [*_python(), "-m", "runtime.engine_process.replica", *map(str, fds)],
                                  _environment(), pass_fds=tuple(fds))
     except BaseException:
         for ours, _ in pairs:
@@ -120,7 +120,7 @@ class ReplicaLink:
         threading.Thread(target=self._write, daemon=True, name=f"nanoinfer-dp-replica{self.index}-write").start()
 
     def post(self, message) -> None:
-        """Send `message` (runtime/dp_messages.py) on the writer thread; lost with the replica if it is gone."""
+        """Send `message` (runtime/engine_process/messages.py) on the writer thread; lost with the replica if it is gone."""
         self._outbox.put(message)
 
     def compile(self, spec, gone: BaseException) -> Future:

@@ -1,7 +1,7 @@
 """What a front and its engine processes say to each other: every message type, in one place.
 
-The front (runtime/data_parallel.py, runtime/dp_client.py: a server's HTTP process) and each engine process
-(runtime/dp_replica.py: data parallelism's replicas, or a server's one engine apart from its front) share one
+The front (runtime/engine_process/data_parallel.py, runtime/engine_process/client.py: a server's HTTP process) and each engine process
+(runtime/engine_process/replica.py: data parallelism's replicas, or a server's one engine apart from its front) share one
 socket, framed by multiprocessing.connection. A request crosses as its key (the front's number for it, never
 reused: progress of an aborted request that was on its way is dropped by key) and what the engine needs, already
 tokenized and checked. What comes back at every step is one typed message, `Step` (msgspec's msgpack: no pickle
@@ -20,7 +20,7 @@ import msgspec
 
 from nanoinfer.loaders import LoadConfig, LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams
-from runtime.config import EngineConfig
+from runtime.engine_config import EngineConfig
 from runtime.engine.outputs import Progress, TokenLogprob
 from runtime.engine.request_limits import RequestLimits
 

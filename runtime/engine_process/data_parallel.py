@@ -1,14 +1,14 @@
 """DataParallelEngine: N engine replicas behind one asyncio front (`data_parallel_size`), each request routed to one.
 
-Each replica is its own process (runtime/dp_replica.py: `python -m runtime.dp_replica`, never the user's
+Each replica is its own process (runtime/engine_process/replica.py: `python -m runtime.engine_process.replica`, never the user's
 program), a whole engine — its step loop, scheduler, KV pool and prefix cache — over its own copy of the model on
 its own device: replica i on cuda:base + i * tensor_parallel_size (base: the device asked for, cuda:0 by default;
 with tensor_parallel_size T its group's other ranks take the next T - 1 GPUs, started by the replica), every
 replica on the CPU there (sharing the cores). One process each, so that the replicas' Python step loops do not
 share one interpreter's lock. The front — this process, where the server's event loop runs — renders, tokenizes
 and checks each request (against the replicas' limits), and sends it to the replica that ReplicaRouter picks
-(runtime/replica_router.py: the longest cached prefix of its prompt, else the least loaded); it stays there. The
-replica's outputs (detokenized there) come back to the front's loop (runtime/dp_client.py). The server and
+(runtime/engine_process/router.py: the longest cached prefix of its prompt, else the least loaded); it stays there. The
+replica's outputs (detokenized there) come back to the front's loop (runtime/engine_process/client.py). The server and
 `nanoinfer serve --data-parallel-size N` use it as they use an AsyncEngine: the same methods (`prepare`,
 `enqueue`, `submit`, `stream`, `generate`, `merge`, `collect`, `abort`, `release`, `stats`, `healthy`,
 `shutdown`), with `stats()` per replica besides the totals.
@@ -42,14 +42,14 @@ import torch
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel, resolve_device
 from nanoinfer.sampling.sampler import SamplingParams
-from runtime import dp_messages as msg
+from runtime.engine_process import messages as msg
 from runtime.async_engine import EngineError, Prompt, RequestHandle
-from runtime.config import EngineConfig, load_and_engine_configs
-from runtime.dp_client import ReplicaClient, spawn
+from runtime.engine_config import EngineConfig, load_and_engine_configs
+from runtime.engine_process.client import ReplicaClient, spawn
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.request_limits import RequestLimits
 from runtime.engine.request_state import RequestState
-from runtime.replica_router import Load, ReplicaRouter
+from runtime.engine_process.router import Load, ReplicaRouter
 from runtime.request_book import RequestReader
 
 # Stats that are not counts: per replica only (a total would mean nothing).
