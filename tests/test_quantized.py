@@ -18,7 +18,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.loaders import load_model
 from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
-from nanoinfer.loaders.gguf import grouped_weight
+from nanoinfer.loaders.gguf_blocks import grouped_weight
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.model.decoder import EAGER, LayerFunctions, forward
 from nanoinfer.quant.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from nanoinfer.model.config import ModelConfig, RopeScaling
-from nanoinfer.model.config_checks import (MAX_DIMENSIONS, checkpoint_config, cut, dimension, heads_share_kv_heads,
+from nanoinfer.model.config import ModelConfig, RopeScaling, checkpoint_config
+from nanoinfer.model.config_checks import (MAX_DIMENSIONS, cut, dimension, heads_share_kv_heads,
                                      positive_number, shown, token_id)
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import json_kind, read_json_object

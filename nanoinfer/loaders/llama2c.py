@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoinfer.model.config import ModelConfig
-from nanoinfer.model.config_checks import MAX_DIMENSIONS, checkpoint_config, dimension
+from nanoinfer.model.config import ModelConfig, checkpoint_config
+from nanoinfer.model.config_checks import MAX_DIMENSIONS, dimension
 from nanoinfer.errors import CheckpointError
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model.decoder import Params

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from nanoinfer.model.config import ModelConfig
-from nanoinfer.model.config_checks import MAX_DIMENSIONS, checkpoint_config, dimension, heads_share_kv_heads, shown
+from nanoinfer.model.config import ModelConfig, checkpoint_config
+from nanoinfer.model.config_checks import MAX_DIMENSIONS, dimension, heads_share_kv_heads, shown
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import read_json_object
 from nanoinfer.model.nanochat import (ROPE_THETA, SMEAR_CHANNELS, VE_GATE_CHANNELS, NanochatLayerParams, NanochatParams,

@@ -70,7 +70,7 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
             return w
         return StackedWeight(tuple(p if isinstance(p, KQuantWeight) else pack(p, blocks=True) for p in w.parts))
     if isinstance(w, KQuantWeight) and w.qtype == Q4_K:
-        from nanoinfer.loaders.gguf import grouped_weight  # (the GGUF loader's reader of Q4_K's groups)
+        from nanoinfer.loaders.gguf_blocks import grouped_weight  # (GGUF's reader of Q4_K's groups)
         from gguf import GGMLQuantizationType
 
         return device_form(grouped_weight(w.data.cpu().numpy(), GGMLQuantizationType.Q4_K, *w.shape), device, dtype)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
+from nanoinfer.errors import CheckpointError
 from nanoinfer.model.config_checks import MAX_DIMENSIONS, dimension, positive_number, token_id
 
 
@@ -97,3 +99,11 @@ class ModelConfig:
         windowed = None if self.windowed_layers is None else self.windowed_layers[:num_layers]
         return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed)
 
+
+def checkpoint_config(path: str | Path, **fields) -> ModelConfig:
+    """ModelConfig(**fields) as the checkpoint at `path` describes it: a value it refuses is a
+    CheckpointError naming the file (each loader's one way to build its config)."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise CheckpointError(path, f"describes no usable model: {exc}") from exc

@@ -10,12 +10,9 @@ from __future__ import annotations
 import math
 import reprlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nanoinfer.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from nanoinfer.model.config import ModelConfig
 
 # The most each of a model's dimensions (ModelConfig's field -> bound) may be. A loader checks
 # each where it first reads it, before anything is sized by it: a 200-byte config.json that
@@ -86,14 +83,3 @@ def heads_share_kv_heads(path: str | Path, heads_name: str, heads: int, kv_name:
     if heads % kv_heads:
         raise CheckpointError(path, f"{heads_name} {heads} is not a multiple of {kv_name} {kv_heads}: each KV "
                                     "head serves a whole group of query heads")
-
-
-def checkpoint_config(path: str | Path, **fields) -> ModelConfig:
-    """ModelConfig(**fields) as the checkpoint at `path` describes it: a value it refuses is a
-    CheckpointError naming the file (each loader's one way to build its config)."""
-    from nanoinfer.model.config import ModelConfig  # (here: config.py's ModelConfig checks itself with this module)
-
-    try:
-        return ModelConfig(**fields)
-    except ValueError as exc:
-        raise CheckpointError(path, f"describes no usable model: {exc}") from exc

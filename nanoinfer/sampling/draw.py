@@ -10,15 +10,23 @@ to live anywhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from nanoinfer.sampling.sampler import SamplingTensors
+
+class RowSettings(Protocol):
+    """What a draw reads of a step's rows (the sampler's SamplingTensors has these fields)."""
+
+    temperature: torch.Tensor  # [rows] f32
+    top_k: torch.Tensor  # [rows] i64
+    top_p: torch.Tensor  # [rows] f32
+    min_p: torch.Tensor  # [rows] f32
+    needs_sort: bool  # some row uses top-k or top-p
+    needs_min_p: bool
 
 
-def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, st: RowSettings) -> torch.Tensor:
     """The distribution a sampled row draws from [rows, vocab] (fp32 logits, penalties already
     applied): temperature, top-k, top-p, then min-p relative to the most likely token. Masked
     tokens have probability 0; the rows are not renormalized after min-p (a draw needs no sum)."""

@@ -12,13 +12,14 @@ import json
 import struct
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from nanoinfer.errors import CheckpointError, RequestError
+from nanoinfer.text.backends import TokenizerBackend, TokenizersBackend
 
 if TYPE_CHECKING:
     from nanoinfer.loaders.gguf_file import GGUFFile
@@ -51,38 +52,6 @@ _KNOWN_GPT2_PRE = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
 _IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe"}
 # The chat template's names of special tokens -> their GGUF keys (tokenizer.ggml.{key}_token_id).
 _GGUF_SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
-
-
-class TokenizerBackend(Protocol):
-    """What Tokenizer needs from an encoder: TokenizersBackend here, sentencepiece's and
-    tiktoken's (nanoinfer/text/tokenizer_hf.py, nanoinfer/text/nanochat_tokenizer.py)."""
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
-    def token_to_id(self, token: str) -> int | None: ...
-    def vocab_size(self) -> int: ...
-
-
-class TokenizersBackend:
-    """A TokenizerBackend over a `tokenizers.Tokenizer` (whose added vocab and post-processor
-    hold the added tokens and BOS/EOS)."""
-
-    def __init__(self, backend: tokenizers.Tokenizer):
-        self.backend = backend
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # encode_batch, not encode: only it lets go of the GIL while it works, so a long prompt
-        # tokenized on a server's thread (~0.2 s for 120k tokens) does not stall its event loop.
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
 
 
 class Tokenizer:
@@ -172,7 +141,14 @@ class Tokenizer:
         (nanoinfer/text/tokenizer_hf.py, imported by the load that reads such files)."""
         from nanoinfer.text.tokenizer_hf import read_hf_tokenizer
 
-        return read_hf_tokenizer(path, extra_eos_ids)
+        files = read_hf_tokenizer(path)
+        if files is None:
+            return None
+        tokenizer = cls(files.backend, source=str(path), bos_token=files.special_tokens.get("bos_token"),
+                        eos_token=files.special_tokens.get("eos_token"), special_tokens=files.special_tokens,
+                        chat_template=files.chat_template, extra_eos_ids=extra_eos_ids)
+        tokenizer.check_chat_template()  # (a broken one fails the load, naming the directory)
+        return tokenizer
 
     # ---- GGUF vocabularies -----------------------------------------------------------------
 

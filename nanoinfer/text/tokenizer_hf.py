@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import NamedTuple, Sequence
 
 import sentencepiece
 import tokenizers
@@ -17,7 +17,7 @@ from tokenizers import AddedToken
 from nanoinfer.text.chat_template import find_hf_chat_template
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import read_json_object
-from nanoinfer.text.tokenizer import Tokenizer, TokenizerBackend, TokenizersBackend
+from nanoinfer.text.backends import TokenizerBackend, TokenizersBackend
 
 # Names of the special tokens transformers hands to a chat template (its `special_tokens_map`).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -74,9 +74,17 @@ class _SentencePieceBackend:
         return max(self.processor.get_piece_size(), max(self.added_by_id, default=-1) + 1)
 
 
-def read_hf_tokenizer(path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer | None:
-    """The tokenizer of a HF checkpoint directory, or None when it has no tokenizer files. Its
-    chat template is compiled here: a broken one fails the load and names the directory."""
+class HfTokenizerFiles(NamedTuple):
+    """A HF directory's tokenizer: its encoder, its named special tokens, its chat template (if any)."""
+
+    backend: TokenizerBackend
+    special_tokens: dict[str, str]
+    chat_template: str | None
+
+
+def read_hf_tokenizer(path: str | Path) -> HfTokenizerFiles | None:
+    """What a HF checkpoint directory's tokenizer files hold, or None when it has none
+    (`Tokenizer.from_hf_dir` makes the Tokenizer)."""
     path = Path(path)
     config = _read_json(path / "tokenizer_config.json")
     # special_tokens_map.json is the older home of the named tokens; the config wins.
@@ -93,11 +101,7 @@ def read_hf_tokenizer(path: str | Path, extra_eos_ids: Iterable[int] = ()) -> To
         backend = _sentencepiece_backend(path / "tokenizer.model", config, special, extra_special, added_specs)
     else:
         return None
-    tokenizer = Tokenizer(backend, source=str(path), bos_token=special.get("bos_token"),
-                          eos_token=special.get("eos_token"), special_tokens=special,
-                          chat_template=find_hf_chat_template(path, config), extra_eos_ids=extra_eos_ids)
-    tokenizer.check_chat_template()
-    return tokenizer
+    return HfTokenizerFiles(backend, special, find_hf_chat_template(path, config))
 
 
 def _read_json(file: Path) -> dict:

@@ -13,13 +13,18 @@ it is read (its next prefill needs that token on the host).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from runtime.engine.policy import Plan
-    from runtime.engine.scheduler import Scheduler
+
+
+class GroupPlanner(Protocol):
+    """What plans one group's step (the Scheduler)."""
+
+    def plan(self, now: int, group: int | None = None) -> Plan: ...
 
 
 class VirtualEngines:
@@ -39,7 +44,7 @@ class VirtualEngines:
     def finished(self, seq: Sequence) -> None:
         self.load[seq.virtual_engine] -= 1
 
-    def plan(self, scheduler: Scheduler, now: int) -> Plan:
+    def plan(self, scheduler: GroupPlanner, now: int) -> Plan:
         """The plan of the group whose turn it is; of the other one if that has nothing to compute."""
         count = len(self.load)
         turn = 0 if self.last is None else (self.last + 1) % count

@@ -1,26 +1,24 @@
 """More HTTP fronts: `serve --api-server-count N` — N-1 processes more serving the same port over the same engine.
 
-One front process writes every stream's chunks in one interpreter; past a few hundred streams that is a core's
-work (bench/RESULTS.md, issue 60), and the streams' latency follows it. With --api-server-count N (vLLM's name)
-the first process — the one `nanoinfer serve` runs — starts the engine processes with a socket for each front
-(runtime/engine_process/client.py's `spawn`), then N-1 processes `python -m runtime.serve.api_servers FD...`, each handed
-its end of every engine process's socket and the port. Each binds the port as the first does (SO_REUSEPORT: the
-kernel spreads new connections over them), makes its own DataParallelEngine over the same engine processes (they
-are not its children: EngineElsewhere, the first watches and stops them) and serves as the first does; a request
-stays with its connection's front. On SIGTERM the first tells the others, and all drain together; the others end
-with the first however it ends. Each front's /metrics counts its own requests; the engine's counts are the
-engine's, the same in every front.
+One front process writes every stream's chunks in one interpreter; past a few hundred streams that is a core's work
+(bench/RESULTS.md, issue 60), and the streams' latency follows it. With --api-server-count N (vLLM's name) the
+first process — the one `nanoinfer serve` runs — starts the engine processes with a socket for each front
+(runtime/engine_process/client.py's `spawn`), then N-1 processes `python -m runtime.serve.api_servers_main FD...`
+(api_servers_main.py), each handed its end of every engine process's socket and the port. Each binds the port as
+the first does (SO_REUSEPORT: the kernel spreads new connections over them), makes its own DataParallelEngine over
+the same engine processes (they are not its children: EngineElsewhere, the first watches and stops them) and serves
+as the first does; a request stays with its connection's front. On SIGTERM the first tells the others, and all
+drain together; the others end with the first however it ends. Each front's /metrics counts its own requests; the
+engine's counts are the engine's, the same in every front.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -70,7 +68,7 @@ class ApiServers:
             for index in range(1, config.api_server_count):
                 conns: list[Connection] = [replica.front_conns[index - 1] for replica in engine.replicas]
                 fds = tuple(conn.fileno() for conn in conns)
-                process = ApiServerProcess(index, [*_python(), "-m", "runtime.serve.api_servers", *map(str, fds)],
+                process = ApiServerProcess(index, [*_python(), "-m", "runtime.serve.api_servers_main", *map(str, fds)],
                                            _environment(), pass_fds=fds)
                 process.ready_line = f"API server {index} serving at"  # (serving.py's line: it takes connections)
                 self.processes.append(process)
@@ -114,39 +112,3 @@ class ApiServers:
 
         self.terminate()
         wait_or_kill(self.processes, wait)
-
-
-def main(argv: list[str]) -> None:
-    from runtime.engine_process.data_parallel import DataParallelEngine
-    from runtime.engine_process.client import EngineElsewhere, ReplicaClient
-    from runtime.executor.tp_rank import exit_with_parent, read_arguments
-    from runtime.serve.serving import serve
-
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
-    conns = [Connection(int(fd)) for fd in argv]
-    args: ApiServerArgs = read_arguments(sys.stdin.buffer)
-    replicas: list[ReplicaClient] = []
-    for index, conn in enumerate(conns):
-        replicas.append(ReplicaClient(index, EngineElsewhere(index), conn, group=replicas, alone=len(conns) == 1,
-                                      step_timeout=args.engine.step_timeout))
-    for replica in replicas:
-        replica.wait_ready()  # (each engine process says Ready to every front)
-    engine = DataParallelEngine(replicas, args.engine)
-    threading.Thread(target=_stop_without_engines, args=(replicas,), daemon=True, name="engine-watch").start()
-    serve(engine, args.server, sockets=[listening_socket(args.server.host, args.port)], index=args.index)
-
-
-def _stop_without_engines(replicas) -> None:
-    """An API server whose engine processes are all gone (or which one dropped as hung) stops (SIGTERM: it
-    drains, answering what it holds with errors): a front left on the shared port could only refuse its share
-    of the connections, which the others take once it is gone."""
-    while not all(replica.link.gone is not None for replica in replicas):
-        time.sleep(0.5)
-    if any(replica.link.stopping for replica in replicas):
-        return  # (this server's own shutdown stopped them)
-    print(f"nanoinfer: API server stopping: {replicas[0].link.gone}", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
