@@ -338,7 +338,7 @@ def test_a_stage_that_fails_at_close_is_reported_and_close_returns(failing_rank,
     core = engine()
     assert greedy(core) == one_rank
     begun = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="nanoinfer.parallel.shards"):
+    with caplog.at_level(logging.ERROR, logger="nanoinfer.tensor_parallel"):
         core.close()
     assert time.monotonic() - begun < BOUND
     (report,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

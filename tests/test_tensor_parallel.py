@@ -671,7 +671,7 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
     assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # (torchrun's ranks: on this host only with its LOCAL_WORLD_SIZE)
-    with caplog.at_level("WARNING", logger="nanoinfer.parallel.shards"):
+    with caplog.at_level("WARNING", logger="nanoinfer.tensor_parallel"):
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links

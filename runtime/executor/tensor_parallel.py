@@ -81,7 +81,7 @@ from runtime.executor.kv_pools import KVPools
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.tp_processes import RankLost, RankProcesses
 
-log = logging.getLogger("nanoinfer.parallel.shards")
+log = logging.getLogger("nanoinfer.tensor_parallel")
 
 # Long enough for the slowest step (a long CPU prefill); a rank that died ends the others sooner.
 TIMEOUT = datetime.timedelta(minutes=10)

@@ -34,7 +34,7 @@ import torch.multiprocessing  # noqa: F401 - (importing it registers torch's red
 
 from nanoinfer.errors import DeviceLost
 
-log = logging.getLogger("nanoinfer.parallel.shards")
+log = logging.getLogger("nanoinfer.tensor_parallel")
 
 TAIL_LINES = 20  # of a lost rank's output, in its error: a Python traceback's end fits
 TAIL_CHARS = 3000
