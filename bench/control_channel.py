@@ -31,7 +31,8 @@ def run_rank(rank: int, size: int, init: str, args, ring, results) -> None:
     import torch.distributed as dist
 
     from runtime.executor.control_channel import ChannelReader, ChannelWriter
-    from runtime.executor.tensor_parallel import HEADER, SLOT_SIZE, SLOTS
+    from runtime.executor.tp_groups import SLOT_SIZE, SLOTS
+    from runtime.executor.tp_orders import HEADER
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
@@ -84,7 +85,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     from runtime.executor.control_channel import channel_bytes
-    from runtime.executor.tensor_parallel import SLOT_SIZE, SLOTS
+    from runtime.executor.tp_groups import SLOT_SIZE, SLOTS
 
     ring = torch.zeros(channel_bytes(SLOTS, SLOT_SIZE, args.ranks - 1), dtype=torch.uint8).share_memory_()
     ctx = mp.get_context("spawn")

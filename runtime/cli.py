@@ -419,7 +419,8 @@ def _tensor_parallel_rank(args) -> int:
     import torch
 
     from nanoinfer.loaders import load_model
-    from runtime.executor.tensor_parallel import Grid, serve_rank
+    from runtime.executor.tp_follower import serve_rank
+    from runtime.executor.tp_grid import Grid
 
     kwargs = _load_kwargs(args)
     if kwargs["device"] in ("auto", "cuda") and torch.cuda.is_available():

@@ -64,7 +64,7 @@ def tensor_parallel_path(request, monkeypatch):
         return
     import torch.distributed as dist
 
-    from runtime.executor import executor
+    from runtime.executor import make_executor as executor
 
     monkeypatch.setattr(executor, "uses_ranks", lambda config: True)
     yield

@@ -9,7 +9,7 @@ before the next step's replay overwrites them, which async scheduling relies on)
 pinned staging copy of a batch built on the host (it replays as a batch on the device). `install`
 also makes the CPU kernels claim graphs (eager layers).
 
-Run as `python -m tests.fake_cuda_graphs RANK SIZE HOST:PORT`, as tensor_parallel.RANK_MODULE:
+Run as `python -m tests.fake_cuda_graphs RANK SIZE HOST:PORT`, as runtime/executor/tensor_parallel.py's RANK_MODULE:
 a rank with the emulation installed; where NANOINFER_TEST_REPLAYS names a folder, the rank
 writes its count of replays there (a file named by its rank) once it stops, and where
 NANOINFER_TEST_CAPTURES does, the buckets it captured, in order (JSON).
@@ -140,7 +140,7 @@ def _copying(real_init):
 
 def install(setattr=setattr, partition_blocks: int = 2) -> None:
     """The emulation, through `setattr` (pytest's monkeypatch.setattr undoes it after a test)."""
-    from runtime.executor import device_model, step, tensor_parallel
+    from runtime.executor import device_model, step, tp_follower
 
     setattr(torch.cuda, "CUDAGraph", FakeGraph)
     setattr(torch.cuda, "graph", _graph)
@@ -152,7 +152,7 @@ def install(setattr=setattr, partition_blocks: int = 2) -> None:
     setattr(StepGraphs, "_capture", _counting(StepGraphs._capture))
     setattr(StepGraphs, "run", _unpinned(StepGraphs.run))
     setattr(step.DeviceToHost, "__init__", _copying(step.DeviceToHost.__init__))
-    for module in (device_model, tensor_parallel):
+    for module in (device_model, tp_follower):
         setattr(module, "kernels_for", _claiming_graphs(module.kernels_for, partition_blocks))
 
 

@@ -799,7 +799,8 @@ def test_tensor_parallel_world_of_one_over_nccl():
     from nanoinfer.model.batch import SeqChunk, build_batch
     from nanoinfer.model.kv_cache import allocate_kv_pool
     from nanoinfer.model.decoder import EAGER, forward, map_params
-    from runtime.executor.tensor_parallel import RankSetup, TensorParallelRanks
+    from runtime.executor.tensor_parallel import TensorParallelRanks
+    from runtime.executor.tp_orders import RankSetup
     from tests.tiny import random_params, tiny_config
 
     cfg = tiny_config(num_heads=9, num_kv_heads=3, hidden_size=72)

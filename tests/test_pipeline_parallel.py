@@ -104,8 +104,8 @@ def test_a_stages_graphs_replay_its_forward_and_write_only_the_batch_slots(model
     from nanoinfer.model.kv_cache import allocate_kv_pool
     from nanoinfer.model.decoder import forward
     from nanoinfer.parallel.pipeline import Stage, stage_config, stage_params
-    from runtime.executor import tensor_parallel
-    from runtime.executor.pipeline_parallel import capture_stage, graph_or_eager
+    from runtime.executor import tp_follower
+    from runtime.executor.pp_stages import capture_stage, graph_or_eager
     from tests import fake_cuda_graphs
 
     fake_cuda_graphs.install(monkeypatch.setattr)
@@ -119,7 +119,7 @@ def test_a_stages_graphs_replay_its_forward_and_write_only_the_batch_slots(model
     for index in range(2):
         stage = Stage(index, 2)
         local, part = stage_config(cfg, stage), stage_params(model.params, cfg, stage)
-        kernels = tensor_parallel.kernels_for(local, torch.device("cpu"), bs)
+        kernels = tp_follower.kernels_for(local, torch.device("cpu"), bs)  # (the fake's: graphs claimed)
         start = allocate_kv_pool(local, 16, bs, torch.float32, "cpu")
         start.normal_(generator=torch.Generator().manual_seed(1))
         pools = {"eager": start.clone(), "graphs": start.clone()}
@@ -408,20 +408,16 @@ def _order_rank(rank: int, init_file: str, results, transport: str, ring) -> Non
 
     from nanoinfer.model.batch import SeqChunk, build_batch
     from runtime.executor.control_channel import ChannelReader, ChannelWriter
-    from runtime.executor.tensor_parallel import (
-        SLOT_SIZE,
-        SLOTS,
-        Cut,
-        TensorParallelRanks,
-        _named_channel,
-        _receive,
-    )
+    from runtime.executor.tensor_parallel import TensorParallelRanks
+    from runtime.executor.tp_follower import _receive
+    from runtime.executor.tp_groups import SLOT_SIZE, SLOTS, named_channel
+    from runtime.executor.tp_orders import Cut
 
     os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2" if transport == "named" else "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         control = dist.new_group(backend="gloo")
-        channel = _named_channel(control, rank, 2)
+        channel = named_channel(control, rank, 2)
         assert (channel is not None) == (transport == "named")
         if transport == "channel":
             channel = ChannelWriter(ring.numpy(), SLOTS, SLOT_SIZE, 1) if rank == 0 else ChannelReader(ring.numpy(), 0)
@@ -452,7 +448,7 @@ def test_a_stage_rank_takes_the_cut_from_rank_0(tmp_path, transport):
     import torch
 
     from runtime.executor.control_channel import ChannelWriter, channel_bytes
-    from runtime.executor.tensor_parallel import SLOT_SIZE, SLOTS
+    from runtime.executor.tp_groups import SLOT_SIZE, SLOTS
 
     ring = None
     if transport == "channel":  # (its layout written before either rank starts)

@@ -21,7 +21,8 @@ from nanoinfer.loaders.gguf import gguf_config, load_gguf_params, open_gguf
 from nanoinfer.loaders.gguf_blocks import grouped_weight
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.model.decoder import EAGER, LayerFunctions, forward
-from nanoinfer.quant.quantized import BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight, concat_rows, pack
+from nanoinfer.quant.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4Weight, Int8Weight, SplitInt8Weight,
+                                       concat_rows, pack)
 from nanoinfer.backends.cpu.rope_write_cpu import qkv_rope_and_write, rope_tables
 from tests.test_gguf_formats import K_QUANTS, hf_model, kquant_encode, make_kquant_representable, write_gguf
 from tests.tiny import random_params, tiny_config

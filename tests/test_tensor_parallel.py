@@ -639,7 +639,7 @@ def test_peer_sums_only_where_they_can_run():
     """EngineConfig.peer_sums takes effect for tensor parallelism alone, on CUDA, in a 16-bit
     model; elsewhere (the CPU's gloo ranks, pipeline stages, one rank, fp32) the sums stay
     torch.distributed's, and no peer buffers are made."""
-    from runtime.executor.tensor_parallel import Grid, peer_links
+    from runtime.executor.tp_grid import Grid, peer_links
 
     cfg = tiny_config()
     cuda = torch.device("cuda", 0)
@@ -653,8 +653,8 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
     setup): not where torchrun's ranks span hosts, nor where the GPUs cannot reach each other's
     memory, nor after a rendezvous in this process (a second one hung): then a warning says
     why and the engine sums with NCCL."""
-    from runtime.executor import tensor_parallel
-    from runtime.executor.tensor_parallel import Grid, lead_peer_links
+    from runtime.executor import tp_grid
+    from runtime.executor.tp_grid import Grid, lead_peer_links
 
     class Links:  # (nanoinfer.backends.cuda.peer_sum.PeerLinks' part that the choice reads: no GPU, no Triton)
         made = False
@@ -663,8 +663,8 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
             return not self.made
 
     links = Links()
-    monkeypatch.setattr(tensor_parallel, "peer_links", lambda *args: links)
-    monkeypatch.setattr(tensor_parallel, "_peers_reach", lambda device, size: True)
+    monkeypatch.setattr(tp_grid, "peer_links", lambda *args: links)
+    monkeypatch.setattr(tp_grid, "peers_reach", lambda device, size: True)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     cuda, cfg = torch.device("cuda", 0), tiny_config()
@@ -675,9 +675,9 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is links
-        monkeypatch.setattr(tensor_parallel, "_peers_reach", lambda device, size: False)
+        monkeypatch.setattr(tp_grid, "peers_reach", lambda device, size: False)
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
-        monkeypatch.setattr(tensor_parallel, "_peers_reach", lambda device, size: True)
+        monkeypatch.setattr(tp_grid, "peers_reach", lambda device, size: True)
         links.made = True
         assert lead_peer_links(cfg, Grid(2), torch.bfloat16, cuda) is None
     warnings = [r.getMessage() for r in caplog.records]
@@ -687,22 +687,22 @@ def test_rank_0_chooses_peer_sums_where_the_ranks_can_meet(monkeypatch, caplog):
 
 
 def test_rank_0_waits_in_the_peer_sums_rendezvous_only_so_long():
-    """Rank 0 connects the peer sums inside `_store_timeout(CONNECT)`: a wait on the process
+    """Rank 0 connects the peer sums inside `store_timeout(CONNECT)`: a wait on the process
     group's store there (where torch's rendezvous waits for a rank that died) fails after that
     timeout as an error of a maybe lost peer, not after the store's 10 minutes, which come back
     after."""
     import datetime
 
-    from runtime.executor import tensor_parallel as tp
+    from runtime.executor import tp_groups as tp
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=tp.TIMEOUT, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         group_store = dist.PrefixStore("peer-test", dist.distributed_c10d._get_process_group_store(dist.group.WORLD))
         start = time.monotonic()
-        with pytest.raises(RuntimeError) as failed, tp._store_timeout(datetime.timedelta(seconds=0.5)):
+        with pytest.raises(RuntimeError) as failed, tp.store_timeout(datetime.timedelta(seconds=0.5)):
             group_store.get("a-key-no-rank-writes")
-        assert time.monotonic() - start < 5 and tp._maybe_a_peer(failed.value)
+        assert time.monotonic() - start < 5 and tp.maybe_a_peer(failed.value)
         assert store.timeout == tp.TIMEOUT
     finally:
         dist.destroy_process_group()
@@ -710,7 +710,7 @@ def test_rank_0_waits_in_the_peer_sums_rendezvous_only_so_long():
 
 def test_peer_sums_take_a_16_bit_model_split_over_gpus():
     pytest.importorskip("triton")
-    from runtime.executor.tensor_parallel import Grid, peer_links
+    from runtime.executor.tp_grid import Grid, peer_links
 
     cfg = tiny_config()
     links = peer_links(cfg, Grid(2), 1, torch.float16, torch.device("cuda", 0))  # (not connected: no GPU needed)

@@ -6,7 +6,7 @@
 - `close`: raises leaving the process group at `stop`;
 - `idle`: no failure, but its collectives time out after 1 s (an order may take longer to come).
 
-Run as `python -m tests.tp_failing_rank RANK SIZE HOST:PORT`, as tensor_parallel.RANK_MODULE.
+Run as `python -m tests.tp_failing_rank RANK SIZE HOST:PORT`, as runtime/executor/tensor_parallel.py's RANK_MODULE.
 """
 
 import datetime
@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from runtime.executor import tensor_parallel, tp_rank
+from runtime.executor import tp_follower, tp_rank
 
 
 def fail(where: str):
@@ -28,16 +28,16 @@ def fail(where: str):
 def main() -> None:
     where = os.environ["NANOINFER_TEST_RANK_FAILS"]
     if where == "start":
-        tensor_parallel._join = fail(where)
+        tp_follower._join = fail(where)
     elif where == "rendezvous":
         def exit_inside(*args, **kwargs):
             os._exit(5)
 
-        dist.init_process_group = exit_inside  # (tensor_parallel._join checked in at rank 0's store first)
+        dist.init_process_group = exit_inside  # (tp_follower._join checked in at rank 0's store first)
     elif where == "setup":
-        tensor_parallel.KVPools = fail(where)
+        tp_follower.KVPools = fail(where)
     elif where == "step":
-        forward, calls = tensor_parallel.forward, []
+        forward, calls = tp_follower.forward, []
 
         def failing_third(*args, **kwargs):
             calls.append(1)
@@ -45,11 +45,11 @@ def main() -> None:
                 raise RuntimeError("test rank fails at step")
             return forward(*args, **kwargs)
 
-        tensor_parallel.forward = failing_third
+        tp_follower.forward = failing_third
     elif where == "close":
-        tensor_parallel._leave_groups = fail(where)
+        tp_follower.leave_groups = fail(where)
     elif where == "idle":
-        tensor_parallel.TIMEOUT = datetime.timedelta(seconds=1)
+        tp_follower.TIMEOUT = datetime.timedelta(seconds=1)
     else:
         raise ValueError(f"NANOINFER_TEST_RANK_FAILS={where!r}: expected start, rendezvous, setup, step, close or idle")
     tp_rank.main(sys.argv[1:])

@@ -103,7 +103,8 @@ def main() -> None:
     import torch
 
     from bench.shapes import SHAPES
-    from nanoinfer.backends.cuda.tuned_configs import KernelTable, choices_from_cache, merge, read_table, table_path, write_table
+    from nanoinfer.backends.cuda.tuned_configs import (KernelTable, choices_from_cache, merge, read_table, table_path,
+                                                       write_table)
 
     unknown = [s for s in args.shape if s not in SHAPES]
     if unknown:

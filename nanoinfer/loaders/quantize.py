@@ -19,7 +19,8 @@ import dataclasses
 import torch
 
 from nanoinfer.model.decoder import Params
-from nanoinfer.quant.quantized import Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, Weight, dequantize
+from nanoinfer.quant.quantized import (Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, Weight,
+                                       dequantize)
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

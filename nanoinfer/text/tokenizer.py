@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from nanoinfer.errors import CheckpointError, RequestError
-from nanoinfer.text.backends import TokenizerBackend, TokenizersBackend
+from nanoinfer.text.encoders import TokenizerBackend, TokenizersBackend
 
 if TYPE_CHECKING:
     from nanoinfer.loaders.gguf_file import GGUFFile

@@ -17,7 +17,7 @@ from tokenizers import AddedToken
 from nanoinfer.text.chat_template import find_hf_chat_template
 from nanoinfer.errors import CheckpointError
 from nanoinfer.json_files import read_json_object
-from nanoinfer.text.backends import TokenizerBackend, TokenizersBackend
+from nanoinfer.text.encoders import TokenizerBackend, TokenizersBackend
 
 # Names of the special tokens transformers hands to a chat template (its `special_tokens_map`).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",

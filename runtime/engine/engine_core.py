@@ -34,7 +34,7 @@ from runtime.engine.resolve import Resolver
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
 from runtime.engine.step_timer import StepTimer
-from runtime.executor.executor import make_executor
+from runtime.executor.make_executor import make_executor
 from runtime.executor.step import InFlightStep
 
 __all__ = ["EngineConfig", "EngineCore", "TokenOutput"]

@@ -24,7 +24,7 @@ NOTHING = Plan((), (), (), ())
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, executor, steps_in_flight: int = 1):
-        """`executor`: where the rows and the KV pools are (runtime/executor/executor.py).
+        """`executor`: where the rows and the KV pools are (runtime/executor/make_executor.py).
         `steps_in_flight` 2: each step plans one of two groups of sequences, alternately
         (runtime/engine/virtual_engines.py)."""
         self.config, self.blocks, self.executor = config, blocks, executor

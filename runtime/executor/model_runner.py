@@ -2,7 +2,7 @@
 the launch of a step (forward and sampling) whose results come back later.
 
 The engine core decides what runs; the runner makes it run (the Executor interface,
-runtime/executor/executor.py). It keeps each running sequence's state in the input batch
+runtime/executor/make_executor.py). It keeps each running sequence's state in the input batch
 (runtime/executor/input_batch.py) so a step sends only what changed, builds the step's index
 tensors from it with numpy, launches the forward (a CUDA graph for decode steps where it can)
 and the sampler, and starts copying the results to the host without waiting:

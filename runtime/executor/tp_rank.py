@@ -5,7 +5,7 @@ stdin (runtime/executor/tp_processes.py): rank 0's authkey, which its resource s
 whoever fetches the shared weights, then (config, weights, device) pickled as
 torch.multiprocessing pickles them, the ranks' grid (tensor- by pipeline-parallel) and the
 control channel's memory (a shared tensor, as the weights: control_channel.py). Then
-the rank follows rank 0's orders until `stop` (runtime/executor/tensor_parallel.py: `rank_main`).
+the rank follows rank 0's orders until `stop` (runtime/executor/tp_follower.py: `rank_main`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main(argv: list[str]) -> None:
     host, port = address.rsplit(":", 1)
     cfg, params, device, grid, ring = read_arguments(sys.stdin.buffer)
 
-    from runtime.executor.tensor_parallel import Rendezvous, rank_main
+    from runtime.executor.tp_follower import rank_main
+    from runtime.executor.tp_groups import Rendezvous
 
     rank_main(rank, size, Rendezvous(host, int(port)), cfg, params, device, grid, ring)
 
