@@ -55,7 +55,7 @@ def tokenizer_of(model: str | None):
 
 def random_streams(new, vocab: int, seqs: int, tokens: int, seed: int) -> list[list[int]]:
     """Each sequence: a random token its mask allows at each step, until the grammar ends."""
-    from nanoinfer.structured.grammars import allocate_bitmask, unpack_bitmask
+    from nanoinfer.structured.bitmasks import allocate_bitmask, unpack_bitmask
 
     rng, mask, streams = np.random.default_rng(seed), allocate_bitmask(1, vocab), []
     for _ in range(seqs):
@@ -73,7 +73,8 @@ def replay(mode: str, threads: int, streams: list[list[int]], new, spec, tokeniz
     """Replaying `streams` in `mode`: each step's fill time per row, all steps' fill time, rows filled."""
     from llguidance import LLExecutor
 
-    from nanoinfer.structured.grammars import Grammars, allocate_bitmask
+    from nanoinfer.structured.bitmasks import allocate_bitmask
+    from nanoinfer.structured.grammars import Grammars
 
     n = len(streams)
     if mode == "same":
@@ -116,7 +117,7 @@ def replay(mode: str, threads: int, streams: list[list[int]], new, spec, tokeniz
 
 
 def lock_check(new, streams: list[list[int]], threads: int, vocab: int) -> None:
-    from nanoinfer.structured.grammars import allocate_bitmask
+    from nanoinfer.structured.bitmasks import allocate_bitmask
 
     def replay_share(root, share):
         mask = allocate_bitmask(1, vocab)
@@ -163,7 +164,8 @@ def main():
 
     from llguidance import LLMatcher, LLParserLimits
 
-    from nanoinfer.structured.grammars import MAX_ROW_ITEMS, GrammarSpec, grammar_tokenizer
+    from nanoinfer.structured.grammars import MAX_ROW_ITEMS, grammar_tokenizer
+    from nanoinfer.structured.spec import GrammarSpec
 
     tokenizer = tokenizer_of(args.model)
     llm_tokenizer = grammar_tokenizer(tokenizer, args.vocab)

@@ -42,7 +42,7 @@ CALLS = [
     ("nanoinfer.structured.grammars", "Grammars", "consume"),
     ("nanoinfer.structured.grammars", "Grammars", "fill"),
     ("nanoinfer.structured.grammars", "Grammars", "fill_later"),
-    ("nanoinfer.structured.grammars", None, "apply_bitmask"),
+    ("nanoinfer.structured.bitmasks", None, "apply_bitmask"),
     ("nanoinfer.backends.cuda.bitmask_triton", None, "masked_float_logits"),
     ("nanoinfer.sampling.draw", None, "processed_probs"),
     ("nanoinfer.backends.cuda.draw_triton", None, "triton_draw"),

@@ -1,4 +1,4 @@
-"""The Triton grammar mask (nanoinfer/backends/cuda/bitmask_triton.py) against its reference, nanoinfer.structured.grammars.apply_bitmask.
+"""The Triton grammar mask (nanoinfer/backends/cuda/bitmask_triton.py) against its reference, nanoinfer.structured.bitmasks.apply_bitmask.
 
 Needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton on the path: the kernel then runs on
 CPU tensors); skipped cleanly without them. Equal bit for bit: both copy the logits to float32
@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from nanoinfer.backends.cuda.bitmask_triton import masked_float_logits  # noqa: E402
-from nanoinfer.structured.grammars import apply_bitmask  # noqa: E402
+from nanoinfer.structured.bitmasks import apply_bitmask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the Triton mask needs CUDA")

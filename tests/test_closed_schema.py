@@ -13,7 +13,8 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoinfer.structured.closed_schema import closed_schema  # noqa: E402
-from nanoinfer.structured.grammars import Constraint, GrammarSpec, grammar_tokenizer  # noqa: E402
+from nanoinfer.structured.grammars import Constraint, grammar_tokenizer
+from nanoinfer.structured.spec import GrammarSpec
 
 A = {"type": "object", "properties": {"a": {"type": "integer"}}}
 B = {"type": "object", "properties": {"b": {"type": "integer"}}}

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ONE_STEP = """
 import json, sys
 import torch
-from nanoinfer import SamplingParams, cpu_native
+from nanoinfer import SamplingParams
+from nanoinfer.backends.cpu import cpu_native
 from nanoinfer.model.batch import SeqChunk, build_batch
 from nanoinfer.backends.choose import forward_of, kernels_for
 from nanoinfer.model.kv_cache import allocate_kv_pool
@@ -41,7 +42,8 @@ print(json.dumps({"text": model.tokenizer.decode([int(token[0])]), "native": cpu
 
 UNUSED = ("nanoinfer.model.nanochat", "nanoinfer.text.nanochat_tokenizer", "nanoinfer.loaders.nanochat_checkpoint", "nanoinfer.loaders.hf",
           "nanoinfer.loaders.hf_hub", "nanoinfer.loaders.llama2c", "nanoinfer.loaders.dummy",
-          "nanoinfer.loaders.quantize", "nanoinfer.sampling.penalties", "nanoinfer.structured.grammars", "nanoinfer.structured.lark_check",
+          "nanoinfer.loaders.quantize", "nanoinfer.sampling.penalties", "nanoinfer.structured.grammars",
+          "nanoinfer.structured.spec", "nanoinfer.structured.bitmasks", "nanoinfer.structured.lark_check",
           "nanoinfer.sampling.rejection", "nanoinfer.sampling.ngram", "nanoinfer.parallel.shards", "nanoinfer.backends.cuda.graphs",
           "nanoinfer.backends.cuda.gemv", "nanoinfer.backends.cuda.rope_write", "nanoinfer.backends.cuda.argmax", "nanoinfer.backends.cuda.draw_triton",
           # The chat template (and jinja2) load at the first chat request, an HF directory's tokenizer files'

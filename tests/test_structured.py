@@ -13,8 +13,9 @@ import torch
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoinfer.errors import RequestError  # noqa: E402
-from nanoinfer.structured.grammars import (Constraint, GrammarSpec, allocate_bitmask, apply_bitmask,  # noqa: E402
-                                  grammar_tokenizer)
+from nanoinfer.structured.bitmasks import allocate_bitmask, apply_bitmask
+from nanoinfer.structured.grammars import Constraint, grammar_tokenizer
+from nanoinfer.structured.spec import GrammarSpec
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,8 @@ def test_fill_in_rounds_over_several_lexers_equals_one_row_at_a_time(vocab, monk
     streams the grammars allow, its masks (`fill`) and verdicts (`consume`) are those of a
     Constraint per sequence filled and fed one row at a time."""
     from nanoinfer.structured import grammars as structured
-    from nanoinfer.structured.grammars import Grammars, in_rounds, unpack_bitmask
+    from nanoinfer.structured.bitmasks import unpack_bitmask
+    from nanoinfer.structured.grammars import Grammars, in_rounds
 
     tokenizer, lltok, size = vocab
     monkeypatch.setattr(structured, "LEXER_COMPILE_S", 60.0)  # (however slowly this machine compiles)
@@ -235,7 +237,7 @@ def test_bounds_are_checked_before_anything_native():
     """A grammar's size, rules, $refs and choices are bounded in Python, the bound named with
     the field the client sent (llguidance's compiler recursed once per nested rule or $ref, and
     overflowed its stack on a few thousand: see nanoinfer/structured/grammars.py)."""
-    from nanoinfer.structured import grammars as structured
+    from nanoinfer.structured import spec as structured
 
     chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(structured.MAX_GRAMMAR_RULES)) + '\nr_end: "x"'
     with pytest.raises(RequestError, match=r"defines 10,00\d rules: expected at most 10,000") as e:

@@ -16,7 +16,9 @@ jsonschema = pytest.importorskip("jsonschema")
 from nanoinfer import SamplingParams  # noqa: E402
 from nanoinfer.errors import RequestError  # noqa: E402
 from nanoinfer.sampling.sampler import greedy_and_finite  # noqa: E402
-from nanoinfer.structured.grammars import GrammarSpec, Grammars, allocate_bitmask, unpack_bitmask  # noqa: E402
+from nanoinfer.structured.bitmasks import allocate_bitmask, unpack_bitmask
+from nanoinfer.structured.grammars import Grammars
+from nanoinfer.structured.spec import GrammarSpec
 from runtime.async_engine import engine_config  # noqa: E402
 from runtime.engine.engine_core import EngineCore  # noqa: E402
 from runtime.executor.model_runner import ForwardOutput  # noqa: E402

@@ -47,7 +47,7 @@ class Kernels(NamedTuple):
     layer_fns: LayerFunctions
     graphs: bool  # steps may be captured in CUDA graphs
     draw: Callable | None = None  # the sampler's random draw, fused; None: nanoinfer.sampling.draw.random_draw, eager
-    mask: Callable | None = None  # grammar masks onto the logits, fused; None: nanoinfer.structured.grammars.apply_bitmask
+    mask: Callable | None = None  # grammar masks onto the logits, fused; None: nanoinfer.structured.bitmasks.apply_bitmask
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:

@@ -10,7 +10,7 @@ from nanoinfer.errors import RequestError
 from nanoinfer.settings import check_settings, float32_in, setting
 
 if TYPE_CHECKING:  # (nanoinfer/structured/grammars.py is imported only by a request that constrains its output)
-    from nanoinfer.structured.grammars import GrammarSpec
+    from nanoinfer.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # completions per prompt
@@ -76,7 +76,7 @@ class SamplingParams:
               "token ids >= 0 mapped to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
         if self.structured_outputs is not None:
-            from nanoinfer.structured.grammars import GrammarSpec
+            from nanoinfer.structured.spec import GrammarSpec
 
             object.__setattr__(self, "structured_outputs", GrammarSpec.parse(self.structured_outputs))
         check(self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens", "an integer in [0, max_tokens]")

@@ -1,6 +1,5 @@
-"""Structured output: grammars that constrain what a sequence may sample (a JSON object, a
-JSON schema, a regex, a choice of strings, a Lark grammar), their per-step token masks, and
-the masks applied to the logits on the device.
+"""Structured output's grammars: each request's GrammarSpec (spec.py) compiled, cached and copied per sequence,
+and its per-step token masks filled (into bitmasks.py's rows, which are applied to the logits on the device).
 
 llguidance computes the masks (picked by measurement and maintenance: bench/grammar_masks.py,
 bench/RESULTS.md). A sequence's `Constraint` fills its rows of a packed bitmask (int32 words,
@@ -43,30 +42,18 @@ the GIL, which the engine thread holds while it plans (measured slower, bench/RE
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
 import torch
 
 from nanoinfer.errors import RequestError
-from nanoinfer.settings import json_object
-
-JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-
-# Bounds on what a client's grammar may hold, checked before llguidance sees it (see above).
-MAX_GRAMMAR_BYTES = 2 << 20  # a Lark grammar's, a regex's, a schema's JSON text or the choices together
-MAX_GRAMMAR_RULES = 10_000  # Lark rule and terminal definitions (each may nest the next: ~3 KB of stack)
-MAX_SCHEMA_REFS = 10_000  # `$ref`s in a schema or a Lark grammar's inline %json (each ~9 KB of stack)
-MAX_CHOICES = 10_000  # choice strings (compiling 10,000 takes ~0.2 s; 50,000 ~4 s)
+from nanoinfer.structured.bitmasks import allocate_bitmask, fill_row
+from nanoinfer.structured.spec import GrammarSpec
 # Earley items one row may hold: an anyOf, enum or choice of n alternatives makes a row of ~n,
 # and llguidance's default (2,000) failed such a grammar at its first token. Each step's work
 # stays bounded by llguidance's items-per-step limit (50,000: ~2.5 ms).
@@ -88,123 +75,6 @@ GRAMMAR_ERRORS = (RequestError, ValueError, RuntimeError)
 
 # llguidance's errors when one of its parser limits is reached (they say "items", "fuel" or "TooComplex")
 _TOO_COMPLEX = re.compile(r"Too many items|has \d+ items; max is|TooComplex|fuel|lexer states")
-_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_]\w*[^:\n]*:", re.M)  # (a Lark item starts a line)
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request constrains its output to: `kind` json_object (any JSON object),
-    json_schema (`value`: the schema, a dict or its JSON text), regex (`value`: the pattern,
-    Rust regex syntax as llguidance reads it), choice (`value`: the strings, one of which is
-    the output) or grammar (`value`: a Lark grammar, llguidance's dialect). Hashable: a schema
-    is kept as its JSON text, choices as a tuple. `param`: the request field it came from, which
-    its errors name (not part of its identity: equal specs share one compilation)."""
-
-    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
-    value: Any = None
-    param: str = field(default="", compare=False)
-
-    def __post_init__(self):
-        if not self.param:
-            object.__setattr__(self, "param", "choice" if self.kind == "choice" else "response_format")
-        param = self.param
-        if self.kind not in KINDS:
-            raise RequestError(f"structured output kind {self.kind!r} is not supported: expected one of "
-                               f"{list(KINDS)}", param=param)
-        value = self.value
-        if self.kind == "json_schema":
-            try:
-                value = json.dumps(json_object(value, "json_schema", "a JSON schema (an object)", param),
-                                   ensure_ascii=False)  # (key order kept: it orders the output's keys)
-            except RecursionError as exc:
-                raise RequestError("json_schema nests too deeply", param=param) from exc
-        elif self.kind == "choice":
-            if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
-                raise RequestError(f"choice must be a non-empty list of strings, got {value!r}", param=param)
-            value = tuple(value)
-        elif self.kind in ("regex", "grammar") and not (isinstance(value, str) and value):
-            raise RequestError(f"{self.kind} must be a non-empty string, got {value!r}", param=param)
-        object.__setattr__(self, "value", value)
-
-    @classmethod
-    def parse(cls, value, param: str = "structured_outputs") -> "GrammarSpec | None":
-        """From a GrammarSpec or vLLM's `structured_outputs` mapping: exactly one of json (a
-        schema), regex, choice, grammar (Lark), or json_object: true."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise RequestError(f"{param}={value!r} is invalid: expected an object with one of json, regex, choice, "
-                               f"grammar or json_object", param=param)
-        names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                 "json_object": "json_object"}
-        unknown = sorted(set(value) - set(names))
-        given = [k for k in names if value.get(k) not in (None, False)]
-        if unknown or len(given) != 1:
-            raise RequestError(f"{param} must hold exactly one of {list(names)}, got {sorted(value)}", param=param)
-        kind = names[given[0]]
-        return cls(kind, None if kind == "json_object" else value[given[0]], param=param)
-
-    @property
-    def schema(self) -> dict | None:
-        return json.loads(self.value) if self.kind == "json_schema" else None
-
-    @property
-    def size(self) -> int:
-        """Its text's bytes (a grammar's, a pattern's, a schema's JSON, the choices')."""
-        if self.kind == "choice":
-            return sum(len(c.encode()) for c in self.value)
-        return len(self.value.encode()) if isinstance(self.value, str) else 0
-
-    def check_bounds(self) -> None:
-        """RequestError naming the bound (MAX_*) this spec exceeds: what may nest in the
-        compiler, and what takes long to compile. Pure Python: before anything native runs."""
-        if self.kind == "choice" and len(self.value) > MAX_CHOICES:
-            self._too_big(f"has {len(self.value):,} strings: expected at most {MAX_CHOICES:,}")
-        if self.size > MAX_GRAMMAR_BYTES:
-            self._too_big(f"is {self.size:,} bytes: expected at most {MAX_GRAMMAR_BYTES:,}")
-        if self.kind in ("json_schema", "grammar"):
-            refs = self.value.count('"$ref"')
-            if refs > MAX_SCHEMA_REFS:
-                self._too_big(f"has {refs:,} $refs: expected at most {MAX_SCHEMA_REFS:,} (each may nest the next)")
-        if self.kind == "grammar":
-            rules = len(_RULE_DEFINITION.findall(self.value))
-            if rules > MAX_GRAMMAR_RULES:
-                self._too_big(f"defines {rules:,} rules: expected at most {MAX_GRAMMAR_RULES:,} (each may nest "
-                              f"the next)")
-
-    def _too_big(self, what: str):
-        raise RequestError(f"the {self.kind} {what}", param=self.param)
-
-    def grammar(self) -> str:
-        """The llguidance grammar (within `check_bounds`); RequestError naming a bad schema,
-        pattern or grammar. Validated by compiling it: see `Grammars`."""
-        self.check_bounds()
-        try:
-            return self._grammar()
-        except ValueError as exc:  # (llguidance reading a schema: "recursion limit exceeded", say)
-            raise RequestError(f"the {self.kind} cannot constrain generation: {exc}", param=self.param) from exc
-        except RecursionError as exc:  # (closing its objects: nanoinfer/structured/closed_schema.py)
-            raise RequestError(f"the {self.kind} nests too deeply", param=self.param) from exc
-
-    def _grammar(self) -> str:
-        from llguidance import LLMatcher
-
-        if self.kind == "json_object":
-            grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        elif self.kind == "json_schema":  # (every schema enters here: its objects closed, as the peers do)
-            schema = self.value
-            if '"properties"' in schema or '"patternProperties"' in schema:  # (else no object lists its keys)
-                from nanoinfer.structured.closed_schema import closed_schema
-
-                schema = closed_schema(json.loads(schema))
-            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        elif self.kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(self.value)
-        elif self.kind == "choice":
-            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
-        else:
-            grammar = LLMatcher.grammar_from_lark(self.value)
-        return grammar
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int):
@@ -218,18 +88,6 @@ def grammar_tokenizer(tokenizer, vocab_size: int):
         raise RequestError(f"structured output needs a Hugging Face `tokenizers` vocabulary; {tokenizer.source} "
                            "has another kind", param="response_format")
     return LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids) or None)
-
-
-def allocate_bitmask(rows: int, vocab_size: int, every_token: bool = True) -> torch.Tensor:
-    """A host bitmask for `rows` sequences (pinned where CUDA is, for an asynchronous copy):
-    every token allowed, or with `every_token=False` left as the allocator gives it (for rows
-    that will all be filled). Filled by numpy, on this thread: torch's `fill_` of a mask this
-    size runs on its OpenMP threads, which then spin for a while on the cores llguidance's
-    threads fill the masks on (measured on a 16-core H100 host: each row's fill 2-3x slower)."""
-    bitmask = torch.empty((rows, (vocab_size + 31) // 32), dtype=torch.int32, pin_memory=torch.cuda.is_available())
-    if every_token:
-        bitmask.numpy().fill(-1)
-    return bitmask
 
 
 @dataclass
@@ -374,7 +232,7 @@ class Grammars:
             # llguidance finds no token to start an empty language with (a regex [^\s\S], a rule
             # that only calls itself): better a 400 now than a failure once generation started.
             first = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-            _fill_row(matcher, first, 0)
+            fill_row(matcher, first, 0)
             if matcher.is_error() or not (matcher.is_accepting() or first.any()):
                 raise RequestError(f"the {spec.kind} cannot constrain generation: no output satisfies it "
                                    f"(not even its first token)", param=spec.param)
@@ -521,7 +379,7 @@ class Constraint:
         time, on this thread: the reference for `Grammars.fill`, which the engine uses.)"""
         valid = self.matcher.validate_tokens(drafts) if drafts else 0
         for i in range(valid + 1):
-            _fill_row(self.matcher, bitmask, row + i)
+            fill_row(self.matcher, bitmask, row + i)
             self._check("computing the next tokens")
             if i < valid:
                 self.matcher.consume_token(drafts[i])
@@ -570,36 +428,3 @@ def in_rounds(threads: int, items: list) -> list[list]:
             rounds.append([])
         rounds[k].append(item)
     return rounds
-
-
-def _fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
-    """Row `row` of host int32 `bitmask`: what `matcher` allows next. (llguidance.torch has
-    this too, but importing it imports torch.compile's machinery: seconds, holding the GIL.)"""
-    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
-    words = bitmask[row]
-    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, vocab] bool: token t allowed (bit t % 32 of word t // 32;
-    tokens past the words' bits are not)."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1).bool()
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    return torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """A float32 copy of `logits` [n, vocab] where every token the `bitmask` [m, words] (on
-    the same device) does not allow is -inf: in rows `rows` [m] (int64), or in every row
-    (m = n). A copy: the raw logits stay what logprobs report. The reference of CUDA's
-    fused kernel (nanoinfer/backends/cuda/bitmask_triton.py).
-    (llguidance.torch has one too, but torch.compile'd: a C++ compiler on the CPU and a
-    compile per new shape, for what is a few tensor ops.)"""
-    out = logits.to(torch.float32, copy=True)
-    disallowed = ~unpack_bitmask(bitmask, logits.shape[1])
-    if rows is None:
-        return out.masked_fill_(disallowed, float("-inf"))
-    out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(disallowed, float("-inf")))
-    return out

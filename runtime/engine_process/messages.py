@@ -143,7 +143,7 @@ class Abort(NamedTuple):
 
 class Compile(NamedTuple):
     key: int
-    spec: Any  # nanoinfer.structured.grammars.GrammarSpec
+    spec: Any  # nanoinfer.structured.spec.GrammarSpec
 
 
 class PrepareGrammars(NamedTuple):

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from nanoinfer.backends.host_copy import to_device_packed
-from nanoinfer.structured.grammars import allocate_bitmask, apply_bitmask
+from nanoinfer.structured.bitmasks import allocate_bitmask, apply_bitmask
 
 
 def offsets(counts) -> list[int]:
@@ -50,7 +50,7 @@ class StepMasks(NamedTuple):
 
     def applied(self, logits: torch.Tensor, device: torch.device, fused: Callable | None = None) -> torch.Tensor:
         """A float32 copy of `logits` [rows, vocab] with these masks applied: by `fused` (the
-        kernels' mask: nanoinfer/backends/choose.py) or nanoinfer.structured.grammars.apply_bitmask."""
+        kernels' mask: nanoinfer/backends/choose.py) or nanoinfer.structured.bitmasks.apply_bitmask."""
         return (fused or apply_bitmask)(logits, *self.on_device(device, logits.shape[0]))
 
 

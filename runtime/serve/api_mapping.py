@@ -11,7 +11,7 @@ from typing import Any, Mapping, NamedTuple
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling.sampler import SamplingParams
 from nanoinfer.sampling.sampling_params import MAX_LOGPROBS
-from nanoinfer.structured.grammars import GrammarSpec
+from nanoinfer.structured.spec import GrammarSpec
 from runtime.engine.request_limits import all_ints
 from runtime.serve.tool_calls import ToolSetup, tool_setup
 from runtime.serve.protocol import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeChatRequest

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoinfer.errors import RequestError
-from nanoinfer.structured.grammars import GrammarSpec
+from nanoinfer.structured.spec import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -1,4 +1,4 @@
-"""Grammar masks onto the logits on CUDA: `nanoinfer.structured.grammars.apply_bitmask` in one Triton kernel.
+"""Grammar masks onto the logits on CUDA: `nanoinfer.structured.bitmasks.apply_bitmask` in one Triton kernel.
 
 The reference unpacks the packed bitmask into a [rows, vocab] bool tensor and fills through it,
 with a gather and a scatter when only some rows are masked: ~9 launches, ~0.3 ms of the host's
