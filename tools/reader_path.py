@@ -1,12 +1,13 @@
 """The reader's path: which of the project's files, and how many of their statements, one
 default request executes (the measure of "a reader can follow one request in a handful of files").
 
-    python tools/reader_path.py [--json FILE]
+    python tools/reader_path.py [--model DIR] [--json FILE]
 
-Runs `LLM(device="cpu").generate(["The capital of France is"], SamplingParams(max_tokens=8,
-temperature=0))` on the default model under coverage (every thread), then prints one line per
-file of `nanoinfer/` and `runtime/` that ran (statements executed, the file's lines) and the
-totals. Loading the model counts: it is part of the request's path from checkpoint to text.
+Runs `LLM(model, device="cpu").generate(["The capital of France is"], SamplingParams(max_tokens=8,
+temperature=0))` under coverage (every thread) — on the default model (a GGUF), or with `--model` on
+another checkpoint (a plain Hugging Face directory of safetensors: the path a reader of nano-vllm would
+compare) — then prints one line per file of `nanoinfer/` and `runtime/` that ran (statements executed,
+the file's lines) and the totals. Loading the model counts: it is part of the request's path from checkpoint to text.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ class FileRun(NamedTuple):
     lines: int  # of the whole file
 
 
-def measure() -> list[FileRun]:
+def measure(model: str | None = None) -> list[FileRun]:
     import coverage
 
     cov = coverage.Coverage(source=[str(ROOT / p) for p in PACKAGES], concurrency=["thread"], data_file=None)
     cov.start()
     from nanoinfer import LLM, SamplingParams
 
-    llm = LLM(device="cpu", progress=False)
+    llm = LLM(model, device="cpu", progress=False)
     try:
         llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     finally:
@@ -55,9 +56,10 @@ def measure() -> list[FileRun]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a checkpoint (default: the default model)")
     parser.add_argument("--json", help="also write the files and totals here")
     args = parser.parse_args(argv)
-    runs = measure()
+    runs = measure(args.model)
     width = max(len(r.path) for r in runs)
     for r in runs:
         print(f"{r.path:<{width}}  {r.statements:>5} statements  {r.lines:>5} lines")
