@@ -289,6 +289,10 @@ def main():
     idle = random.Random(1)
     idle_prompts = [[idle.randrange(100, 20000) for _ in range(idle.randint(*args.input_len))]
                     for _ in range(args.idle_requests)]
+    # The warm-ups' too (the same lengths, other tokens): a timed prompt found in the prefix cache would make
+    # its first token a step's work on either side, and the TTFT compared that of a cache hit.
+    warm = random.Random(2)
+    warm_prompts = [[warm.randrange(100, 20000) for _ in range(len(p))] for p in prompts[:max(2, args.clients)]]
     common = (["--model", args.model] if args.model else []) + ["--device", args.device, "--load-format",
                                                                  args.load_format] + \
         (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
@@ -299,8 +303,8 @@ def main():
                                *args.serve_args.split()], stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", server.stdout.readline()).group(0)
-        asyncio.run(run_clients(url, prompts[:2], [4, 4]))  # warm-up
-        asyncio.run(run_clients(url, prompts[:args.clients], [4] * args.clients))  # (prefill shapes, compiled)
+        asyncio.run(run_clients(url, warm_prompts[:2], [4, 4]))  # warm-up
+        asyncio.run(run_clients(url, warm_prompts[:args.clients], [4] * args.clients))  # (prefill shapes, compiled)
         idle_ttfts = asyncio.run(idle_requests(url, idle_prompts))
         counters_before = engine_counters(url)
         below = descendants(server.pid)
@@ -345,7 +349,8 @@ def main():
     with LLM(args.model, device=args.device, progress=False, load_format=args.load_format, cuda_graph_capture="all",
              **({"num_blocks": args.num_blocks} if args.num_blocks else {}), **in_flight) as llm:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-        llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4)] * len(prompts), use_tqdm=False)  # warm-up
+        llm.generate(warm_prompts, [SamplingParams(temperature=0, max_tokens=4)] * len(warm_prompts),
+                     use_tqdm=False)  # warm-up
         idle_firsts = []  # the idle server's requests, offline: one at a time, to their first token
         for prompt in idle_prompts:
             first = time.perf_counter()
