@@ -30,7 +30,7 @@ from pathlib import Path
 
 import gguf, numpy as np
 from nanoinfer.loaders.gguf import gguf_config, open_gguf
-from nanoinfer.loaders.gguf_file import GGUFFile, TensorInfo, read_gguf
+from nanoinfer.gguf_file import GGUFFile, TensorInfo, read_gguf
 from nanoinfer.text.tokenizer import Tokenizer
 
 reader_name, path, whole_load = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "load"

@@ -241,6 +241,17 @@ def test_bad_requests_fail_alone():
     assert asyncio.run(go()) == (True, True)
 
 
+def test_the_request_limits_name_a_bad_prompt_id_whatever_its_kind():
+    """The core's own check (benches and the engine core call it without the front's): a bool or a float
+    among the ids is named, as an id out of range is."""
+    from runtime.engine.request_limits import RequestLimits
+
+    limits = RequestLimits(vocab_size=100, max_model_len=64, max_num_seqs=4, block_size=16, num_blocks=8)
+    for ids, bad in (([1, True], "True"), ([1, 2.0], "2.0"), ([1, 100], "100"), ([-1], "-1")):
+        with pytest.raises(RequestError, match=f"prompt token id {bad} is out of range"):
+            limits.check(ids, SamplingParams())
+
+
 def test_abort_by_request_id():
     async def go():
         async with make_engine() as engine:

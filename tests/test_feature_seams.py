@@ -81,10 +81,12 @@ print(json.dumps({"text": out[0].outputs[0].text,
 # request (or the failure) that needs it.
 UNUSED_IN_RUNTIME = ("runtime.engine.speculative", "runtime.engine.structured_output", "runtime.engine.faults",
                      "runtime.executor.draft_runner", "runtime.executor.verify", "runtime.executor.grammar_masks",
-                     "runtime.executor.tensor_parallel", "runtime.executor.control_channel", "runtime.serve",
-                     "runtime.async_engine", "runtime.worker",
-                     "runtime.engine_process.data_parallel", "runtime.engine_process.router", "runtime.engine_process.client", "runtime.engine_process.messages",
-                     "runtime.engine_process.replica")
+                     "runtime.executor.tensor_parallel", "runtime.executor.tp_grid", "runtime.executor.tp_orders",
+                     "runtime.executor.tp_groups", "runtime.executor.tp_follower", "runtime.executor.tp_processes",
+                     "runtime.executor.pipeline_parallel", "runtime.executor.pp_stages",
+                     "runtime.executor.control_channel", "runtime.serve", "runtime.async_engine", "runtime.worker",
+                     "runtime.engine_process.data_parallel", "runtime.engine_process.router",
+                     "runtime.engine_process.client", "runtime.engine_process.messages", "runtime.engine_process.replica")
 
 
 @pytest.mark.slow

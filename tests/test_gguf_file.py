@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from nanoinfer.loaders.gguf_file import read_gguf
+from nanoinfer.gguf_file import read_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 V = gguf.GGUFValueType
@@ -120,7 +120,7 @@ def test_an_empty_array_is_an_array_of_any_kind(tmp_path):
 
 PEAK_GROWTH = """
 import json, re, sys
-from nanoinfer.loaders.gguf_file import read_gguf
+from nanoinfer.gguf_file import read_gguf
 
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024

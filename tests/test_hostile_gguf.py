@@ -14,8 +14,8 @@ import pytest
 
 from nanoinfer import CheckpointError
 from nanoinfer.loaders import gguf as gguf_loader
-from nanoinfer.loaders import gguf_file as gguf_file_module
-from nanoinfer.loaders.gguf_file import MAX_METADATA_OBJECTS, MAX_TENSORS, read_gguf
+from nanoinfer import gguf_file as gguf_file_module
+from nanoinfer.gguf_file import MAX_METADATA_OBJECTS, MAX_TENSORS, read_gguf
 
 V = gguf.GGUFValueType
 F32, Q4_0 = int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.Q4_0)

@@ -1,6 +1,8 @@
 """The tree's layout as docs/ARCHITECTURE.md states it, computed from the code: no import cycle (imports inside
-functions and under TYPE_CHECKING count: a cycle a reader must untangle is one whatever its timing), each module
-name used once, no module over 500 lines, and `nanoinfer` never importing `runtime`."""
+functions and under TYPE_CHECKING count: a cycle a reader must untangle is one whatever its timing; importing a.b.c
+runs a and a.b's `__init__` too), each module name used once, no module over 500 lines, and `nanoinfer` never
+importing `runtime` (its `__init__` hands out the public runtime names — LLM, AsyncEngine — through
+importlib on first use, by design: not an import this reads)."""
 
 import ast
 from pathlib import Path
@@ -27,7 +29,7 @@ def modules() -> dict[str, Path]:
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The modules of ours that `name` imports anywhere in its file: `from P import m` names module P.m where
-    that is one, else P."""
+    that is one, else P; and the packages each of them is in (whose `__init__` runs first), but `name`'s own."""
     out = set()
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -43,6 +45,10 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             for alias in node.names:
                 target = f"{module}.{alias.name}"
                 out.add(target if target in known else module)
+    # Importing a.b.c runs the packages a and a.b first: their __init__ modules are imported too (but the
+    # importer's own packages, which ran before it).
+    parents = {".".join(m.split(".")[:i]) for m in out for i in range(1, m.count(".") + 1)}
+    out |= {p for p in parents if not name.startswith(p + ".")}
     return {m for m in out if m in known and m != name}
 
 

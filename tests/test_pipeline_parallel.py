@@ -392,7 +392,8 @@ def test_the_default_path_runs_no_pipeline_code():
             "llm = LLM.from_loaded(LoadedModel(cfg, random_params(cfg), None, Path('tiny')), num_blocks=16, "
             "block_size=4); "
             "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False); "
-            "print(sorted(m for m in sys.modules if 'pipeline' in m or 'tensor_parallel' in m))")
+            "print(sorted(m for m in sys.modules if any(w in m for w in ('pipeline', 'tensor_parallel', 'parallel.shards', "
+            "'.tp_', '.pp_'))))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -43,6 +43,25 @@ def test_interval_one_is_a_delta_a_step_and_a_waiting_request_is_unchanged():
     assert _taken(state, [5, 6, 7], last=True) == [None, None, (5, 6, 7)]
 
 
+def test_a_stop_string_ends_the_completion_at_once_while_its_delta_gathers(tiny_chat_model):
+    """Stop strings are matched at every step (the engine stops decoding at once), whatever the interval: only
+    the delta waits."""
+    tokenizer = tiny_chat_model.tokenizer
+    ids = tokenizer.encode("one two three four five six seven eight", add_special_tokens=False)
+    stop_at = next(i for i in range(len(ids)) if "three" in tokenizer.decode(ids[:i + 1]))
+    seen = {}
+    for every in (1, 8):
+        state = RequestState("r", None, [1], SamplingParams(max_tokens=len(ids), stop=["three"]), tokenizer)
+        state.stream_interval = every
+        for i, token in enumerate(ids):
+            state.file(Progress(0, token, False, None), float(i))
+            out = state.take()
+            if state.stopped:
+                seen[every] = (i, out.outputs[-1].finish_reason, state.completions[0].detok is not None)
+                break
+    assert seen[1][0] == seen[8][0] == stop_at and seen[8][1] == "stop"
+
+
 def test_stream_interval_must_be_positive():
     with pytest.raises(ValueError, match="stream_interval"):
         ServerConfig(stream_interval=0)

@@ -202,7 +202,7 @@ def test_a_rank_that_fails_at_close_is_reported_and_close_returns(failing_rank, 
     core = engine(2)
     assert greedy(core) == one_rank
     begun = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="nanoinfer.parallel.shards"):
+    with caplog.at_level(logging.ERROR, logger="nanoinfer.tensor_parallel"):
         core.close()
     assert time.monotonic() - begun < BOUND
     (report,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

@@ -15,7 +15,7 @@ from nanoinfer.model.config_checks import (MAX_DIMENSIONS, dimension, heads_shar
 from nanoinfer.errors import CheckpointError
 from nanoinfer.model.layers import rope_inv_freq
 from nanoinfer.loaders.gguf_blocks import GROUPED_TYPES, KQUANT_TYPES, grouped_weight
-from nanoinfer.loaders.gguf_file import GGUFFile, TensorInfo, read_gguf
+from nanoinfer.gguf_file import GGUFFile, TensorInfo, read_gguf
 from nanoinfer.loaders.params import build_params, unpermute_rotary_rows
 from nanoinfer.model.decoder import Params
 from nanoinfer.quant.kquants import KQuantWeight
@@ -57,7 +57,7 @@ _GLOBAL_NAMES = {
 
 
 def open_gguf(path: Path) -> GGUFFile:
-    """The GGUF file's header: its metadata and tensor infos (nanoinfer/loaders/gguf_file.py)."""
+    """The GGUF file's header: its metadata and tensor infos (nanoinfer/gguf_file.py)."""
     if not path.is_file():
         raise CheckpointError(path, "file not found")
     return read_gguf(path)

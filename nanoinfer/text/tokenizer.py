@@ -22,7 +22,7 @@ from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.text.encoders import TokenizerBackend, TokenizersBackend
 
 if TYPE_CHECKING:
-    from nanoinfer.loaders.gguf_file import GGUFFile
+    from nanoinfer.gguf_file import GGUFFile
 
 # What `tokenizer.ggml.pre` says about splitting text before byte-level BPE, as llama.cpp does it
 # (llama-vocab.cpp). The GPT-2 regex is the ByteLevel pre-tokenizer's own, used for pre-types
@@ -155,7 +155,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, header: GGUFFile, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
         """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` fields (`header`: the
-        file's, read by nanoinfer/loaders/gguf_file.py); a field of the wrong kind is a CheckpointError."""
+        file's, read by nanoinfer/gguf_file.py); a field of the wrong kind is a CheckpointError."""
         kind = header.string("tokenizer.ggml.model", None)
         tokens = header.strings("tokenizer.ggml.tokens", [])
         if not tokens and kind in ("gpt2", "llama"):

@@ -41,7 +41,7 @@ class RequestLimits:
         if not ids:
             raise RequestError("the prompt is empty: expected at least one token", param="prompt")
         if not (all_ints(ids) and 0 <= min(ids) and max(ids) < vocab):
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab]  # (as all_ints: no bool)
             raise RequestError(f"prompt token id {bad[0]!r} is out of range: expected 0 <= id < {vocab}",
                                param="prompt")
         if len(ids) >= limit:

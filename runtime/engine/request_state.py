@@ -130,7 +130,8 @@ class RequestState:
             return self._failed()
         if not (self.stream or self.num_unfinished == 0 or self.params.stop):
             return None  # (waiting for its end, no stop strings: nothing to do at this step)
-        if self.stream_interval > 1 and self.stream and not self._interval_due():
+        gather = self.stream_interval > 1 and self.stream
+        if gather and not self.params.stop and not self._interval_due():
             return None  # (its tokens gather until the next delta: detokenized then, all at once)
         feed = self.stream or bool(self.params.stop) or self.finished
         for index, c in enumerate(self.completions):
@@ -150,6 +151,8 @@ class RequestState:
                     self._finish(c, "stop")
         if not self.stream and not self.finished:
             return None
+        if gather and not self._interval_due():
+            return None  # (stop strings are matched at every step, so the engine stops at once; the delta gathers)
         outputs = []
         for index, c in enumerate(self.completions):
             if c.reported:
