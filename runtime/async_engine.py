@@ -13,7 +13,7 @@ from pathlib import Path
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine_config import EngineConfig, engine_config
-from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
+from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt, cheap_to_prepare
 from runtime.engine.request_state import RequestState
 from runtime.loop_inbox import LoopInbox
 from runtime.request_book import RequestBook, RequestHandle
@@ -104,10 +104,13 @@ class AsyncEngine(RequestBook):
     async def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
                       ) -> RequestState:
-        """`submit`'s checks, with the prompt rendered and tokenized on a thread, so that a long
-        prompt (a chat with 2,000 tools, a megabyte of text) never stalls the event loop; queue
+        """`submit`'s checks, with a prompt that is not cheap (`cheap_to_prepare`) rendered and tokenized on a
+        thread, so that a long one (a chat with 2,000 tools, a megabyte of text) never stalls the event loop; queue
         the request with `enqueue` (the server's way: every prompt of a request checked first)."""
         self._check_open(request_id)
+        if cheap_to_prepare(prompt):  # (token ids, a short text: the thread hop would cost more)
+            return self.engine.new_request(prompt, params, request_id=request_id, priority=priority,
+                                           chat_template_kwargs=chat_template_kwargs, stream=stream)
         return await asyncio.to_thread(self.engine.new_request, prompt, params, request_id=request_id,
                                        priority=priority, chat_template_kwargs=chat_template_kwargs, stream=stream)
 

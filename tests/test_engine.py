@@ -4,6 +4,7 @@ the event loop stays responsive, errors fail only who they should."""
 
 import asyncio
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -314,3 +315,26 @@ def test_a_declared_context_past_the_kv_pool_sizes_nothing_by_it():
     assert core.executor.batch.table.numel() <= (core.config.scheduler.max_num_seqs + 8) * 64
     with pytest.raises(RequestError, match="max_model_len=256"):
         core.check_request([1] * 300, greedy())
+
+
+def test_prepare_checks_ids_and_short_text_on_the_loop_and_the_rest_on_a_thread(monkeypatch):
+    """A thread hop costs a server's burst more than checking token ids (issue 60): `prepare` makes a request of
+    ids or of a short text on the loop's thread, and a long text or chat messages on another."""
+    from runtime.engine.llm_engine import CHEAP_TEXT
+
+    threads = []
+    engine = make_engine()
+    new_request = engine.engine.new_request
+    monkeypatch.setattr(engine.engine, "new_request",
+                        lambda *a, **kw: (threads.append(threading.current_thread()), new_request(*a, **kw))[1])
+
+    async def go():
+        async with engine:
+            state = await engine.prepare([5, 6, 7], greedy(2))
+            assert (await engine.collect(engine.enqueue(state))).token_ids
+            for text in ("short text", "x" * (CHEAP_TEXT + 1)):  # (this model has no tokenizer: refused, where made)
+                with pytest.raises(Exception):
+                    await engine.prepare(text, greedy(2))
+    asyncio.run(go())
+    main = threading.main_thread()
+    assert threads[:2] == [main, main] and threads[2] is not main

@@ -38,6 +38,32 @@ def test_greedy_outputs_equal_the_in_process_engines():
     assert asyncio.run(run(engine_process())) == asyncio.run(run(AsyncEngine(MODEL, config())))
 
 
+def test_what_the_front_posts_meanwhile_goes_to_the_engine_as_one_message():
+    """A burst admitted in one loop iteration crosses as one list (one pickle, one write), which the replica
+    reads command by command; a lone message goes as itself."""
+    from runtime.engine_process import messages as msg
+    from runtime.engine_process.client import ReplicaLink
+
+    class Conn:
+        sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    link = ReplicaLink(0, None, Conn(), step_timeout=1.0)
+    burst = [msg.Abort(key) for key in range(5)]
+    for message in burst:
+        link.post(message)
+    link._outbox.put(None)
+    link._write()
+    assert Conn.sent == [burst]
+    Conn.sent.clear()
+    link.post(msg.Abort(7))
+    link._outbox.put(None)
+    link._write()
+    assert Conn.sent == [msg.Abort(7)]
+
+
 def test_a_killed_engine_process_fails_its_requests_by_name_and_takes_no_more():
     engine = data_parallel_from_loaded(MODEL, config(), _setup="tests.test_engine_process:slow_steps")
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -262,6 +263,13 @@ def test_logprobs_in_both_formats_and_penalties(client, live_server):
 def test_several_token_id_prompts(client):
     r = client.completions.create(model="tiny-chat", prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
     assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == 5
+
+
+def test_response_ids_are_openai_shaped_and_never_repeat(client):
+    ids = [client.completions.create(model="tiny-chat", prompt=[1, 2], max_tokens=1).id for _ in range(3)]
+    ids.append(client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=1).id)
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids[:3]), ids
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", ids[3]) and len(set(ids)) == 4, ids
 
 
 def test_harmless_and_unknown_fields_pass(client, caplog):

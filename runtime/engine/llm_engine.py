@@ -29,6 +29,20 @@ log = logging.getLogger("nanoinfer.engine")
 
 # A prompt is text, token ids, or chat messages ({"role", "content"} dicts).
 Prompt = Union[str, Sequence[int], Sequence[dict]]
+# The most a prompt may hold to be checked on the caller's thread (`cheap_to_prepare`): each takes well under
+# a millisecond (a text tokenized, ids' types gathered in C).
+CHEAP_TEXT = 4096  # characters
+CHEAP_IDS = 65536  # token ids
+
+
+def cheap_to_prepare(prompt: Prompt) -> bool:
+    """Whether making `prompt`'s request costs less than handing it to a thread (a hop and a GIL handoff, ~0.1 ms
+    a request: a tenth of a server's admission of a burst, issue 60): token ids, or a short text. Chat messages
+    (a template to render, tools to format) are never cheap."""
+    if isinstance(prompt, str):
+        return len(prompt) <= CHEAP_TEXT
+    messages = bool(prompt) and isinstance(prompt[0], dict)
+    return isinstance(prompt, (list, tuple)) and len(prompt) <= CHEAP_IDS and not messages
 
 
 class EngineError(NanoInferError, RuntimeError):

@@ -140,9 +140,19 @@ class ReplicaLink:
         self._outbox.put(None)
 
     def _write(self) -> None:
-        while (message := self._outbox.get()) is not None:
+        """Send what is posted; what came meanwhile goes as one list (a burst of requests admitted in one loop
+        iteration: one pickle and one write for all, and the replica reads them at once)."""
+        end = False
+        while not end:
+            batch = [self._outbox.get()]
+            while not self._outbox.empty() and batch[-1] is not None:
+                batch.append(self._outbox.get())
+            if batch[-1] is None:
+                batch.pop()
+                end = True
             try:
-                self.conn.send(message)
+                if batch:
+                    self.conn.send(batch[0] if len(batch) == 1 else batch)
             except (OSError, ValueError):  # (the replica is gone: its reader reports that)
                 return
 

@@ -46,7 +46,7 @@ from runtime.engine_process import messages as msg
 from runtime.async_engine import EngineError, Prompt, RequestHandle
 from runtime.engine_config import EngineConfig, load_and_engine_configs
 from runtime.engine_process.client import ReplicaClient, spawn
-from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine, cheap_to_prepare
 from runtime.engine.request_limits import RequestLimits
 from runtime.engine.request_state import RequestState
 from runtime.engine_process.router import Load, ReplicaRouter
@@ -198,8 +198,12 @@ class DataParallelEngine(RequestReader):
     async def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       priority: int = 0, chat_template_kwargs: dict | None = None, *, stream: bool = True
                       ) -> RequestState:
-        """As `AsyncEngine.prepare` (rendered and checked on a thread); `enqueue` routes it."""
+        """As `AsyncEngine.prepare` (a prompt that is not cheap rendered and checked on a thread); `enqueue`
+        routes it."""
         self._check_open(request_id)
+        if cheap_to_prepare(prompt):  # (token ids, a short text: the thread hop would cost more)
+            return self._requests.new_request(prompt, params, request_id=request_id, priority=priority,
+                                              chat_template_kwargs=chat_template_kwargs, stream=stream)
         return await asyncio.to_thread(self._requests.new_request, prompt, params, request_id=request_id,
                                        priority=priority, chat_template_kwargs=chat_template_kwargs, stream=stream)
 

@@ -152,22 +152,18 @@ class Replica:
                 for conn in wait(list(live)):
                     front = live[conn]
                     try:
-                        command = conn.recv()
+                        commands = conn.recv()  # (one, or a list: what the front posted meanwhile)
                     except (EOFError, OSError):
-                        if front == 0:
+                        commands = [msg.Stop()]
+                    for command in commands if isinstance(commands, list) else [commands]:
+                        if isinstance(command, msg.Stop) and front == 0:
                             return
-                        del live[conn]
-                        self._dropped.add(front)
-                        self._front_gone(front)
-                        continue
-                    if isinstance(command, msg.Stop) and front == 0:
-                        return
-                    if isinstance(command, msg.Stop):  # (another API server stopping: its socket is done)
-                        del live[conn]
-                        self._dropped.add(front)
-                        self._front_gone(front)
-                        continue
-                    self._command(command, front)
+                        if isinstance(command, msg.Stop):  # (another API server stopping: its socket is done)
+                            del live[conn]
+                            self._dropped.add(front)
+                            self._front_gone(front)
+                            break
+                        self._command(command, front)
         finally:
             self.worker.stop()
             self._reports.put(None)

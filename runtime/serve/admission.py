@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
+import uuid
 from typing import Sequence
 
 import msgspec
@@ -36,6 +38,13 @@ class Admission:
         # Each request type's field names, read once: msgspec resolves the type's annotations on each call
         # (~5% of a busy server's event loop at 256 streams, issue 60's profile).
         self._known_fields: dict[type, frozenset[str]] = {}
+        # Response ids: this process's random prefix and a count (unique across the API servers of one port;
+        # a uuid4 a request cost a urandom call and, under load, a wait for the interpreter lock after it).
+        self._id_prefix, self._id_count = uuid.uuid4().hex[:16], itertools.count()
+
+    def new_id(self, kind: str) -> str:
+        """A new response's id, OpenAI's shape: `kind`-32 hex digits (`cmpl-…`, `chatcmpl-…`)."""
+        return f"{kind}-{self._id_prefix}{next(self._id_count):016x}"
 
     def check_access(self, connection: HTTPConnection) -> None:
         if self.config.api_key is not None and connection.url.path.startswith(KEYED_PATHS):

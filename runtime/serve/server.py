@@ -25,7 +25,6 @@ import html
 import importlib.metadata
 import logging
 import time
-import uuid
 from importlib import resources
 
 import msgspec
@@ -109,12 +108,12 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         req = await self.admission.read(request, api.CompletionRequest)
-        handles, out = await self.admission.submit_completion(f"cmpl-{uuid.uuid4().hex}", req)
+        handles, out = await self.admission.submit_completion(self.admission.new_id("cmpl"), req)
         return await self.responder.answer(request, req, handles, out)
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self.admission.read(request, api.ChatCompletionRequest)
-        handles, out = await self.admission.submit_chat(f"chatcmpl-{uuid.uuid4().hex}", req)
+        handles, out = await self.admission.submit_chat(self.admission.new_id("chatcmpl"), req)
         return await self.responder.answer(request, req, handles, out)
 
     async def tokenize(self, request: Request) -> Response:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from urllib.parse import urlsplit
 
 import msgspec
@@ -142,7 +141,7 @@ class ChatSocket:
     async def run(self, request_id: str, body: dict | None) -> None:
         """One chat completion, streamed as chunk messages."""
         handles, status = [], 499
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = self.srv.admission.new_id("chatcmpl")
         try:
             req = self.srv.admission.parse(body, api.ChatCompletionRequest)
             req = msgspec.structs.replace(req, stream=True)  # (always)
