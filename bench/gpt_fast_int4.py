@@ -4,7 +4,7 @@ gpt-fast rounds each projection and the LM head to 4 bits per group of inputs (a
 zero, round to nearest: the numbers `quantization="int4"` gives the projections), packs them
 with torch's `_convert_weight_to_int4pack` and multiplies with `_weight_int4pack_mm` (the "tinygemm"
 kernel) at every row count. Here the same weights go through that kernel instead of
-nanoinfer.backends.cuda.gemv's `int4_mm`, so the two kernels meet in one engine (bench/latency.py's
+nanoinfer.backends.cuda.int4_gemv's `int4_mm`, so the two kernels meet in one engine (bench/latency.py's
 `gpt-fast-int4`). A bench module: the library has no use for it.
 """
 
@@ -58,7 +58,7 @@ def tinygemm_params(params: Params) -> Params:
 
 
 def with_tinygemm(linear):
-    """`linear` (nanoinfer.backends.cuda.gemv.linear) with TinygemmInt4 weights sent to `_weight_int4pack_mm`."""
+    """`linear` (nanoinfer.backends.cuda.linear.linear) with TinygemmInt4 weights sent to `_weight_int4pack_mm`."""
     def tinygemm_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(w, TinygemmInt4):
             return linear(x, w, b)

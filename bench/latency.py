@@ -17,7 +17,7 @@ engine, as the baseline for ours: the same int8 weights, but every projection co
 `F.linear(x, w.to(bf16)) * scale` in the compiled graph (gpt-fast's WeightOnlyInt8Linear),
 where ours runs the Triton GEMV at batch 1. `gpt-fast-int4` likewise runs the projections of
 `int4` (groups of 128) through torch's `_weight_int4pack_mm`, gpt-fast's int4 kernel
-(bench/gpt_fast_int4.py), where ours runs nanoinfer.backends.cuda.gemv's `int4_mm`, and its LM head in int4
+(bench/gpt_fast_int4.py), where ours runs nanoinfer.backends.cuda.int4_gemv's `int4_mm`, and its LM head in int4
 too, as gpt-fast's method has it (ours: int8).
 
 `--tensor-parallel-size` times the engine at each size given (its graphs and eager paths:
@@ -105,7 +105,7 @@ def main():
 
     import dataclasses
 
-    import nanoinfer.backends.cuda.gemv
+    import nanoinfer.backends.cuda.linear
     from bench.shapes import random_model, weight_bytes
     from nanoinfer.quant import quantized
     from nanoinfer.loaders.quantize import quantize_params
@@ -127,13 +127,13 @@ def main():
             variants = [v for key, v in (("overlap", ("graphs, overlap", False, True)),
                                          ("no-overlap", ("graphs, no overlap", False, False)),
                                          ("eager", ("eager", True, True))) if key in args.variants]
-            linear = nanoinfer.backends.cuda.gemv.linear
-            if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.backends.cuda.gemv.linear when the engine starts)
-                nanoinfer.backends.cuda.gemv.linear = quantized.linear
+            linear = nanoinfer.backends.cuda.linear.linear
+            if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.backends.cuda.linear.linear when the engine starts)
+                nanoinfer.backends.cuda.linear.linear = quantized.linear
             elif quant == "gpt-fast-int4":
                 from bench.gpt_fast_int4 import with_tinygemm
 
-                nanoinfer.backends.cuda.gemv.linear = with_tinygemm(linear)
+                nanoinfer.backends.cuda.linear.linear = with_tinygemm(linear)
             runs = [(label, eager, overlap, size) for size in args.tensor_parallel_size
                     for label, eager, overlap in (variants if quant == "none" else variants[:1])]
             for label, eager, overlap, size in runs:
@@ -146,7 +146,7 @@ def main():
                 label = f"nanoinfer ({label})" if quant == "none" else f"{quant} ({label})"
                 figures.setdefault(name, {})[label] = tps
                 print(f"{name:<14}{label:<30}{tps:>9.1f}{nbytes * tps / 1e9:>9.0f}   {breakdown}")
-            nanoinfer.backends.cuda.gemv.linear = linear
+            nanoinfer.backends.cuda.linear.linear = linear
             del model
             gc.collect()
             torch.cuda.empty_cache()

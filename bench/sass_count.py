@@ -2,7 +2,7 @@
 
     python -m bench.sass_count [int4|int8|bf16 ...] [--group 128]
 
-Compiles nanoinfer.backends.cuda.gemv's one-row kernels for an H100 (sm_90) with the ptxas that ships in
+Compiles the one-row kernels of nanoinfer.backends.cuda.gemv and int4_gemv for an H100 (sm_90) with the ptxas that ships in
 Triton's wheel, as the launcher would for real shapes (every pointer and size divisible by
 16), disassembles them with the wheel's cuobjdump, finds the main loop (the backward branch)
 and prints, for each config of the kernel's autotune list, the loop's instructions per packed
@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nanoinfer.backends.cuda import gemv
+from nanoinfer.backends.cuda import gemv, int4_gemv
 
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
@@ -73,7 +73,7 @@ def _cases(kind: str, group: int):
     """(fn, signature, constexprs, num_warps, num_stages, units a thread handles per iteration) per config."""
     common = {"x_ptr": "*bf16", "out_ptr": "*bf16"}
     if kind == "int4":
-        fn = gemv._int4_gemv_kernel
+        fn = int4_gemv._int4_gemv_kernel
         sig = {**common, "w_ptr": "*i32", "scale_ptr": "*fp32", "min_ptr": "*fp32", "N": "i32", "K": "i32",
                "stride_wn": "i32", "stride_sn": "i32", "EXP": "i32",
                "res_ptr": "*bf16"}

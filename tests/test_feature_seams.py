@@ -45,7 +45,8 @@ UNUSED = ("nanoinfer.model.nanochat", "nanoinfer.text.nanochat_tokenizer", "nano
           "nanoinfer.loaders.quantize", "nanoinfer.sampling.penalties", "nanoinfer.structured.grammars",
           "nanoinfer.structured.spec", "nanoinfer.structured.bitmasks", "nanoinfer.structured.lark_check",
           "nanoinfer.sampling.rejection", "nanoinfer.sampling.ngram", "nanoinfer.parallel.shards", "nanoinfer.backends.cuda.graphs",
-          "nanoinfer.backends.cuda.gemv", "nanoinfer.backends.cuda.rope_write", "nanoinfer.backends.cuda.argmax", "nanoinfer.backends.cuda.draw_triton",
+          "nanoinfer.backends.cuda.gemv", "nanoinfer.backends.cuda.gemv_epilogues", "nanoinfer.backends.cuda.int4_gemv",
+          "nanoinfer.backends.cuda.linear", "nanoinfer.backends.cuda.rope_write", "nanoinfer.backends.cuda.argmax", "nanoinfer.backends.cuda.draw_triton",
           # The chat template (and jinja2) load at the first chat request, an HF directory's tokenizer files'
           # readers with such a load.
           "nanoinfer.text.chat_template", "nanoinfer.text.tokenizer_hf",

@@ -283,7 +283,8 @@ def test_split_argmax_matches_torch(vocab):
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_gemv_matches_an_fp32_matmul(n, k, rows):
     """Both kernels (one row; 2-16 rows on tensor cores) against fp32, bias through `linear`."""
-    from nanoinfer.backends.cuda.gemv import gemv, linear
+    from nanoinfer.backends.cuda.gemv import gemv
+    from nanoinfer.backends.cuda.linear import linear
 
     g = torch.Generator(device="cuda").manual_seed(n * k + rows)
     for dtype in (torch.bfloat16, torch.float16):
@@ -471,7 +472,7 @@ def test_fused_layer_parts_equal_the_unfused_ones(form, hidden, inter):
     from nanoinfer.quant import quantized
     from nanoinfer.backends.cuda import row_kernels
     from nanoinfer.model.config import ModelConfig
-    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.backends.cuda.linear import linear
     from nanoinfer.loaders.quantize import int4_groups
 
     g = torch.Generator(device="cuda").manual_seed(hidden + inter)
@@ -530,7 +531,7 @@ def test_qkv_rope_and_write_in_one_kernel_equals_the_two(form, dtype, head_dim, 
     from nanoinfer.backends.cuda import fused_layers
     from nanoinfer.model import decoder as model
     from nanoinfer.quant import quantized
-    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.backends.cuda.linear import linear
     from nanoinfer.model.layers import rope_cos_sin, rope_inv_freq
     from nanoinfer.loaders.quantize import int4_groups
     from nanoinfer.backends.cuda.rope_write import rope_and_write
@@ -580,7 +581,7 @@ def test_gemv_of_quantized_weights_matches_its_dequantized_reference(form, rows,
     cores), fp8 at one (several rows of fp8 scale their activations too:
     test_batched_quantized_matmul_matches_the_cpu_reference)."""
     from nanoinfer.quant import quantized
-    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.backends.cuda.linear import linear
 
     g = torch.Generator(device="cuda").manual_seed(n + k + rows)
     dense = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
@@ -615,10 +616,10 @@ def test_batched_quantized_matmul_matches_the_cpu_reference(form, tokens):
 @pytest.mark.parametrize("halves,reordered", [(True, False), (False, False), (False, True)],
                          ids=["fp16_scales", "fp32_scales", "act_order"])
 def test_int4_mm_matches_its_dequantized_reference(rows, n, k, group, halves, reordered):
-    """nanoinfer.backends.cuda.gemv's 4-bit kernels (the GEMV at one row, the tensor-core GEMM past it)
+    """nanoinfer.backends.cuda.int4_gemv's 4-bit kernels (the GEMV at one row, the tensor-core GEMM past it)
     against x @ dequantize(w).T in fp32, with fp16 or fp32 scales and reordered inputs."""
     from nanoinfer.quant import quantized
-    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.backends.cuda.linear import linear
 
     g = torch.Generator().manual_seed(n + k + rows + group)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -648,7 +649,7 @@ def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tens
     leave a partial block; the residual), against the plain product put through the same ops."""
     import triton
 
-    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.backends.cuda import int4_gemv
     from nanoinfer.quant import quantized
 
     g = torch.Generator().manual_seed(n + k + group)
@@ -663,15 +664,15 @@ def test_int4_gemv_bodies_match_the_reference_in_fp16_and_bf16(n, k, group, tens
         x = torch.randn(1, k, generator=g).to(dtype).cuda()
         ref = x.float() @ quantized.dequantize(w).T
         out = torch.empty(1, n, dtype=dtype, device="cuda")
-        gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
-            *gemv.int4_gemv_args(x, w.packed, w.scale, w.min, out), GROUP=group, HALF=False, num_warps=4,
+        int4_gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
+            *int4_gemv.int4_gemv_args(x, w.packed, w.scale, w.min, out), GROUP=group, HALF=False, num_warps=4,
             num_stages=3, **config)
         assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), dtype
         res = torch.randn(1, n, generator=g).to(dtype).cuda()
         for silu, residual, want in ((True, None, F.silu(out[:, :n // 2]) * out[:, n // 2:]), (False, res, out + res)):
             got = torch.empty_like(want)
-            gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
-                *gemv.int4_gemv_args(x, w.packed, w.scale, w.min, got, residual), GROUP=group, HALF=False,
+            int4_gemv._int4_gemv_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]),)](
+                *int4_gemv.int4_gemv_args(x, w.packed, w.scale, w.min, got, residual), GROUP=group, HALF=False,
                 SILU=silu, RESIDUAL=residual is not None, num_warps=4, num_stages=3, **config)
             assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item()), silu
 

@@ -43,7 +43,7 @@ def _steps(cfg, params, kv, layer_fns, backend, device):
 
 def _rank(rank: int, size: int, init_file: str, results, arch: str) -> None:
     from nanoinfer.backends.cuda import fused_layers
-    from nanoinfer.backends.cuda.gemv import linear
+    from nanoinfer.backends.cuda.linear import linear
     from nanoinfer.backends.choose import kernels_for
     from nanoinfer.backends.cuda.peer_sum import PeerLinks
 

@@ -174,7 +174,7 @@ def test_a_quantized_gguf_runs_packed_on_the_cpu_unless_a_dtype_is_asked_for(smo
     assert exact.quantization == "none" and isinstance(exact.params.layers[0].qkv_proj, torch.Tensor)
     from nanoinfer.loaders import _resolve_quantization
 
-    # On CUDA a GGUF stays packed when asked (its 4-bit matrices in nanoinfer.backends.cuda.gemv's int4 kernels); auto dequantizes.
+    # On CUDA a GGUF stays packed when asked (its 4-bit matrices in nanoinfer.backends.cuda.int4_gemv's kernels); auto dequantizes.
     assert _resolve_quantization("gguf", torch.device("cuda"), gguf=True, quantized_file=True) == "gguf"
     assert _resolve_quantization("auto", torch.device("cuda"), gguf=True, quantized_file=True) == "none"
 

@@ -213,7 +213,7 @@ def test_an_unwritable_key_value_is_an_error(tmp_path):
 
 def test_every_gemv_autotuner_has_the_hook_under_its_own_name():
     # (read as text: triton does not import on a CPU-only machine)
-    source = (Path(tuned_configs.__file__).parent / "gemv.py").read_text()
+    source = "\n".join((Path(tuned_configs.__file__).parent / f).read_text() for f in ("gemv.py", "int4_gemv.py"))
     blocks = re.findall(r"@triton\.autotune\((.*?)\n\)\n@triton\.jit\ndef (\w+)\(", source, re.DOTALL)
     assert len(blocks) == source.count("@triton.autotune(") == 4
     for decorator, name in blocks:
@@ -224,15 +224,15 @@ def test_the_shipped_int4_choices_are_filed_under_the_keys_its_launches_make():
     """Triton's tuner keys a call by its key arguments and every tensor argument's dtype: when the
     one-row int4 kernel gained a tensor argument (the residual), every shipped key missed until the
     table gained its dtype (a review's finding). Here the key of an 8B down projection's launch,
-    from the arguments `nanoinfer.backends.cuda.gemv` passes, against the H100 table. (Needs Triton, not a GPU.)"""
+    from the arguments `nanoinfer.backends.cuda.int4_gemv` passes, against the H100 table. (Needs Triton, not a GPU.)"""
     pytest.importorskip("triton")
-    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.backends.cuda import int4_gemv
 
     n, k, group = 4096, 14336, 128
     scale = torch.empty(n, k // group, dtype=torch.float16)
-    args = gemv.int4_gemv_args(torch.empty(1, k, dtype=torch.bfloat16), torch.empty(n, k // 8, dtype=torch.int32),
+    args = int4_gemv.int4_gemv_args(torch.empty(1, k, dtype=torch.bfloat16), torch.empty(n, k // 8, dtype=torch.int32),
                                scale, scale, torch.empty(1, n, dtype=torch.bfloat16))
-    tuner = gemv._int4_gemv_kernel
+    tuner = int4_gemv._int4_gemv_kernel
     key = autotune_key(tuner.keys, dict(zip(tuner.arg_names, args)), {"GROUP": group, "HALF": True})
     _, table = read_table(table_path(H100))
     assert key in table["_int4_gemv_kernel"].choices

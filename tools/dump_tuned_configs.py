@@ -41,23 +41,25 @@ def say(message: str) -> None:
 
 
 def gemv_autotuners() -> dict:
-    """nanoinfer.backends.cuda.gemv's Autotuners by the kernel name their ShippedChoice hook looks tables up by."""
+    """The Autotuners of nanoinfer.backends.cuda.gemv and int4_gemv by the kernel name their ShippedChoice hook
+    looks tables up by."""
     from triton.runtime.autotuner import Autotuner
 
-    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.backends.cuda import gemv, int4_gemv
     from nanoinfer.backends.cuda.tuned_configs import ShippedChoice
 
     found = {}
-    for attr, value in vars(gemv).items():
-        if not isinstance(value, Autotuner):
-            continue
-        hook = value.early_config_prune
-        if not isinstance(hook, ShippedChoice) or hook.kernel != value.base_fn.__name__:
-            raise SystemExit(f"nanoinfer.backends.cuda.gemv.{attr}: expected prune_configs_by={{'early_config_prune': "
-                             f"ShippedChoice({value.base_fn.__name__!r})}}, found {hook!r}")
-        found[hook.kernel] = value
+    for module in (gemv, int4_gemv):
+        for attr, value in vars(module).items():
+            if not isinstance(value, Autotuner):
+                continue
+            hook = value.early_config_prune
+            if not isinstance(hook, ShippedChoice) or hook.kernel != value.base_fn.__name__:
+                raise SystemExit(f"{module.__name__}.{attr}: expected prune_configs_by={{'early_config_prune': "
+                                 f"ShippedChoice({value.base_fn.__name__!r})}}, found {hook!r}")
+            found[hook.kernel] = value
     if not found:
-        raise SystemExit("nanoinfer.backends.cuda.gemv has no Triton Autotuner: nothing to dump")
+        raise SystemExit("nanoinfer.backends.cuda.gemv and int4_gemv have no Triton Autotuner: nothing to dump")
     return found
 
 

@@ -2,7 +2,7 @@
 
     python tools/sweep_int4_gemv.py --shape qwen3-0.6b llama-3.2-1b llama-3.1-8b [--group 128] [--out nanoinfer/backends/cuda/tuned]
 
-Triton's tuner times each config for 20 ms, one call at a time (nanoinfer.backends.cuda.gemv's `_quick_bench`):
+Triton's tuner times each config for 20 ms, one call at a time (nanoinfer.backends.cuda.gemv_epilogues' `quick_bench`):
 for the 4-bit kernel its picks differed between leases of one H100 model by up to 10% of a
 projection's time, and each start with no table re-tunes (bench/RESULTS.md, twenty-fourth and
 twenty-fifth sessions). Here every config of `_int4_gemv_kernel` runs each projection of each
@@ -45,7 +45,7 @@ def main() -> None:
     from triton.runtime.errors import OutOfResources, PTXASError
 
     from bench.shapes import SHAPES
-    from nanoinfer.backends.cuda import gemv
+    from nanoinfer.backends.cuda import int4_gemv
     from nanoinfer.quant import quantized
     from nanoinfer.backends.cuda.tuned_configs import (ConfigChoice, KernelTable, autotune_key, merge, read_table, table_path,
                                          write_table)
@@ -55,7 +55,7 @@ def main() -> None:
         raise SystemExit(f"unknown --shape {', '.join(unknown)}: expected some of {', '.join(SHAPES)}")
     if not torch.cuda.is_available():
         raise SystemExit("a CUDA GPU is needed")
-    tuner, g = gemv._int4_gemv_kernel, args.group
+    tuner, g = int4_gemv._int4_gemv_kernel, args.group
     torch.manual_seed(0)
 
     def weight(n: int, k: int) -> quantized.Int4CudaWeight:
@@ -84,14 +84,14 @@ def main() -> None:
             flags = dict(GROUP=g, HALF=ws[0].scale.dtype == torch.float16)
             w = ws[0]
             # (the key the Autotuner files this call under, as int4_mm launches it)
-            key = autotune_key(tuner.keys, dict(zip(tuner.arg_names, gemv.int4_gemv_args(x, w.packed, w.scale, w.min,
+            key = autotune_key(tuner.keys, dict(zip(tuner.arg_names, int4_gemv.int4_gemv_args(x, w.packed, w.scale, w.min,
                                                                                           out))), flags)
             if key in choices:  # (a projection of the same size in an earlier shape)
                 continue
             timed = []
             for c in tuner.configs:
                 calls = [lambda w=w, c=c: tuner.fn[(triton.cdiv(n, c.kwargs["BLOCK_N"]),)](
-                    *gemv.int4_gemv_args(x, w.packed, w.scale, w.min, out), **flags, num_warps=c.num_warps,
+                    *int4_gemv.int4_gemv_args(x, w.packed, w.scale, w.min, out), **flags, num_warps=c.num_warps,
                     num_stages=c.num_stages, **c.kwargs) for w in ws]
                 try:
                     timed.append((graph_us(calls), ConfigChoice.of(c)))

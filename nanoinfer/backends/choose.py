@@ -95,7 +95,7 @@ def cuda_layer_functions() -> LayerFunctions:
     without q/k norms, QKV's GEMV epilogue). No torch.compile: a start traces and compiles
     nothing of them (Triton compiles each kernel once per dtype and width, and caches it on disk)."""
     from nanoinfer.backends.cuda import fused_layers
-    from nanoinfer.backends.cuda.gemv import linear  # (read at each call: bench/latency.py swaps it)
+    from nanoinfer.backends.cuda.linear import linear  # (read at each call: bench/latency.py swaps it)
 
     return EAGER._replace(qkv_rope_and_write=fused_layers.qkv_rope_and_write, linear=linear, lm_head=linear,
                           attention_output_and_mlp=fused_layers.attention_output_and_mlp)

@@ -50,7 +50,7 @@ def unpermute_rotary_rows(w, num_heads: int):
 
 def device_form(w: GroupedWeight, device: torch.device, dtype: torch.dtype) -> "Weight":
     """A grouped matrix in the form `device`'s kernels read: on CUDA 4-bit groups packed for
-    nanoinfer.backends.cuda.gemv (8-bit ones per-row int8); on the CPU cpu_native's blocks where it builds
+    nanoinfer.backends.cuda.int4_gemv (8-bit ones per-row int8); on the CPU cpu_native's blocks where it builds
     (groups of 32), else torch's int4 kernel's. A reordered GPTQ matrix (act-order) is
     dequantized to `dtype` on the CPU, whose packed kernels read inputs in order."""
     if device.type == "cuda":

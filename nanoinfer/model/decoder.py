@@ -127,7 +127,7 @@ class LayerFunctions(NamedTuple):
     (CUDA: nanoinfer.backends.choose.cuda_layer_functions) saves the dozens of small element-wise
     kernels a layer otherwise launches, without touching the attention backend's kernels. `linear`
     computes every projection (`quantized.linear`: any weight form; CUDA uses
-    nanoinfer.backends.cuda.gemv.linear: a Triton GEMV at batch 1), `lm_head` the logits (`quantized.lm_head`:
+    nanoinfer.backends.cuda.linear.linear: a Triton GEMV at batch 1), `lm_head` the logits (`quantized.lm_head`:
     `linear`, without the bf16 rounding of a CPU packed kernel's output; CUDA's `linear`).
     `qkv_rope_and_write` (CUDA: nanoinfer.backends.cuda.fused_layers; CPU: nanoinfer.backends.cpu.rope_write_cpu),
     (x, lp, cfg, linear, cos, sin, kv_layer, slot_mapping) -> q, replaces `attention_inputs` and

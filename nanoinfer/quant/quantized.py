@@ -25,7 +25,7 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
   with no exact packed form (K-quants where cpu_native does not build), rounded to the nearest int8, and
   `quantization="int8"` of any checkpoint (CUDA: nanoinfer.backends.cuda.gemv's GEMV at batch 1).
 - `Int4CudaWeight`: 4-bit groups of 32-256 inputs packed eight to an int32, a scale and a
-  min per group (fp16 where that is exact, else fp32): nanoinfer.backends.cuda.gemv's CUDA kernels read
+  min per group (fp16 where that is exact, else fp32): nanoinfer.backends.cuda.int4_gemv's CUDA kernels read
   it. AWQ and GPTQ checkpoints, GGUF's 4-bit types and `quantization="int4"` load into it.
 - `Fp8Weight`: per-output-channel e4m3 (`quantization="fp8"`, FP8 checkpoints): a GEMV at
   batch 1, otherwise activations rounded to e4m3 per token and `torch._scaled_mm`.
@@ -395,7 +395,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         y = fp8_matmul(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w)
         y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
-    if isinstance(w, Int4CudaWeight):  # (its reference: the compiled CUDA path runs nanoinfer.backends.cuda.gemv's kernels)
+    if isinstance(w, Int4CudaWeight):  # (its reference: the compiled CUDA path runs nanoinfer.backends.cuda.int4_gemv's kernels)
         return F.linear(x, dequantize(w).to(x.dtype), bias)
     if x.is_cuda and isinstance(w, Int8Weight):  # gpt-fast's int8 weight-only matmul (compiled, the cast fuses)
         y = F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)

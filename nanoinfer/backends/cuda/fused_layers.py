@@ -27,7 +27,9 @@ import torch
 from nanoinfer.backends.cuda import batched_layers
 from nanoinfer.model import decoder as model
 from nanoinfer.model.config import ModelConfig
-from nanoinfer.backends.cuda.gemv import RopeWrite, fused_gemv, int4_gemv, int4_kernels_take
+from nanoinfer.backends.cuda.gemv import fused_gemv
+from nanoinfer.backends.cuda.gemv_epilogues import RopeWrite
+from nanoinfer.backends.cuda.int4_gemv import int4_gemv, int4_kernels_take
 from nanoinfer.model.decoder import LayerParams, RankSum
 from nanoinfer.backends.cuda.peer_sum import PeerLinks, PeerSum
 from nanoinfer.quant.quantized import Fp8Weight, Int4CudaWeight, Int8Weight

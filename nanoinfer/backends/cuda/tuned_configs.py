@@ -8,7 +8,7 @@ tuning on that GPU; the one-row int4 kernel's by tools/sweep_int4_gemv.py, which
 configs under CUDA graphs) compiles only the config that won there, as vLLM ships its fused-MoE
 configs per device name.
 
-Each autotuned kernel in nanoinfer.backends.cuda.gemv carries `ShippedChoice(<kernel name>)` as its
+Each autotuned kernel in nanoinfer.backends.cuda.gemv and int4_gemv carries `ShippedChoice(<kernel name>)` as its
 `prune_configs_by={"early_config_prune": ...}` hook. Triton calls it, once per new tuning key,
 with the kernel's configs and the call's arguments; it returns the one shipped config when
 this device's table holds the key and that config is still one of the kernel's, else all of
