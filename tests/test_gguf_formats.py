@@ -34,7 +34,8 @@ HEAD_DIM = HIDDEN // HEADS
 QK_K = 256
 K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)  # gguf-py dequantizes these but cannot quantize them
 PROMPTS = [[17], [5, 200, 33, 9, 128, 64, 1], list(range(3, 250, 5))]  # 1, 7 and 50 tokens
-ARCHS = {"llama": (transformers.LlamaConfig, MODEL_ARCH.LLAMA), "qwen2": (transformers.Qwen2Config, MODEL_ARCH.QWEN2)}
+ARCHS = {"llama": (transformers.LlamaConfig, MODEL_ARCH.LLAMA), "qwen2": (transformers.Qwen2Config, MODEL_ARCH.QWEN2),
+         "qwen3": (transformers.Qwen3Config, MODEL_ARCH.QWEN3)}
 
 
 # --- the tiny transformers models ----------------------------------------------------------
@@ -44,6 +45,8 @@ def hf_model(arch: str, *, tied: bool, num_layers: int = 2, seed: int = 0, rope_
     """A random model whose weights all differ (norms not all ones, biases not zero), so a
     swapped or dropped tensor changes the logits."""
     config_cls, _ = ARCHS[arch]
+    if arch == "qwen3":  # (heads wider than hidden / heads, as Qwen3's are: read from attention.key_length)
+        fields = {"head_dim": 2 * HIDDEN // HEADS, **fields}
     config = config_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=num_layers,
                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
                         rms_norm_eps=1e-5, rope_theta=rope_theta, tie_word_embeddings=tied,
@@ -184,6 +187,9 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
     if arch == "llama":  # LlamaModel adds these; Qwen2Model leaves vocab size to the token list
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_rope_dimension_count(head_dim)
+    if getattr(cfg, "head_dim", None) is not None and arch == "qwen3":  # (the converter writes a config's head_dim)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(gpt2_byte_tokens()[:cfg.vocab_size])
@@ -252,6 +258,8 @@ ARCH_CASES = [  # (id, arch, tied, layers)
     ("llama-gqa2-tied", "llama", True, 1),
     ("qwen2-gqa2-bias-tied", "qwen2", True, 2),
     ("qwen2-gqa2-bias-untied", "qwen2", False, 1),
+    ("qwen3-gqa2-qknorm-tied", "qwen3", True, 2),  # (q/k norms: Qwen3's GGUFs, the year's most downloaded)
+    ("qwen3-gqa2-qknorm-untied", "qwen3", False, 1),
 ]
 
 
@@ -269,9 +277,9 @@ def test_f32_logits_match_the_transformers_model_it_came_from(f32_file):
     loaded = load_model(path, device="cpu", dtype="float32", progress=False)  # the public entry, tokenizer included
     cfg = loaded.config
     assert (cfg.architecture, cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        arch, VOCAB, model.config.num_hidden_layers, HEADS, KV_HEADS, HEAD_DIM)
+        arch, VOCAB, model.config.num_hidden_layers, HEADS, KV_HEADS, 2 * HEAD_DIM if arch == "qwen3" else HEAD_DIM)
     assert cfg.tie_word_embeddings == model.config.tie_word_embeddings
-    assert cfg.qkv_bias == (arch == "qwen2")
+    assert cfg.qkv_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
     for tokens in PROMPTS:
         assert max_diff(our_logits(cfg, loaded.params, tokens), hf_logits(model, tokens)) <= 1e-4
 
@@ -464,3 +472,25 @@ def test_llama31_rope_freqs_tensor(tmp_path):
     # ...and our model from the file is the scaled one.
     for tokens in PROMPTS:
         assert max_diff(our_logits(cfg, params, tokens), hf_logits(model, tokens)) <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K], ids=["Q8_0", "Q6_K"])
+def test_a_qwen3_gguf_runs_packed_as_transformers_runs_the_same_file(qtype, tmp_path):
+    """Qwen3's GGUFs (q/k norms, heads wider than hidden / heads) on the CPU's packed path, as a user loads one:
+    greedy tokens as transformers' from the same file (which dequantizes it)."""
+    from nanoinfer import LLM, SamplingParams
+
+    model = hf_model("qwen3", tied=False, num_layers=2, seed=5)
+    encoded = make_kquant_representable(model, qtype) if qtype in K_QUANTS else None
+    path = tmp_path / f"tiny-qwen3-{qtype.name}.gguf"
+    write_gguf(model, path, "qwen3", weight_type=qtype, encoded=encoded)
+    theirs = transformers_from_gguf(path)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    with LLM(path, device="cpu", progress=False) as llm:  # (bf16 activations, the matrices kept packed)
+        cfg, layer = llm.model.config, llm.model.params.layers[0]
+        assert cfg.qk_norm and cfg.head_dim == 2 * HEAD_DIM
+        assert type(layer.qkv_proj).__name__ == ("KQuantWeight" if qtype in K_QUANTS else "BlockWeight")
+        got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert list(got[0].outputs[0].token_ids) == want

@@ -21,7 +21,7 @@ from nanoinfer.model.decoder import Params
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.quant.quantized import GroupedWeight, Int8Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TYPES = frozenset(
     QT[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
@@ -120,6 +120,7 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         rope_scaling=RopeScaling("linear", number("rope.scaling.factor", None)) if scaling_type == "linear" else None,
         # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
         qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
+        qk_norm=arch == "qwen3",  # (RMSNorm over each head of q and k: attn_q_norm, attn_k_norm)
         bos_token_id=bos,
         eos_token_ids=eos,
     )
