@@ -61,6 +61,7 @@ class AsyncEngine(RequestBook):
             worker, self._worker, self._send = self._worker, None, None
             await asyncio.to_thread(worker.stop)
         self.engine.close()
+        self.model = self.engine.model  # (its memory given back: config and tokenizer left)
 
     def _on_reports(self, reports: list[StepReport]) -> None:
         """On the loop, with the steps reported since the last call: the counts, the device's health, each

@@ -47,8 +47,11 @@ class LLM:
         self._inbox: dict[RequestState, list[RequestOutput]] = {}
 
     def close(self) -> None:
-        """Release the engine's other processes (tensor-parallel ranks); idempotent."""
+        """Give back the engine's other processes (tensor-parallel ranks) and its memory: the weights, the KV
+        pool, the CUDA graphs (idempotent). `with LLM(...) as llm:` closes at the end of the block; a closed LLM
+        takes no more prompts."""
         self.engine.close()
+        self.model = self.engine.model
 
     def _pump(self) -> None:
         """One engine step, its outputs filed by request."""

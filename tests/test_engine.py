@@ -338,3 +338,26 @@ def test_prepare_checks_ids_and_short_text_on_the_loop_and_the_rest_on_a_thread(
     asyncio.run(go())
     main = threading.main_thread()
     assert threads[:2] == [main, main] and threads[2] is not main
+
+
+def test_close_gives_the_memory_back_and_takes_no_more_prompts(smollm2_gguf):
+    """After `close()` (or the end of `with LLM(...)`) nothing of the engine holds its weights, KV pool or step
+    buffers (issue 64: a closed 8B engine still held 78 GiB of an H100; on the CPU close() gave back nothing), and
+    a new prompt is refused by name."""
+    import gc
+    import weakref
+
+    from nanoinfer import LLM
+    from nanoinfer.model.decoder import map_params
+
+    with LLM(smollm2_gguf, device="cpu", progress=False) as llm:
+        assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+        held = []
+        map_params(lambda t: held.append(weakref.ref(t)) or t, llm.model.params)
+        runner = llm.engine.core.executor
+        held += [weakref.ref(runner.kv), weakref.ref(runner.pools)]
+    gc.collect()
+    assert len(held) > 10 and [ref for ref in held if ref() is not None] == []
+    assert llm.model.params is None and llm.model.tokenizer is not None  # (the config and tokenizer stay)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)

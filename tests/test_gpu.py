@@ -915,3 +915,20 @@ def test_pinned_staging_copies_what_the_allocators_buffers_copy():
     torch.cuda.synchronize()
     for got, want in zip(ours, fresh):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_closed_engine_gives_the_gpu_memory_back():
+    """Issue 64: after `with LLM(...)` a Qwen3-shaped engine (weights, KV pool, CUDA graphs) leaves the GPU's
+    memory as it found it (the caching allocator's blocks emptied too), so the next model fits."""
+    import gc
+
+    from bench.shapes import random_model
+    from nanoinfer import LLM
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    with LLM.from_loaded(random_model("qwen3-0.6b"), gpu_memory_utilization=0.3) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert torch.cuda.memory_allocated() > before[0] + 2**30
+    assert torch.cuda.memory_allocated() <= before[0] + 2**20 and torch.cuda.memory_reserved() <= before[1] + 2**26

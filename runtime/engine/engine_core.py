@@ -16,6 +16,8 @@ resolve (runtime/engine/speculative.py), structured output at submit and resolve
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import random
 from collections import deque
 from typing import Hashable, Sequence as Seq
@@ -72,6 +74,7 @@ class EngineCore:
             self.speculator = self.resolver.speculator = Speculator(config.speculative_config)
         self.structured = None  # runtime/engine/structured_output.py, from the first request that asks for it
         self.step_count = 0
+        self.closed = False
         self._next_id = 0
         self._seed_source = random.Random()
         self._in_flight: deque[InFlightStep] = deque()  # launched, results not yet applied: oldest first
@@ -99,6 +102,8 @@ class EngineCore:
                     priority: int = 0) -> Sequence:
         """Validate and queue a request; raises RequestError naming the bad value. `request` is
         the key `abort_request` and the outputs' `seq.request` know it by (default: a new one)."""
+        if self.closed:
+            raise RuntimeError("the engine is closed (its memory given back): make a new one")
         ids = self.check_request(prompt_token_ids, params)
         if params.seed is None:
             # Unseeded requests draw a seed here, so the sampler itself is always deterministic.
@@ -133,8 +138,18 @@ class EngineCore:
         return bool(self.scheduler.requests or self._in_flight)
 
     def close(self) -> None:
-        """Release what outlives a step loop: the other tensor-parallel ranks (idempotent)."""
+        """Give back what the engine holds (idempotent): the other tensor-parallel ranks, and the device's memory
+        — weights, KV pool, CUDA graphs — as a closed file gives back its handle, so that a notebook or an
+        evaluation loop can load the next model in the same process. It takes no request after."""
+        if self.closed:
+            return
+        self.closed = True
+        self._in_flight.clear()
         self.executor.close()
+        self.model = dataclasses.replace(self.model, params=None)
+        gc.collect()  # (the steps' objects in reference cycles hold device tensors too)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # (the caching allocator's blocks, back to the device)
 
     def stats(self) -> dict:
         spec = self.speculator

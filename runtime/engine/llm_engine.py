@@ -212,5 +212,6 @@ class LLMEngine:
         return {**self.core.stats(), "healthy": self.fatal is None}
 
     def close(self) -> None:
-        """Release what outlives the engine: the other tensor-parallel ranks (idempotent)."""
+        """Give back the other tensor-parallel ranks and the device's memory (EngineCore.close; idempotent)."""
         self.core.close()
+        self.model = self.core.model  # (its config and tokenizer: no weights)

@@ -7,6 +7,8 @@ forward over a Batch, and captures CUDA graphs of that forward where the kernels
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from nanoinfer.model.batch import Batch
@@ -28,6 +30,12 @@ class DeviceModel:
                                                          kv_dtype=self.kv_dtype))
         prepare(self.kernels, model.params, self.cfg.vocab_size)
         self.pools = self.kv = self.graphs = None
+
+    def release(self) -> None:
+        """Drop what holds the device's memory — the weights (the model keeps its config and tokenizer), the prepared
+        kernels, the KV pools, the CUDA graphs — so that a closed engine gives its memory back (issue 64)."""
+        self.model = dataclasses.replace(self.model, params=None)
+        self.kernels = self.attention = self.pools = self.kv = self.graphs = None
 
     def _layer_functions(self, kernels):
         """The layers' functions as the kernels give them (tensor parallelism adds its collectives)."""

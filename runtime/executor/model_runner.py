@@ -124,7 +124,13 @@ class ModelRunner(DeviceModel):
         return self._grammars
 
     def close(self) -> None:
-        """Nothing outlives one device's runner (the tensor-parallel one stops its ranks)."""
+        """Give the device's memory back: weights, pools, graphs, the step's buffers and the draft's (the
+        tensor-parallel runner stops its ranks first). Nothing runs here after."""
+        draft = getattr(self, "draft", None)  # (a start that failed before the draft was made closes too)
+        if draft is not None:
+            draft.release()
+        self.release()
+        self.draft = self.batch = self.staging = self._pending = None
 
     # -- rows (the KV blocks' copies and swaps: self.pools) --------------------------------------------------------------------------------
 

@@ -351,3 +351,4 @@ class TensorParallelRunner(ModelRunner):
         self.graphs = None
         gc.collect()
         self.tp.close()
+        super().close()
