@@ -43,7 +43,17 @@ CASES = [
     ("qwen2-window-explicit-layer0", transformers.Qwen2Config, dict(
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **QWEN_WINDOW,
         layer_types=["sliding_attention", "full_attention"])),
+    # Phi-3: fused qkv and gate/up matrices, longrope (its attention factor from 256 / 128 positions) and a
+    # window over every layer. Its short factors serve contexts within 128 positions (the engines below).
+    ("phi3-gqa2-longrope-window", transformers.Phi3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=24,
+        original_max_position_embeddings=128, rope_scaling=dict(
+            rope_type="longrope", short_factor=[1.0 + 0.25 * i for i in range(8)],
+            long_factor=[1.5 + 0.5 * i for i in range(8)]))),
 ]
+# What each case's engine is given: Phi-3's context within its original one (the short factors, as transformers
+# uses them for such sequences).
+ENGINE_ARGS = {"phi3-gqa2-longrope-window": dict(max_model_len=128)}
 SHARDED = {"mistral-gqa4-window", "qwen3-gqa4-qknorm"}  # saved as an index + several shards
 
 
@@ -58,7 +68,7 @@ def checkpoint(request, tmp_path_factory):
     assert (path / "model.safetensors.index.json").exists() == (name in SHARDED)
     cfg = read_hf_config(path)
     params = load_hf_params(path, cfg, torch.float32, "cpu", progress=False)
-    return hf_model, LoadedModel(cfg, params, None, path)
+    return hf_model, LoadedModel(cfg, params, None, path), ENGINE_ARGS.get(name, {})
 
 
 def our_logits(model: LoadedModel, tokens: list[int]) -> torch.Tensor:
@@ -71,7 +81,7 @@ def our_logits(model: LoadedModel, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("length", [1, 5, 17, 50])
 def test_logits_match_transformers(checkpoint, length):
-    hf_model, model = checkpoint
+    hf_model, model, _ = checkpoint
     tokens = torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     with torch.no_grad():
         expected = hf_model(torch.tensor([tokens])).logits[0]
@@ -80,9 +90,9 @@ def test_logits_match_transformers(checkpoint, length):
 
 
 def test_greedy_continuation_matches_transformers_generate(checkpoint):
-    hf_model, model = checkpoint
+    hf_model, model, engine_args = checkpoint
     prompts = [[5, 17, 33, 9], [100, 3, 3, 77, 12, 60, 8, 41, 27, 90, 14]]
-    engine = EngineCore(model, EngineConfig(block_size=4, num_blocks=64))
+    engine = EngineCore(model, EngineConfig(block_size=4, num_blocks=64, **engine_args))
     seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -120,3 +130,39 @@ def test_layer_windows_follow_transformers(fields, windows):
 def test_bad_layer_types_are_a_checkpoint_error(layer_types, problem):
     with pytest.raises(CheckpointError, match=problem):
         config_from_hf({**QWEN_JSON, "use_sliding_window": True, "layer_types": layer_types}, "config.json")
+
+
+def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
+    """Longrope's long factors serve an engine whose context passes the original one: a 150-token prompt's
+    logits (positions past 128) as transformers computes them for a sequence that long (its long factors;
+    the attention factor of 256 / 128 positions in both)."""
+    name, config_cls, fields = next(c for c in CASES if c[0].startswith("phi3"))
+    torch.manual_seed(1)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**COMMON, **fields),
+                                                             attn_implementation="sdpa").eval()
+    hf_model.save_pretrained(tmp_path)
+    cfg = read_hf_config(tmp_path)
+    assert cfg.rope_scaling.kind == "longrope" and cfg.rope_scaling.attention_factor == (1 + 1 / 7) ** 0.5  # ln 2 / ln 128
+    model = LoadedModel(cfg, load_hf_params(tmp_path, cfg, torch.float32, "cpu", progress=False), None, tmp_path)
+    prompt = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine = EngineCore(model, EngineConfig(block_size=4, num_blocks=64))  # (context 256: past 128)
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    while engine.has_unfinished():
+        engine.step()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    got = [lp.logprob for lp in seq.prompt_logprobs[1:]]
+    want = [expected[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert max(abs(g - w) for g, w in zip(got, want)) <= 1e-4
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported"),
+    (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 8),
+          original_max_position_embeddings=128), "short_factor has 3 entries: expected head_dim / 2 = 8"),
+])
+def test_phi3_configs_we_cannot_run_are_refused_by_name(fields, message):
+    raw = dict(architectures=["Phi3ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, **fields)
+    with pytest.raises(CheckpointError, match=message):
+        config_from_hf(raw, "config.json")

@@ -52,7 +52,7 @@ class ReferenceAttention:
         starts = batch.query_start_loc.tolist()
         seqs = tuple(SeqView(starts[s], starts[s + 1], batch.block_tables[s], context_len)
                      for s, context_len in enumerate(batch.seq_lens.tolist()))
-        return ReferenceMetadata(seqs, cfg.head_dim**-0.5, window)
+        return ReferenceMetadata(seqs, cfg.softmax_scale, window)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # Flat views [num_blocks * block_size, kv_heads, head_dim]: a slot is one row.

@@ -298,7 +298,7 @@ class TritonPagedAttention:
     def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TritonMetadata:
         # No host work beyond this packing: launch sizes come from shapes inside `attention`.
         return TritonMetadata(batch.block_tables.to(torch.int32), batch.seq_lens.to(torch.int32),
-                              batch.query_start_loc.to(torch.int32), cfg.head_dim**-0.5, window or 0)
+                              batch.query_start_loc.to(torch.int32), cfg.softmax_scale, window or 0)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # kv_layer: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [tokens, kv_heads, head_dim]

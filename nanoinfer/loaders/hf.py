@@ -8,6 +8,7 @@ scale per tensor or per output row: llm-compressor, fbgemm_fp8, vLLM's own) load
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -31,13 +32,22 @@ PROBE = "model.layers.0.self_attn.q_proj.weight"  # its type tells whether a che
 # integer tensors through `read`, not as weights.
 WEIGHT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64, FP8, torch.float8_e5m2))
 
-# HF `architectures[0]` -> our family name. All four share one forward, driven by flags.
+# HF `architectures[0]` -> our family name. All of them share one forward, driven by flags.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # (Phi-3, Phi-4: fused qkv and gate/up projections, longrope)
 }
+# Phi-3's fused matrices: each of our separate names -> (the fused tensor's name, its rows [start, stop) for a
+# config); read where the separate one is absent
+FUSED = {"self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", lambda c: (0, c.q_size)),
+         "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", lambda c: (c.q_size, c.q_size + c.kv_size)),
+         "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight",
+                                     lambda c: (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)),
+         "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", lambda c: (0, c.intermediate_size)),
+         "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", lambda c: (c.intermediate_size, 2 * c.intermediate_size))}
 # config.json's dimensions -> ModelConfig's fields (whose MAX_DIMENSIONS bound them)
 HF_DIMENSIONS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
                  "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
@@ -59,20 +69,27 @@ def _token_ids(name: str, value: Any, path) -> tuple[int, ...]:
     return tuple(token_id(name, v, path) for v in (value if isinstance(value, list) else [value]))
 
 
-def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "rope_scaling") -> RopeScaling | None:
-    """Read HF's `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5): `name`."""
+def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "rope_scaling",
+                         config: Mapping[str, Any] | None = None) -> RopeScaling | None:
+    """Read HF's `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5): `name`; `config` (the
+    whole config.json) for what longrope reads beside it, as transformers does."""
     if not params:
         return None
     if not isinstance(params, Mapping):
         raise CheckpointError(path, f"{name} is {shown(params)}: expected a JSON object")
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "su":  # (Phi-3's first configs' name for it)
+        kind = "longrope"
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise CheckpointError(path, f"rope scaling type {shown(kind)} is not supported (default, linear, llama3)")
+    if kind not in ("linear", "llama3", "longrope"):
+        raise CheckpointError(path, f"rope scaling type {shown(kind)} is not supported (default, linear, llama3, "
+                                    "longrope)")
     try:
         if kind == "linear":
             return RopeScaling("linear", float(params["factor"]))
+        if kind == "longrope":
+            return _longrope(params, config or {})
         return RopeScaling(
             "llama3",
             float(params["factor"]),
@@ -87,11 +104,30 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None, path, name: str = "ro
                                     f"{cut(str(exc))}") from None
 
 
+def _longrope(params: Mapping[str, Any], config: Mapping[str, Any]) -> RopeScaling:
+    """Phi-3's longrope as transformers computes it: the context it was trained on (`original_max_position_
+    embeddings`, in the scaling or beside it), the factor to the full context, and cos and sin scaled by
+    sqrt(1 + ln(factor) / ln(original)) unless an `attention_factor` is given."""
+    original = int(params.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+    factor = float(params.get("factor") or int(config.get("max_position_embeddings", original)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       short_factor=tuple(map(float, params["short_factor"])),
+                       long_factor=tuple(map(float, params["long_factor"])), attention_factor=float(attention))
+
+
 def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any]:
     """(scaling, theta as the file has it): transformers 5 keeps both in `rope_parameters`."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key)
-    scaling = rope_scaling_from_hf(params, path, key)
+    partial = (params if isinstance(params, Mapping) else {}).get("partial_rotary_factor",
+                                                                  cfg.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise CheckpointError(path, f"partial_rotary_factor {shown(partial)} is not supported (RoPE over a part of "
+                                    "each head, as Phi-4-mini's): expected 1.0")
+    scaling = rope_scaling_from_hf(params, path, key, cfg)
     theta = next((t for t in (cfg.get("rope_theta"), (params or {}).get("rope_theta")) if t is not None), 1e4)
     return scaling, theta
 
@@ -106,7 +142,7 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
     if not window or arch == "llama" or (arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
         return None, None
     window = dimension("sliding_window", window, path)
-    if arch == "mistral":  # (transformers' Mistral ignores layer_types)
+    if arch in ("mistral", "phi3"):  # (transformers' Mistral and Phi-3 ignore layer_types)
         return window, None
     layer_types = cfg.get("layer_types")
     if layer_types is None:
@@ -225,6 +261,18 @@ def has_fp8_weights(directory: Path) -> bool:
     return PROBE in files and _open(files[PROBE]).get_slice(PROBE).get_dtype() == "F8_E4M3"
 
 
+def _fused_part(read, name: str, cfg: ModelConfig):
+    """`name`'s rows of the fused matrix that holds it (Phi-3's qkv_proj, gate_up_proj), or None."""
+    for part, (fused, rows) in FUSED.items():
+        if name.endswith(part):
+            whole = read(name.removesuffix(part) + fused)
+            if whole is None:
+                return None
+            start, stop = rows(cfg)
+            return whole[start:stop]
+    return None
+
+
 def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device, progress: bool = True,
                    fp8: bool = True, int4: "Int4Format | None" = None, packed: bool = True) -> Params:
     """`fp8`: an FP8 checkpoint's matrices stay fp8. `int4`: the checkpoint's AWQ or GPTQ
@@ -246,6 +294,8 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
 
     def get(name: str):
         tensor = read(name)
+        if tensor is None and cfg.architecture == "phi3":
+            tensor = _fused_part(read, name, cfg)
         if tensor is not None and tensor.dtype not in WEIGHT_DTYPES:  # (int, bool or complex data: not weights)
             kinds = sorted(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
             raise CheckpointError(files[name], f"tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')}, "

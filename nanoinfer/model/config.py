@@ -12,14 +12,19 @@ from nanoinfer.model.config_checks import MAX_DIMENSIONS, dimension, positive_nu
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `kind` is "linear" or "llama3" (Llama-3.1's wavelength-band
-    interpolation); the other fields only matter for llama3."""
+    """RoPE frequency scaling. `kind` is "linear", "llama3" (Llama-3.1's wavelength-band
+    interpolation: the freq factors) or "longrope" (Phi-3's: a divisor per frequency, `short_factor`
+    within the original context and `long_factor` past it, and cos and sin scaled by
+    `attention_factor`); `original_max_position_embeddings` is the context trained before scaling."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
         positive_number("rope scaling factor", self.factor)
@@ -78,6 +83,22 @@ class ModelConfig:
             token_id("eos_token_ids", eos)
         if self.windowed_layers is not None and len(self.windowed_layers) != self.num_layers:
             raise ValueError(f"windowed_layers has {len(self.windowed_layers)} entries for {self.num_layers} layers")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(scaling, name)
+                if len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors):
+                    raise ValueError(f"rope scaling {name} has {len(factors)} entries: expected head_dim / 2 = "
+                                     f"{self.head_dim // 2} positive numbers")
+            positive_number("rope scaling attention_factor", scaling.attention_factor)
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention's scale of q.k: 1/sqrt(head_dim), times longrope's attention factor squared (it scales cos
+        and sin, so q and k each; applied here once, the rotation itself stays a rotation)."""
+        scaling = self.rope_scaling
+        factor = scaling.attention_factor if scaling is not None and scaling.kind == "longrope" else 1.0
+        return self.head_dim**-0.5 * factor * factor
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

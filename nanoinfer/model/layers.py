@@ -20,13 +20,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (fp32) with the config's scaling applied."""
+def rope_inv_freq(cfg: ModelConfig, context: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32) with the config's scaling applied. `context`: the longest
+    sequence the engine runs, for longrope, whose long factors serve a context past the original one (chosen
+    once for every sequence, as llama.cpp chooses by its context size: a sequence's tokens never depend on
+    its neighbours or on its own length; None, the original context's short factors)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling.kind == "longrope":
+        long = context is not None and context > scaling.original_max_position_embeddings
+        return inv_freq / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between

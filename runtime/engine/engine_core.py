@@ -26,6 +26,7 @@ import torch
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
+from nanoinfer.model.layers import rope_inv_freq
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine_config import EngineConfig
 from runtime.engine.block_manager import BlockManager
@@ -42,6 +43,16 @@ from runtime.executor.step import InFlightStep
 __all__ = ["EngineConfig", "EngineCore", "TokenOutput"]
 
 
+def _rope_for_context(model: LoadedModel, max_model_len: int) -> LoadedModel:
+    """`model` with the RoPE frequencies of the context the engine runs (longrope's long factors past the
+    original context: nanoinfer.model.layers.rope_inv_freq); any other model as it is."""
+    scaling, params = model.config.rope_scaling, model.params
+    if scaling is None or scaling.kind != "longrope" or params is None:
+        return model
+    inv_freq = rope_inv_freq(model.config, max_model_len).to(params.rope_inv_freq.device)
+    return dataclasses.replace(model, params=dataclasses.replace(params, rope_inv_freq=inv_freq))
+
+
 class EngineCore:
     def __init__(self, model: LoadedModel, config: EngineConfig = EngineConfig(), draft_model: LoadedModel | None = None):
         """`draft_model`: speculative decoding's draft, made in memory (default: loaded from
@@ -50,6 +61,7 @@ class EngineCore:
         cfg = model.config
         self.device = model.params.device
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        model = self.model = _rope_for_context(model, max_model_len)
         self.executor = make_executor(model, config, max_model_len, draft_model)
         self.max_model_len = self.executor.max_model_len  # (at most what its KV pool holds)
         blocks = BlockManager(self.executor.num_blocks, config.block_size, self.executor.num_cpu_blocks,

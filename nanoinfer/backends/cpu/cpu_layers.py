@@ -129,11 +129,11 @@ class NativeAttention:
         step = cpu_native.BlockStep(
             tokens=slots.shape[0], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
             d=cfg.head_dim, seqs=batch.seq_lens.shape[0], block_size=self.block_size, window=window or 0,
-            threads=torch.get_num_threads(), eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5, slots=slots.data_ptr(),
+            threads=torch.get_num_threads(), eps=cfg.rms_norm_eps, scale=cfg.softmax_scale, slots=slots.data_ptr(),
             tables=batch.block_tables.data_ptr(), lens=batch.seq_lens.data_ptr(),
             query_start=batch.query_start_loc.data_ptr(), table_stride=batch.block_tables.stride(0))
         return NativeAttentionMetadata(batch.block_tables, batch.seq_lens, batch.query_start_loc, window,
-                                       cfg.head_dim**-0.5, slots, step)
+                                       cfg.softmax_scale, slots, step)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:  # (the layers write with `rope_and_write`)
         from nanoinfer.attention.reference import REFERENCE
