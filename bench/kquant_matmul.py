@@ -1,7 +1,7 @@
 """One matmul's time per weight form on the CPU: K-quant super-blocks (kquant_matmul) beside groups of 32 (block_matmul).
 
     OMP_NUM_THREADS=2 python bench/kquant_matmul.py [--shapes 2048x8192,8192x2048] [--tokens 1]
-        [--repeats 7] [--baseline REF]
+        [--repeats 7] [--baseline REF] [--tiers native,avx2]
 
 For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with their
 flags): Q4_0-like 4-bit groups, 8-bit groups, Q4_K, Q5_K and Q6_K, each timed interleaved with
@@ -64,10 +64,12 @@ def main():
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--baseline", help="a git ref whose K-quant kernels to time beside these")
+    parser.add_argument("--tiers", default=",".join(cpu_native.ISA_FLAGS), help="of cpu_native.ISA_FLAGS")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="kquant_bench_"))
     libs = {}
-    for tier, flags in cpu_native.ISA_FLAGS.items():
+    for tier in args.tiers.split(","):
+        flags = cpu_native.ISA_FLAGS[tier]
         libs[tier] = cpu_native.load(extra_flags=flags)
         if args.baseline:
             libs[f"{tier} @{args.baseline}"] = baseline_library(args.baseline, flags, scratch)
@@ -81,9 +83,9 @@ def main():
             forms[name] = KQuantWeight(torch.from_numpy(quantize(w.numpy(), qtype)), qtype, cols)
         x = torch.randn(args.tokens, cols).to(torch.bfloat16)
         calls = max(3, int(2e8 / (out * cols)))  # ~0.1 s a run
-        for tier, lib in libs.items():
-            best = {}
-            for _ in range(args.repeats):
+        best = {}
+        for _ in range(args.repeats):  # tiers and forms interleaved: another load on the machine hits them alike
+            for tier, lib in libs.items():
                 for name, f in forms.items():
                     if isinstance(f, KQuantWeight):
                         call = lambda: cpu_native.kquant_matmul(x, f, lib)  # noqa: E731
@@ -91,10 +93,11 @@ def main():
                         continue  # (the baseline's group kernel is today's: timed once, above)
                     else:
                         call = lambda: cpu_native.block_matmul(x, f, lib)  # noqa: E731
-                    best[name] = min(best.get(name, float("inf")), time_call(call, calls))
+                    best[tier, name] = min(best.get((tier, name), float("inf")), time_call(call, calls))
+        for tier in libs:
             print(f"{shape:>10} {tier:<16} " + "  ".join(
-                f"{n} {t * 1e6:.0f} us {quantized.nbytes(forms[n]) / t / 1e9:.1f} GB/s" for n, t in best.items()))
-
+                f"{n} {t * 1e6:.0f} us {quantized.nbytes(forms[n]) / t / 1e9:.1f} GB/s"
+                for (at, n), t in best.items() if at == tier))
 
 if __name__ == "__main__":
     main()

@@ -68,6 +68,18 @@ static inline __m128i kq_hsum4_128(__m128i a, __m128i b, __m128i c, __m128i d) {
     return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
 }
 
+#ifndef KQ_AHEAD
+#define KQ_AHEAD 4
+#endif
+/* Fetch the super-block KQ_AHEAD blocks past blk in its pass's stream: the same row further on,
+ * or past the row's end the row KQ_ROWS on (the next pass's). A pass reads its rows' blocks in
+ * turn, KQ_ROWS short streams a matrix of 2048 columns long: too short for the hardware's
+ * prefetcher to follow. */
+static inline void kq_prefetch(const uint8_t *blk, int b, int blocks, int64_t row_bytes, int bytes) {
+    const uint8_t *p = blk + (int64_t)KQ_AHEAD * bytes + (b + KQ_AHEAD < blocks ? 0 : (KQ_ROWS - 1) * row_bytes);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+}
+
 static inline uint32_t kq_u32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
@@ -103,7 +115,8 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
                                                            const int16_t *bs32, float *out) {
     const int bytes = type == 12 ? 144 : 176, qs_at = type == 12 ? 16 : 48;
     const __m256i low4 = _mm256_set1_epi8(0x0f), bit0 = _mm256_set1_epi8(1);
-    __m128 acc = _mm_setzero_ps();
+    __m128 acc[KQ_ROWS / 4];
+    for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const int8_t *x = xq + b * QK_K;
         const uint8_t *blk[KQ_ROWS];
@@ -119,6 +132,7 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
             scales[r] = _mm256_permute2x128_si256(sm, sm, 0x00);
             mins[r] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bsum);
             d[r] = kq_f16(blk[r]), dmin[r] = kq_f16(blk[r] + 2);
+            kq_prefetch(blk[r], b, blocks, row_bytes, bytes);
         }
         for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
             __m256i xl = kq_load(x + 64 * c), xh = kq_load(x + 64 * c + 32);
@@ -134,11 +148,15 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
                 sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(hi, xh), kq_pick(scales[r], KQ_PICK[2 * c + 1]));
             }
         }
-        acc = kq_acc_step(acc, xd[b], d, dmin, kq_hsum4(sums[0], sums[1], sums[2], sums[3]),
-                          kq_hsum4_128(mins[0], mins[1], mins[2], mins[3]));
+        for (int g = 0; 4 * g < R; g++) {
+            __m256i *s = sums + 4 * g;
+            __m128i *m = mins + 4 * g;
+            acc[g] = kq_acc_step(acc[g], xd[b], d + 4 * g, dmin + 4 * g, kq_hsum4(s[0], s[1], s[2], s[3]),
+                                 kq_hsum4_128(m[0], m[1], m[2], m[3]));
+        }
     }
-    float all[4];
-    _mm_storeu_ps(all, acc);
+    float all[KQ_ROWS];
+    for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
     for (int r = 0; r < R; r++) out[r] = all[r];
 }
 
@@ -148,7 +166,8 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
                                                           const int8_t *xq, const float *xd, const int16_t *bs16,
                                                           float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3), top = _mm256_set1_epi8((char)0xc0);
-    __m128 acc = _mm_setzero_ps();
+    __m128 acc[KQ_ROWS / 4];
+    for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const int8_t *x = xq + b * QK_K;
         const uint8_t *blk[KQ_ROWS];
@@ -163,6 +182,7 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
             __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
             sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, bsum), 5));
             d[r] = kq_f16(blk[r] + 208);
+            kq_prefetch(blk[r], b, blocks, row_bytes, 210);
         }
         for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
             const int8_t *xh = x + 128 * h;
@@ -185,10 +205,13 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
                 sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v3, x3), kq_pick(s, KQ_PICK2[3]));
             }
         }
-        acc = kq_acc_step(acc, xd[b], d, NULL, kq_hsum4(sums[0], sums[1], sums[2], sums[3]), _mm_setzero_si128());
+        for (int g = 0; 4 * g < R; g++) {
+            __m256i *s = sums + 4 * g;
+            acc[g] = kq_acc_step(acc[g], xd[b], d + 4 * g, NULL, kq_hsum4(s[0], s[1], s[2], s[3]), _mm_setzero_si128());
+        }
     }
-    float all[4];
-    _mm_storeu_ps(all, acc);
+    float all[KQ_ROWS];
+    for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
     for (int r = 0; r < R; r++) out[r] = all[r];
 }
 
@@ -205,7 +228,7 @@ static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int type
             kq45_rows(w, row_bytes, n, 13, blocks, xq, xd, bs32, out);              \
         return;
     switch (R) {
-        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4)
+        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
     }
 #undef KQ_CASE
 }
