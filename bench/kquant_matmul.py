@@ -5,7 +5,7 @@
 
 For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with their
 flags): Q4_0-like 4-bit groups, 8-bit groups, Q4_K, Q5_K and Q6_K, each timed interleaved with
-the others, best of `--repeats` runs, printed as microseconds a call and GB/s of weight bytes
+the others, the fastest call of `--repeats` runs, printed as microseconds a call and GB/s of weight bytes
 streamed. `--baseline REF` also builds cpu_native.c as git holds it at REF (same flags) and times
 its K-quant kernels in the same run: the before of a kernel change. Weights from
 tools/kquant_quantize.py; warm (a call's weights fit this machine's L3 or not: say which).
@@ -52,10 +52,13 @@ def baseline_library(ref: str, flags: tuple[str, ...], where: Path) -> ctypes.CD
 
 
 def time_call(call, calls: int) -> float:
-    start = time.perf_counter()
+    """The fastest of `calls` calls: this VM's neighbours slow it in bursts, which a mean would take in."""
+    best = float("inf")
     for _ in range(calls):
+        start = time.perf_counter()
         call()
-    return (time.perf_counter() - start) / calls
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main():

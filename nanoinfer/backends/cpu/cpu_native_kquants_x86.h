@@ -80,6 +80,12 @@ static inline void kq_prefetch(const uint8_t *blk, int b, int blocks, int64_t ro
     for (int c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
 
+/* bit j of each byte moved to bit 4, the others cleared (j a constant where inlined) */
+static inline __m256i kq_bit_to_4(__m256i v, int j) {
+    __m256i at = j < 4 ? _mm256_slli_epi16(v, 4 - j) : j > 4 ? _mm256_srli_epi16(v, j - 4) : v;
+    return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
+}
+
 static inline uint32_t kq_u32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
@@ -114,7 +120,7 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
                                                            int blocks, const int8_t *xq, const float *xd,
                                                            const int16_t *bs32, float *out) {
     const int bytes = type == 12 ? 144 : 176, qs_at = type == 12 ? 16 : 48;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), bit0 = _mm256_set1_epi8(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m128 acc[KQ_ROWS / 4];
     for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -141,8 +147,7 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
                 __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
                     __m256i qh = kq_load(blk[r] + 16);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), bit0), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), bit0), 4));
+                    lo = _mm256_or_si256(lo, kq_bit_to_4(qh, 2 * c)), hi = _mm256_or_si256(hi, kq_bit_to_4(qh, 2 * c + 1));
                 }
                 sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(lo, xl), kq_pick(scales[r], KQ_PICK[2 * c]));
                 sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(hi, xh), kq_pick(scales[r], KQ_PICK[2 * c + 1]));
