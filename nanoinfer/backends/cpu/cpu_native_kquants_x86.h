@@ -11,7 +11,9 @@
  *     2 * 63 * 127 < 32767);
  *   - the sub-block's scale multiplies those int16 pairs in the widening vpmaddwd (vpdpwssd on
  *     the VNNI tiers, which adds too): each scale broadcast from the row's 8 (16) scales by a
- *     byte shuffle, the 6-bit scales and mins unpacked with four word masks per super-block;
+ *     byte shuffle; the 6-bit scales and mins unpacked in a register too (two byte shuffles,
+ *     masks and shifts), and four rows' fp16 factors converted in one instruction (scalar
+ *     unpacking and conversions had cost a quarter of Q4_K's time);
  *   - the mins' term is one vpmaddwd of the 8 mins against the activations' per-32 sums
  *     (Q6_K's offset of 32 the same with its 16 scales and per-16 sums);
  *   - KQ_ROWS weight rows go together, sharing each activation load, and their horizontal sums
@@ -86,30 +88,34 @@ static inline __m256i kq_bit_to_4(__m256i v, int j) {
     return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
 }
 
-static inline uint32_t kq_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
+/* A Q4_K/Q5_K super-block's first 16 bytes (d, dmin, the 12 scale bytes) -> its 8 scales (low
+ * 128 bits, int16) and 8 mins (high): ggml's get_scale_min_k4 in a register. Scales 0-3 and
+ * mins 0-3 are scale bytes 0-3 and 4-7 less their top two bits; scales and mins 4-7 are the
+ * low and high nibbles of bytes 8-11, with those top bits above them. */
+static inline __m256i kq_scales_mins(__m128i head) {
+    /* (byte i of the 12 sits at i + 4) */
+    const __m128i pick = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i tops = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
+    __m128i a = _mm_shuffle_epi8(head, pick), t = _mm_shuffle_epi8(head, tops);
+    __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    __m128i nib = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    __m128i top = _mm_and_si128(_mm_srli_epi16(t, 2), _mm_set1_epi8(0x30)); /* bits 6-7 to 4-5 */
+    return _mm256_cvtepu8_epi16(_mm_or_si128(_mm_or_si128(low, nib), top));
 }
 
-/* Q4_K's and Q5_K's 12 scale bytes -> the 8 scales (low 128 bits, int16) and 8 mins (high):
- * scale_min_k4 done on words. Scales 0-3 and mins 0-3 are bytes 0-3 and 4-7 less their top
- * two bits; scales/mins 4-7 are the nibbles of bytes 8-11 with those top bits above. */
-static inline __m256i kq_scales_mins(const uint8_t *s) {
-    uint32_t a = kq_u32(s), b = kq_u32(s + 4), c = kq_u32(s + 8);
-    uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
-    uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 6) & 0x03030303u) << 4;
-    uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4;
-    return _mm256_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi));
+/* Four rows' fp16 pairs (each row's dword: d in its low half, dmin in its high) -> d of the
+ * four rows in the low 128 bits of fp32, dmin in the high. */
+static inline __m256 kq_factors(__m128i r0, __m128i r1, __m128i r2, __m128i r3) {
+    __m128i all = _mm_unpacklo_epi64(_mm_unpacklo_epi32(r0, r1), _mm_unpacklo_epi32(r2, r3));
+    const __m128i apart = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    return _mm256_cvtph_ps(_mm_shuffle_epi8(all, apart));
 }
-
-static inline float kq_f16(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)); }
 
 /* The fp32 step of a super-block for four rows at once (lanes), in the scalar code's order. */
-static inline __m128 kq_acc_step(__m128 acc, float xd, const float *d, const float *dmin, __m128i sumi, __m128i summ) {
+static inline __m128 kq_acc_step(__m128 acc, float xd, __m128 d, __m128 dmin, __m128i sumi, __m128i summ, int mins) {
     __m128 x = _mm_set1_ps(xd);
-    __m128 t = _mm_mul_ps(_mm_mul_ps(x, _mm_loadu_ps(d)), _mm_cvtepi32_ps(sumi));
-    if (dmin) t = _mm_sub_ps(t, _mm_mul_ps(_mm_mul_ps(x, _mm_loadu_ps(dmin)), _mm_cvtepi32_ps(summ)));
+    __m128 t = _mm_mul_ps(_mm_mul_ps(x, d), _mm_cvtepi32_ps(sumi));
+    if (mins) t = _mm_sub_ps(t, _mm_mul_ps(_mm_mul_ps(x, dmin), _mm_cvtepi32_ps(summ)));
     return _mm_add_ps(acc, t);
 }
 
@@ -127,17 +133,16 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
         const int8_t *x = xq + b * QK_K;
         const uint8_t *blk[KQ_ROWS];
         __m256i sums[KQ_ROWS], scales[KQ_ROWS];
-        __m128i mins[KQ_ROWS];
-        float d[KQ_ROWS] = {0}, dmin[KQ_ROWS] = {0};
+        __m128i mins[KQ_ROWS], head[KQ_ROWS];
         __m128i bsum = _mm_loadu_si128((const __m128i *)(bs32 + b * 8));
         for (int r = 0; r < KQ_ROWS; r++) {
-            sums[r] = _mm256_setzero_si256(), mins[r] = _mm_setzero_si128();
+            sums[r] = _mm256_setzero_si256(), mins[r] = _mm_setzero_si128(), head[r] = _mm_setzero_si128();
             if (r >= R) continue;
             blk[r] = w + r * row_bytes + (int64_t)b * bytes;
-            __m256i sm = kq_scales_mins(blk[r] + 4);
+            head[r] = _mm_loadu_si128((const __m128i *)blk[r]);
+            __m256i sm = kq_scales_mins(head[r]);
             scales[r] = _mm256_permute2x128_si256(sm, sm, 0x00);
             mins[r] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bsum);
-            d[r] = kq_f16(blk[r]), dmin[r] = kq_f16(blk[r] + 2);
             kq_prefetch(blk[r], b, blocks, row_bytes, bytes);
         }
         for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
@@ -155,9 +160,10 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
         }
         for (int g = 0; 4 * g < R; g++) {
             __m256i *s = sums + 4 * g;
-            __m128i *m = mins + 4 * g;
-            acc[g] = kq_acc_step(acc[g], xd[b], d + 4 * g, dmin + 4 * g, kq_hsum4(s[0], s[1], s[2], s[3]),
-                                 kq_hsum4_128(m[0], m[1], m[2], m[3]));
+            __m128i *m = mins + 4 * g, *h = head + 4 * g;
+            __m256 f = kq_factors(h[0], h[1], h[2], h[3]);
+            acc[g] = kq_acc_step(acc[g], xd[b], _mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1),
+                                 kq_hsum4(s[0], s[1], s[2], s[3]), kq_hsum4_128(m[0], m[1], m[2], m[3]), 1);
         }
     }
     float all[KQ_ROWS];
@@ -177,16 +183,18 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
         const int8_t *x = xq + b * QK_K;
         const uint8_t *blk[KQ_ROWS];
         __m256i sums[KQ_ROWS];
-        float d[KQ_ROWS] = {0};
+        __m128i tail[KQ_ROWS];
         __m256i bsum = kq_load(bs16 + b * 16);
         for (int r = 0; r < KQ_ROWS; r++) {
-            sums[r] = _mm256_setzero_si256();
+            sums[r] = _mm256_setzero_si256(), tail[r] = _mm_setzero_si128();
             if (r >= R) continue;
             blk[r] = w + r * row_bytes + (int64_t)b * 210;
             /* -32 sum_s sc_s sum x_s, in the same int32 lanes the dots go to */
             __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
             sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, bsum), 5));
-            d[r] = kq_f16(blk[r] + 208);
+            uint16_t d;
+            memcpy(&d, blk[r] + 208, 2);
+            tail[r] = _mm_cvtsi32_si128(d);
             kq_prefetch(blk[r], b, blocks, row_bytes, 210);
         }
         for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
@@ -212,7 +220,9 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
         }
         for (int g = 0; 4 * g < R; g++) {
             __m256i *s = sums + 4 * g;
-            acc[g] = kq_acc_step(acc[g], xd[b], d + 4 * g, NULL, kq_hsum4(s[0], s[1], s[2], s[3]), _mm_setzero_si128());
+            __m128i *t = tail + 4 * g;
+            __m128 d = _mm256_castps256_ps128(kq_factors(t[0], t[1], t[2], t[3]));
+            acc[g] = kq_acc_step(acc[g], xd[b], d, d, kq_hsum4(s[0], s[1], s[2], s[3]), _mm_setzero_si128(), 0);
         }
     }
     float all[KQ_ROWS];
