@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
         }
         for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
             __m256i xl = kq_load(x + 64 * c), xh = kq_load(x + 64 * c + 32);
-            for (int r = 0; r < R; r++) {
+            for (int r = 0; r < R && r < KQ_ROWS; r++) {
                 __m256i v = kq_load(blk[r] + qs_at + 32 * c);
                 __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
     }
     float all[KQ_ROWS];
     for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
-    for (int r = 0; r < R; r++) out[r] = all[r];
+    for (int r = 0; r < R && r < KQ_ROWS; r++) out[r] = all[r];
 }
 
 /* The same for Q6_K (type 14): ql[128], qh[64], 16 int8 scales, d; bs16 [blocks * 16] int16
@@ -200,7 +200,7 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
         for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
             const int8_t *xh = x + 128 * h;
             __m256i x0 = kq_load(xh), x1 = kq_load(xh + 32), x2 = kq_load(xh + 64), x3 = kq_load(xh + 96);
-            for (int r = 0; r < R; r++) {
+            for (int r = 0; r < R && r < KQ_ROWS; r++) {
                 const uint8_t *ql = blk[r] + 64 * h, *qh = blk[r] + 128 + 32 * h;
                 __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 192 + 8 * h)));
                 __m256i s = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* its 8 scales in both lanes */
@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
     }
     float all[KQ_ROWS];
     for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
-    for (int r = 0; r < R; r++) out[r] = all[r];
+    for (int r = 0; r < R && r < KQ_ROWS; r++) out[r] = all[r];
 }
 
 /* R rows (1 <= R <= KQ_ROWS) of `type` against one token: each R its own unrolled copy. */
