@@ -10,12 +10,12 @@
  * then per super-block in order acc += (xd d) sumi - (xd dmin) summ in fp32, unfused:
  * kquants.reference_kquant_matmul is the same computation in torch ops, bit for bit.
  *
- * On x86 with AVX2 the super-blocks are dotted as stored, in registers, several rows a pass
- * (cpu_native_kquants_x86.h: at one token that is what sets the speed). Elsewhere (plain C,
- * ARM) each super-block of a row is first unpacked into bytes (q, 0..63, plain loops the
- * compiler vectorizes; once for all of a call's tokens), then dotted with the activations in
- * plain loops (on ARM the compiler's own SDOT/SMLAL vectorization of them; no hand-written
- * NEON yet); the tests hold that path, the plain tier, to the same reference.
+ * On x86 with AVX2 and on ARM with NEON the super-blocks are dotted as stored, their values
+ * taken out in registers (cpu_native_kquants_x86.h, several rows a pass, and
+ * cpu_native_kquants_arm.h: at one token that is what sets the speed). Elsewhere (plain C)
+ * each super-block of a row is first unpacked into bytes (q, 0..63, plain loops the compiler
+ * vectorizes; once for all of a call's tokens), then dotted with the activations in plain
+ * loops; the tests hold that path, the plain tier, to the same reference.
  */
 
 #define QK_K 256
@@ -129,13 +129,15 @@ static inline float kquant_block_dot(const kq_block *u, int type, const int8_t *
 
 static int block_bytes(int type) { return type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 0; }
 
-#if defined(__AVX2__) && defined(__F16C__)
 /* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows a pass */
+#if defined(__AVX2__) && defined(__F16C__)
 #include "cpu_native_kquants_x86.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "cpu_native_kquants_arm.h"
 #endif
 
 #ifndef KQ_ROWS
-/* The unpacking path (every build but x86's with AVX2): a row's super-blocks are unpacked once
+/* The unpacking path (every build without kquant_rows_dot): a row's super-blocks are unpacked once
  * for all the tokens; each token's sum still runs over the blocks in order (the same bits
  * whatever rows share the call). */
 static void kquant_rows_unpacked(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, int k,
