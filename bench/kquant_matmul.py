@@ -3,12 +3,12 @@
     OMP_NUM_THREADS=2 python bench/kquant_matmul.py [--shapes 2048x8192,8192x2048] [--tokens 1]
         [--repeats 7] [--baseline REF] [--tiers native,avx2]
 
-For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with their
-flags): Q4_0-like 4-bit groups, 8-bit groups, Q4_K, Q5_K and Q6_K, each timed interleaved with
-the others, the fastest call of `--repeats` runs, printed as microseconds a call and GB/s of weight bytes
-streamed. `--baseline REF` also builds cpu_native.c as git holds it at REF (same flags) and times
-its K-quant kernels in the same run: the before of a kernel change. Weights from
-tools/kquant_quantize.py; warm (a call's weights fit this machine's L3 or not: say which).
+For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with
+their flags): 4-bit groups (the Q4_0/Q4_1 kernel; Q4_1's bytes), 8-bit groups, Q4_K, Q5_K and
+Q6_K, each timed interleaved with the others, the fastest call of `--repeats` runs, printed as
+microseconds a call and GB/s of weight bytes streamed. `--baseline REF` also builds cpu_native.c
+as git holds it at REF (same flags) and times its K-quant kernels in the same run: the before of
+a kernel change. Weights from tools/kquant_quantize.py, warm (this machine's L3 holds them).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main():
     for shape in args.shapes.split(","):
         out, cols = map(int, shape.split("x"))
         w = torch.randn(out, cols, generator=torch.Generator().manual_seed(0)) * 0.05
-        forms = {"q4 groups (Q4_0)": BlockWeight.from_groups(grouped(w, 4)),
+        forms = {"4-bit groups (Q4_0/Q4_1)": BlockWeight.from_groups(grouped(w, 4)),
                  "8-bit groups (Q8_0)": BlockWeight.from_groups(grouped(w, 8))}
         for name, qtype in (("Q4_K", 12), ("Q5_K", 13), ("Q6_K", 14)):
             forms[name] = KQuantWeight(torch.from_numpy(quantize(w.numpy(), qtype)), qtype, cols)

@@ -1,12 +1,12 @@
 """Write a Llama-3.2-1B-shaped GGUF of random weights in K-quants (our own quantizers) with the default model's tokenizer.
 
-    python tools/make_kquant_bench_gguf.py OUT.gguf [--mix q4_k_m|q5_k_m|q6_k] [--layers 16] [--llama-cpp]
+    python tools/make_kquant_bench_gguf.py OUT.gguf [--mix q4_k_m|q5_k_m|q6_k|q4_0] [--layers 16] [--llama-cpp]
 
 For timing the K-quant kernels in a whole decode (bench/cpu_decode.py --model OUT.gguf): 16
 layers of width 2048, 32/8 heads of 64, FFN 8192, the default model's 49,152-token vocabulary
 and tokenizer. With --llama-cpp the weights are written in F16 beside OUT and quantized by
 llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`, 2 threads: minutes), the
-mix it chooses for `--mix`. Without, our own quantizers (tools/kquant_quantize.py, seconds a
+mix it chooses for `--mix` (Q4_0 too: its head in Q6_K). Without, our own quantizers (tools/kquant_quantize.py, seconds a
 matrix): the types follow llama.cpp's Q4_K_M (tools/make_q4_k_m.own_type: Q4_K, attn_v and
 ffn_down of even layers Q6_K), Q5_K_M (the same with Q5_K), or all Q6_K; the embedding Q8_0
 and the output head Q6_K as llama.cpp writes them. Weights ~N(0, 0.02): text is noise, the
@@ -54,10 +54,13 @@ def tensors(layers: int, vocab: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--mix", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "q6_k"])
+    parser.add_argument("--mix", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "q6_k", "q4_0"],
+                        help="q4_0 with --llama-cpp only (its Q6_K head: what llama.cpp writes)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--llama-cpp", action="store_true", help="quantize with llama.cpp's quantizer")
     args = parser.parse_args()
+    if args.mix == "q4_0" and not args.llama_cpp:
+        parser.error("--mix q4_0 is llama.cpp's (--llama-cpp)")
     if args.llama_cpp:
         f16 = args.out.with_name(args.out.stem + ".f16-source.gguf")
         write(f16, args.layers, None)
