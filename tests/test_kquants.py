@@ -25,8 +25,18 @@ from tools.kquant_quantize import quantize
 
 TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-# The tiers' flags: as cpu_native.ISA_FLAGS builds them, and no AVX2 at all (the plain C loops).
-TIERS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "plain": ("-mno-avx2",)}
+# The tiers' flags: as cpu_native.ISA_FLAGS builds them, AVX-VNNI without AVX-512 (vpdpwssd's
+# VEX form, on CPUs that have it), and no AVX2 at all (the plain C loops).
+TIERS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
+         "plain": ("-mno-avx2",)}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
 
 
 def kquant(w: torch.Tensor, qtype: QT) -> KQuantWeight:
@@ -39,6 +49,8 @@ def tier_lib(request, tmp_path_factory):
         pytest.skip("no C compiler here")
     if request.param != "native" and not X86:
         pytest.skip("x86 tiers")
+    if request.param == "avx-vnni" and "avx_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI")
     lib = cpu_native.load(tmp_path_factory.mktemp(request.param), TIERS[request.param])
     assert lib is not None
     return lib
