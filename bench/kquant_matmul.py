@@ -1,52 +1,106 @@
 """One matmul's time per weight form on the CPU: K-quant super-blocks (kquant_matmul) beside groups of 32 (block_matmul).
 
-    OMP_NUM_THREADS=2 python bench/kquant_matmul.py [--out 576] [--cols 1536] [--repeats 7]
+    OMP_NUM_THREADS=2 python bench/kquant_matmul.py [--shapes 2048x8192,8192x2048] [--tokens 1]
+        [--repeats 7] [--baseline REF] [--tiers native,avx2]
 
-The default model's down projection's shape by default; 1 and 8 activation rows; each form
-timed interleaved with the others, best of `--repeats` runs of 200 calls, for the native tier
-and the AVX2 tier (cpu_native built with its flags). Weights from tools/kquant_quantize.py.
+For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with
+their flags): 4-bit groups (the Q4_0/Q4_1 kernel; Q4_1's bytes), 8-bit groups, Q4_K, Q5_K and
+Q6_K, each timed interleaved with the others, the fastest call of `--repeats` runs, printed as
+microseconds a call and GB/s of weight bytes streamed. `--baseline REF` also builds cpu_native.c
+as git holds it at REF (same flags) and times its K-quant kernels in the same run: the before of
+a kernel change. Weights from tools/kquant_quantize.py, warm (this machine's L3 holds them).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.quant import quantized
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.quant.quantized import BlockWeight
 from tests.tiny import grouped
 from tools.kquant_quantize import quantize
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def baseline_library(ref: str, flags: tuple[str, ...], where: Path) -> ctypes.CDLL:
+    """cpu_native.c and its headers as of git `ref`, built with `flags` (cpu_native's own build, by hand)."""
+    folder = where / ref.replace("/", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in (cpu_native.SOURCE, *cpu_native.HEADERS):
+        shown = subprocess.run(["git", "show", f"{ref}:{path.relative_to(ROOT)}"], cwd=ROOT, capture_output=True)
+        if shown.returncode == 0:  # (a header added since `ref` is not included there)
+            (folder / path.name).write_bytes(shown.stdout)
+    out = folder / f"old{abs(hash(flags))}.so"
+    subprocess.run(["cc", *cpu_native.FLAGS, *flags, str(folder / cpu_native.SOURCE.name), "-o", str(out), "-lm"],
+                   check=True)
+    lib = ctypes.CDLL(str(out))
+    for name in ("kquant_matmul", "block_matmul"):
+        getattr(lib, name).argtypes = cpu_native.SIGNATURES[name]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.block_dot_isa.restype = ctypes.c_int
+    return lib
+
+
+def time_call(call, calls: int) -> float:
+    """The fastest of `calls` calls: this VM's neighbours slow it in bursts, which a mean would take in."""
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=int, default=576)
-    parser.add_argument("--cols", type=int, default=1536)
+    parser.add_argument("--shapes", default="2048x8192,8192x2048", help="out x in, comma-separated")
+    parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--baseline", help="a git ref whose K-quant kernels to time beside these")
+    parser.add_argument("--tiers", default=",".join(cpu_native.ISA_FLAGS), help="of cpu_native.ISA_FLAGS")
     args = parser.parse_args()
-    w = torch.randn(args.out, args.cols) * 0.05
-    forms = {"q4 groups (Q4_1)": BlockWeight.from_groups(grouped(w, 4)),
-             "8-bit groups (Q5_0/Q8_0)": BlockWeight.from_groups(grouped(w, 8))}
-    for name, qtype in (("Q4_K", 12), ("Q5_K", 13), ("Q6_K", 14)):
-        forms[name] = KQuantWeight(torch.from_numpy(quantize(w.numpy(), qtype)), qtype, args.cols)
-    print(f"matmul {args.out}x{args.cols}, {torch.get_num_threads()} threads, best of {args.repeats} x 200 calls (us)")
-    for tier, flags in cpu_native.ISA_FLAGS.items():
-        lib = cpu_native.load(extra_flags=flags)
-        for tokens in (1, 8):
-            x = torch.randn(tokens, args.cols).to(torch.bfloat16)
-            best = {name: float("inf") for name in forms}
-            for _ in range(args.repeats):
+    scratch = Path(tempfile.mkdtemp(prefix="kquant_bench_"))
+    libs = {}
+    for tier in args.tiers.split(","):
+        flags = cpu_native.ISA_FLAGS[tier]
+        libs[tier] = cpu_native.load(extra_flags=flags)
+        if args.baseline:
+            libs[f"{tier} @{args.baseline}"] = baseline_library(args.baseline, flags, scratch)
+    print(f"{torch.get_num_threads()} threads, {args.tokens} token(s), best of {args.repeats} runs; GB/s of weights")
+    for shape in args.shapes.split(","):
+        out, cols = map(int, shape.split("x"))
+        w = torch.randn(out, cols, generator=torch.Generator().manual_seed(0)) * 0.05
+        forms = {"4-bit groups (Q4_0/Q4_1)": BlockWeight.from_groups(grouped(w, 4)),
+                 "8-bit groups (Q8_0)": BlockWeight.from_groups(grouped(w, 8))}
+        for name, qtype in (("Q4_K", 12), ("Q5_K", 13), ("Q6_K", 14)):
+            forms[name] = KQuantWeight(torch.from_numpy(quantize(w.numpy(), qtype)), qtype, cols)
+        x = torch.randn(args.tokens, cols).to(torch.bfloat16)
+        calls = max(3, int(2e8 / (out * cols)))  # ~0.1 s a run
+        best = {}
+        for _ in range(args.repeats):  # tiers and forms interleaved: another load on the machine hits them alike
+            for tier, lib in libs.items():
                 for name, f in forms.items():
-                    call = cpu_native.kquant_matmul if isinstance(f, KQuantWeight) else cpu_native.block_matmul
-                    start = time.perf_counter()
-                    for _ in range(200):
-                        call(x, f, lib)
-                    best[name] = min(best[name], (time.perf_counter() - start) / 200 * 1e6)
-            print(f"{tier:<7} tokens {tokens}: " + "  ".join(f"{n} {t:.1f}" for n, t in best.items()))
-
+                    if isinstance(f, KQuantWeight):
+                        call = lambda: cpu_native.kquant_matmul(x, f, lib)  # noqa: E731
+                    elif "@" in tier:
+                        continue  # (the baseline's group kernel is today's: timed once, above)
+                    else:
+                        call = lambda: cpu_native.block_matmul(x, f, lib)  # noqa: E731
+                    best[tier, name] = min(best.get((tier, name), float("inf")), time_call(call, calls))
+        for tier in libs:
+            print(f"{shape:>10} {tier:<16} " + "  ".join(
+                f"{n} {t * 1e6:.0f} us {quantized.nbytes(forms[n]) / t / 1e9:.1f} GB/s"
+                for (at, n), t in best.items() if at == tier))
 
 if __name__ == "__main__":
     main()

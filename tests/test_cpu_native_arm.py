@@ -23,7 +23,8 @@ DRIVER = Path(__file__).with_name("cpu_native_driver.c")
 TIERS = {"neon": ("armv8-a", 4), "neon-dotprod": ("armv8.2-a+dotprod", 5),
          "neon-i8mm": ("armv8.2-a+dotprod+i8mm", 6)}
 MATMULS = [(37, 32, 1), (64, 256, 3), (16, 288, 2), (40, 576, 1), (9, 1536, 5), (7, 224, 2)]  # every chunk size
-KQUANTS = [(12, 37, 256, 1), (13, 9, 768, 3), (14, 16, 1536, 2)]  # type (Q4_K, Q5_K, Q6_K), out, cols, tokens
+KQUANTS = [(12, 37, 256, 1), (13, 9, 768, 3), (14, 16, 1536, 2),  # type (Q4_K, Q5_K, Q6_K), out, cols, tokens
+           (12, 2, 1536, 2), (13, 1, 256, 1), (14, 5, 512, 3)]
 ATTENTION = [(None, 4, 2, 16), (5, 4, 2, 16), (None, 9, 3, 64), (None, 4, 4, 8)]  # window, heads, kv_heads, d
 BF16_ULP = 2.0**-7
 
@@ -86,7 +87,7 @@ def write_cases(root: Path) -> None:
                 raw(t).tofile(root / f"{name}.{array}")
             lines.append(f"matmul {name} {tokens} {cols} {out} {bits}")
     for qtype, out, cols, tokens in KQUANTS:
-        name, w = f"kquant{qtype}", kquant_weight(qtype, out, cols)
+        name, w = f"kquant{qtype}_{out}", kquant_weight(qtype, out, cols)
         raw(activations(tokens, cols)).tofile(root / f"{name}.x")
         w.data.numpy().tofile(root / f"{name}.w")
         lines.append(f"kquant {name} {tokens} {cols} {out} {qtype} {w.data.shape[1]}")
@@ -179,7 +180,7 @@ def test_kquant_matmul_is_the_references_and_the_x86_builds_bits(arm, x86, qtype
     """Integer sums, then fp32 operations in one order: the same bits on every tier."""
     _, root = arm
     w, x = kquant_weight(qtype, out, cols), activations(tokens, cols)
-    got = torch.from_numpy(read(root, f"kquant{qtype}.y", np.float32).reshape(tokens, out))
+    got = torch.from_numpy(read(root, f"kquant{qtype}_{out}.y", np.float32).reshape(tokens, out))
     assert torch.equal(got, reference_kquant_matmul(x, w))
     assert torch.equal(got, cpu_native.kquant_matmul(x, w, x86, torch.float32))
 

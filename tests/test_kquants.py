@@ -25,8 +25,18 @@ from tools.kquant_quantize import quantize
 
 TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-# The tiers' flags: as cpu_native.ISA_FLAGS builds them, and no AVX2 at all (the plain C loops).
-TIERS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "plain": ("-mno-avx2",)}
+# The tiers' flags: as cpu_native.ISA_FLAGS builds them, AVX-VNNI without AVX-512 (vpdpwssd's
+# VEX form, on CPUs that have it), and no AVX2 at all (the plain C loops).
+TIERS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
+         "plain": ("-mno-avx2",)}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
 
 
 def kquant(w: torch.Tensor, qtype: QT) -> KQuantWeight:
@@ -39,6 +49,8 @@ def tier_lib(request, tmp_path_factory):
         pytest.skip("no C compiler here")
     if request.param != "native" and not X86:
         pytest.skip("x86 tiers")
+    if request.param == "avx-vnni" and "avx_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI")
     lib = cpu_native.load(tmp_path_factory.mktemp(request.param), TIERS[request.param])
     assert lib is not None
     return lib
@@ -69,6 +81,28 @@ def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, co
     assert torch.equal(torch.cat(one), got)  # each token by itself: the same bits
     with pytest.raises(TypeError, match="bf16 rows of"):
         cpu_native.kquant_matmul(x.float(), kq, tier_lib)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("out, blocks", [(1, 1), (2, 3), (3, 1), (4, 2), (6, 1), (7, 8)])
+def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, blocks):
+    """Super-blocks of random bytes (every value, scale and min the format can hold, 63s among
+    them) against activations at +-127 (the int16 pairs' largest sums), at row counts around a
+    pass's 4 rows (cpu_native_kquants_x86.h), of one and several super-blocks: the reference's bits."""
+    g = torch.Generator().manual_seed(out * 100 + blocks + qtype)
+    bytes_ = kquants.BLOCK_BYTES[qtype]
+    data = torch.randint(0, 256, (out, blocks, bytes_), generator=g, dtype=torch.uint8)
+    # the fp16 factors finite (random bytes may be inf or NaN): d, and dmin where the type has one
+    at = (208,) if qtype == QT.Q6_K else (0, 2)
+    for offset in at:
+        factor = (torch.rand(out, blocks, generator=g) * 0.02 - 0.005).to(torch.float16)
+        data[..., offset:offset + 2] = factor.view(torch.uint8).reshape(out, blocks, 2)
+    kq = KQuantWeight(data.reshape(out, -1).contiguous(), int(qtype), blocks * 256)
+    x = torch.randn(3, blocks * 256, generator=g).to(torch.bfloat16)
+    x[0] = torch.where(x[0] < 0, -1.0, 1.0)  # every activation at +-127
+    x[1] = x[1].abs()  # all at the same sign: the largest sums
+    want = kquants.reference_kquant_matmul(x, kq)
+    assert torch.equal(cpu_native.kquant_matmul(x, kq, tier_lib, torch.float32), want)
 
 
 def test_rows_stack_and_map_as_the_dense_matrix():

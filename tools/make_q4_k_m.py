@@ -43,9 +43,10 @@ def write_f16(source: Path, target: Path) -> None:
     writer.close()
 
 
-def copy_metadata(reader: GGUFReader, writer: GGUFWriter, file_type: int) -> None:
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter, file_type: int, skip: tuple[str, ...] = ()) -> None:
+    """`reader`'s key/values into `writer`, but the header's, the architecture, the file type and `skip`."""
     for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type", *skip):
             continue
         kind = f.types[0]
         writer.add_key_value(f.name, f.contents(), kind, sub_type=f.types[-1] if kind == GGUFValueType.ARRAY else None)
@@ -82,12 +83,12 @@ def write_own_q4_k_m(source: Path, target: Path) -> None:
     writer.close()
 
 
-def quantize_q4_k_m(f16: Path, target: Path) -> None:
-    """llama.cpp's quantizer, type Q4_K_M (2 threads: the machine is shared)."""
+def quantize_q4_k_m(f16: Path, target: Path, ftype: str = "Q4_K_M") -> None:
+    """llama.cpp's quantizer, type Q4_K_M or another `ftype` it names (2 threads: the machine is shared)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = 2
     if llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {f16}")

@@ -10,13 +10,12 @@
  * then per super-block in order acc += (xd d) sumi - (xd dmin) summ in fp32, unfused:
  * kquants.reference_kquant_matmul is the same computation in torch ops, bit for bit.
  *
- * Per super-block and weight row, the values are first unpacked into bytes (q, 0..63, plain
- * loops the compiler vectorizes; once for all of a call's tokens), then dotted with the activations 32 at a time: vpdpbusd on
- * AVX-512 VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2 (exact: q < 64 and |x| <= 127 keep
- * a pair's sum within int16), elsewhere a plain loop (on ARM the compiler's own SDOT/SMLAL
- * vectorization of it; no hand-written NEON yet). The 32-wide sums come back as eight int32
- * lanes of four values each, so Q6_K's two sub-blocks of 16 in one load take their scales as
- * lanes 0-3 and 4-7.
+ * On x86 with AVX2 and on ARM with NEON the super-blocks are dotted as stored, their values
+ * taken out in registers (cpu_native_kquants_x86.h, several rows a pass, and
+ * cpu_native_kquants_arm.h: at one token that is what sets the speed). Elsewhere (plain C)
+ * each super-block of a row is first unpacked into bytes (q, 0..63, plain loops the compiler
+ * vectorizes; once for all of a call's tokens), then dotted with the activations in plain
+ * loops; the tests hold that path, the plain tier, to the same reference.
  */
 
 #define QK_K 256
@@ -39,45 +38,7 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-/* eight int32 lanes, lane l = sum of w[4l + i] * x[4l + i], i < 4 (w < 64) */
-static inline __m256i dot32_lanes(const uint8_t *w, const int8_t *x) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)x);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
-
-/* sum_j sc[j] (q_j . x_j) over sub-blocks of 32 (n of them) */
-static inline int scaled_dots32(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int j = 0; j < n; j++)
-        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot32_lanes(q + 32 * j, x + 32 * j), _mm256_set1_epi32(sc[j])));
-    return hsum_i32(acc);
-}
-
-/* sum_s sc[s] (q_s . x_s) over sub-blocks of 16 (2 n of them) */
-static inline int scaled_dots16(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int j = 0; j < n; j++) {
-        __m256i s = _mm256_setr_epi32(sc[2 * j], sc[2 * j], sc[2 * j], sc[2 * j], sc[2 * j + 1], sc[2 * j + 1],
-                                      sc[2 * j + 1], sc[2 * j + 1]);
-        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot32_lanes(q + 32 * j, x + 32 * j), s));
-    }
-    return hsum_i32(acc);
-}
-#else
+/* sum_j sc[j] (q_j . x_j) over n sub-blocks of `width` values, in plain loops (the unpacking path's dot) */
 static inline int scaled_dots(const uint8_t *q, const int8_t *x, const int32_t *sc, int n, int width) {
     int total = 0;
     for (int j = 0; j < n; j++) {
@@ -87,13 +48,6 @@ static inline int scaled_dots(const uint8_t *q, const int8_t *x, const int32_t *
     }
     return total;
 }
-static inline int scaled_dots32(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
-    return scaled_dots(q, x, sc, n, 32);
-}
-static inline int scaled_dots16(const uint8_t *q, const int8_t *x, const int32_t *sc, int n) {
-    return scaled_dots(q, x, sc, 2 * n, 16);
-}
-#endif
 
 /* x [rows, k] bf16 to Q8_K: xq [rows, k] int8, xd [rows, k / 256] fp32, bsum [rows, k / 16] int32 */
 void quantize_q8k(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, int32_t *bsum) {
@@ -164,32 +118,32 @@ static inline float kquant_block_dot(const kq_block *u, int type, const int8_t *
     if (type == 14) {
         int offset = 0;
         for (int s = 0; s < 16; s++) offset += u->sc[s] * bsum[s];
-        int sumi = scaled_dots16(u->q, xq, u->sc, 8) - 32 * offset;
+        int sumi = scaled_dots(u->q, xq, u->sc, 16, 16) - 32 * offset;
         return (xd * u->d) * (float)sumi;
     }
     int summ = 0;
     for (int j = 0; j < 8; j++) summ += u->m[j] * (bsum[2 * j] + bsum[2 * j + 1]);
-    int sumi = scaled_dots32(u->q, xq, u->sc, 8);
+    int sumi = scaled_dots(u->q, xq, u->sc, 8, 32);
     return (xd * u->d) * (float)sumi - (xd * u->dmin) * (float)summ;
 }
 
 static int block_bytes(int type) { return type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 0; }
 
-/* y [rows, ldy] (columns col0 ..  col0 + n) = x [rows, k] bf16 @ w.T, w [n, k] K-quant rows of
- * `type` (ggml's id: 12 Q4_K, 13 Q5_K, 14 Q6_K); bf16, or fp32 where y_f32. Returns 0, -1
- * without memory for the quantized x, -2 for a type or k it does not take. */
-static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y,
-                            int64_t ldy, int y_f32, int threads) {
-    int blocks = k / QK_K, bytes = block_bytes(type);
-    if (!bytes || k % QK_K) return -2;
-    int64_t row_bytes = (int64_t)blocks * bytes;
-    int8_t *xq = malloc((size_t)rows * k + sizeof(float) * rows * blocks + sizeof(int32_t) * rows * k / 16);
-    if (!xq) return -1;
-    float *xd = (float *)(xq + (int64_t)rows * k);
-    int32_t *bsum = (int32_t *)(xd + (int64_t)rows * blocks);
-    quantize_q8k(x, rows, k, xq, xd, bsum);
-    /* A row's super-blocks are unpacked once for all the tokens; each token's sum still runs
-     * over the blocks in order (the same bits whatever rows share the call). */
+/* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows a pass */
+#if defined(__AVX2__) && defined(__F16C__)
+#include "cpu_native_kquants_x86.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "cpu_native_kquants_arm.h"
+#endif
+
+#ifndef KQ_ROWS
+/* The unpacking path (every build without kquant_rows_dot): a row's super-blocks are unpacked once
+ * for all the tokens; each token's sum still runs over the blocks in order (the same bits
+ * whatever rows share the call). */
+static void kquant_rows_unpacked(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, int k,
+                                 const int8_t *xq, const float *xd, const int32_t *bsum, void *y, int64_t ldy,
+                                 int y_f32, int n, int threads) {
+    int bytes = block_bytes(type);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; r++) {
         const uint8_t *wr = w + r * row_bytes;
@@ -209,6 +163,48 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
                 ((uint16_t *)y)[t * ldy + r] = f32_to_bf16(acc[t]);
         }
     }
+}
+#endif
+
+/* y [rows, ldy] (columns col0 ..  col0 + n) = x [rows, k] bf16 @ w.T, w [n, k] K-quant rows of
+ * `type` (ggml's id: 12 Q4_K, 13 Q5_K, 14 Q6_K); bf16, or fp32 where y_f32. Returns 0, -1
+ * without memory for the quantized x, -2 for a type or k it does not take. */
+static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y,
+                            int64_t ldy, int y_f32, int threads) {
+    int blocks = k / QK_K, bytes = block_bytes(type);
+    if (!bytes || k % QK_K) return -2;
+    int64_t row_bytes = (int64_t)blocks * bytes, subs = (int64_t)rows * k / 16;
+    /* xq, xd, bsum (per-16 int32), and the int16 per-16 and per-32 sums the x86 dots take */
+    int8_t *xq = malloc((size_t)rows * k + sizeof(float) * rows * blocks + sizeof(int32_t) * subs +
+                        sizeof(int16_t) * (subs + subs / 2));
+    if (!xq) return -1;
+    float *xd = (float *)(xq + (int64_t)rows * k);
+    int32_t *bsum = (int32_t *)(xd + (int64_t)rows * blocks);
+    quantize_q8k(x, rows, k, xq, xd, bsum);
+#ifdef KQ_ROWS
+    /* (|a sum of 32 int8| <= 4064: int16 holds it) */
+    int16_t *bs16 = (int16_t *)(bsum + subs), *bs32 = bs16 + subs;
+    for (int64_t s = 0; s < subs; s++) bs16[s] = (int16_t)bsum[s];
+    for (int64_t s = 0; s < subs / 2; s++) bs32[s] = (int16_t)(bsum[2 * s] + bsum[2 * s + 1]);
+    int passes = (n + KQ_ROWS - 1) / KQ_ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int p = 0; p < passes; p++) {
+        int r0 = p * KQ_ROWS, R = n - r0 < KQ_ROWS ? n - r0 : KQ_ROWS;
+        for (int t = 0; t < rows; t++) {
+            float out[KQ_ROWS];
+            kquant_rows_dot(w + r0 * row_bytes, row_bytes, R, type, blocks, xq + (int64_t)t * k, xd + t * blocks,
+                            bs16 + (int64_t)t * k / 16, bs32 + (int64_t)t * k / 32, out);
+            for (int r = 0; r < R; r++) {
+                if (y_f32)
+                    ((float *)y)[t * ldy + r0 + r] = out[r];
+                else
+                    ((uint16_t *)y)[t * ldy + r0 + r] = f32_to_bf16(out[r]);
+            }
+        }
+    }
+#else
+    kquant_rows_unpacked(w, row_bytes, type, blocks, rows, k, xq, xd, bsum, y, ldy, y_f32, n, threads);
+#endif
     free(xq);
     return 0;
 }

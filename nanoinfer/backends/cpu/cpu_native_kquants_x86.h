@@ -1,0 +1,249 @@
+/* K-quant dot products on x86 (AVX2, AVX-512 VNNI, AVX-VNNI): the super-blocks dotted as stored, several rows a pass.
+ *
+ * cpu_native_kquants.h includes this where __AVX2__ is defined; its plain loops (unpack a
+ * super-block into bytes, then dot) stay the reference every other build runs, and the tests
+ * hold both to kquants.reference_kquant_matmul bit for bit. Unpacking into a buffer had cost
+ * more than the dot itself at one token (the kernels streamed 5-9 GB/s of weights against the
+ * group kernel's ~30), so here nothing is unpacked to memory:
+ *   - a register of 32 stored bytes gives its values by and/shift (Q4_K's nibbles, Q5_K's fifth
+ *     bit from qh, Q6_K's two high bits from qh), each vpmaddubsw'd straight against the int8
+ *     activations (u8 x s8 pairs into int16: exact, q < 64 and |x| <= 127 keep a pair within
+ *     2 * 63 * 127 < 32767);
+ *   - the sub-block's scale multiplies those int16 pairs in the widening vpmaddwd (vpdpwssd on
+ *     the VNNI tiers, which adds too): each scale broadcast from the row's 8 (16) scales by a
+ *     byte shuffle; the 6-bit scales and mins unpacked in a register too (two byte shuffles,
+ *     masks and shifts), and four rows' fp16 factors converted in one instruction (scalar
+ *     unpacking and conversions had cost a quarter of Q4_K's time);
+ *   - the mins' term is one vpmaddwd of the 8 mins against the activations' per-32 sums
+ *     (Q6_K's offset of 32 the same with its 16 scales and per-16 sums);
+ *   - KQ_ROWS weight rows go together, sharing each activation load, and their horizontal sums
+ *     and the fp32 step are done for all of them at once (the rows in lanes): per row, per
+ *     super-block in order, acc += (xd d) sumi - (xd dmin) summ, each operation rounded as
+ *     the scalar code rounds it (cpu_native.c builds with -std=c11: no contraction to FMA).
+ * The super-block's integer sums are exact in any order, so the bits are the reference's.
+ */
+#include <immintrin.h>
+
+#define KQ_ROWS 4
+
+/* acc + the int16 pairs p times the int16 scales s, summed in pairs into int32 lanes */
+static inline __m256i kq_scaled_add(__m256i acc, __m256i p, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, p, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
+/* Byte shuffles that broadcast int16 element j of each 128-bit lane: KQ_PICK[j] for both lanes
+ * alike (Q4_K/Q5_K's 8 scales), KQ_PICK2[i] element 2i in the low lane and 2i + 1 in the high
+ * one (Q6_K: a load of 32 values spans two sub-blocks of 16). */
+static const int8_t KQ_PICK[8][32] __attribute__((aligned(32))) = {
+#define P(j) {2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, \
+              2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, \
+              2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1}
+    P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7)
+#undef P
+};
+static const int8_t KQ_PICK2[4][32] __attribute__((aligned(32))) = {
+#define P(a, b) {a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, \
+                 b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1}
+    P(0, 2), P(4, 6), P(8, 10), P(12, 14)
+#undef P
+};
+
+static inline __m256i kq_pick(__m256i scales, const int8_t *mask) {
+    return _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)mask));
+}
+
+static inline __m256i kq_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* Four rows' int32 lane sums -> one int32 a row: [sum a, sum b, sum c, sum d] */
+static inline __m128i kq_hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+static inline __m128i kq_hsum4_128(__m128i a, __m128i b, __m128i c, __m128i d) {
+    return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
+}
+
+#ifndef KQ_AHEAD
+#define KQ_AHEAD 4
+#endif
+/* Fetch the super-block KQ_AHEAD blocks past blk in its pass's stream: the same row further on,
+ * or past the row's end the row KQ_ROWS on (the next pass's). A pass reads its rows' blocks in
+ * turn, KQ_ROWS short streams a matrix of 2048 columns long: too short for the hardware's
+ * prefetcher to follow. */
+static inline void kq_prefetch(const uint8_t *blk, int b, int blocks, int64_t row_bytes, int bytes) {
+    const uint8_t *p = blk + (int64_t)KQ_AHEAD * bytes + (b + KQ_AHEAD < blocks ? 0 : (KQ_ROWS - 1) * row_bytes);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+}
+
+/* bit j of each byte moved to bit 4, the others cleared (j a constant where inlined) */
+static inline __m256i kq_bit_to_4(__m256i v, int j) {
+    __m256i at = j < 4 ? _mm256_slli_epi16(v, 4 - j) : j > 4 ? _mm256_srli_epi16(v, j - 4) : v;
+    return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
+}
+
+/* A Q4_K/Q5_K super-block's first 16 bytes (d, dmin, the 12 scale bytes) -> its 8 scales (low
+ * 128 bits, int16) and 8 mins (high): ggml's get_scale_min_k4 in a register. Scales 0-3 and
+ * mins 0-3 are scale bytes 0-3 and 4-7 less their top two bits; scales and mins 4-7 are the
+ * low and high nibbles of bytes 8-11, with those top bits above them. */
+static inline __m256i kq_scales_mins(__m128i head) {
+    /* (byte i of the 12 sits at i + 4) */
+    const __m128i pick = _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i tops = _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
+    __m128i a = _mm_shuffle_epi8(head, pick), t = _mm_shuffle_epi8(head, tops);
+    __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    __m128i nib = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    __m128i top = _mm_and_si128(_mm_srli_epi16(t, 2), _mm_set1_epi8(0x30)); /* bits 6-7 to 4-5 */
+    return _mm256_cvtepu8_epi16(_mm_or_si128(_mm_or_si128(low, nib), top));
+}
+
+/* Four rows' fp16 pairs (each row's dword: d in its low half, dmin in its high) -> d of the
+ * four rows in the low 128 bits of fp32, dmin in the high. */
+static inline __m256 kq_factors(__m128i r0, __m128i r1, __m128i r2, __m128i r3) {
+    __m128i all = _mm_unpacklo_epi64(_mm_unpacklo_epi32(r0, r1), _mm_unpacklo_epi32(r2, r3));
+    const __m128i apart = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    return _mm256_cvtph_ps(_mm_shuffle_epi8(all, apart));
+}
+
+/* The fp32 step of a super-block for four rows at once (lanes), in the scalar code's order. */
+static inline __m128 kq_acc_step(__m128 acc, float xd, __m128 d, __m128 dmin, __m128i sumi, __m128i summ, int mins) {
+    __m128 x = _mm_set1_ps(xd);
+    __m128 t = _mm_mul_ps(_mm_mul_ps(x, d), _mm_cvtepi32_ps(sumi));
+    if (mins) t = _mm_sub_ps(t, _mm_mul_ps(_mm_mul_ps(x, dmin), _mm_cvtepi32_ps(summ)));
+    return _mm_add_ps(acc, t);
+}
+
+/* R rows (R <= KQ_ROWS, a constant where inlined) of Q4_K (type 12) or Q5_K (13), each row_bytes
+ * apart from w, against one token's activations (xq [blocks * 256], xd [blocks], bs32 [blocks * 8]
+ * int16 per-32 sums): out[r] = the row's fp32 sum. */
+static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, int64_t row_bytes, int R, int type,
+                                                           int blocks, const int8_t *xq, const float *xd,
+                                                           const int16_t *bs32, float *out) {
+    const int bytes = type == 12 ? 144 : 176, qs_at = type == 12 ? 16 : 48;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m128 acc[KQ_ROWS / 4];
+    for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const int8_t *x = xq + b * QK_K;
+        const uint8_t *blk[KQ_ROWS];
+        __m256i sums[KQ_ROWS], scales[KQ_ROWS];
+        __m128i mins[KQ_ROWS], head[KQ_ROWS];
+        __m128i bsum = _mm_loadu_si128((const __m128i *)(bs32 + b * 8));
+        for (int r = 0; r < KQ_ROWS; r++) {
+            sums[r] = _mm256_setzero_si256(), mins[r] = _mm_setzero_si128(), head[r] = _mm_setzero_si128();
+            if (r >= R) continue;
+            blk[r] = w + r * row_bytes + (int64_t)b * bytes;
+            head[r] = _mm_loadu_si128((const __m128i *)blk[r]);
+            __m256i sm = kq_scales_mins(head[r]);
+            scales[r] = _mm256_permute2x128_si256(sm, sm, 0x00);
+            mins[r] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bsum);
+            kq_prefetch(blk[r], b, blocks, row_bytes, bytes);
+        }
+        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
+            __m256i xl = kq_load(x + 64 * c), xh = kq_load(x + 64 * c + 32);
+            for (int r = 0; r < R && r < KQ_ROWS; r++) {
+                __m256i v = kq_load(blk[r] + qs_at + 32 * c);
+                __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
+                    __m256i qh = kq_load(blk[r] + 16);
+                    lo = _mm256_or_si256(lo, kq_bit_to_4(qh, 2 * c)), hi = _mm256_or_si256(hi, kq_bit_to_4(qh, 2 * c + 1));
+                }
+                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(lo, xl), kq_pick(scales[r], KQ_PICK[2 * c]));
+                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(hi, xh), kq_pick(scales[r], KQ_PICK[2 * c + 1]));
+            }
+        }
+        for (int g = 0; 4 * g < R; g++) {
+            __m256i *s = sums + 4 * g;
+            __m128i *m = mins + 4 * g, *h = head + 4 * g;
+            __m256 f = kq_factors(h[0], h[1], h[2], h[3]);
+            acc[g] = kq_acc_step(acc[g], xd[b], _mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1),
+                                 kq_hsum4(s[0], s[1], s[2], s[3]), kq_hsum4_128(m[0], m[1], m[2], m[3]), 1);
+        }
+    }
+    float all[KQ_ROWS];
+    for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
+    for (int r = 0; r < R && r < KQ_ROWS; r++) out[r] = all[r];
+}
+
+/* The same for Q6_K (type 14): ql[128], qh[64], 16 int8 scales, d; bs16 [blocks * 16] int16
+ * per-16 sums of the activations (the offset of 32: sumi = sum_s sc_s (q_s . x_s - 32 sum x_s)). */
+static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int64_t row_bytes, int R, int blocks,
+                                                          const int8_t *xq, const float *xd, const int16_t *bs16,
+                                                          float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3), top = _mm256_set1_epi8((char)0xc0);
+    __m128 acc[KQ_ROWS / 4];
+    for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const int8_t *x = xq + b * QK_K;
+        const uint8_t *blk[KQ_ROWS];
+        __m256i sums[KQ_ROWS];
+        __m128i tail[KQ_ROWS];
+        __m256i bsum = kq_load(bs16 + b * 16);
+        for (int r = 0; r < KQ_ROWS; r++) {
+            sums[r] = _mm256_setzero_si256(), tail[r] = _mm_setzero_si128();
+            if (r >= R) continue;
+            blk[r] = w + r * row_bytes + (int64_t)b * 210;
+            /* -32 sum_s sc_s sum x_s, in the same int32 lanes the dots go to */
+            __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
+            sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, bsum), 5));
+            uint16_t d;
+            memcpy(&d, blk[r] + 208, 2);
+            tail[r] = _mm_cvtsi32_si128(d);
+            kq_prefetch(blk[r], b, blocks, row_bytes, 210);
+        }
+        for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
+            const int8_t *xh = x + 128 * h;
+            __m256i x0 = kq_load(xh), x1 = kq_load(xh + 32), x2 = kq_load(xh + 64), x3 = kq_load(xh + 96);
+            for (int r = 0; r < R && r < KQ_ROWS; r++) {
+                const uint8_t *ql = blk[r] + 64 * h, *qh = blk[r] + 128 + 32 * h;
+                __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 192 + 8 * h)));
+                __m256i s = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* its 8 scales in both lanes */
+                __m256i l0 = kq_load(ql), l1 = kq_load(ql + 32), hb = kq_load(qh);
+                __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+                __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4));
+                __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                             _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+                __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                             _mm256_srli_epi16(_mm256_and_si256(hb, top), 2));
+                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v0, x0), kq_pick(s, KQ_PICK2[0]));
+                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v1, x1), kq_pick(s, KQ_PICK2[1]));
+                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v2, x2), kq_pick(s, KQ_PICK2[2]));
+                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v3, x3), kq_pick(s, KQ_PICK2[3]));
+            }
+        }
+        for (int g = 0; 4 * g < R; g++) {
+            __m256i *s = sums + 4 * g;
+            __m128i *t = tail + 4 * g;
+            __m128 d = _mm256_castps256_ps128(kq_factors(t[0], t[1], t[2], t[3]));
+            acc[g] = kq_acc_step(acc[g], xd[b], d, d, kq_hsum4(s[0], s[1], s[2], s[3]), _mm_setzero_si128(), 0);
+        }
+    }
+    float all[KQ_ROWS];
+    for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
+    for (int r = 0; r < R && r < KQ_ROWS; r++) out[r] = all[r];
+}
+
+/* R rows (1 <= R <= KQ_ROWS) of `type` against one token: each R its own unrolled copy. */
+static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int type, int blocks, const int8_t *xq,
+                            const float *xd, const int16_t *bs16, const int16_t *bs32, float *out) {
+#define KQ_CASE(n)                                                                  \
+    case n:                                                                         \
+        if (type == 14)                                                             \
+            kq6_rows(w, row_bytes, n, blocks, xq, xd, bs16, out);                   \
+        else if (type == 12)                                                        \
+            kq45_rows(w, row_bytes, n, 12, blocks, xq, xd, bs32, out);              \
+        else                                                                        \
+            kq45_rows(w, row_bytes, n, 13, blocks, xq, xd, bs32, out);              \
+        return;
+    switch (R) {
+        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+    }
+#undef KQ_CASE
+}
