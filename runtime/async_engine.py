@@ -13,6 +13,7 @@ from pathlib import Path
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine_config import EngineConfig, engine_config
+from runtime.engine.engine_core import CLOSED
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt, cheap_to_prepare
 from runtime.engine.request_state import RequestState
 from runtime.loop_inbox import LoopInbox
@@ -48,6 +49,8 @@ class AsyncEngine(RequestBook):
     def start(self) -> None:
         if self._worker is not None:
             return
+        if self.core.closed:  # (shut down: its memory was given back)
+            raise EngineError(CLOSED)
         self._loop = asyncio.get_running_loop()
         self._worker = Worker(self.engine, LoopInbox(self._loop, self._on_reports).put)
         self._send = self._worker.submit
@@ -109,7 +112,7 @@ class AsyncEngine(RequestBook):
         thread, so that a long one (a chat with 2,000 tools, a megabyte of text) never stalls the event loop; queue
         the request with `enqueue` (the server's way: every prompt of a request checked first)."""
         self._check_open(request_id)
-        if cheap_to_prepare(prompt):  # (token ids, a short text: the thread hop would cost more)
+        if cheap_to_prepare(prompt, params):  # (token ids, a short text: the thread hop would cost more)
             return self.engine.new_request(prompt, params, request_id=request_id, priority=priority,
                                            chat_template_kwargs=chat_template_kwargs, stream=stream)
         return await asyncio.to_thread(self.engine.new_request, prompt, params, request_id=request_id,

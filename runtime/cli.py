@@ -425,7 +425,7 @@ def _tensor_parallel_rank(args) -> int:
     kwargs = _load_kwargs(args)
     if kwargs["device"] in ("auto", "cuda") and torch.cuda.is_available():
         kwargs["device"] = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    model = load_model(args.model, **{**kwargs, "progress": False})
+    model = load_model(args.model, **{**kwargs, "progress": False}).for_context(args.max_model_len)  # (as rank 0's)
     serve_rank(model.config, model.params, Grid(args.tensor_parallel_size, args.pipeline_parallel_size))
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoinfer import AsyncEngine, RequestError, SamplingParams
+from nanoinfer import AsyncEngine, EngineError, RequestError, SamplingParams
 from nanoinfer.loaders import LoadedModel
 from runtime.async_engine import engine_config
 from tests.tiny import random_params, tiny_config
@@ -333,7 +333,7 @@ def test_prepare_checks_ids_and_short_text_on_the_loop_and_the_rest_on_a_thread(
             state = await engine.prepare([5, 6, 7], greedy(2))
             assert (await engine.collect(engine.enqueue(state))).token_ids
             for text in ("short text", "x" * (CHEAP_TEXT + 1)):  # (this model has no tokenizer: refused, where made)
-                with pytest.raises(Exception):
+                with pytest.raises(RequestError, match="no tokenizer"):
                     await engine.prepare(text, greedy(2))
     asyncio.run(go())
     main = threading.main_thread()
@@ -359,5 +359,33 @@ def test_close_gives_the_memory_back_and_takes_no_more_prompts(smollm2_gguf):
     gc.collect()
     assert len(held) > 10 and [ref for ref in held if ref() is not None] == []
     assert llm.model.params is None and llm.model.tokenizer is not None  # (the config and tokenizer stay)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(EngineError, match="closed"):
         llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_shut_down_async_engine_refuses_to_start_again():
+    """Its shutdown gave the memory back (close): a second `async with` says so at once, not at each request."""
+    engine = make_engine()
+
+    async def go():
+        async with engine:
+            await engine.generate([1, 2, 3], greedy(2))
+        with pytest.raises(EngineError, match="closed"):
+            async with engine:
+                pass
+    asyncio.run(go())
+
+
+def test_only_ids_and_short_texts_are_cheap_to_prepare():
+    """What `prepare` makes on the loop: no chat messages, nothing with a grammar (a compile, or a replica's
+    answer about one, may take seconds), nothing but a list or tuple of ids (an array, a generator)."""
+    import numpy as np
+
+    from runtime.engine.llm_engine import CHEAP_IDS, CHEAP_TEXT, cheap_to_prepare
+
+    assert cheap_to_prepare([1, 2]) and cheap_to_prepare((1, 2)) and cheap_to_prepare([]) and cheap_to_prepare("hi")
+    assert not cheap_to_prepare([1] * (CHEAP_IDS + 1)) and not cheap_to_prepare("x" * (CHEAP_TEXT + 1))
+    assert not cheap_to_prepare([{"role": "user", "content": "hi"}])
+    assert not cheap_to_prepare(np.array([1, 2])) and not cheap_to_prepare(i for i in (1, 2))
+    grammar = SamplingParams(structured_outputs={"json": {"type": "object"}})
+    assert not cheap_to_prepare([1, 2], grammar)

@@ -142,7 +142,7 @@ def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
                                                              attn_implementation="sdpa").eval()
     hf_model.save_pretrained(tmp_path)
     cfg = read_hf_config(tmp_path)
-    assert cfg.rope_scaling.kind == "longrope" and cfg.rope_scaling.attention_factor == (1 + 1 / 7) ** 0.5  # ln 2 / ln 128
+    assert cfg.rope_scaling.kind == "longrope" and cfg.rope_scaling.attention_factor == pytest.approx((1 + 1 / 7) ** 0.5)  # ln 2 / ln 128
     model = LoadedModel(cfg, load_hf_params(tmp_path, cfg, torch.float32, "cpu", progress=False), None, tmp_path)
     prompt = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(7)).tolist()
     engine = EngineCore(model, EngineConfig(block_size=4, num_blocks=64))  # (context 256: past 128)
@@ -160,9 +160,28 @@ def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
     (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported"),
     (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 8),
           original_max_position_embeddings=128), "short_factor has 3 entries: expected head_dim / 2 = 8"),
+    (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[1.0] * 8),
+          original_max_position_embeddings=1), "original_max_position_embeddings=1 is too small"),
 ])
 def test_phi3_configs_we_cannot_run_are_refused_by_name(fields, message):
     raw = dict(architectures=["Phi3ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, **fields)
     with pytest.raises(CheckpointError, match=message):
         config_from_hf(raw, "config.json")
+
+
+def test_an_fp8_phi3_checkpoint_is_refused_by_name(tmp_path):
+    """Phi-3's fused matrices in fp8 (their scales beside the fused name, not the parts'): one line naming them,
+    not a KeyError."""
+    from safetensors.torch import save_file
+
+    name, config_cls, fields = next(c for c in CASES if c[0].startswith("phi3"))
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**COMMON, **fields))
+    hf_model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    for key in [k for k in state if k.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        state[key] = state[key].to(torch.float8_e4m3fn)
+        state[key + "_scale"] = torch.ones(1)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="Phi-3's fused matrices in float8_e4m3fn are not supported"):
+        load_hf_params(tmp_path, read_hf_config(tmp_path), torch.float32, "cpu", progress=False)

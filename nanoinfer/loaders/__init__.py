@@ -19,6 +19,7 @@ from nanoinfer.errors import CheckpointError, RequestError
 from nanoinfer.hub import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_name
 from nanoinfer.sampling import sampling_defaults
 from nanoinfer.model.decoder import Params
+from nanoinfer.model.layers import rope_inv_freq
 from nanoinfer.settings import check_settings, setting, split_kwargs
 
 if TYPE_CHECKING:
@@ -76,6 +77,18 @@ class LoadedModel:
     quantization: str = "none"  # how the matrices are held: QUANTIZATIONS less "auto"
     # SamplingParams keywords for requests that name no params of their own (nanoinfer/sampling/sampling_defaults.py)
     sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def for_context(self, max_model_len: int | None) -> "LoadedModel":
+        """The model with the RoPE frequencies of the context an engine runs it at (`max_model_len`, at most
+        its own; None, its own): longrope's long factors past the original context (nanoinfer.model.layers'
+        rope_inv_freq). Every process that runs the forward of one engine takes the same (the engine's core,
+        a torchrun rank, a speculative draft); any other model as it is."""
+        cfg, params = self.config, self.params
+        if cfg.rope_scaling is None or cfg.rope_scaling.kind != "longrope" or params is None:
+            return self
+        context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        inv_freq = rope_inv_freq(cfg, context).to(params.rope_inv_freq.device)
+        return dataclasses.replace(self, params=dataclasses.replace(params, rope_inv_freq=inv_freq))
 
     @property
     def model_id(self) -> str:

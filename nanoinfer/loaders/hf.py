@@ -108,7 +108,10 @@ def _longrope(params: Mapping[str, Any], config: Mapping[str, Any]) -> RopeScali
     """Phi-3's longrope as transformers computes it: the context it was trained on (`original_max_position_
     embeddings`, in the scaling or beside it), the factor to the full context, and cos and sin scaled by
     sqrt(1 + ln(factor) / ln(original)) unless an `attention_factor` is given."""
-    original = int(params.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+    original = dimension("original_max_position_embeddings", params.get("original_max_position_embeddings")
+                         or config["original_max_position_embeddings"])
+    if original < 2:  # (its logarithm divides the attention factor's)
+        raise ValueError(f"original_max_position_embeddings={original} is too small: expected at least 2")
     factor = float(params.get("factor") or int(config.get("max_position_embeddings", original)) / original)
     attention = params.get("attention_factor")
     if attention is None:
@@ -280,6 +283,9 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
     dequantized to `dtype`."""
     files = _weight_map(directory)
     handles = {}
+    if int4 is not None and cfg.architecture == "phi3":
+        raise CheckpointError(directory, "Phi-3's fused matrices in AWQ or GPTQ are not supported: expected a "
+                                         "float16, bfloat16 or float32 checkpoint")
 
     def read(name: str):
         path = files.get(name)
@@ -296,6 +302,9 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
         tensor = read(name)
         if tensor is None and cfg.architecture == "phi3":
             tensor = _fused_part(read, name, cfg)
+            if tensor is not None and tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise CheckpointError(directory, f"Phi-3's fused matrices in {str(tensor.dtype).removeprefix('torch.')}"
+                                                 " are not supported: expected float32, float16 or bfloat16")
         if tensor is not None and tensor.dtype not in WEIGHT_DTYPES:  # (int, bool or complex data: not weights)
             kinds = sorted(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
             raise CheckpointError(files[name], f"tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')}, "

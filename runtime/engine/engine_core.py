@@ -26,7 +26,6 @@ import torch
 
 from nanoinfer.errors import RequestError
 from nanoinfer.loaders import LoadedModel
-from nanoinfer.model.layers import rope_inv_freq
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine_config import EngineConfig
 from runtime.engine.block_manager import BlockManager
@@ -43,14 +42,7 @@ from runtime.executor.step import InFlightStep
 __all__ = ["EngineConfig", "EngineCore", "TokenOutput"]
 
 
-def _rope_for_context(model: LoadedModel, max_model_len: int) -> LoadedModel:
-    """`model` with the RoPE frequencies of the context the engine runs (longrope's long factors past the
-    original context: nanoinfer.model.layers.rope_inv_freq); any other model as it is."""
-    scaling, params = model.config.rope_scaling, model.params
-    if scaling is None or scaling.kind != "longrope" or params is None:
-        return model
-    inv_freq = rope_inv_freq(model.config, max_model_len).to(params.rope_inv_freq.device)
-    return dataclasses.replace(model, params=dataclasses.replace(params, rope_inv_freq=inv_freq))
+CLOSED = "the engine is closed (its memory given back): make a new one"
 
 
 class EngineCore:
@@ -61,7 +53,7 @@ class EngineCore:
         cfg = model.config
         self.device = model.params.device
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        model = self.model = _rope_for_context(model, max_model_len)
+        model = self.model = model.for_context(max_model_len)  # (longrope: the context's frequencies)
         self.executor = make_executor(model, config, max_model_len, draft_model)
         self.max_model_len = self.executor.max_model_len  # (at most what its KV pool holds)
         blocks = BlockManager(self.executor.num_blocks, config.block_size, self.executor.num_cpu_blocks,
@@ -115,7 +107,7 @@ class EngineCore:
         """Validate and queue a request; raises RequestError naming the bad value. `request` is
         the key `abort_request` and the outputs' `seq.request` know it by (default: a new one)."""
         if self.closed:
-            raise RuntimeError("the engine is closed (its memory given back): make a new one")
+            raise RuntimeError(CLOSED)
         ids = self.check_request(prompt_token_ids, params)
         if params.seed is None:
             # Unseeded requests draw a seed here, so the sampler itself is always deterministic.
@@ -156,6 +148,8 @@ class EngineCore:
         if self.closed:
             return
         self.closed = True
+        if self.device.type == "cuda":  # (the steps in flight finish before their buffers are let go)
+            torch.cuda.synchronize(self.device)
         self._in_flight.clear()
         self.executor.close()
         self.model = dataclasses.replace(self.model, params=None)
@@ -163,6 +157,7 @@ class EngineCore:
         if self.device.type == "cuda":
             # cuBLAS keeps a 32 MiB workspace a stream, inside the allocator's segments: while one lives, its
             # segment (1.5 GiB of a Qwen3-0.6B engine's, measured on an H100) cannot go back to the device.
+            # (The process's: another engine alive in it makes new ones at its next matmul.)
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
                 torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()  # (the caching allocator's blocks, back to the device)

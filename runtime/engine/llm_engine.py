@@ -20,7 +20,7 @@ from nanoinfer.loaders import LoadedModel, load_model
 from nanoinfer.sampling.sampler import SamplingParams
 from nanoinfer.sampling.sampling_defaults import default_params
 from runtime.engine_config import EngineConfig, load_and_engine_configs
-from runtime.engine.engine_core import EngineCore
+from runtime.engine.engine_core import CLOSED, EngineCore
 from runtime.engine.outputs import Progress, RequestOutput, TokenOutput
 from runtime.engine.request_limits import all_ints
 from runtime.engine.request_state import RequestState
@@ -35,14 +35,18 @@ CHEAP_TEXT = 4096  # characters
 CHEAP_IDS = 65536  # token ids
 
 
-def cheap_to_prepare(prompt: Prompt) -> bool:
+def cheap_to_prepare(prompt: Prompt, params: SamplingParams | None = None) -> bool:
     """Whether making `prompt`'s request costs less than handing it to a thread (a hop and a GIL handoff, ~0.1 ms
-    a request: a tenth of a server's admission of a burst, issue 60): token ids, or a short text. Chat messages
-    (a template to render, tools to format) are never cheap."""
+    a request: a tenth of a server's admission of a burst, issue 60): token ids in a list or tuple, or a short
+    text. Chat messages (a template to render, tools to format) and a request with a grammar (its compile, or a
+    replica's answer about it, may take seconds) are never cheap; nor is anything else (an array, a generator)."""
+    if params is not None and params.structured_outputs is not None:
+        return False
     if isinstance(prompt, str):
         return len(prompt) <= CHEAP_TEXT
-    messages = bool(prompt) and isinstance(prompt[0], dict)
-    return isinstance(prompt, (list, tuple)) and len(prompt) <= CHEAP_IDS and not messages
+    if not isinstance(prompt, (list, tuple)):
+        return False
+    return len(prompt) <= CHEAP_IDS and not (prompt and isinstance(prompt[0], dict))
 
 
 class EngineError(NanoInferError, RuntimeError):
@@ -101,6 +105,8 @@ class LLMEngine:
         continues). `stream`: outputs as deltas at every step, else one at the end."""
         if self.fatal is not None:
             raise EngineError(f"the engine is unhealthy (restart it): {self.fatal!r}") from self.fatal
+        if self.core.closed:
+            raise EngineError(CLOSED)
         params = params if params is not None else default_params(self.model.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")

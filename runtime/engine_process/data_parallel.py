@@ -201,7 +201,7 @@ class DataParallelEngine(RequestReader):
         """As `AsyncEngine.prepare` (a prompt that is not cheap rendered and checked on a thread); `enqueue`
         routes it."""
         self._check_open(request_id)
-        if cheap_to_prepare(prompt):  # (token ids, a short text: the thread hop would cost more)
+        if cheap_to_prepare(prompt, params):  # (token ids, a short text: the thread hop would cost more)
             return self._requests.new_request(prompt, params, request_id=request_id, priority=priority,
                                               chat_template_kwargs=chat_template_kwargs, stream=stream)
         return await asyncio.to_thread(self._requests.new_request, prompt, params, request_id=request_id,

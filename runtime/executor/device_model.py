@@ -34,7 +34,8 @@ class DeviceModel:
     def release(self) -> None:
         """Drop what holds the device's memory — the weights (the model keeps its config and tokenizer), the prepared
         kernels, the KV pools, the CUDA graphs — so that a closed engine gives its memory back (issue 64)."""
-        self.model = dataclasses.replace(self.model, params=None)
+        model = getattr(self, "model", None)  # (a start that failed before it was set closes too)
+        self.model = None if model is None else dataclasses.replace(model, params=None)
         self.kernels = self.attention = self.pools = self.kv = self.graphs = None
 
     def _layer_functions(self, kernels):

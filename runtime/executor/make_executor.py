@@ -73,6 +73,7 @@ def make_executor(model: LoadedModel, config: EngineConfig, max_model_len: int,
                                      dtype=str(model.params.dtype).removeprefix("torch."),
                                      quantization=spec.quantization)
         check_draft(model, draft_model)
+        draft_model = draft_model.for_context(max_model_len)  # (longrope: the target's context)
     elif draft_model is not None:
         raise RequestError("a draft model was given but speculative_config does not ask for one: expected "
                            "method 'draft_model'", param="speculative_config")
