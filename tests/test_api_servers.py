@@ -70,7 +70,9 @@ def test_a_killed_api_server_loses_only_its_own_requests(smollm2_gguf):
                          if b"runtime.serve.api_servers" in open(f"/proc/{pid}/cmdline", "rb").read()]
         with ThreadPoolExecutor(16) as pool:  # (16 connections: the kernel gives each front some)
             long = [pool.submit(complete, url, True, 80) for _ in range(16)]
+            deadline = time.monotonic() + 60  # (a front that refuses them fails here, not by hanging the suite)
             while metric(url, "nanoinfer_requests_running") < 16:
+                assert time.monotonic() < deadline, "the 16 streams never ran together"
                 time.sleep(0.05)
             os.kill(api_server, signal.SIGKILL)
             texts = [f.exception() or f.result() for f in long]

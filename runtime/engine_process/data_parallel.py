@@ -110,7 +110,8 @@ class _FrontRequests(LLMEngine):
         # (LLMEngine.__init__ is not called: it builds an engine core, which the front has no use for)
         self.model, self.fatal, self._ids = model, None, itertools.count()
         self.limits, self.grammars = limits, grammars
-        self.core = self  # (new_request calls core.check_request)
+        self.core = self  # (new_request calls core.check_request, and reads core.closed)
+        self.closed = False  # (the replicas' engines close in their processes; the front's is never closed)
 
     def check_request(self, prompt_token_ids, params: SamplingParams) -> list[int]:
         ids = self.limits.check(prompt_token_ids, params)
