@@ -99,9 +99,6 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
                                     f"{arch}.attention.head_count {num_heads}, and no {arch}.attention.key_length "
                                     "says how wide a head is")
-    scaling_type = key("rope.scaling.type", "none")
-    if scaling_type not in ("none", "linear"):
-        raise CheckpointError(path, f"rope scaling type {shown(scaling_type)} is not supported (none, linear)")
     bos, eos = _special_ids(gguf_file, path)
     return checkpoint_config(
         path,
@@ -117,13 +114,24 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         rope_theta=number("rope.freq_base", 10000.0),
         max_position_embeddings=whole("context_length", 4096),
         tie_word_embeddings="output.weight" not in names,
-        rope_scaling=RopeScaling("linear", number("rope.scaling.factor", None)) if scaling_type == "linear" else None,
+        rope_scaling=_rope_scaling(gguf_file, arch, path),
         # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
         qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
         qk_norm=arch == "qwen3",  # (RMSNorm over each head of q and k: attn_q_norm, attn_k_norm)
         bos_token_id=bos,
         eos_token_ids=eos,
     )
+
+
+def _rope_scaling(gguf_file: GGUFFile, arch: str, path: Path) -> RopeScaling | None:
+    """The metadata's RoPE scaling: none, or linear by `rope.scaling.factor`."""
+    kind = gguf_file.scalar(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise CheckpointError(path, f"rope scaling type {shown(kind)} is not supported (none, linear)")
+    if kind == "none":
+        return None
+    return RopeScaling("linear", positive_number(f"{arch}.rope.scaling.factor",
+                                                 gguf_file.scalar(f"{arch}.rope.scaling.factor", None), path))
 
 
 def _special_ids(gguf_file: GGUFFile, path: Path) -> tuple[int | None, tuple[int, ...]]:
