@@ -14,10 +14,10 @@ from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine_config import EngineConfig, engine_config
 from runtime.engine.engine_core import CLOSED
-from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt, cheap_to_prepare
+from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
 from runtime.engine.request_state import RequestState
 from runtime.loop_inbox import LoopInbox
-from runtime.request_book import RequestBook, RequestHandle
+from runtime.request_book import RequestBook, RequestHandle, made_off_the_loop
 from runtime.worker import StepReport, Worker
 
 __all__ = ["AsyncEngine", "EngineError", "Prompt", "RequestHandle", "engine_config"]
@@ -112,10 +112,7 @@ class AsyncEngine(RequestBook):
         thread, so that a long one (a chat with 2,000 tools, a megabyte of text) never stalls the event loop; queue
         the request with `enqueue` (the server's way: every prompt of a request checked first)."""
         self._check_open(request_id)
-        if cheap_to_prepare(prompt, params):  # (token ids, a short text: the thread hop would cost more)
-            return self.engine.new_request(prompt, params, request_id=request_id, priority=priority,
-                                           chat_template_kwargs=chat_template_kwargs, stream=stream)
-        return await asyncio.to_thread(self.engine.new_request, prompt, params, request_id=request_id,
+        return await made_off_the_loop(self.engine.new_request, prompt, params, request_id=request_id,
                                        priority=priority, chat_template_kwargs=chat_template_kwargs, stream=stream)
 
     def enqueue(self, state: RequestState) -> RequestHandle:

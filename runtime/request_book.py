@@ -14,10 +14,20 @@ from typing import AsyncIterator, Callable, Sequence
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling.sampler import SamplingParams
-from runtime.engine.llm_engine import Prompt, failed
+from runtime.engine.llm_engine import Prompt, cheap_to_prepare, failed
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.request_state import RequestState, merge
 from runtime.worker import Abort, Submit
+
+
+async def made_off_the_loop(new_request: Callable[..., RequestState], prompt: Prompt, params, **kwargs
+                            ) -> RequestState:
+    """`new_request(prompt, params, **kwargs)` (a request rendered, tokenized and checked): on the loop for a prompt
+    cheaper to check than a thread hop (`cheap_to_prepare`: token ids, a short text), else on a thread, so that a
+    long one (a chat with 2,000 tools, a megabyte of text) never stalls the loop."""
+    if cheap_to_prepare(prompt, params):
+        return new_request(prompt, params, **kwargs)
+    return await asyncio.to_thread(new_request, prompt, params, **kwargs)
 
 
 class RequestHandle:

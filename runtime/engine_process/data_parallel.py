@@ -46,11 +46,11 @@ from runtime.engine_process import messages as msg
 from runtime.async_engine import EngineError, Prompt, RequestHandle
 from runtime.engine_config import EngineConfig, load_and_engine_configs
 from runtime.engine_process.client import ReplicaClient, spawn
-from runtime.engine.llm_engine import LLMEngine, cheap_to_prepare
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.request_limits import RequestLimits
 from runtime.engine.request_state import RequestState
 from runtime.engine_process.router import Load, ReplicaRouter
-from runtime.request_book import RequestReader
+from runtime.request_book import RequestReader, made_off_the_loop
 
 # Stats that are not counts: per replica only (a total would mean nothing).
 NOT_SUMMED = ("healthy",)
@@ -202,10 +202,7 @@ class DataParallelEngine(RequestReader):
         """As `AsyncEngine.prepare` (a prompt that is not cheap rendered and checked on a thread); `enqueue`
         routes it."""
         self._check_open(request_id)
-        if cheap_to_prepare(prompt, params):  # (token ids, a short text: the thread hop would cost more)
-            return self._requests.new_request(prompt, params, request_id=request_id, priority=priority,
-                                              chat_template_kwargs=chat_template_kwargs, stream=stream)
-        return await asyncio.to_thread(self._requests.new_request, prompt, params, request_id=request_id,
+        return await made_off_the_loop(self._requests.new_request, prompt, params, request_id=request_id,
                                        priority=priority, chat_template_kwargs=chat_template_kwargs, stream=stream)
 
     def enqueue(self, state: RequestState) -> RequestHandle:
