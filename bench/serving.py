@@ -374,8 +374,9 @@ def main():
                    len(engines), engines_cpu)
     offline_tps = offline_tokens / offline
     ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
-    print(f"offline first token of the idle requests, one at a time: p50 {statistics.median(idle_firsts) * 1e3:.1f} ms "
-          f"(the server's idle TTFT p50 {statistics.median(idle_ttfts) * 1e3:.1f} ms)")
+    if idle_ttfts:
+        print(f"offline first token of the idle requests, one at a time: p50 {statistics.median(idle_firsts) * 1e3:.1f} "
+              f"ms (the server's idle TTFT p50 {statistics.median(idle_ttfts) * 1e3:.1f} ms)")
     print(f"{'offline LLM.generate':<22}{offline_tokens:>8}{offline:>9.2f}{offline_tps:>9.1f}"
           f"{ms(statistics.median(offline_ttfts)) + '/' + ms(percentile(offline_ttfts, 99)):>18}")
     if requests <= args.clients:  # (every request sent at once on both sides: the same first tokens to wait for)
@@ -407,8 +408,9 @@ def _report_served(args, requests, tokens, elapsed, ttfts, itls, idle_ttfts, cpu
         print(f"engine processes ({num_engines}) CPU {engines_cpu:.2f} s: {engines_cpu / elapsed:.0%} of a core, "
               f"{engines_cpu / max(tokens, 1) * 1e6:.0f} us a token")
     print(f"client processes ({args.client_processes}) CPU {client_cpu:.2f} s: {client_cpu / elapsed:.0%} of a core")
-    print(f"idle server TTFT p50 {ms(statistics.median(idle_ttfts))} ms over {len(idle_ttfts)} requests "
-          f"(goal <= 50 ms)")
+    if idle_ttfts:  # (--idle-requests 0 asks for none)
+        print(f"idle server TTFT p50 {ms(statistics.median(idle_ttfts))} ms over {len(idle_ttfts)} requests "
+              f"(goal <= 50 ms)")
     if args.plot:
         from runtime.eval.plots import cdf, pyplot, save
 

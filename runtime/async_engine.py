@@ -15,7 +15,8 @@ from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine_config import EngineConfig, engine_config
 from runtime.engine.engine_core import CLOSED
 from runtime.engine.llm_engine import EngineError, LLMEngine, Prompt
-from runtime.engine.request_state import RequestState
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.request_state import RequestState, merge
 from runtime.loop_inbox import LoopInbox
 from runtime.request_book import RequestBook, RequestHandle, made_off_the_loop
 from runtime.worker import StepReport, Worker
@@ -68,12 +69,19 @@ class AsyncEngine(RequestBook):
 
     def _on_reports(self, reports: list[StepReport]) -> None:
         """On the loop, with the steps reported since the last call: the counts, the device's health, each
-        output to its consumer (several of one request's, when the loop fell behind, taken as one)."""
+        output to its consumer (several of one request's, when the loop fell behind, as one: one chunk)."""
         for report in reports:
             self._stats = report.stats
             if report.fatal is not None and self._fatal is None:
                 self._fatal = report.fatal
-            self._deliver(report.outputs)
+        if len(reports) == 1:
+            self._deliver(reports[0].outputs)
+            return
+        by_request: dict[int, tuple[RequestState, list[RequestOutput]]] = {}
+        for report in reports:
+            for state, out in report.outputs:
+                by_request.setdefault(id(state), (state, []))[1].append(out)
+        self._deliver([(state, merge(outs)) for state, outs in by_request.values()])
 
     @property
     def healthy(self) -> bool:

@@ -42,6 +42,8 @@ class RequestHandle:
         self.ended: str | None = None  # ended on this side (an abort) before the engine said so
         self.final_seen = False  # the request's last output has been taken
         self.retired = False  # out of the engine's books: finished, failed or aborted
+        # Called with each output as it arrives, in place of `pending` and `wakeup` (see `listen`).
+        self.listener: Callable[[RequestOutput], None] | None = None
 
     def __getattr__(self, name: str):  # request_id, prompt, prompt_ids, params, arrival, ...
         return getattr(self.state, name)
@@ -54,12 +56,33 @@ class RequestHandle:
     def finish_reasons(self) -> list[str | None]:
         return [r or self.ended for r in self.state.finish_reasons]
 
+    def listen(self, listener: Callable[[RequestOutput], None]) -> None:
+        """From now on, hand each output to `listener` on the loop as it arrives (what came before, first): a
+        server's stream writes its chunk there and then, where waking a task per stream per step cost it more than
+        the write (bench/RESULTS.md, issue 60). `listener` must not raise."""
+        self.listener = listener
+        if self.pending:
+            self.put(self.take_pending())
+
+    def put(self, out: RequestOutput) -> None:
+        """`out` to the consumer: its listener's now, or kept for its next `take` and its wait woken."""
+        if self.listener is None:
+            self.pending.append(out)
+            self.wakeup.set()
+            return
+        self.final_seen = out.finished
+        self.listener(out)
+
+    def take_pending(self) -> RequestOutput:
+        out, self.pending = merge(self.pending), []
+        return out
+
     def take(self) -> RequestOutput | None:
         """What arrived since the last call, as one output (None: nothing new). Raises
         EngineError if the engine failed the request."""
         if not self.pending:
             return None
-        out, self.pending = merge(self.pending), []
+        out = self.take_pending()
         self.final_seen = out.finished
         if out.error is not None:
             raise failed(out)
@@ -200,10 +223,9 @@ class RequestBook(RequestReader):
             request: RequestHandle = state.owner
             if request.ended is not None:
                 continue  # ended here already (an abort): nothing more reaches its consumer
-            request.pending.append(out)
             if out.finished:
                 self._retire(request)
-            request.wakeup.set()
+            request.put(out)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort" and its blocks are freed
@@ -236,8 +258,9 @@ class RequestBook(RequestReader):
             self._send(Abort(request.state))
             outputs = tuple(CompletionOutput(i, "", (), reason) for i, r in enumerate(request.state.finish_reasons)
                             if r is None)
-            request.pending.append(RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids),
-                                                 outputs, True, None, request.cached_tokens, error))
+            self._retire(request)
+            request.put(RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), outputs, True,
+                                      None, request.cached_tokens, error))
         self._retire(request)
         request.wakeup.set()
 

@@ -10,10 +10,29 @@ header without end would grow the parser's buffer without end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+# The ASGI scope extension under which a request finds `write_chunk_now` for its response (see there).
+WRITE_CHUNK_NOW = "nanoinfer.write_chunk_now"
+
+
+def write_chunk_now(cycle, body: bytes) -> bool:
+    """Write `body` as the next chunk of `cycle`'s response, at once and from a plain function, if the connection
+    takes it without waiting — the response's head is out, it is chunked and not done, the client is there and
+    keeps up (uvicorn's flow control has not paused writing); else write nothing and say False (the caller then
+    awaits ASGI's `send`, which waits for all of that). A server's stream writes a step's chunk from the engine's
+    report callback so, instead of waking a task per stream per step (bench/RESULTS.md, issue 60). The framing is
+    the one uvicorn's own `send` writes for a body chunk."""
+    if (cycle.disconnected or cycle.flow.write_paused or not cycle.response_started or cycle.response_complete
+            or not cycle.chunked_encoding):
+        return False
+    if body:  # (an empty chunk would end the response)
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+    return True
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
@@ -59,6 +78,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head = False
         self._disarm()  # the head is in: the request runs as long as it needs
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # (an upgrade made none: a WebSocket's)
+            self.scope.setdefault("extensions", {})[WRITE_CHUNK_NOW] = functools.partial(write_chunk_now, cycle)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -4,7 +4,7 @@ done — and its one log line and metrics."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import time
 
@@ -13,9 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from runtime.async_engine import AsyncEngine, RequestHandle
+from runtime.engine.llm_engine import failed
 from runtime.serve import protocol as api
 from runtime.serve.http_errors import HTTPError
 from runtime.serve.metrics import ServerMetrics
+from runtime.serve.protocols import WRITE_CHUNK_NOW
 
 log = logging.getLogger("nanoinfer.server")
 _encode = msgspec.json.Encoder().encode
@@ -39,24 +41,36 @@ async def _disconnected(receive) -> None:
 
 
 class EventStream(Response):
-    """An SSE response: each item of `events` (bytes: every event ready at one wake-up) written with one ASGI
-    send. Starlette's StreamingResponse costs an anyio task group and a send per event, per token of every
-    stream; this is one task writing and one (idle) waiting for the client to leave, which stops the writer:
-    a generator's `finally` runs, and its requests are released."""
+    """A request's SSE stream, written as its outputs arrive: each is rendered and written from the engine's report
+    callback on the loop (`RequestHandle.listen`), straight to the connection where the server offers that
+    (`write_chunk_now`, runtime/serve/protocols.py) and the client keeps up — no task woken per stream per step,
+    the front's largest cost a token at a chunk a step (bench/RESULTS.md, issue 60). What cannot go at once (a
+    client that reads slower than we write, a server without the extension) waits here, and one task writes it
+    as one chunk when it can: that client's stream falls behind, not the engine. The end (its last chunk, or an
+    `error` event for a request the engine failed, then `[DONE]`) goes through that task, as ASGI's last send.
+    One idle task waits for the client to leave, which aborts what still runs."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events, unstarted=None):
-        """`events`: an async generator of bytes; `unstarted`: called if it never ran (cancelled first), to
-        release what it would have (its own `finally` runs only where it started)."""
-        self.events, self.unstarted, self.status_code, self.background = events, unstarted, 200, None
+    def __init__(self, responder: Responder, rid: str, handles: list[RequestHandle], out):
+        self.status_code, self.background = 200, None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        self._started = False
+        self.responder, self.rid, self.handles, self.out = responder, rid, handles, out
+        self.backlog: list[bytes] = []  # written by the task, in order, before anything written at once
+        self.ready = asyncio.Event()  # the backlog has something
+        self.sending = False  # the task holds bytes ASGI's send has not taken yet: nothing may pass them
+        self.write_now = None
+        self.status: int | None = None  # set once the stream has ended (its tail in the backlog)
 
     async def __call__(self, scope, receive, send) -> None:
+        self.write_now = scope.get("extensions", {}).get(WRITE_CHUNK_NOW)
         writer = watch = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self.backlog.append(b"".join(map(_sse, self.out.start())))
+            self.ready.set()
+            for position, handle in enumerate(self.handles):
+                handle.listen(functools.partial(self.on_output, position))
             writer = asyncio.ensure_future(self._write(send))
             watch = asyncio.ensure_future(_disconnected(receive))
             await asyncio.wait((writer, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -65,18 +79,50 @@ class EventStream(Response):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.events.aclose()  # (where a send was cut short: its requests released now, not at collection)
-            if not self._started and self.unstarted is not None:
-                self.unstarted()
-        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            if self.status is None:  # (the client left, or the send failed: what still runs is aborted)
+                self._end(499, b"")
+            for handle in self.handles:
+                self.responder.engine.release(handle)
+        if writer is not None and writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise writer.exception()
 
+    def on_output(self, position: int, delta) -> None:
+        """On the loop, as prompt `position`'s output arrives: its chunk written, at once where it can be."""
+        if self.status is not None:
+            return  # (ended: an abort's output as the handles are released)
+        try:
+            if delta.error is not None:
+                raise failed(delta)
+            body = b"".join(map(_sse, self.out.chunks(position, delta)))
+            if all(handle.final_seen for handle in self.handles):
+                return self._end(200, body + b"".join(map(_sse, self.out.end())))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
+            err = HTTPError.of(exc, self.responder.engine.healthy)
+            if err.status >= 500:
+                log.error("%s failed: %r", self.rid, exc)
+            return self._end(err.status, _sse_error(err))
+        if self.backlog or self.sending or self.write_now is None or not self.write_now(body):
+            self.backlog.append(body)
+            self.ready.set()
+
+    def _end(self, status: int, tail: bytes) -> None:
+        self.status = status
+        self.backlog.append(tail + _DONE)
+        self.ready.set()
+        self.responder.finished(self.rid, self.handles, status)
+
     async def _write(self, send) -> None:
-        self._started = True
-        async for body in self.events:
-            if body:  # (a wake-up whose tokens make no text yet: nothing to write)
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        """The backlog, whenever it has something, as one chunk; the response's last send once it has the end."""
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            body, last, self.backlog = b"".join(self.backlog), self.status is not None, []
+            self.sending = True
+            if body or last:
+                await send({"type": "http.response.body", "body": body, "more_body": not last})
+            self.sending = False
+            if last:
+                return
 
 
 class Responder:
@@ -102,34 +148,9 @@ class Responder:
         return Response(_encode(out.response(results)), media_type="application/json")
 
     def stream(self, rid: str, handles: list[RequestHandle], out) -> EventStream:
-        """SSE of the renderer's chunks, then `[DONE]`: what each wake-up brings (a delta of one
-        prompt, several tokens of a stream that fell behind) is one write. A request the engine
-        fails ends the stream with an `error` event first."""
-        async def events():
-            status, tail = 499, b""  # until it ends: a client that leaves mid-stream closes it here
-            try:
-                yield b"".join(map(_sse, out.start()))
-                # (closed with this generator, wherever it stops: the requests are released at once)
-                async with contextlib.aclosing(self.engine.merge(handles)) as deltas:
-                    async for position, delta in deltas:
-                        yield b"".join(map(_sse, out.chunks(position, delta)))
-                tail = b"".join(map(_sse, out.end()))
-                status = 200
-            except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
-                err = HTTPError.of(exc, self.engine.healthy)
-                status = err.status
-                if status >= 500:
-                    log.error("%s failed: %r", rid, exc)
-                tail = _sse_error(err)
-            finally:
-                self.finished(rid, handles, status)
-            yield tail + _DONE
-
-        def unstarted() -> None:  # (cancelled before it ran: as a client that left)
-            for handle in handles:
-                self.engine.release(handle)
-            self.finished(rid, handles, 499)
-        return EventStream(events(), unstarted)
+        """SSE of the renderer's chunks, then `[DONE]` (see EventStream). A request the engine fails ends the
+        stream with an `error` event first."""
+        return EventStream(self, rid, handles, out)
 
     async def collect(self, request: Request, handles: list[RequestHandle]):
         """Every prompt's whole output. If one prompt fails, or the client leaves, the others
