@@ -1,5 +1,6 @@
 """GGUF files written the way llama.cpp's `convert_hf_to_gguf.py` lays them out, from tiny
-random transformers models: llama (Q/K rows permuted) and qwen2 (QKV bias), every supported
+random transformers models: llama (Q/K rows permuted), qwen2 (QKV bias), qwen3, gemma2 and gemma3 (norms
+stored with Gemma's +1, soft-caps and window in the metadata), every supported
 tensor type, a Llama-3.1 `rope_freqs` tensor, llama q/k/v biases, and what we refuse (an
 unsupported tensor type, a bias we have no place for).
 
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import MODEL_ARCH, GGMLQuantizationType as QT, GGUFWriter, LlamaFileType, TokenType, get_tensor_name_map
+from gguf import (MODEL_ARCH, GGMLQuantizationType as QT, GGUFWriter, LlamaFileType, RopeScalingType, TokenType,
+                  get_tensor_name_map)
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
@@ -35,7 +37,19 @@ QK_K = 256
 K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)  # gguf-py dequantizes these but cannot quantize them
 PROMPTS = [[17], [5, 200, 33, 9, 128, 64, 1], list(range(3, 250, 5))]  # 1, 7 and 50 tokens
 ARCHS = {"llama": (transformers.LlamaConfig, MODEL_ARCH.LLAMA), "qwen2": (transformers.Qwen2Config, MODEL_ARCH.QWEN2),
-         "qwen3": (transformers.Qwen3Config, MODEL_ARCH.QWEN3)}
+         "qwen3": (transformers.Qwen3Config, MODEL_ARCH.QWEN3),
+         "gemma2": (transformers.Gemma2Config, MODEL_ARCH.GEMMA2),
+         "gemma3": (transformers.Gemma3TextConfig, MODEL_ARCH.GEMMA3)}
+# What llama.cpp's converter keeps of a Gemma (soft-caps, the window) or fixes by architecture (attention scaled by
+# head_dim, Gemma 3's windowed layers at base 10,000 unscaled, its global layers' linear scaling): the tiny models
+# are made so, caps small enough to bend their values, a window shorter than the longest prompt.
+GEMMA_FIELDS = {
+    "gemma2": dict(query_pre_attn_scalar=HEAD_DIM, sliding_window=4, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=8.0),
+    "gemma3": dict(query_pre_attn_scalar=HEAD_DIM, sliding_window=4, final_logit_softcapping=8.0, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
 
 
 # --- the tiny transformers models ----------------------------------------------------------
@@ -47,11 +61,15 @@ def hf_model(arch: str, *, tied: bool, num_layers: int = 2, seed: int = 0, rope_
     config_cls, _ = ARCHS[arch]
     if arch == "qwen3":  # (heads wider than hidden / heads, as Qwen3's are: read from attention.key_length)
         fields = {"head_dim": 2 * HIDDEN // HEADS, **fields}
+    if arch in GEMMA_FIELDS:
+        fields = {"head_dim": HEAD_DIM, **GEMMA_FIELDS[arch], **fields}
     config = config_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=num_layers,
                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
                         rms_norm_eps=1e-5, rope_theta=rope_theta, tie_word_embeddings=tied,
                         bos_token_id=1, eos_token_id=2, pad_token_id=0, **fields)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # (Gemma 2's soft-capped attention is transformers' eager one: its SDPA has no cap)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager" if arch == "gemma2" else "sdpa").eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -68,7 +86,8 @@ def hf_model(arch: str, *, tied: bool, num_layers: int = 2, seed: int = 0, rope_
 
 def rope_theta_of(model) -> float:
     cfg = model.config
-    return float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    params = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (Gemma 3's by layer type)
+    return float(getattr(cfg, "rope_theta", None) or params["rope_theta"])
 
 
 # --- K-quant blocks built here (gguf-py can dequantize Q4_K/Q5_K/Q6_K but not quantize them) --
@@ -181,15 +200,18 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(rope_theta_of(model))
+    if arch != "gemma2":  # (Gemma2Model writes none: llama.cpp's default, 10,000)
+        writer.add_rope_freq_base(rope_theta_of(model))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_file_type(FILE_TYPES.get(weight_type, LlamaFileType.GUESSED))
     if arch == "llama":  # LlamaModel adds these; Qwen2Model leaves vocab size to the token list
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    if getattr(cfg, "head_dim", None) is not None and arch == "qwen3":  # (the converter writes a config's head_dim)
+    if getattr(cfg, "head_dim", None) is not None and arch in ("qwen3", "gemma2", "gemma3"):  # (a config's head_dim)
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if arch in GEMMA_FIELDS:
+        write_gemma_metadata(writer, cfg, arch)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(gpt2_byte_tokens()[:cfg.vocab_size])
@@ -209,6 +231,8 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
         if name in leave_out:
             continue
         array = state[hf_name].float().numpy()
+        if arch in GEMMA_FIELDS and hf_name.endswith("norm.weight"):  # (Gemma's norms multiply by 1 + w)
+            array = array + 1
         qtype = (type_overrides or {}).get(name, weight_type) if array.ndim == 2 else QT.F32
         if qtype in K_QUANTS:
             data = encoded[hf_name]
@@ -227,6 +251,20 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gemma_metadata(writer: GGUFWriter, cfg, arch: str) -> None:
+    """Gemma2Model's and Gemma3Model's keys: the soft-caps (Gemma 3's final one only when set), the window, Gemma
+    3's global layers' linear scaling (TextModel's, from the full-attention layers' RoPE parameters)."""
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    scaling = cfg.rope_parameters.get("full_attention", {})
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
 
 
 # --- running the models ----------------------------------------------------------------------
@@ -260,6 +298,8 @@ ARCH_CASES = [  # (id, arch, tied, layers)
     ("qwen2-gqa2-bias-untied", "qwen2", False, 1),
     ("qwen3-gqa2-qknorm-tied", "qwen3", True, 2),  # (q/k norms: Qwen3's GGUFs, the year's most downloaded)
     ("qwen3-gqa2-qknorm-untied", "qwen3", False, 1),
+    ("gemma2-gqa2-softcap-window-tied", "gemma2", True, 2),  # (layer 0 windowed, layer 1 global)
+    ("gemma3-gqa2-qknorm-localrope-tied", "gemma3", True, 6),  # (layers 0-4 windowed at their own base, 5 global)
 ]
 
 
@@ -279,13 +319,16 @@ def test_f32_logits_match_the_transformers_model_it_came_from(f32_file):
     assert (cfg.architecture, cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
         arch, VOCAB, model.config.num_hidden_layers, HEADS, KV_HEADS, 2 * HEAD_DIM if arch == "qwen3" else HEAD_DIM)
     assert cfg.tie_word_embeddings == model.config.tie_word_embeddings
-    assert cfg.qkv_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
+    assert cfg.qkv_bias == (arch == "qwen2") and cfg.qk_norm == (arch in ("qwen3", "gemma3"))
     for tokens in PROMPTS:
         assert max_diff(our_logits(cfg, loaded.params, tokens), hf_logits(model, tokens)) <= 1e-4
 
 
 def test_f32_logits_match_transformers_loading_the_same_gguf(f32_file):
     arch, model, path = f32_file
+    if arch in GEMMA_FIELDS:
+        pytest.skip("transformers' GGUF reader leaves out Gemma's soft-caps and query_pre_attn_scalar (its "
+                    "defaults run another model); the test above holds Gemma's files to the model they came from")
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     params = load_gguf_params(reader, cfg, torch.float32, "cpu", path, progress=False)
@@ -494,3 +537,43 @@ def test_a_qwen3_gguf_runs_packed_as_transformers_runs_the_same_file(qtype, tmp_
         assert type(layer.qkv_proj).__name__ == ("KQuantWeight" if qtype in K_QUANTS else "BlockWeight")
         got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert list(got[0].outputs[0].token_ids) == want
+
+
+# The packed matmuls round activations to int8 per group of 32: on these tiny random models (logits spread ~5-9)
+# prompt logprobs move by up to ~0.6 for a llama or qwen3 Q6_K file as for a Gemma's (measured 0.2-1.1); the same
+# file dequantized (quantization="none") is held to 1e-4.
+PACKED_LOGPROB_ERROR = 1.5
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K], ids=["Q8_0", "Q6_K"])
+def test_a_gemma_gguf_runs_packed_as_the_model_it_came_from(arch, qtype, tmp_path):
+    """Gemma's GGUFs on the CPU as a user loads one: the matrices kept packed (Q8_0 groups, Q6_K super-blocks), the
+    layers torch's (the packed C layer has no soft-caps or sandwich norms). The source model holds the file's values
+    exactly (Q6_K: encoded here; Q8_0: rounded through gguf-py), so greedy tokens are transformers', the prompt's
+    logprobs within the packed matmuls' rounding, and the file dequantized gives transformers' logprobs."""
+    from nanoinfer import LLM, SamplingParams
+
+    model = hf_model(arch, tied=True, num_layers=2 if arch == "gemma2" else 6, seed=5)
+    encoded = make_kquant_representable(model, qtype) if qtype in K_QUANTS else None
+    if qtype == QT.Q8_0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), qtype), qtype)))
+    path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
+    write_gguf(model, path, arch, weight_type=qtype, encoded=encoded)
+    prompt = PROMPTS[2]  # (50 tokens: past the window of 4)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    for quantization, tolerance in (("auto", PACKED_LOGPROB_ERROR), ("none", 1e-4)):
+        with LLM(path, device="cpu", progress=False, quantization=quantization) as llm:
+            packed = type(llm.model.params.layers[0].qkv_proj).__name__
+            assert packed == ("Tensor" if quantization == "none" else "KQuantWeight" if qtype in K_QUANTS
+                              else "BlockWeight")
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == want
+        got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        assert max(abs(g - expected[i, prompt[i + 1]].item()) for i, g in enumerate(got)) <= tolerance

@@ -13,6 +13,7 @@ from nanoinfer.loaders.hf import config_from_hf, load_hf_params, read_hf_config
 from nanoinfer.model.decoder import forward
 from nanoinfer.sampling.sampler import SamplingParams
 from runtime.engine.engine_core import EngineConfig, EngineCore
+from runtime.engine_config import SchedulerConfig
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
               initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -50,6 +51,18 @@ CASES = [
         original_max_position_embeddings=128, rope_scaling=dict(
             rope_type="longrope", short_factor=[1.0 + 0.25 * i for i in range(8)],
             long_factor=[1.5 + 0.5 * i for i in range(8)]))),
+    # Gemma 2: soft-capped attention scores and logits (caps small enough to bend these models' values), attention
+    # scaled by query_pre_attn_scalar, layer 0 windowed and layer 1 global (transformers' default alternation).
+    ("gemma2-gqa2-softcap-window", transformers.Gemma2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    # Gemma 3: q/k norms, the windowed layer's RoPE base of its own, the global layer's linear scaling, soft-capped
+    # logits, untied.
+    ("gemma3-gqa2-qknorm-localrope", transformers.Gemma3TextConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        final_logit_softcapping=8.0, tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 ]
 # What each case's engine is given: Phi-3's context within its original one (the short factors, as transformers
 # uses them for such sequences).
@@ -57,12 +70,24 @@ ENGINE_ARGS = {"phi3-gqa2-longrope-window": dict(max_model_len=128)}
 SHARDED = {"mistral-gqa4-window", "qwen3-gqa4-qknorm"}  # saved as an index + several shards
 
 
+def random_model(name: str, config_cls, fields: dict, seed: int = 0) -> transformers.PreTrainedModel:
+    """transformers' model of a case, its weights random. Gemma's norms (zeros: 1 + w) made random too, so a lost
+    +1 or a swapped norm shows; Gemma 2 runs transformers' eager attention (its SDPA has no soft-capping)."""
+    torch.manual_seed(seed)
+    gemma = name.startswith("gemma")
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        config_cls(**COMMON, **fields), attn_implementation="eager" if gemma else "sdpa").eval()
+    with torch.no_grad():
+        for key, p in hf_model.named_parameters():
+            if gemma and key.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    return hf_model
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def checkpoint(request, tmp_path_factory):
     name, config_cls, fields = request.param
-    torch.manual_seed(0)
-    hf_config = config_cls(**COMMON, **fields)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa").eval()
+    hf_model = random_model(name, config_cls, fields)
     path = tmp_path_factory.mktemp(name)
     hf_model.save_pretrained(path, max_shard_size="100KB" if name in SHARDED else "50MB")
     assert (path / "model.safetensors.index.json").exists() == (name in SHARDED)
@@ -105,6 +130,29 @@ def test_greedy_continuation_matches_transformers_generate(checkpoint):
     assert engine.scheduler.blocks.num_free_blocks == 64
 
 
+def test_prompt_logprobs_match_transformers(checkpoint):
+    """A 40-token prompt's logprobs through the engine (the CPU's batched attention and fused RoPE + KV write,
+    prefilled 16 tokens a step) against transformers': past the windows, Gemma's soft-caps bending them."""
+    hf_model, model, engine_args = checkpoint
+    prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    config = EngineConfig(block_size=4, num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=16),
+                          **engine_args)
+    assert prompt_logprob_error(model, hf_model, prompt, config) <= 1e-4
+
+
+def prompt_logprob_error(model: LoadedModel, hf_model, prompt: list[int], config: EngineConfig) -> float:
+    """The largest |our prompt logprob - transformers'| over `prompt`, ours through an engine of `config`."""
+    engine = EngineCore(model, config)
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    while engine.has_unfinished():
+        engine.step()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    got = [lp.logprob for lp in seq.prompt_logprobs[1:]]
+    want = [expected[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    return max(abs(g - w) for g, w in zip(got, want))
+
+
 QWEN_JSON = dict(architectures=["Qwen2ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
                  num_hidden_layers=4, num_attention_heads=4, sliding_window=8, max_window_layers=2)
 
@@ -145,15 +193,8 @@ def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
     assert cfg.rope_scaling.kind == "longrope" and cfg.rope_scaling.attention_factor == pytest.approx((1 + 1 / 7) ** 0.5)  # ln 2 / ln 128
     model = LoadedModel(cfg, load_hf_params(tmp_path, cfg, torch.float32, "cpu", progress=False), None, tmp_path)
     prompt = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(7)).tolist()
-    engine = EngineCore(model, EngineConfig(block_size=4, num_blocks=64))  # (context 256: past 128)
-    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    while engine.has_unfinished():
-        engine.step()
-    with torch.no_grad():
-        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
-    got = [lp.logprob for lp in seq.prompt_logprobs[1:]]
-    want = [expected[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
-    assert max(abs(g - w) for g, w in zip(got, want)) <= 1e-4
+    # (context 256: past 128)
+    assert prompt_logprob_error(model, hf_model, prompt, EngineConfig(block_size=4, num_blocks=64)) <= 1e-4
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -185,3 +226,56 @@ def test_an_fp8_phi3_checkpoint_is_refused_by_name(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="Phi-3's fused matrices in float8_e4m3fn are not supported"):
         load_hf_params(tmp_path, read_hf_config(tmp_path), torch.float32, "cpu", progress=False)
+
+
+def test_a_gemma3_multimodal_directory_loads_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (a vision tower beside the language model): its text_config and
+    its language_model. tensors, and text-only logits as transformers' multimodal model gives them."""
+    from nanoinfer.loaders import load_model
+
+    name, _, fields = next(c for c in CASES if c[0].startswith("gemma3"))
+    # (no final soft-capping: transformers' multimodal model leaves it out, as real Gemma 3 checkpoints have none)
+    text = random_model(name, transformers.Gemma3TextConfig, {**fields, "final_logit_softcapping": None})
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                       tie_word_embeddings=False)  # (the whole model's setting decides)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    hf_model.model.language_model.load_state_dict(text.model.state_dict())
+    hf_model.lm_head.load_state_dict(text.lm_head.state_dict())
+    hf_model.save_pretrained(tmp_path)
+    model = load_model(tmp_path, device="cpu", dtype="float32", progress=False)
+    assert model.config.architecture == "gemma3" and model.config.rope_local_theta == 10000.0
+    tokens = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = hf_model(input_ids=torch.tensor([tokens])).logits[0]
+    assert (our_logits(model, tokens) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention is not supported"),
+    (dict(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "scaling of the windowed layers' RoPE is not supported"),
+])
+def test_gemma3_configs_we_cannot_run_are_refused_by_name(fields, message):
+    raw = dict(architectures=["Gemma3ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, head_dim=16, **fields)
+    with pytest.raises(CheckpointError, match=message):
+        config_from_hf(raw, "config.json")
+
+
+@pytest.mark.parametrize("arch,feature", [("Gemma2ForCausalLM", "attention logit soft-capping"),
+                                          ("Gemma3ForCausalLM", "sandwich norms and GeGLU MLP")])
+def test_gemma_is_refused_on_cuda_by_name(arch, feature):
+    """CUDA's Triton attention and fused layers lack Gemma's soft-capping and sandwich norms: refused at load (and by
+    the kernels' choice) in one line naming the feature; the CPU runs it on its torch layers."""
+    from nanoinfer.backends.choose import fused_layers_lack, kernels_for
+
+    cfg = config_from_hf(dict(architectures=[arch], vocab_size=128, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, head_dim=16), "config.json")
+    assert feature in fused_layers_lack(cfg)
+    with pytest.raises(ValueError, match=f"cannot run on CUDA: .*{feature}"):
+        kernels_for(cfg, torch.device("cuda"), 16)
+    assert type(kernels_for(cfg, torch.device("cpu"), 16).attention).__name__ == "TorchPagedAttention"

@@ -25,14 +25,15 @@ def mixed_steps(draw):
         blocks = -(-(start + n) // block_size)
         chunks.append(SeqChunk([0] * n, start, list(range(next_block, next_block + blocks)), True))
         next_block += blocks
-    return block_size, window, groups, chunks, next_block, draw(st.integers(0, 2**16))
+    softcap = draw(st.sampled_from([None, None, 1.5]))  # (Gemma 2's soft-capped scores)
+    return block_size, window, groups, chunks, next_block, draw(st.integers(0, 2**16)), softcap
 
 
 @settings(max_examples=100, deadline=None)
 @given(mixed_steps())
 def test_batched_attention_equals_reference(step):
-    block_size, window, (heads, kv_heads), chunks, num_blocks, seed = step
-    cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, sliding_window=window)
+    block_size, window, (heads, kv_heads), chunks, num_blocks, seed, softcap = step
+    cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, sliding_window=window, attn_softcap=softcap)
     g = torch.Generator().manual_seed(seed)
     kv_layer = torch.randn(2, num_blocks + 2, block_size, kv_heads, 8, generator=g)
     batch = build_batch(chunks, block_size)
@@ -72,8 +73,8 @@ def test_stale_nan_and_inf_in_unwritten_slots_change_nothing(backend, windowed_l
 @given(mixed_steps())
 def test_query_tiles_equal_one_call_per_sequence(step):
     """The reference attends in query tiles (bounded memory); any tile size gives the same."""
-    block_size, window, (heads, kv_heads), chunks, num_blocks, seed = step
-    cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=8)
+    block_size, window, (heads, kv_heads), chunks, num_blocks, seed, softcap = step
+    cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=8, attn_softcap=softcap)
     g = torch.Generator().manual_seed(seed)
     kv_layer = torch.randn(2, num_blocks + 2, block_size, kv_heads, 8, generator=g)
     batch = build_batch(chunks, block_size)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from nanoinfer.model.batch import Batch
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.model.kv_cache import to_kv
+from nanoinfer.model.layers import softcap
 
 # 64 MiB of fp32 scores per tile: 233 query rows of the default model (9 heads) at 8000 keys.
 DEFAULT_MAX_SCORE_BYTES = 64 * 2**20
@@ -40,6 +41,7 @@ class ReferenceMetadata(NamedTuple):
     seqs: tuple[SeqView, ...]
     scale: float
     window: int | None  # sliding window of the layers this serves; None = full causal
+    softcap: float | None = None  # Gemma 2's attention soft-capping: scores -> tanh(s / c) * c before the softmax
 
 
 class ReferenceAttention:
@@ -52,7 +54,7 @@ class ReferenceAttention:
         starts = batch.query_start_loc.tolist()
         seqs = tuple(SeqView(starts[s], starts[s + 1], batch.block_tables[s], context_len)
                      for s, context_len in enumerate(batch.seq_lens.tolist()))
-        return ReferenceMetadata(seqs, cfg.softmax_scale, window)
+        return ReferenceMetadata(seqs, cfg.softmax_scale, window, cfg.attn_softcap)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # Flat views [num_blocks * block_size, kv_heads, head_dim]: a slot is one row.
@@ -96,11 +98,27 @@ class ReferenceAttention:
                         mask &= k_pos[None, :] > q_pos[:, None] - window
                 # A batch dimension of 1 lets torch pick its fused kernels (flash on the CPU),
                 # which take a mask and GQA without materializing the scores; 3-D inputs run
-                # the math path.
-                o = F.scaled_dot_product_attention(q_seq[None, :, first:last], k[None, :, lo:hi], v[None, :, lo:hi],
-                                                   attn_mask=mask, scale=metadata.scale, enable_gqa=True)
+                # the math path. Soft-capped scores (Gemma 2) are no SDPA's: written out.
+                q_tile, k_tile, v_tile = q_seq[None, :, first:last], k[None, :, lo:hi], v[None, :, lo:hi]
+                if metadata.softcap is None:
+                    o = F.scaled_dot_product_attention(q_tile, k_tile, v_tile, attn_mask=mask, scale=metadata.scale,
+                                                       enable_gqa=True)
+                else:
+                    o = capped_attention(q_tile, k_tile, v_tile, mask, metadata.scale, metadata.softcap)
                 out[seq.query_start + first : seq.query_start + last] = o[0].transpose(0, 1)
         return out
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     cap: float) -> torch.Tensor:
+    """SDPA's math with soft-capped scores, as transformers' eager attention computes Gemma 2's: q [1, heads, n, d],
+    k and v [1, kv_heads, keys, d]; the scores times `scale`, then tanh(s / cap) * cap, then the mask and softmax."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap((q @ k.transpose(-1, -2)).float() * scale, cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1).to(v.dtype) @ v
 
 
 REFERENCE = ReferenceAttention()

@@ -18,6 +18,7 @@ import torch
 from nanoinfer.attention.reference import REFERENCE, ReferenceMetadata
 from nanoinfer.model.batch import Batch
 from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.layers import softcap
 
 
 class DecodeGroup(NamedTuple):
@@ -32,6 +33,7 @@ class TorchPagedMetadata(NamedTuple):
     decodes: DecodeGroup | None
     prefills: ReferenceMetadata  # the sequences with several query rows, for the reference
     scale: float
+    softcap: float | None = None  # Gemma 2's attention soft-capping (tanh(s / c) * c before the softmax)
 
 
 class TorchPagedAttention:
@@ -67,7 +69,8 @@ class TorchPagedAttention:
             consecutive = len(decodes) == 1 and bool((slots[0] == first + offset).all())
             group = DecodeGroup(None if every_row else torch.tensor(starts, device=device), slots, count, bias,
                                 first if consecutive else None)
-        return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale, window), ref.scale)
+        return TorchPagedMetadata(group, ReferenceMetadata(others, ref.scale, window, ref.softcap), ref.scale,
+                                  ref.softcap)
 
     def write_kv(self, kv_layer, k, v, slot_mapping) -> None:
         REFERENCE.write_kv(kv_layer, k, v, slot_mapping)
@@ -92,6 +95,8 @@ class TorchPagedAttention:
         qg = (q if group.rows is None else q[group.rows]).view(n, kv_heads, heads // kv_heads, head_dim)
         scores = qg @ k  # [decodes, kv_heads, group, keys]
         scores = (scores if scores.dtype == torch.float32 else scores.float()) * meta.scale
+        if meta.softcap is not None:
+            scores = softcap(scores, meta.softcap)
         if group.bias is not None:
             scores += group.bias
         probs = scores.softmax(dim=-1)

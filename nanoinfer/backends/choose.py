@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def forward_of(cfg: ModelConfig) -> Callable:
     """`forward(params, kv, batch, cfg, backend, layer_fns, logits_dtype) -> logits` for `cfg`:
-    the shared decoder's (nanoinfer/model/decoder.py: Llama, Mistral, Qwen2, Qwen3) or a dataflow of
+    the shared decoder's (nanoinfer/model/decoder.py: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) or a dataflow of
     the family's own (nanochat)."""
     if cfg.architecture == "nanochat":
         from nanoinfer.model import nanochat
@@ -60,15 +60,29 @@ def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -
     return TorchPagedAttention(block_size)
 
 
+def fused_layers_lack(cfg: ModelConfig) -> str | None:
+    """What of `cfg`'s dataflow the fused layers lack (CUDA's Triton attention and fused layer parts, the CPU's
+    packed C layers), as one line; None: nothing. Such a model runs on the CPU's torch layers (its matrices still
+    packed) and is refused on CUDA at load (nanoinfer.loaders.load_model)."""
+    if cfg.attn_softcap is not None:
+        return "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not in the CUDA Triton attention"
+    if cfg.sandwich_norms or cfg.hidden_act != "silu":
+        return "Gemma's sandwich norms and GeGLU MLP are not in the CUDA fused layers"
+    return None
+
+
 def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False,
                 params: Params | None = None, kv_dtype: torch.dtype | None = None) -> Kernels:
     """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model."""
+    lacking = fused_layers_lack(cfg)
+    if device.type == "cuda" and lacking is not None:
+        raise ValueError(f"{cfg.architecture} cannot run on CUDA: {lacking}; load it with device='cpu'")
     if device.type != "cuda":
         from nanoinfer.backends.cpu import cpu_layers
         from nanoinfer.backends.cpu import cpu_native
 
         lib = None
-        if not eager and params is not None and cpu_layers.takes(params, kv_dtype or params.dtype):
+        if not eager and params is not None and lacking is None and cpu_layers.takes(params, kv_dtype or params.dtype):
             lib = cpu_native.library()
         if lib is not None:
             native = cpu_native.CpuNative(lib)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoinfer.model.config import ModelConfig
-from nanoinfer.model.layers import rope_inv_freq
+from nanoinfer.model.layers import local_rope_inv_freq, rope_inv_freq
 from nanoinfer.model.decoder import LayerParams, Params
 
 
@@ -28,9 +28,11 @@ def dummy_params(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
                                w(qkv) * 0.1 if cfg.qkv_bias else None,
                                ones(cfg.head_dim) if cfg.qk_norm else None, ones(cfg.head_dim) if cfg.qk_norm else None,
                                w(cfg.hidden_size, cfg.q_size), ones(cfg.hidden_size),
-                               w(2 * cfg.intermediate_size, cfg.hidden_size), w(cfg.hidden_size, cfg.intermediate_size))
+                               w(2 * cfg.intermediate_size, cfg.hidden_size), w(cfg.hidden_size, cfg.intermediate_size),
+                               *((ones(cfg.hidden_size), ones(cfg.hidden_size)) if cfg.sandwich_norms else ()))
                    for _ in range(cfg.num_layers))
+    local = local_rope_inv_freq(cfg)
     embed = w(cfg.vocab_size, cfg.hidden_size)
     return Params(embed, layers, ones(cfg.hidden_size),
                   embed if cfg.tie_word_embeddings else w(cfg.vocab_size, cfg.hidden_size),
-                  rope_inv_freq(cfg).to(device))
+                  rope_inv_freq(cfg).to(device), None if local is None else local.to(device))

@@ -21,7 +21,7 @@ from nanoinfer.model.decoder import Params
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.quant.quantized import GroupedWeight, Int8Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 SUPPORTED_TYPES = frozenset(
     QT[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
@@ -42,6 +42,14 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's names whose meaning differs from the other families': ffn_norm is the MLP's input norm (its sandwich),
+# post_attention_norm the attention output's (nanoinfer/loaders/gguf_gemma.py: their metadata)
+GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 # The metadata's dimensions (after "{arch}.") -> ModelConfig's fields (whose MAX_DIMENSIONS bound them)
 GGUF_DIMENSIONS = {"vocab_size": "vocab_size", "embedding_length": "hidden_size",
@@ -117,10 +125,21 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         rope_scaling=_rope_scaling(gguf_file, arch, path),
         # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
         qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
-        qk_norm=arch == "qwen3",  # (RMSNorm over each head of q and k: attn_q_norm, attn_k_norm)
+        qk_norm=arch in ("qwen3", "gemma3"),  # (RMSNorm over each head of q and k: attn_q_norm, attn_k_norm)
+        **_family_fields(gguf_file, arch, path, hidden=hidden, num_heads=num_heads,
+                         head_dim=head_dim or hidden // num_heads, num_layers=whole("block_count")),
         bos_token_id=bos,
         eos_token_ids=eos,
     )
+
+
+def _family_fields(gguf_file: GGUFFile, arch: str, path: Path, **dimensions) -> dict:
+    """The fields only some architectures' metadata sets: Gemma's (nanoinfer/loaders/gguf_gemma.py)."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    from nanoinfer.loaders.gguf_gemma import gemma_fields
+
+    return gemma_fields(gguf_file, arch, path, **dimensions)
 
 
 def _rope_scaling(gguf_file: GGUFFile, arch: str, path: Path) -> RopeScaling | None:
@@ -169,13 +188,13 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, 
     """`packed`: quantized matrices stay quantized (nanoinfer.quant.quantized, CPU kernels): Q4_0,
     Q4_1, Q5_0, Q5_1 and Q8_0 in groups, Q4_K, Q5_K and Q6_K in their super-blocks (both exact;
     `build_params` puts them in the device's form); without it every tensor is dequantized to `dtype`."""
-    by_hf_name = {}
+    by_hf_name, layer_names = {}, GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
     for tensor in gguf_file.tensors:
         name = tensor.name
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest in _LAYER_NAMES:
-                by_hf_name[f"model.layers.{idx}.{_LAYER_NAMES[rest]}"] = tensor
+            if rest in layer_names:
+                by_hf_name[f"model.layers.{idx}.{layer_names[rest]}"] = tensor
         elif name in _GLOBAL_NAMES:
             by_hf_name[_GLOBAL_NAMES[name]] = tensor
     tensors = {t.name: t for t in gguf_file.tensors}

@@ -39,6 +39,9 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # (Phi-3, Phi-4: fused qkv and gate/up projections, longrope)
+    "Gemma2ForCausalLM": "gemma2",  # (Gemma 2/3: nanoinfer/loaders/hf_gemma.py reads their flags)
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # (its language model: text_config, the language_model. weights)
 }
 # Phi-3's fused matrices: each of our separate names -> (the fused tensor's name, its rows [start, stop) for a
 # config); read where the separate one is absent
@@ -125,6 +128,8 @@ def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any
     """(scaling, theta as the file has it): transformers 5 keeps both in `rope_parameters`."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key)
+    if isinstance(params, Mapping) and "full_attention" in params:  # (transformers 5's by layer type: Gemma 3's)
+        params = params["full_attention"]
     partial = (params if isinstance(params, Mapping) else {}).get("partial_rotary_factor",
                                                                   cfg.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
@@ -148,6 +153,9 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
     if arch in ("mistral", "phi3"):  # (transformers' Mistral and Phi-3 ignore layer_types)
         return window, None
     layer_types = cfg.get("layer_types")
+    if layer_types is None and arch in ("gemma2", "gemma3"):  # (transformers' default: every pattern-th layer global)
+        pattern = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if layer_types is None:
         first = cfg.get("max_window_layers")
         first = 28 if first is None else int(first)  # transformers' default
@@ -164,6 +172,27 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
     return window, None if all(windowed) else windowed
 
 
+def _windows(cfg: Mapping[str, Any], arch: str, num_layers: int, path) -> tuple[int | None, tuple[bool, ...] | None]:
+    """sliding_window_from_hf's answer; fields of the wrong kind a CheckpointError naming them."""
+    try:
+        return sliding_window_from_hf(cfg, arch, num_layers, path)
+    except (KeyError, TypeError, ValueError) as exc:  # (max_window_layers, layer_types of the wrong kind)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(path, f"its sliding window fields are of the wrong kind: {cut(str(exc))}") from exc
+
+
+def _gemma(cfg: Mapping[str, Any], arch: str, path) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """(the language model's config, its Gemma fields) for Gemma 2/3 (nanoinfer/loaders/hf_gemma.py: a multimodal
+    Gemma 3's text_config, the flags of the shared forward); (cfg, {}) for the other families."""
+    if arch not in ("gemma2", "gemma3"):
+        return cfg, {}
+    from nanoinfer.loaders import hf_gemma
+
+    text = hf_gemma.text_config(cfg, path)
+    return text, hf_gemma.gemma_fields(text, arch, path)
+
+
 def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json`; `path` is named in errors."""
     if not isinstance(cfg, Mapping):
@@ -173,9 +202,9 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         raise CheckpointError(path, f"architectures is {shown(archs)}: expected a list of class names")
     arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if arch is None:
-        raise CheckpointError(
-            path, f"architecture {shown(archs)} is not supported (expected one of {sorted(HF_ARCHITECTURES)})"
-        )
+        raise CheckpointError(path, f"architecture {shown(archs)} is not supported (expected one of "
+                                    f"{sorted(HF_ARCHITECTURES)})")
+    cfg, gemma = _gemma(cfg, arch, path)
 
     def whole(name: str, default: int | None = None) -> int:
         """A dimension of config.json; absent (or null), `default` when it has one."""
@@ -193,12 +222,7 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     rope_scaling, theta = _rope_from_hf(cfg, path)
     eps = cfg.get("rms_norm_eps")
     num_layers = whole("num_hidden_layers")
-    try:
-        window, windowed_layers = sliding_window_from_hf(cfg, arch, num_layers, path)
-    except (KeyError, TypeError, ValueError) as exc:  # (max_window_layers, layer_types of the wrong kind)
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(path, f"its sliding window fields are of the wrong kind: {cut(str(exc))}") from exc
+    window, windowed_layers = _windows(cfg, arch, num_layers, path)
     if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
         raise CheckpointError(path, "attention_bias/mlp_bias on this architecture is not supported")
     return checkpoint_config(
@@ -217,12 +241,13 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         sliding_window=window,
         windowed_layers=windowed_layers,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_token_ids("eos_token_id", cfg.get("eos_token_id"), path),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        **gemma,
     )
 
 
@@ -325,4 +350,8 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
         w = Fp8Weight(tensor, scale.float().reshape(-1).expand(tensor.shape[0]).contiguous())
         return w if fp8 else dequantize(w)
 
+    if cfg.architecture in ("gemma2", "gemma3"):  # (norms as 1 + w; a multimodal directory's language model)
+        from nanoinfer.loaders.hf_gemma import gemma_tensors
+
+        get = gemma_tensors(get, files)
     return build_params(get, cfg, dtype, device, directory, progress=progress)

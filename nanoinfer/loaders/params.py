@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from nanoinfer.backends.cpu import cpu_native
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import CheckpointError
-from nanoinfer.model.layers import rope_inv_freq
+from nanoinfer.model.layers import local_rope_inv_freq, rope_inv_freq
 from nanoinfer.model.decoder import LayerParams, Params
 from nanoinfer.quant.kquants import Q4_K, KQuantWeight, StackedWeight
 from nanoinfer.quant.quantized import (
@@ -85,6 +85,8 @@ def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
     qkv_bias = None
     if cfg.qkv_bias:
         qkv_bias = torch.cat([load(p + f"self_attn.{n}_proj.bias", (size,)) for n, size in projections])
+    # (Gemma's sandwich: post_attention_layernorm norms the attention's output, pre_feedforward_ the MLP's input)
+    mlp_norm = "pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"
     return LayerParams(
         attn_norm=load(p + "input_layernorm.weight", (hidden,)),
         qkv_proj=matrix(concat_rows(qkv)),
@@ -92,10 +94,12 @@ def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
         q_norm=load(p + "self_attn.q_norm.weight", (head_dim,)) if cfg.qk_norm else None,
         k_norm=load(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
         o_proj=matrix(load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size))),
-        mlp_norm=load(p + "post_attention_layernorm.weight", (hidden,)),
+        mlp_norm=load(p + mlp_norm, (hidden,)),
         gate_up_proj=matrix(concat_rows([load(p + "mlp.gate_proj.weight", (inter, hidden)),
                                          load(p + "mlp.up_proj.weight", (inter, hidden))])),
         down_proj=matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
+        post_attn_norm=load(p + "post_attention_layernorm.weight", (hidden,)) if cfg.sandwich_norms else None,
+        post_mlp_norm=load(p + "post_feedforward_layernorm.weight", (hidden,)) if cfg.sandwich_norms else None,
     )
 
 
@@ -134,10 +138,12 @@ def build_params(
     lm_head = matrix(embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden)))
     if inv_freq is None:
         inv_freq = rope_inv_freq(cfg)
+    local = local_rope_inv_freq(cfg)
     return Params(
         embed=embed,
         layers=tuple(layers),
         final_norm=load("model.norm.weight", (hidden,)),
         lm_head=lm_head,
         rope_inv_freq=inv_freq.to(device=device, dtype=torch.float32),
+        rope_local_inv_freq=None if local is None else local.to(device),
     )

@@ -39,7 +39,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "nanochat" (nanoinfer/model/nanochat.py)
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "nanochat"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,6 +62,14 @@ class ModelConfig:
     # Pool layers past the model's, for per-token state a family keeps beside its keys and
     # values (nanochat: each token's normed embedding, which the next token's smear reads).
     kv_extra_layers: int = 0
+    # Gemma 2/3 (each off by default; a model without them runs none of their code):
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float | None = None  # the embedding times this (sqrt(hidden)), in the activations' dtype
+    sandwich_norms: bool = False  # each sublayer's output normed before its residual add (post_*_norm)
+    attn_softcap: float | None = None  # attention scores -> tanh(s / c) * c before the softmax
+    final_softcap: float | None = None  # the logits -> tanh(l / c) * c
+    query_pre_attn_scalar: float | None = None  # attention's scale is its -1/2 power (None: head_dim's)
+    rope_local_theta: float | None = None  # windowed layers' RoPE base, unscaled (None: rope_theta's, scaled)
 
     def __post_init__(self):
         """Every loader's config meets these, whatever its file says (a ValueError naming the field)."""
@@ -75,6 +83,11 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates a head's dimensions in pairs")
         positive_number("rms_norm_eps", self.rms_norm_eps)
         positive_number("rope_theta", self.rope_theta)
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: expected 'silu' or 'gelu_tanh'")
+        for name in ("embed_scale", "attn_softcap", "final_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, name) is not None:
+                positive_number(name, getattr(self, name))
         if self.sliding_window is not None:
             dimension("sliding_window", self.sliding_window)
         if self.bos_token_id is not None:
@@ -94,11 +107,12 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """Attention's scale of q.k: 1/sqrt(head_dim), times longrope's attention factor squared (it scales cos
-        and sin, so q and k each; applied here once, the rotation itself stays a rotation)."""
+        """Attention's scale of q.k: 1/sqrt(head_dim) (Gemma's: 1/sqrt(query_pre_attn_scalar)), times longrope's
+        attention factor squared (it scales cos and sin, so q and k each; applied here once, the rotation itself
+        stays a rotation)."""
         scaling = self.rope_scaling
         factor = scaling.attention_factor if scaling is not None and scaling.kind == "longrope" else 1.0
-        return self.head_dim**-0.5 * factor * factor
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * factor * factor
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

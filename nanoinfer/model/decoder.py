@@ -1,7 +1,8 @@
 """The decoder-only transformer as a pure function: forward(params, kv, batch, cfg) -> logits.
 
-One function serves Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm): they differ
-only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn.Modules.
+One function serves Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), Phi-3 and Gemma 2/3
+(scaled embedding, sandwich norms, GeGLU, soft-capped logits, a RoPE base of the windowed layers'
+own): they differ only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn.Modules.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from nanoinfer.quant import quantized
 from nanoinfer.model.batch import Batch
 from nanoinfer.model.config import ModelConfig
-from nanoinfer.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from nanoinfer.model.layers import apply_rope, gated_activation, rms_norm, rope_cos_sin, softcap, swiglu
 from nanoinfer.quant.quantized import Weight, embedding, map_weight
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class LayerParams:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up_proj: Weight  # [2 * intermediate, hidden], gate then up: one matmul
     down_proj: Weight  # [hidden, intermediate]
+    post_attn_norm: torch.Tensor | None = None  # [hidden] (Gemma's sandwich norms: the attention's output)
+    post_mlp_norm: torch.Tensor | None = None  # [hidden] (and the MLP's)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Params:
     final_norm: torch.Tensor  # [hidden]
     lm_head: Weight | None  # [vocab, hidden]; the same object as `embed` when tied and dense (None: an earlier stage)
     rope_inv_freq: torch.Tensor  # [head_dim // 2] fp32, scaling applied
+    rope_local_inv_freq: torch.Tensor | None = None  # [head_dim // 2] fp32 of windowed layers (Gemma 3); None: the same
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,8 +119,15 @@ class RankSum:
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable = quantized.linear, reduce: Callable = _same) -> torch.Tensor:
-    """The rest of the layer: output projection, residual, norm, SwiGLU MLP, residual.
+    """The rest of the layer: output projection, residual, norm, gated MLP (SwiGLU; Gemma's GeGLU), residual;
+    with sandwich norms (Gemma) each sublayer's output is normed before its residual add.
     `reduce` sums the row-parallel projections' partial outputs over tensor-parallel ranks."""
+    if cfg.sandwich_norms:
+        o = reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
+        x = x + rms_norm(o, lp.post_attn_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        down = reduce(linear(gated_activation(linear(h, lp.gate_up_proj), cfg), lp.down_proj))
+        return x + rms_norm(down, lp.post_mlp_norm, cfg.rms_norm_eps)
     x = x + reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     return x + reduce(linear(swiglu(linear(h, lp.gate_up_proj)), lp.down_proj))
@@ -185,8 +196,13 @@ def forward(
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
     x = layer_fns.embed(params.embed, batch.input_ids, params.dtype) if hidden is None else hidden  # [tokens, hidden]
-    cos, sin = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
+    if cfg.embed_scale is not None and hidden is None:  # (Gemma: rounded to the activations' dtype first, as theirs)
+        x = x * x.new_tensor(cfg.embed_scale)
+    rope = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
+    local_rope = rope if params.rope_local_inv_freq is None else layer_fns.rope_tables(
+        params.rope_local_inv_freq, batch.positions, x.dtype)
     for layer_idx, lp in enumerate(params.layers):
+        cos, sin = rope if windows[layer_idx] is None else local_rope
         if layer_fns.layer is not None:
             x = layer_fns.layer(x, lp, cos, sin, kv[layer_idx], meta[windows[layer_idx]], cfg)
             continue
@@ -202,6 +218,8 @@ def forward(
     # Only the rows that sample pay for the final norm and the LM head.
     x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
     logits = layer_fns.gather_logits(layer_fns.lm_head(x, params.lm_head))
+    if cfg.final_softcap is not None:
+        logits = softcap(logits, cfg.final_softcap)
     return logits if logits_dtype is None else logits.to(logits_dtype)
 
 

@@ -1,4 +1,4 @@
-"""Pure tensor functions the model is made of: RMSNorm, RoPE (with scaling), SwiGLU."""
+"""Pure tensor functions the model is made of: RMSNorm, RoPE (with scaling), SwiGLU and GeGLU, soft-capping."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def rope_inv_freq(cfg: ModelConfig, context: int | None = None) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def local_rope_inv_freq(cfg: ModelConfig) -> torch.Tensor | None:
+    """The windowed layers' inverse frequencies where they have a base of their own (Gemma 3's
+    rope_local_base_freq, unscaled); None where they rotate as the others."""
+    if cfg.rope_local_theta is None:
+        return None
+    dim = cfg.head_dim
+    return 1.0 / (cfg.rope_local_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin: [tokens, head_dim // 2] for the given absolute positions, made in fp32 and
     cast once (long positions lose precision in bf16)."""
@@ -69,3 +78,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, for the fused [tokens, 2 * intermediate] projection."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's GeGLU, transformers' gelu_pytorch_tanh), for the fused projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_activation(gate_up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The config's gated MLP activation of the fused [tokens, 2 * intermediate] projection."""
+    return gelu_tanh_mul(gate_up) if cfg.hidden_act == "gelu_tanh" else swiglu(gate_up)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(x / cap) * cap: Gemma's soft-capping of attention scores and logits (in x's dtype, as transformers)."""
+    return torch.tanh(x / cap) * cap
