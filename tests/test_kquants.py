@@ -66,7 +66,8 @@ def test_blocks_read_as_gguf_py_reads_them(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-@pytest.mark.parametrize("out, cols, tokens", [(37, 256, 1), (64, 768, 3), (9, 1536, 5)])
+# (tokens by 4, 2 and 1 in a pass; 200 of 1,536 columns span two of kquant_matmul_to's token tiles)
+@pytest.mark.parametrize("out, cols, tokens", [(37, 256, 1), (64, 768, 3), (9, 1536, 5), (6, 512, 7), (9, 1536, 200)])
 def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, cols, tokens):
     g = torch.Generator().manual_seed(out + cols)
     kq = kquant(torch.randn(out, cols, generator=g) * 0.05, qtype)

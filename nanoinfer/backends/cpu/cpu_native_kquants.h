@@ -49,9 +49,12 @@ static inline int scaled_dots(const uint8_t *q, const int8_t *x, const int32_t *
     return total;
 }
 
-/* x [rows, k] bf16 to Q8_K: xq [rows, k] int8, xd [rows, k / 256] fp32, bsum [rows, k / 16] int32 */
-void quantize_q8k(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, int32_t *bsum) {
-    for (int64_t b = 0; b < (int64_t)rows * k / QK_K; b++) {
+/* x [rows, k] bf16 to Q8_K: xq [rows, k] int8, xd [rows, k / 256] fp32, bsum [rows, k / 16] int32, on
+ * `threads` (each super-block by itself: the same bits on any) */
+static void quantize_q8k_on(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, int32_t *bsum, int threads) {
+    int64_t all = (int64_t)rows * k / QK_K;
+#pragma omp parallel for schedule(static) num_threads(threads) if (all >= 64)
+    for (int64_t b = 0; b < all; b++) {
         float v[QK_K], amax = 0.0f;
         for (int i = 0; i < QK_K; i++) {
             v[i] = bf16_to_f32(x[b * QK_K + i]);
@@ -65,6 +68,10 @@ void quantize_q8k(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, int
         }
         xd[b] = amax / 127.0f;
     }
+}
+
+void quantize_q8k(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, int32_t *bsum) {
+    quantize_q8k_on(x, rows, k, xq, xd, bsum, 1);
 }
 
 /* Q4_K's and Q5_K's 6-bit scales and mins (ggml's get_scale_min_k4) */
@@ -129,7 +136,17 @@ static inline float kquant_block_dot(const kq_block *u, int type, const int8_t *
 
 static int block_bytes(int type) { return type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 0; }
 
-/* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows a pass */
+/* Where the activations of the tokens a pass takes together are: token t's xq [k] int8 at xq + t k,
+ * its xd [blocks] at xd + t blocks, its int16 per-16 and per-32 sums at bs16 + t k / 16 and
+ * bs32 + t k / 32. */
+typedef struct {
+    const int8_t *xq;
+    const float *xd;
+    const int16_t *bs16, *bs32;
+    int64_t k, blocks;
+} kq_tokens;
+
+/* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows by KQ_TOKENS tokens a pass */
 #if defined(__AVX2__) && defined(__F16C__)
 #include "cpu_native_kquants_x86.h"
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -180,25 +197,34 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     if (!xq) return -1;
     float *xd = (float *)(xq + (int64_t)rows * k);
     int32_t *bsum = (int32_t *)(xd + (int64_t)rows * blocks);
-    quantize_q8k(x, rows, k, xq, xd, bsum);
+    quantize_q8k_on(x, rows, k, xq, xd, bsum, threads);
 #ifdef KQ_ROWS
     /* (|a sum of 32 int8| <= 4064: int16 holds it) */
     int16_t *bs16 = (int16_t *)(bsum + subs), *bs32 = bs16 + subs;
     for (int64_t s = 0; s < subs; s++) bs16[s] = (int16_t)bsum[s];
     for (int64_t s = 0; s < subs / 2; s++) bs32[s] = (int16_t)(bsum[2 * s] + bsum[2 * s + 1]);
     int passes = (n + KQ_ROWS - 1) / KQ_ROWS;
+    /* Tokens in tiles whose activations stay in L2 (~256 KiB) while every pass runs over them: a
+     * pass's rows stay in L1 over its tile's tokens, and each tile reads the weights once. */
+    int tile = (int)(262144 / k) > KQ_TOKENS ? (int)(262144 / k) : KQ_TOKENS;
+    for (int t0 = 0; t0 < rows; t0 += tile) {
+        int t1 = t0 + tile < rows ? t0 + tile : rows;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int p = 0; p < passes; p++) {
-        int r0 = p * KQ_ROWS, R = n - r0 < KQ_ROWS ? n - r0 : KQ_ROWS;
-        for (int t = 0; t < rows; t++) {
-            float out[KQ_ROWS];
-            kquant_rows_dot(w + r0 * row_bytes, row_bytes, R, type, blocks, xq + (int64_t)t * k, xd + t * blocks,
-                            bs16 + (int64_t)t * k / 16, bs32 + (int64_t)t * k / 32, out);
-            for (int r = 0; r < R; r++) {
-                if (y_f32)
-                    ((float *)y)[t * ldy + r0 + r] = out[r];
-                else
-                    ((uint16_t *)y)[t * ldy + r0 + r] = f32_to_bf16(out[r]);
+        for (int p = 0; p < passes; p++) {
+            int r0 = p * KQ_ROWS, R = n - r0 < KQ_ROWS ? n - r0 : KQ_ROWS;
+            for (int t = t0; t < t1;) {
+                int T = t1 - t >= KQ_TOKENS ? KQ_TOKENS : t1 - t >= 2 ? 2 : 1;
+                kq_tokens x = {xq + (int64_t)t * k, xd + (int64_t)t * blocks, bs16 + (int64_t)t * k / 16,
+                               bs32 + (int64_t)t * k / 32, k, blocks};
+                float out[KQ_TOKENS * KQ_ROWS];
+                kquant_rows_dot(w + r0 * row_bytes, row_bytes, R, T, type, blocks, x, out);
+                for (int u = 0; u < T; u++, t++)
+                    for (int r = 0; r < R; r++) {
+                        if (y_f32)
+                            ((float *)y)[t * ldy + r0 + r] = out[u * KQ_ROWS + r];
+                        else
+                            ((uint16_t *)y)[t * ldy + r0 + r] = f32_to_bf16(out[u * KQ_ROWS + r]);
+                    }
             }
         }
     }

@@ -12,6 +12,7 @@
  */
 
 #define KQ_ROWS 1
+#define KQ_TOKENS 1
 
 /* sum of one sub-block's products: n16 loads of 16 values against x */
 static inline int kq_dot(const uint8x16_t *v, const int8_t *x, int n16) {
@@ -76,10 +77,13 @@ static float kq6_row(const uint8_t *w, int blocks, const int8_t *xq, const float
     return acc;
 }
 
-/* R rows (R <= KQ_ROWS) of `type` against one token (cpu_native_kquants_x86.h's signature) */
-static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int type, int blocks, const int8_t *xq,
-                            const float *xd, const int16_t *bs16, const int16_t *bs32, float *out) {
-    for (int r = 0; r < R && r < KQ_ROWS; r++)
-        out[r] = type == 14 ? kq6_row(w + r * row_bytes, blocks, xq, xd, bs16)
-                            : kq45_row(w + r * row_bytes, type, blocks, xq, xd, bs32);
+/* R rows (R <= KQ_ROWS) of `type` against T tokens (T <= KQ_TOKENS; cpu_native_kquants_x86.h's signature) */
+static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int T, int type, int blocks, kq_tokens x,
+                            float *out) {
+    for (int t = 0; t < T && t < KQ_TOKENS; t++)
+        for (int r = 0; r < R && r < KQ_ROWS; r++)
+            out[t * KQ_ROWS + r] = type == 14 ? kq6_row(w + r * row_bytes, blocks, x.xq + t * x.k, x.xd + t * x.blocks,
+                                                        x.bs16 + t * x.k / 16)
+                                              : kq45_row(w + r * row_bytes, type, blocks, x.xq + t * x.k,
+                                                         x.xd + t * x.blocks, x.bs32 + t * x.k / 32);
 }

@@ -119,34 +119,44 @@ static inline __m128 kq_acc_step(__m128 acc, float xd, __m128 d, __m128 dmin, __
     return _mm_add_ps(acc, t);
 }
 
-/* R rows (R <= KQ_ROWS, a constant where inlined) of Q4_K (type 12) or Q5_K (13), each row_bytes
- * apart from w, against one token's activations (xq [blocks * 256], xd [blocks], bs32 [blocks * 8]
- * int16 per-32 sums): out[r] = the row's fp32 sum. */
-static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, int64_t row_bytes, int R, int type,
-                                                           int blocks, const int8_t *xq, const float *xd,
-                                                           const int16_t *bs32, float *out) {
+/* Tokens a pass takes together (each weight register unpacked once for all of them): as many as
+ * the accumulators (KQ_TOKENS x KQ_ROWS of them) leave registers for — AVX-512's 32, AVX2's 16. */
+#if defined(__AVX512VL__)
+#define KQ_TOKENS 4
+#else
+#define KQ_TOKENS 2
+#endif
+
+/* R rows (R <= KQ_ROWS) of Q4_K (type 12) or Q5_K (13), each row_bytes apart from w, against T
+ * tokens (T <= KQ_TOKENS; R, T and type constants where inlined): out[t * KQ_ROWS + r] = row r's
+ * fp32 sum for token t. A token's sums are the one-token kernel's, step for step. */
+static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, int64_t row_bytes, int R, int T,
+                                                           int type, int blocks, kq_tokens x, float *out) {
     const int bytes = type == 12 ? 144 : 176, qs_at = type == 12 ? 16 : 48;
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m128 acc[KQ_ROWS / 4];
-    for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
+    __m128 acc[KQ_TOKENS][KQ_ROWS / 4];
+    for (int t = 0; t < KQ_TOKENS; t++)
+        for (int g = 0; g < KQ_ROWS / 4; g++) acc[t][g] = _mm_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const int8_t *x = xq + b * QK_K;
         const uint8_t *blk[KQ_ROWS];
-        __m256i sums[KQ_ROWS], scales[KQ_ROWS];
-        __m128i mins[KQ_ROWS], head[KQ_ROWS];
-        __m128i bsum = _mm_loadu_si128((const __m128i *)(bs32 + b * 8));
+        __m256i sums[KQ_TOKENS][KQ_ROWS], scales[KQ_ROWS];
+        __m128i mins[KQ_TOKENS][KQ_ROWS], head[KQ_ROWS], minv[KQ_ROWS];
         for (int r = 0; r < KQ_ROWS; r++) {
-            sums[r] = _mm256_setzero_si256(), mins[r] = _mm_setzero_si128(), head[r] = _mm_setzero_si128();
+            head[r] = minv[r] = _mm_setzero_si128();
+            for (int t = 0; t < KQ_TOKENS; t++) sums[t][r] = _mm256_setzero_si256(), mins[t][r] = _mm_setzero_si128();
             if (r >= R) continue;
             blk[r] = w + r * row_bytes + (int64_t)b * bytes;
             head[r] = _mm_loadu_si128((const __m128i *)blk[r]);
             __m256i sm = kq_scales_mins(head[r]);
             scales[r] = _mm256_permute2x128_si256(sm, sm, 0x00);
-            mins[r] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bsum);
+            minv[r] = _mm256_extracti128_si256(sm, 1);
             kq_prefetch(blk[r], b, blocks, row_bytes, bytes);
         }
+        for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+            __m128i bsum = _mm_loadu_si128((const __m128i *)(x.bs32 + t * x.k / 32 + b * 8));
+            for (int r = 0; r < R && r < KQ_ROWS; r++) mins[t][r] = _mm_madd_epi16(minv[r], bsum);
+        }
         for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
-            __m256i xl = kq_load(x + 64 * c), xh = kq_load(x + 64 * c + 32);
             for (int r = 0; r < R && r < KQ_ROWS; r++) {
                 __m256i v = kq_load(blk[r] + qs_at + 32 * c);
                 __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -154,52 +164,62 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
                     __m256i qh = kq_load(blk[r] + 16);
                     lo = _mm256_or_si256(lo, kq_bit_to_4(qh, 2 * c)), hi = _mm256_or_si256(hi, kq_bit_to_4(qh, 2 * c + 1));
                 }
-                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(lo, xl), kq_pick(scales[r], KQ_PICK[2 * c]));
-                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(hi, xh), kq_pick(scales[r], KQ_PICK[2 * c + 1]));
+                __m256i sl = kq_pick(scales[r], KQ_PICK[2 * c]), sh = kq_pick(scales[r], KQ_PICK[2 * c + 1]);
+                for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                    const int8_t *xt = x.xq + t * x.k + b * QK_K + 64 * c;
+                    sums[t][r] = kq_scaled_add(sums[t][r], _mm256_maddubs_epi16(lo, kq_load(xt)), sl);
+                    sums[t][r] = kq_scaled_add(sums[t][r], _mm256_maddubs_epi16(hi, kq_load(xt + 32)), sh);
+                }
             }
         }
         for (int g = 0; 4 * g < R; g++) {
-            __m256i *s = sums + 4 * g;
-            __m128i *m = mins + 4 * g, *h = head + 4 * g;
+            __m128i *h = head + 4 * g;
             __m256 f = kq_factors(h[0], h[1], h[2], h[3]);
-            acc[g] = kq_acc_step(acc[g], xd[b], _mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1),
-                                 kq_hsum4(s[0], s[1], s[2], s[3]), kq_hsum4_128(m[0], m[1], m[2], m[3]), 1);
+            for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                __m256i *s = sums[t] + 4 * g;
+                __m128i *m = mins[t] + 4 * g;
+                acc[t][g] = kq_acc_step(acc[t][g], x.xd[t * x.blocks + b], _mm256_castps256_ps128(f),
+                                        _mm256_extractf128_ps(f, 1), kq_hsum4(s[0], s[1], s[2], s[3]),
+                                        kq_hsum4_128(m[0], m[1], m[2], m[3]), 1);
+            }
         }
     }
-    float all[KQ_ROWS];
-    for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
-    for (int r = 0; r < R && r < KQ_ROWS; r++) out[r] = all[r];
+    for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+        float all[KQ_ROWS];
+        for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[t][g]);
+        for (int r = 0; r < R && r < KQ_ROWS; r++) out[t * KQ_ROWS + r] = all[r];
+    }
 }
 
-/* The same for Q6_K (type 14): ql[128], qh[64], 16 int8 scales, d; bs16 [blocks * 16] int16
- * per-16 sums of the activations (the offset of 32: sumi = sum_s sc_s (q_s . x_s - 32 sum x_s)). */
-static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int64_t row_bytes, int R, int blocks,
-                                                          const int8_t *xq, const float *xd, const int16_t *bs16,
-                                                          float *out) {
+/* The same for Q6_K (type 14): ql[128], qh[64], 16 int8 scales, d; the tokens' int16 per-16 sums
+ * (the offset of 32: sumi = sum_s sc_s (q_s . x_s - 32 sum x_s)). */
+static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int64_t row_bytes, int R, int T,
+                                                          int blocks, kq_tokens x, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3), top = _mm256_set1_epi8((char)0xc0);
-    __m128 acc[KQ_ROWS / 4];
-    for (int g = 0; g < KQ_ROWS / 4; g++) acc[g] = _mm_setzero_ps();
+    __m128 acc[KQ_TOKENS][KQ_ROWS / 4];
+    for (int t = 0; t < KQ_TOKENS; t++)
+        for (int g = 0; g < KQ_ROWS / 4; g++) acc[t][g] = _mm_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const int8_t *x = xq + b * QK_K;
         const uint8_t *blk[KQ_ROWS];
-        __m256i sums[KQ_ROWS];
+        __m256i sums[KQ_TOKENS][KQ_ROWS];
         __m128i tail[KQ_ROWS];
-        __m256i bsum = kq_load(bs16 + b * 16);
         for (int r = 0; r < KQ_ROWS; r++) {
-            sums[r] = _mm256_setzero_si256(), tail[r] = _mm_setzero_si128();
+            tail[r] = _mm_setzero_si128();
+            for (int t = 0; t < KQ_TOKENS; t++) sums[t][r] = _mm256_setzero_si256();
             if (r >= R) continue;
             blk[r] = w + r * row_bytes + (int64_t)b * 210;
             /* -32 sum_s sc_s sum x_s, in the same int32 lanes the dots go to */
             __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
-            sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, bsum), 5));
+            for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                __m256i bsum = kq_load(x.bs16 + t * x.k / 16 + b * 16);
+                sums[t][r] = _mm256_sub_epi32(sums[t][r], _mm256_slli_epi32(_mm256_madd_epi16(sc, bsum), 5));
+            }
             uint16_t d;
             memcpy(&d, blk[r] + 208, 2);
             tail[r] = _mm_cvtsi32_si128(d);
             kq_prefetch(blk[r], b, blocks, row_bytes, 210);
         }
         for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
-            const int8_t *xh = x + 128 * h;
-            __m256i x0 = kq_load(xh), x1 = kq_load(xh + 32), x2 = kq_load(xh + 64), x3 = kq_load(xh + 96);
             for (int r = 0; r < R && r < KQ_ROWS; r++) {
                 const uint8_t *ql = blk[r] + 64 * h, *qh = blk[r] + 128 + 32 * h;
                 __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 192 + 8 * h)));
@@ -212,38 +232,51 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
                                              _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
                 __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                              _mm256_srli_epi16(_mm256_and_si256(hb, top), 2));
-                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v0, x0), kq_pick(s, KQ_PICK2[0]));
-                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v1, x1), kq_pick(s, KQ_PICK2[1]));
-                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v2, x2), kq_pick(s, KQ_PICK2[2]));
-                sums[r] = kq_scaled_add(sums[r], _mm256_maddubs_epi16(v3, x3), kq_pick(s, KQ_PICK2[3]));
+                __m256i s0 = kq_pick(s, KQ_PICK2[0]), s1 = kq_pick(s, KQ_PICK2[1]), s2 = kq_pick(s, KQ_PICK2[2]),
+                        s3 = kq_pick(s, KQ_PICK2[3]);
+                for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                    const int8_t *xh = x.xq + t * x.k + b * QK_K + 128 * h;
+                    sums[t][r] = kq_scaled_add(sums[t][r], _mm256_maddubs_epi16(v0, kq_load(xh)), s0);
+                    sums[t][r] = kq_scaled_add(sums[t][r], _mm256_maddubs_epi16(v1, kq_load(xh + 32)), s1);
+                    sums[t][r] = kq_scaled_add(sums[t][r], _mm256_maddubs_epi16(v2, kq_load(xh + 64)), s2);
+                    sums[t][r] = kq_scaled_add(sums[t][r], _mm256_maddubs_epi16(v3, kq_load(xh + 96)), s3);
+                }
             }
         }
         for (int g = 0; 4 * g < R; g++) {
-            __m256i *s = sums + 4 * g;
-            __m128i *t = tail + 4 * g;
-            __m128 d = _mm256_castps256_ps128(kq_factors(t[0], t[1], t[2], t[3]));
-            acc[g] = kq_acc_step(acc[g], xd[b], d, d, kq_hsum4(s[0], s[1], s[2], s[3]), _mm_setzero_si128(), 0);
+            __m128i *tl = tail + 4 * g;
+            __m128 d = _mm256_castps256_ps128(kq_factors(tl[0], tl[1], tl[2], tl[3]));
+            for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                __m256i *s = sums[t] + 4 * g;
+                acc[t][g] = kq_acc_step(acc[t][g], x.xd[t * x.blocks + b], d, d, kq_hsum4(s[0], s[1], s[2], s[3]),
+                                        _mm_setzero_si128(), 0);
+            }
         }
     }
-    float all[KQ_ROWS];
-    for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[g]);
-    for (int r = 0; r < R && r < KQ_ROWS; r++) out[r] = all[r];
+    for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+        float all[KQ_ROWS];
+        for (int g = 0; 4 * g < R; g++) _mm_storeu_ps(all + 4 * g, acc[t][g]);
+        for (int r = 0; r < R && r < KQ_ROWS; r++) out[t * KQ_ROWS + r] = all[r];
+    }
 }
 
-/* R rows (1 <= R <= KQ_ROWS) of `type` against one token: each R its own unrolled copy. */
-static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int type, int blocks, const int8_t *xq,
-                            const float *xd, const int16_t *bs16, const int16_t *bs32, float *out) {
-#define KQ_CASE(n)                                                                  \
-    case n:                                                                         \
+/* R rows (1 <= R <= KQ_ROWS) of `type` against T tokens (1 <= T <= KQ_TOKENS): each (R, T) its own
+ * unrolled copy. */
+static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int T, int type, int blocks, kq_tokens x,
+                            float *out) {
+#define KQ_CASE(n, m)                                                               \
+    case (n) * 8 + (m):                                                             \
         if (type == 14)                                                             \
-            kq6_rows(w, row_bytes, n, blocks, xq, xd, bs16, out);                   \
+            kq6_rows(w, row_bytes, n, m, blocks, x, out);                           \
         else if (type == 12)                                                        \
-            kq45_rows(w, row_bytes, n, 12, blocks, xq, xd, bs32, out);              \
+            kq45_rows(w, row_bytes, n, m, 12, blocks, x, out);                      \
         else                                                                        \
-            kq45_rows(w, row_bytes, n, 13, blocks, xq, xd, bs32, out);              \
+            kq45_rows(w, row_bytes, n, m, 13, blocks, x, out);                      \
         return;
-    switch (R) {
-        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+#define KQ_CASES(n) KQ_CASE(n, 1) KQ_CASE(n, 2) KQ_CASE(n, 3) KQ_CASE(n, 4)
+    switch (R * 8 + T) {
+        KQ_CASES(1) KQ_CASES(2) KQ_CASES(3) KQ_CASES(4)
     }
+#undef KQ_CASES
 #undef KQ_CASE
 }
