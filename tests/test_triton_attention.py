@@ -33,12 +33,13 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LENGTHS = (1, 15, 16, 17, 1000, 16384)
 
 
-def make_cfg(num_kv_heads: int, group: int, head_dim: int, sliding_window: int | None = None) -> ModelConfig:
+def make_cfg(num_kv_heads: int, group: int, head_dim: int, sliding_window: int | None = None,
+             attn_softcap: float | None = None) -> ModelConfig:
     heads = num_kv_heads * group
     return ModelConfig(architecture="llama", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=32,
                        num_layers=1, num_heads=heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768,
-                       tie_word_embeddings=False, sliding_window=sliding_window)
+                       tie_word_embeddings=False, sliding_window=sliding_window, attn_softcap=attn_softcap)
 
 
 def make_step(seqs, cfg, block_size, dtype, device=DEVICE, num_pad=3, seed=0):
@@ -289,6 +290,20 @@ def test_sliding_window(window, dtype):
         seed = window + large
         batch, q, _, _, kv_layer = make_step(mixed_seqs(random.Random(seed), large), cfg, 16, dtype, seed=seed)
         run_and_check(backend, batch, cfg, q, kv_layer, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize("window", [None, 100])
+def test_soft_capped_scores(cap, window, dtype):
+    """Gemma 2's soft-cap (tanh(s / c) * c of the scaled scores) in the split decode, the unsplit and the mixed
+    launches, with and without a window; 0.5 bends every score, 50 almost none."""
+    cfg = make_cfg(2, 4, 128, sliding_window=window, attn_softcap=cap)
+    backend = TritonPagedAttention(cfg, device=DEVICE)
+    rng = random.Random(seed_of(cap, window))
+    for seqs in (decode_seqs(rng), mixed_seqs(rng, False), mixed_seqs(rng, True)):
+        batch, q, _, _, kv_layer = make_step(seqs, cfg, 16, dtype, seed=rng.randint(0, 1000))
+        run_and_check(backend, batch, cfg, q * 4, kv_layer, dtype)  # (scores of several units: the cap bends them)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

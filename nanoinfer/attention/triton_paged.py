@@ -89,14 +89,24 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    # (1 - e^-2|x|) / (1 + e^-2|x|), signed: exp2 of a negative number only, so no overflow at any |x|
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # (2 log2(e))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     m_ptr, l_ptr, acc_ptr,  # split-K workspaces (unused without SPLIT)
     num_seqs, num_tokens, qk_scale, window, num_partitions, max_partitions,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
+    cap,  # Gemma 2's attention soft-cap in log2 units (softcap * log2(e)); read only with SOFTCAP
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     if PDL:  # (nanoinfer.backends.cuda.pdl)
         pdl.start()
@@ -172,6 +182,8 @@ def _paged_attention_kernel(
         k = tl.load(kv_ptrs, mask=k_valid[:, None] & d_valid, other=0.0).to(q.dtype)
         v = tl.load(kv_ptrs + stride_kv, mask=k_valid[:, None] & d_valid, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # fp32 [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # tanh(s / c) * c of the scaled score, as exp2 has it: s and c both in log2 units
+            s = _tanh(s / cap) * cap
         mask = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             mask &= k_pos[None, :] > q_pos[:, None] - window
@@ -232,6 +244,7 @@ class TritonMetadata(NamedTuple):
     query_start_loc: torch.Tensor  # [seqs + 1] int32
     scale: float
     sliding_window: int  # 0 = none
+    softcap: float = 0.0  # Gemma 2's attention soft-cap: scores -> tanh(s / c) * c before the softmax; 0 = none
 
 
 class TritonPagedAttention:
@@ -298,7 +311,8 @@ class TritonPagedAttention:
     def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TritonMetadata:
         # No host work beyond this packing: launch sizes come from shapes inside `attention`.
         return TritonMetadata(batch.block_tables.to(torch.int32), batch.seq_lens.to(torch.int32),
-                              batch.query_start_loc.to(torch.int32), cfg.softmax_scale, window or 0)
+                              batch.query_start_loc.to(torch.int32), cfg.softmax_scale, window or 0,
+                              cfg.attn_softcap or 0.0)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # kv_layer: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
@@ -327,7 +341,7 @@ class TritonPagedAttention:
         # Contexts are bounded by the block tables' width: a shape, so no sync to learn it.
         max_context = metadata.block_tables.shape[1] * block_size
         num_parts = min(self.max_partitions, triton.cdiv(max_context, self.partition_size))
-        if (kv_layer.dtype == torch.float8_e4m3fn and tokens <= num_seqs
+        if (kv_layer.dtype == torch.float8_e4m3fn and tokens <= num_seqs and not metadata.softcap
                 and triton_decode_cc.takes(self.group, self.head_dim_pad)):
             # A decode step over an fp8 pool with a GQA group of 1 or 2: the CUDA-core kernel,
             # split only while (sequence, KV head) programs are too few to fill the GPU.
@@ -362,11 +376,11 @@ class TritonPagedAttention:
             self.ws_max, self.ws_sum, self.ws_acc,
             num_seqs, tokens, metadata.scale * _LOG2E, metadata.sliding_window, num_parts, self.max_partitions,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_layer.stride(0), kv_layer.stride(1),
-            kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0),
+            kv_layer.stride(2), kv_layer.stride(3), metadata.block_tables.stride(0), metadata.softcap * _LOG2E,
             NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
             SLIDING=metadata.sliding_window > 0, SPLIT=split, FP8_KV=kv_layer.dtype == torch.float8_e4m3fn,
-            num_warps=self.num_warps, num_stages=stages, **pdl.launch(q.device))
+            SOFTCAP=metadata.softcap > 0, num_warps=self.num_warps, num_stages=stages, **pdl.launch(q.device))
         if split:
             self._reduce(out, metadata, num_parts)
         return out

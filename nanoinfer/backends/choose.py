@@ -61,13 +61,13 @@ def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -
 
 
 def fused_layers_lack(cfg: ModelConfig) -> str | None:
-    """What of `cfg`'s dataflow the fused layers lack (CUDA's Triton attention and fused layer parts, the CPU's
-    packed C layers), as one line; None: nothing. Such a model runs on the CPU's torch layers (its matrices still
-    packed) and is refused on CUDA at load (nanoinfer.loaders.load_model)."""
+    """What of `cfg`'s dataflow the fused layers lack (CUDA's fused layer parts, the CPU's packed C layers and their
+    attention), as one line; None: nothing. Such a model runs its layers' torch parts (its matrices still packed on
+    the CPU); on CUDA around the Triton attention, which has Gemma 2's soft-cap, in CUDA graphs as any model."""
     if cfg.attn_softcap is not None:
-        return "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not in the CUDA Triton attention"
+        return "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not in the fused layers"
     if cfg.sandwich_norms or cfg.hidden_act != "silu":
-        return "Gemma's sandwich norms and GeGLU MLP are not in the CUDA fused layers"
+        return "Gemma's sandwich norms and GeGLU MLP are not in the fused layers"
     return None
 
 
@@ -75,8 +75,6 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
                 params: Params | None = None, kv_dtype: torch.dtype | None = None) -> Kernels:
     """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model."""
     lacking = fused_layers_lack(cfg)
-    if device.type == "cuda" and lacking is not None:
-        raise ValueError(f"{cfg.architecture} cannot run on CUDA: {lacking}; load it with device='cpu'")
     if device.type != "cuda":
         from nanoinfer.backends.cpu import cpu_layers
         from nanoinfer.backends.cpu import cpu_native
@@ -99,7 +97,8 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     from nanoinfer.backends.cuda.bitmask_triton import masked_float_logits
     from nanoinfer.backends.cuda.draw_triton import triton_draw
 
-    return Kernels(attention, cuda_layer_functions(), True, triton_draw, masked_float_logits)
+    return Kernels(attention, cuda_layer_functions() if lacking is None else EAGER, True, triton_draw,
+                   masked_float_logits)
 
 
 def cuda_layer_functions() -> LayerFunctions:

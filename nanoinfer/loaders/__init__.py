@@ -205,15 +205,6 @@ def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: t
     return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
 
 
-def _refuse_on_cuda(cfg: ModelConfig, path: Path, dev: torch.device) -> None:
-    """Before any weight is read: a model whose dataflow CUDA's kernels lack (Gemma's) is refused there by name."""
-    if dev.type == "cuda":
-        from nanoinfer.backends.choose import fused_layers_lack
-
-        if (lacking := fused_layers_lack(cfg)) is not None:
-            raise CheckpointError(path, f"{cfg.architecture} cannot run on CUDA: {lacking}; load it with device='cpu'")
-
-
 def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
     from nanoinfer.text.tokenizer import Tokenizer
@@ -222,7 +213,6 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
     dummy = config.load_format == "dummy"
     cfg = read_hf_config(path)
-    _refuse_on_cuda(cfg, path, dev)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     int4 = read_int4_format(path)
     fp8_file = not dummy and int4 is None and has_fp8_weights(path)
@@ -257,7 +247,6 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
     header = open_gguf(path)
     cfg = gguf_config(header, path)
-    _refuse_on_cuda(cfg, path, dev)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(header),
                                          dtype_asked=config.dtype != "auto")
