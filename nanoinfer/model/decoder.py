@@ -196,8 +196,9 @@ def forward(
     # One metadata per kind of layer: a model that windows some layers only prepares two.
     meta = {window: backend.prepare(batch, cfg, window) for window in dict.fromkeys(windows)}
     x = layer_fns.embed(params.embed, batch.input_ids, params.dtype) if hidden is None else hidden  # [tokens, hidden]
-    if cfg.embed_scale is not None and hidden is None:  # (Gemma: rounded to the activations' dtype first, as theirs)
-        x = x * x.new_tensor(cfg.embed_scale)
+    if cfg.embed_scale is not None and hidden is None:  # (Gemma: rounded to the activations' dtype first, as theirs;
+        # a Python number, so that a CUDA graph's capture copies nothing from the host)
+        x = x * float(torch.tensor(cfg.embed_scale, dtype=x.dtype))
     rope = layer_fns.rope_tables(params.rope_inv_freq, batch.positions, x.dtype)
     local_rope = rope if params.rope_local_inv_freq is None else layer_fns.rope_tables(
         params.rope_local_inv_freq, batch.positions, x.dtype)
