@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 def forward_of(cfg: ModelConfig) -> Callable:
     """`forward(params, kv, batch, cfg, backend, layer_fns, logits_dtype) -> logits` for `cfg`:
-    the shared decoder's (nanoinfer/model/decoder.py: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) or a dataflow of
+    the shared decoder's (nanoinfer/model/decoder.py: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral,
+    Qwen3-MoE) or a dataflow of
     the family's own (nanochat)."""
     if cfg.architecture == "nanochat":
         from nanoinfer.model import nanochat
@@ -68,6 +69,8 @@ def fused_layers_lack(cfg: ModelConfig) -> str | None:
         return "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not in the CUDA Triton attention"
     if cfg.sandwich_norms or cfg.hidden_act != "silu":
         return "Gemma's sandwich norms and GeGLU MLP are not in the CUDA fused layers"
+    if cfg.num_experts:  # (the CPU runs nanoinfer/model/moe.py's reference in its torch layers)
+        return "the mixture-of-experts MLP has no CUDA kernel yet (no fused grouped-expert Triton kernel)"
     return None
 
 
