@@ -51,7 +51,9 @@ UNUSED = ("nanoinfer.model.nanochat", "nanoinfer.text.nanochat_tokenizer", "nano
           # readers with such a load.
           "nanoinfer.text.chat_template", "nanoinfer.text.tokenizer_hf",
           # A sampled row's distribution and draw load with the first step that samples: this one is greedy.
-          "nanoinfer.sampling.draw")
+          "nanoinfer.sampling.draw",
+          # A dense model runs none of the mixture-of-experts layer or its loaders.
+          "nanoinfer.model.moe", "nanoinfer.loaders.hf_moe", "nanoinfer.loaders.gguf_moe")
 # What the packed CPU path replaces (it runs them where no C compiler built cpu_native).
 REPLACED_BY_NATIVE = ("nanoinfer.attention", "nanoinfer.attention.reference", "nanoinfer.attention.torch_paged",
                       "nanoinfer.backends.cpu.rope_write_cpu")

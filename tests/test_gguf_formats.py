@@ -194,12 +194,7 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     writer = GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    write_shapes(writer, cfg)
     if arch != "gemma2":  # (Gemma2Model writes none: llama.cpp's default, 10,000)
         writer.add_rope_freq_base(rope_theta_of(model))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -212,12 +207,7 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
         writer.add_value_length(cfg.head_dim)
     if arch in GEMMA_FIELDS:
         write_gemma_metadata(writer, cfg, arch)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(gpt2_byte_tokens()[:cfg.vocab_size])
-    writer.add_token_types([int(TokenType.NORMAL)] * cfg.vocab_size)
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    write_tokenizer(writer, cfg)
 
     name_map = get_tensor_name_map(ARCHS[arch][1], cfg.num_hidden_layers)
     if rope_freqs is not None:  # generate_extra_tensors() runs before the checkpoint's tensors
@@ -251,6 +241,26 @@ def write_gguf(model, path, arch: str, *, weight_type: QT = QT.F32, encoded: dic
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_shapes(writer: GGUFWriter, cfg) -> None:
+    """The keys every converted model has: its layers, context, widths and heads."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+
+
+def write_tokenizer(writer: GGUFWriter, cfg) -> None:
+    """A GPT-2 byte vocabulary cut to the model's size, its BOS and EOS."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(gpt2_byte_tokens()[:cfg.vocab_size])
+    writer.add_token_types([int(TokenType.NORMAL)] * cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
 
 
 def write_gemma_metadata(writer: GGUFWriter, cfg, arch: str) -> None:

@@ -63,11 +63,23 @@ CASES = [
         final_logit_softcapping=8.0, tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Mixtral: top-2 of 8 experts, renormalized, every layer sparse; a window over every layer.
+    ("mixtral-gqa2-top2of8-window", transformers.MixtralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+        tie_word_embeddings=False)),
+    # Qwen3-MoE: q/k norms, experts of their own width; top-3 of 6 not renormalized with layer 0 dense
+    # (mlp_only_layers), and top-2 of 4 renormalized over every layer, tied.
+    ("qwen3moe-top3of6-dense-layer0", transformers.Qwen3MoeConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=3,
+        moe_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False)),
+    ("qwen3moe-top2of4-normalized-tied", transformers.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=True)),
 ]
 # What each case's engine is given: Phi-3's context within its original one (the short factors, as transformers
 # uses them for such sequences).
 ENGINE_ARGS = {"phi3-gqa2-longrope-window": dict(max_model_len=128)}
-SHARDED = {"mistral-gqa4-window", "qwen3-gqa4-qknorm"}  # saved as an index + several shards
+SHARDED = {"mistral-gqa4-window", "qwen3-gqa4-qknorm", "mixtral-gqa2-top2of8-window"}  # an index + several shards
 
 
 def random_model(name: str, config_cls, fields: dict, seed: int = 0) -> transformers.PreTrainedModel:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 def forward_of(cfg: ModelConfig) -> Callable:
     """`forward(params, kv, batch, cfg, backend, layer_fns, logits_dtype) -> logits` for `cfg`:
-    the shared decoder's (nanoinfer/model/decoder.py: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) or a dataflow of
+    the shared decoder's (nanoinfer/model/decoder.py: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral,
+    Qwen3-MoE) or a dataflow of
     the family's own (nanochat)."""
     if cfg.architecture == "nanochat":
         from nanoinfer.model import nanochat
@@ -68,6 +69,16 @@ def fused_layers_lack(cfg: ModelConfig) -> str | None:
         return "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not in the fused layers"
     if cfg.sandwich_norms or cfg.hidden_act != "silu":
         return "Gemma's sandwich norms and GeGLU MLP are not in the fused layers"
+    if cfg.num_experts:  # (the CPU runs nanoinfer/model/moe.py's reference in its torch layers)
+        return "the mixture-of-experts MLP is not in the fused layers"
+    return None
+
+
+def cuda_lacks(cfg: ModelConfig) -> str | None:
+    """What of `cfg`'s dataflow CUDA cannot run at all, as one line (a load there is refused by name before any
+    weight is read: nanoinfer.loaders.load_model); None: nothing."""
+    if cfg.num_experts:  # (moe.py's reference loops over the experts a step chose: no CUDA graph can capture it)
+        return "the mixture-of-experts MLP has no CUDA kernel yet (no fused grouped-expert Triton kernel)"
     return None
 
 
@@ -75,6 +86,8 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
                 params: Params | None = None, kv_dtype: torch.dtype | None = None) -> Kernels:
     """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model."""
     lacking = fused_layers_lack(cfg)
+    if device.type == "cuda" and (missing := cuda_lacks(cfg)) is not None:
+        raise ValueError(f"{cfg.architecture} cannot run on CUDA: {missing}; load it with device='cpu'")
     if device.type != "cuda":
         from nanoinfer.backends.cpu import cpu_layers
         from nanoinfer.backends.cpu import cpu_native

@@ -205,6 +205,25 @@ def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: t
     return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
 
 
+def _refuse_on_cuda(cfg: ModelConfig, path: Path, dev: torch.device) -> None:
+    """Before any weight is read: a model whose dataflow CUDA cannot run yet (a mixture of experts) is refused there
+    by name."""
+    if dev.type == "cuda":
+        from nanoinfer.backends.choose import cuda_lacks
+
+        if (lacking := cuda_lacks(cfg)) is not None:
+            raise CheckpointError(path, f"{cfg.architecture} cannot run on CUDA: {lacking}; load it with device='cpu'")
+
+
+def _refuse_quantized_experts(cfg: ModelConfig, quantization: str, kept: tuple[str, ...] = ("none",)) -> None:
+    """Before any weight is read: a mixture-of-experts model's matrices held as `quantization` only where that is
+    one of `kept` (its experts run nanoinfer/model/moe.py's reference over float weights)."""
+    if cfg.num_experts and quantization not in kept:
+        raise RequestError(f"quantization={quantization!r} of a mixture-of-experts model ({cfg.architecture}) is not "
+                           f"supported yet: its experts run in a float dtype (expected one of {list(kept)})",
+                           param="quantization")
+
+
 def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     from nanoinfer.loaders.hf import has_fp8_weights, load_hf_params, read_hf_config
     from nanoinfer.text.tokenizer import Tokenizer
@@ -213,11 +232,13 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
     dummy = config.load_format == "dummy"
     cfg = read_hf_config(path)
+    _refuse_on_cuda(cfg, path, dev)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     int4 = read_int4_format(path)
     fp8_file = not dummy and int4 is None and has_fp8_weights(path)
     quantization = _resolve_quantization(config.quantization, dev, gguf=False, quantized_file=False,
                                          fp8_file=fp8_file, int4_method=int4 and int4.method)
+    _refuse_quantized_experts(cfg, quantization)
     params = None if dummy else load_hf_params(path, cfg, torch_dtype, dev, progress=config.progress,
                                                fp8=quantization == "fp8", int4=int4,
                                                packed=int4 is not None and quantization == int4.method)
@@ -247,9 +268,12 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
     header = open_gguf(path)
     cfg = gguf_config(header, path)
+    _refuse_on_cuda(cfg, path, dev)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(header),
                                          dtype_asked=config.dtype != "auto")
+    # (a quantized GGUF's experts are dequantized at load: nanoinfer/loaders/gguf_moe.py)
+    _refuse_quantized_experts(cfg, quantization, ("none", "gguf"))
     params = None if config.load_format == "dummy" else load_gguf_params(
         header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
     from nanoinfer.sampling.sampling_defaults import from_gguf

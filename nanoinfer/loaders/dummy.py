@@ -23,14 +23,22 @@ def dummy_params(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     def ones(n):
         return torch.ones(n, device=device, dtype=dtype)
 
+    def experts():
+        from nanoinfer.model.moe import MoEParams
+
+        e, inter, hidden = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+        return MoEParams(w(e, hidden), w(e, 2 * inter, hidden), w(e, hidden, inter))
+
     qkv = cfg.q_size + 2 * cfg.kv_size
     layers = tuple(LayerParams(ones(cfg.hidden_size), w(qkv, cfg.hidden_size),
                                w(qkv) * 0.1 if cfg.qkv_bias else None,
                                ones(cfg.head_dim) if cfg.qk_norm else None, ones(cfg.head_dim) if cfg.qk_norm else None,
                                w(cfg.hidden_size, cfg.q_size), ones(cfg.hidden_size),
-                               w(2 * cfg.intermediate_size, cfg.hidden_size), w(cfg.hidden_size, cfg.intermediate_size),
-                               *((ones(cfg.hidden_size), ones(cfg.hidden_size)) if cfg.sandwich_norms else ()))
-                   for _ in range(cfg.num_layers))
+                               None if sparse else w(2 * cfg.intermediate_size, cfg.hidden_size),
+                               None if sparse else w(cfg.hidden_size, cfg.intermediate_size),
+                               *((ones(cfg.hidden_size), ones(cfg.hidden_size)) if cfg.sandwich_norms else (None, None)),
+                               moe=experts() if sparse else None)
+                   for sparse in cfg.layer_sparse)
     local = local_rope_inv_freq(cfg)
     embed = w(cfg.vocab_size, cfg.hidden_size)
     return Params(embed, layers, ones(cfg.hidden_size),

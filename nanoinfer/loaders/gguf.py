@@ -21,7 +21,7 @@ from nanoinfer.model.decoder import Params
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.quant.quantized import GroupedWeight, Int8Weight
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe")
 SUPPORTED_TYPES = frozenset(
     QT[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
@@ -96,21 +96,20 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
     heads_share_kv_heads(path, f"{arch}.attention.head_count", num_heads, f"{arch}.attention.head_count_kv",
                          num_kv_heads)
     hidden = whole("embedding_length")
-    tokens = gguf_file.strings("tokenizer.ggml.tokens", [])
     names = {t.name: t for t in gguf_file.tensors}
-    embed = names.get("token_embd.weight")
-    vocab_size = whole("vocab_size", 0) or len(tokens) or (int(embed.shape[-1]) if embed is not None else 0)
-    if vocab_size <= 0:
-        raise CheckpointError(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight")
+    vocab_size = _vocab_size(gguf_file, whole("vocab_size", 0), path)
     head_dim = whole("attention.key_length", 0) or whole("rope.dimension_count", 0)
     if not head_dim and hidden % num_heads:
         raise CheckpointError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
                                     f"{arch}.attention.head_count {num_heads}, and no {arch}.attention.key_length "
                                     "says how wide a head is")
     bos, eos = _special_ids(gguf_file, path)
+    family = _family_fields(gguf_file, arch, path, hidden=hidden, num_heads=num_heads,
+                            head_dim=head_dim or hidden // num_heads, num_layers=whole("block_count"),
+                            intermediate=whole("feed_forward_length"))
     return checkpoint_config(
         path,
-        architecture=arch,
+        architecture=family.pop("architecture", arch),
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=whole("feed_forward_length"),
@@ -125,16 +124,31 @@ def gguf_config(gguf_file: GGUFFile, path: Path) -> ModelConfig:
         rope_scaling=_rope_scaling(gguf_file, arch, path),
         # llama.cpp adds q/k/v biases to a llama whenever the file has them (llamafied Qwen)
         qkv_bias=arch == "qwen2" or any(n.endswith(".attn_q.bias") for n in names),
-        qk_norm=arch in ("qwen3", "gemma3"),  # (RMSNorm over each head of q and k: attn_q_norm, attn_k_norm)
-        **_family_fields(gguf_file, arch, path, hidden=hidden, num_heads=num_heads,
-                         head_dim=head_dim or hidden // num_heads, num_layers=whole("block_count")),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),  # (RMSNorm over each head of q and k: attn_q/k_norm)
+        **family,
         bos_token_id=bos,
         eos_token_ids=eos,
     )
 
 
-def _family_fields(gguf_file: GGUFFile, arch: str, path: Path, **dimensions) -> dict:
-    """The fields only some architectures' metadata sets: Gemma's (nanoinfer/loaders/gguf_gemma.py)."""
+def _vocab_size(gguf_file: GGUFFile, declared: int, path: Path) -> int:
+    """The metadata's vocab_size (0: absent), else the token list's length, else the embedding's rows."""
+    embed = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    vocab_size = declared or len(gguf_file.strings("tokenizer.ggml.tokens", [])) or (
+        int(embed.shape[-1]) if embed is not None else 0)
+    if vocab_size <= 0:
+        raise CheckpointError(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight")
+    return vocab_size
+
+
+def _family_fields(gguf_file: GGUFFile, arch: str, path: Path, *, intermediate: int, **dimensions) -> dict:
+    """The fields only some architectures' metadata sets: Gemma's (nanoinfer/loaders/gguf_gemma.py), a mixture of
+    experts' (a llama with experts, which is a Mixtral, or a qwen3moe: nanoinfer/loaders/gguf_moe.py, with its
+    family's name as `architecture`)."""
+    if arch == "qwen3moe" or (arch == "llama" and gguf_file.scalar("llama.expert_count", 0)):
+        from nanoinfer.loaders.gguf_moe import moe_fields
+
+        return moe_fields(gguf_file, arch, path, intermediate=intermediate)
     if arch not in ("gemma2", "gemma3"):
         return {}
     from nanoinfer.loaders.gguf_gemma import gemma_fields
@@ -183,6 +197,16 @@ def packed_matrix(tensor: TensorInfo) -> KQuantWeight | GroupedWeight | None:
     return None
 
 
+def _refuse_unplaced_biases(tensors, cfg: ModelConfig, path: Path) -> None:
+    """llama.cpp applies every bias in the file; one we have no slot for (attn_output, ffn_*) would be dropped
+    silently and the outputs come out wrong: refused by name."""
+    used_biases = ("attn_q.bias", "attn_k.bias", "attn_v.bias") if cfg.qkv_bias else ()
+    for name in tensors:
+        if name.endswith(".bias") and name.split(".", 2)[-1] not in used_biases:
+            raise CheckpointError(path, f"tensor {shown(name)} is a bias this {cfg.architecture} model has no place "
+                                        "for (supported: q/k/v biases)")
+
+
 def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
                      progress: bool = True, packed: bool = False) -> Params:
     """`packed`: quantized matrices stay quantized (nanoinfer.quant.quantized, CPU kernels): Q4_0,
@@ -198,13 +222,7 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, 
         elif name in _GLOBAL_NAMES:
             by_hf_name[_GLOBAL_NAMES[name]] = tensor
     tensors = {t.name: t for t in gguf_file.tensors}
-    # llama.cpp applies every bias in the file; one we have no slot for (attn_output, ffn_*)
-    # would be dropped silently and the outputs come out wrong.
-    used_biases = ("attn_q.bias", "attn_k.bias", "attn_v.bias") if cfg.qkv_bias else ()
-    for name in tensors:
-        if name.endswith(".bias") and name.split(".", 2)[-1] not in used_biases:
-            raise CheckpointError(path, f"tensor {shown(name)} is a bias this {cfg.architecture} model has no place "
-                                        "for (supported: q/k/v biases)")
+    _refuse_unplaced_biases(tensors, cfg, path)
 
     def dequant(tensor: TensorInfo) -> torch.Tensor:
         if tensor.tensor_type not in SUPPORTED_TYPES:
@@ -229,12 +247,17 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, 
             w = matrix(tensor)
         else:
             w = dequant(tensor)
-        if cfg.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        # (a Mixtral GGUF is a llama: its q/k rows permuted likewise)
+        if cfg.architecture in ("llama", "mixtral") and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rotary_rows(w, cfg.num_heads)
-        elif cfg.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif cfg.architecture in ("llama", "mixtral") and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rotary_rows(w, cfg.num_kv_heads)
         return w
 
+    if cfg.num_experts:  # (a sparse layer's router and stacked experts, dequantized)
+        from nanoinfer.loaders.gguf_moe import expert_tensors
+
+        get = expert_tensors(get, tensors, dequant)
     inv_freq = None
     if "rope_freqs.weight" in tensors:
         # Llama-3.1 GGUFs store the llama3 rope scaling as per-frequency divisors.

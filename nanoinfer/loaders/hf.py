@@ -42,6 +42,8 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",  # (Gemma 2/3: nanoinfer/loaders/hf_gemma.py reads their flags)
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # (its language model: text_config, the language_model. weights)
+    "MixtralForCausalLM": "mixtral",  # (mixtures of experts: nanoinfer/loaders/hf_moe.py reads their fields)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Phi-3's fused matrices: each of our separate names -> (the fused tensor's name, its rows [start, stop) for a
 # config); read where the separate one is absent
@@ -147,10 +149,10 @@ def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
     names "sliding_attention" (derived when absent: the layers from `max_window_layers` on);
     Llama never. No windowed layer gives (None, None); all of them (window, None)."""
     window = cfg.get("sliding_window")
-    if not window or arch == "llama" or (arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+    if not window or arch == "llama" or (arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window")):
         return None, None
     window = dimension("sliding_window", window, path)
-    if arch in ("mistral", "phi3"):  # (transformers' Mistral and Phi-3 ignore layer_types)
+    if arch in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # (transformers' ignore layer_types: every layer)
         return window, None
     layer_types = cfg.get("layer_types")
     if layer_types is None and arch in ("gemma2", "gemma3"):  # (transformers' default: every pattern-th layer global)
@@ -182,9 +184,14 @@ def _windows(cfg: Mapping[str, Any], arch: str, num_layers: int, path) -> tuple[
         raise CheckpointError(path, f"its sliding window fields are of the wrong kind: {cut(str(exc))}") from exc
 
 
-def _gemma(cfg: Mapping[str, Any], arch: str, path) -> tuple[Mapping[str, Any], dict[str, Any]]:
-    """(the language model's config, its Gemma fields) for Gemma 2/3 (nanoinfer/loaders/hf_gemma.py: a multimodal
-    Gemma 3's text_config, the flags of the shared forward); (cfg, {}) for the other families."""
+def _family(cfg: Mapping[str, Any], arch: str, path) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """(the language model's config, its family's fields of the shared forward): Gemma 2/3's
+    (nanoinfer/loaders/hf_gemma.py: a multimodal Gemma 3's text_config, its flags), a mixture of experts' (Mixtral,
+    Qwen3-MoE: nanoinfer/loaders/hf_moe.py); (cfg, {}) for the other families."""
+    if arch in ("mixtral", "qwen3_moe"):
+        from nanoinfer.loaders.hf_moe import moe_fields
+
+        return cfg, moe_fields(cfg, arch, path)
     if arch not in ("gemma2", "gemma3"):
         return cfg, {}
     from nanoinfer.loaders import hf_gemma
@@ -193,18 +200,28 @@ def _gemma(cfg: Mapping[str, Any], arch: str, path) -> tuple[Mapping[str, Any], 
     return text, hf_gemma.gemma_fields(text, arch, path)
 
 
-def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
-    """Build a ModelConfig from a parsed HF `config.json`; `path` is named in errors."""
-    if not isinstance(cfg, Mapping):
-        raise CheckpointError(path, f"config.json holds {json_kind(cfg)}, expected a JSON object")
+def _architecture(cfg: Mapping[str, Any], path) -> str:
+    """Our family name for config.json's `architectures`; one we do not run a CheckpointError naming it."""
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list):
         raise CheckpointError(path, f"architectures is {shown(archs)}: expected a list of class names")
     arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
+    if arch is None and "Qwen2MoeForCausalLM" in archs:
+        raise CheckpointError(path, f"architecture {shown(archs)} is not supported: Qwen2-MoE's shared expert "
+                                    "(shared_expert, shared_expert_gate) is not in the mixture-of-experts layer "
+                                    "(supported: Mixtral, Qwen3-MoE)")
     if arch is None:
         raise CheckpointError(path, f"architecture {shown(archs)} is not supported (expected one of "
                                     f"{sorted(HF_ARCHITECTURES)})")
-    cfg, gemma = _gemma(cfg, arch, path)
+    return arch
+
+
+def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF `config.json`; `path` is named in errors."""
+    if not isinstance(cfg, Mapping):
+        raise CheckpointError(path, f"config.json holds {json_kind(cfg)}, expected a JSON object")
+    arch = _architecture(cfg, path)
+    cfg, family = _family(cfg, arch, path)
 
     def whole(name: str, default: int | None = None) -> int:
         """A dimension of config.json; absent (or null), `default` when it has one."""
@@ -241,13 +258,13 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
         sliding_window=window,
         windowed_layers=windowed_layers,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_token_ids("eos_token_id", cfg.get("eos_token_id"), path),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        **gemma,
+        **family,
     )
 
 
@@ -354,4 +371,8 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
         from nanoinfer.loaders.hf_gemma import gemma_tensors
 
         get = gemma_tensors(get, files)
+    if cfg.num_experts:  # (a sparse layer's experts stacked, as the layer holds them)
+        from nanoinfer.loaders.hf_moe import expert_tensors
+
+        get = expert_tensors(get, cfg.architecture, cfg.num_experts, directory)
     return build_params(get, cfg, dtype, device, directory, progress=progress)

@@ -77,8 +77,20 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
     return Int8Weight.quantize(dequantize(w))
 
 
-def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
-    """One decoder layer's params, its tensors named from prefix `p`."""
+def _experts(p: str, cfg: ModelConfig, load):
+    """A sparse layer's router and stacked experts under transformers 5's names (`mlp.gate.weight`,
+    `mlp.experts.gate_up_proj` [experts, 2 * inter, hidden], `mlp.experts.down_proj` [experts, hidden, inter]):
+    each format's loader hands them over so (nanoinfer/loaders/hf_moe.py stacks a directory's per-expert tensors)."""
+    from nanoinfer.model.moe import MoEParams
+
+    experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    return MoEParams(router=load(p + "mlp.gate.weight", (experts, hidden)),
+                     gate_up=load(p + "mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
+                     down=load(p + "mlp.experts.down_proj", (experts, hidden, inter)))
+
+
+def _layer(p: str, cfg: ModelConfig, load, matrix, sparse: bool = False) -> LayerParams:
+    """One decoder layer's params, its tensors named from prefix `p`; `sparse`: its MLP the mixture of experts."""
     hidden, inter, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     projections = (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))
     qkv = [load(p + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in projections]
@@ -95,11 +107,12 @@ def _layer(p: str, cfg: ModelConfig, load, matrix) -> LayerParams:
         k_norm=load(p + "self_attn.k_norm.weight", (head_dim,)) if cfg.qk_norm else None,
         o_proj=matrix(load(p + "self_attn.o_proj.weight", (hidden, cfg.q_size))),
         mlp_norm=load(p + mlp_norm, (hidden,)),
-        gate_up_proj=matrix(concat_rows([load(p + "mlp.gate_proj.weight", (inter, hidden)),
-                                         load(p + "mlp.up_proj.weight", (inter, hidden))])),
-        down_proj=matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
+        gate_up_proj=None if sparse else matrix(concat_rows([load(p + "mlp.gate_proj.weight", (inter, hidden)),
+                                                             load(p + "mlp.up_proj.weight", (inter, hidden))])),
+        down_proj=None if sparse else matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
         post_attn_norm=load(p + "post_attention_layernorm.weight", (hidden,)) if cfg.sandwich_norms else None,
         post_mlp_norm=load(p + "post_feedforward_layernorm.weight", (hidden,)) if cfg.sandwich_norms else None,
+        moe=_experts(p, cfg, load) if sparse else None,
     )
 
 
@@ -133,7 +146,8 @@ def build_params(
 
     hidden = cfg.hidden_size
     bar = tqdm(range(cfg.num_layers), desc=f"loading {path.name}", unit="layer", disable=not progress, leave=False)
-    layers = [_layer(f"model.layers.{i}.", cfg, load, matrix) for i in bar]
+    sparse = cfg.layer_sparse
+    layers = [_layer(f"model.layers.{i}.", cfg, load, matrix, sparse[i]) for i in bar]
     embed = load("model.embed_tokens.weight", (cfg.vocab_size, hidden))
     lm_head = matrix(embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden)))
     if inv_freq is None:

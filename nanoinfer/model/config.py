@@ -39,7 +39,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "nanochat"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "mixtral" | "qwen3_moe" | "nanochat"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +70,12 @@ class ModelConfig:
     final_softcap: float | None = None  # the logits -> tanh(l / c) * c
     query_pre_attn_scalar: float | None = None  # attention's scale is its -1/2 power (None: head_dim's)
     rope_local_theta: float | None = None  # windowed layers' RoPE base, unscaled (None: rope_theta's, scaled)
+    # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts: a dense model, which runs none of nanoinfer/model/moe.py):
+    num_experts: int = 0  # experts of each sparse layer's MLP
+    experts_per_token: int = 0  # k: the experts a token is routed to
+    moe_intermediate_size: int | None = None  # an expert's inner width (None: intermediate_size, as Mixtral's)
+    norm_topk_prob: bool = True  # the k routing weights renormalized to sum to 1 (Mixtral always; Qwen3-MoE's flag)
+    sparse_layers: tuple[bool, ...] | None = None  # per layer: its MLP the experts'? (None: every layer, given experts)
 
     def __post_init__(self):
         """Every loader's config meets these, whatever its file says (a ValueError naming the field)."""
@@ -96,6 +102,8 @@ class ModelConfig:
             token_id("eos_token_ids", eos)
         if self.windowed_layers is not None and len(self.windowed_layers) != self.num_layers:
             raise ValueError(f"windowed_layers has {len(self.windowed_layers)} entries for {self.num_layers} layers")
+        if self.num_experts:
+            self._check_experts()
         scaling = self.rope_scaling
         if scaling is not None and scaling.kind == "longrope":
             for name in ("short_factor", "long_factor"):
@@ -104,6 +112,27 @@ class ModelConfig:
                     raise ValueError(f"rope scaling {name} has {len(factors)} entries: expected head_dim / 2 = "
                                      f"{self.head_dim // 2} positive numbers")
             positive_number("rope scaling attention_factor", scaling.attention_factor)
+
+    def _check_experts(self) -> None:
+        dimension("num_experts", self.num_experts, most=MAX_DIMENSIONS["num_experts"])
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token!r} is not within 1..num_experts="
+                             f"{self.num_experts}: each token is routed to that many of the experts")
+        dimension("moe_intermediate_size", self.expert_intermediate_size, most=MAX_DIMENSIONS["moe_intermediate_size"])
+        if self.sparse_layers is not None and len(self.sparse_layers) != self.num_layers:
+            raise ValueError(f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers")
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """An expert's inner width."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def layer_sparse(self) -> tuple[bool, ...]:
+        """Each layer: whether its MLP is the mixture of experts (all False for a dense model)."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        return self.sparse_layers or (True,) * self.num_layers
 
     @property
     def softmax_scale(self) -> float:
@@ -132,7 +161,8 @@ class ModelConfig:
     def with_layers(self, num_layers: int) -> "ModelConfig":
         """The same model cut to its first `num_layers` layers (tests, tools)."""
         windowed = None if self.windowed_layers is None else self.windowed_layers[:num_layers]
-        return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed)
+        sparse = None if self.sparse_layers is None else self.sparse_layers[:num_layers]
+        return dataclasses.replace(self, num_layers=num_layers, windowed_layers=windowed, sparse_layers=sparse)
 
 
 def checkpoint_config(path: str | Path, **fields) -> ModelConfig:

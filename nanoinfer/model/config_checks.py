@@ -30,6 +30,8 @@ MAX_DIMENSIONS = {
     "hidden_size": 1 << 20,
     "intermediate_size": 1 << 22,
     "vocab_size": 1 << 24,
+    "num_experts": 1 << 12,  # (the largest MoEs route over a few hundred)
+    "moe_intermediate_size": 1 << 22,
 }
 
 _SHOWN = reprlib.Repr()  # (3.11's Repr takes no keywords)

@@ -1,8 +1,9 @@
 """The decoder-only transformer as a pure function: forward(params, kv, batch, cfg) -> logits.
 
-One function serves Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), Phi-3 and Gemma 2/3
+One function serves Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), Phi-3, Gemma 2/3
 (scaled embedding, sandwich norms, GeGLU, soft-capped logits, a RoPE base of the windowed layers'
-own): they differ only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn.Modules.
+own), Mixtral and Qwen3-MoE (a sparse layer's MLP the mixture of experts: nanoinfer/model/moe.py, imported
+by such a model only): they differ only by ModelConfig flags. Parameters are a pytree of frozen dataclasses, not nn.Modules.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nanoinfer.quant.quantized import Weight, embedding, map_weight
 
 if TYPE_CHECKING:
     from nanoinfer.attention import AttentionBackend
+    from nanoinfer.model.moe import MoEParams
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,11 @@ class LayerParams:
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     o_proj: Weight  # [hidden, q_size]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up_proj: Weight  # [2 * intermediate, hidden], gate then up: one matmul
-    down_proj: Weight  # [hidden, intermediate]
+    gate_up_proj: Weight | None  # [2 * intermediate, hidden], gate then up: one matmul (None: a sparse layer)
+    down_proj: Weight | None  # [hidden, intermediate]
     post_attn_norm: torch.Tensor | None = None  # [hidden] (Gemma's sandwich norms: the attention's output)
     post_mlp_norm: torch.Tensor | None = None  # [hidden] (and the MLP's)
+    moe: MoEParams | None = None  # a sparse layer's router and experts, in place of the MLP's two projections
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ class RankSum:
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable = quantized.linear, reduce: Callable = _same) -> torch.Tensor:
-    """The rest of the layer: output projection, residual, norm, gated MLP (SwiGLU; Gemma's GeGLU), residual;
+    """The rest of the layer: output projection, residual, norm, gated MLP (SwiGLU; Gemma's GeGLU; a sparse
+    layer's mixture of experts), residual;
     with sandwich norms (Gemma) each sublayer's output is normed before its residual add.
     `reduce` sums the row-parallel projections' partial outputs over tensor-parallel ranks."""
     if cfg.sandwich_norms:
@@ -130,6 +134,10 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
         return x + rms_norm(down, lp.post_mlp_norm, cfg.rms_norm_eps)
     x = x + reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    if lp.moe is not None:  # (a sparse layer: its module imported by a mixture-of-experts model's first step)
+        from nanoinfer.model.moe import moe_mlp
+
+        return x + reduce(moe_mlp(h, lp.moe, cfg))
     return x + reduce(linear(swiglu(linear(h, lp.gate_up_proj)), lp.down_proj))
 
 

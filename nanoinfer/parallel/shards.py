@@ -49,6 +49,9 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     if cfg.architecture == "nanochat":  # (its smear state and value embeddings are not split yet)
         raise RequestError("a nanochat model does not run under tensor parallelism yet: expected "
                            f"tensor_parallel_size=1, got {size}", param="tensor_parallel_size")
+    if cfg.num_experts:  # (the experts' inner dimension is not split yet)
+        raise RequestError(f"a mixture-of-experts model ({cfg.architecture}) does not run under tensor parallelism "
+                           f"yet: expected tensor_parallel_size=1, got {size}", param="tensor_parallel_size")
     problems = []
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by tensor_parallel_size={size}")
