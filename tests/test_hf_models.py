@@ -51,6 +51,12 @@ CASES = [
         original_max_position_embeddings=128, rope_scaling=dict(
             rope_type="longrope", short_factor=[1.0 + 0.25 * i for i in range(8)],
             long_factor=[1.5 + 0.5 * i for i in range(8)]))),
+    # Phi-4-mini: RoPE over the first 3/4 of each head (12 of 16 dimensions), longrope's factors for those 6 pairs.
+    ("phi4mini-partial-rotary", transformers.Phi3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, partial_rotary_factor=0.75,
+        original_max_position_embeddings=128, rope_scaling=dict(
+            rope_type="longrope", short_factor=[1.0 + 0.25 * i for i in range(6)],
+            long_factor=[1.5 + 0.5 * i for i in range(6)]))),
     # Gemma 2: soft-capped attention scores and logits (caps small enough to bend these models' values), attention
     # scaled by query_pre_attn_scalar, layer 0 windowed and layer 1 global (transformers' default alternation).
     ("gemma2-gqa2-softcap-window", transformers.Gemma2Config, dict(
@@ -78,7 +84,7 @@ CASES = [
 ]
 # What each case's engine is given: Phi-3's context within its original one (the short factors, as transformers
 # uses them for such sequences).
-ENGINE_ARGS = {"phi3-gqa2-longrope-window": dict(max_model_len=128)}
+ENGINE_ARGS = {"phi3-gqa2-longrope-window": dict(max_model_len=128), "phi4mini-partial-rotary": dict(max_model_len=128)}
 SHARDED = {"mistral-gqa4-window", "qwen3-gqa4-qknorm", "mixtral-gqa2-top2of8-window"}  # an index + several shards
 
 
@@ -210,9 +216,13 @@ def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported"),
+    (dict(partial_rotary_factor=0.1), "partial_rotary_factor 0.1 gives a rotated width of 1 of head_dim 16"),
+    (dict(partial_rotary_factor=1.5), "partial_rotary_factor 1.5 gives a rotated width of 0"),
     (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 8),
-          original_max_position_embeddings=128), "short_factor has 3 entries: expected head_dim / 2 = 8"),
+          original_max_position_embeddings=128), "short_factor has 3 entries: expected the rotated dimensions / 2 = 8"),
+    (dict(partial_rotary_factor=0.5, rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 8,
+                                                       long_factor=[1.0] * 8), original_max_position_embeddings=128),
+     "short_factor has 8 entries: expected the rotated dimensions / 2 = 4"),
     (dict(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[1.0] * 8),
           original_max_position_embeddings=1), "original_max_position_embeddings=1 is too small"),
 ])

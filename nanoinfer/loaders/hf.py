@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -126,20 +126,28 @@ def _longrope(params: Mapping[str, Any], config: Mapping[str, Any]) -> RopeScali
                        long_factor=tuple(map(float, params["long_factor"])), attention_factor=float(attention))
 
 
-def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any]:
-    """(scaling, theta as the file has it): transformers 5 keeps both in `rope_parameters`."""
+def _rope_from_hf(cfg: Mapping[str, Any], path) -> tuple[RopeScaling | None, Any, Any]:
+    """(scaling, theta, partial_rotary_factor, as the file has them): transformers 5 keeps them in `rope_parameters`."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key)
     if isinstance(params, Mapping) and "full_attention" in params:  # (transformers 5's by layer type: Gemma 3's)
         params = params["full_attention"]
     partial = (params if isinstance(params, Mapping) else {}).get("partial_rotary_factor",
                                                                   cfg.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise CheckpointError(path, f"partial_rotary_factor {shown(partial)} is not supported (RoPE over a part of "
-                                    "each head, as Phi-4-mini's): expected 1.0")
     scaling = rope_scaling_from_hf(params, path, key, cfg)
     theta = next((t for t in (cfg.get("rope_theta"), (params or {}).get("rope_theta")) if t is not None), 1e4)
-    return scaling, theta
+    return scaling, theta, partial
+
+
+def _rotary_dim(partial: Any, head_dim: int, path) -> int | None:
+    """The rotated width of a head by `partial_rotary_factor` (transformers' int(head_dim * factor)); None: all."""
+    if partial is None or partial == 1:
+        return None
+    rotary = int(head_dim * partial) if isinstance(partial, (int, float)) and 0 < partial <= 1 else 0
+    if rotary < 2 or rotary % 2:
+        raise CheckpointError(path, f"partial_rotary_factor {shown(partial)} gives a rotated width of {rotary} of "
+                                    f"head_dim {head_dim}: expected a factor in (0, 1] giving an even width >= 2")
+    return rotary
 
 
 def sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, num_layers: int,
@@ -236,7 +244,7 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
     if cfg.get("head_dim") is None and hidden % num_heads:
         raise CheckpointError(path, f"hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}, "
                                     "and no head_dim says how wide a head is")
-    rope_scaling, theta = _rope_from_hf(cfg, path)
+    rope_scaling, theta, partial = _rope_from_hf(cfg, path)
     eps = cfg.get("rms_norm_eps")
     num_layers = whole("num_hidden_layers")
     window, windowed_layers = _windows(cfg, arch, num_layers, path)
@@ -251,7 +259,8 @@ def config_from_hf(cfg: Mapping[str, Any], path) -> ModelConfig:
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=whole("head_dim", hidden // num_heads),
+        head_dim=(head_dim := whole("head_dim", hidden // num_heads)),
+        rotary_dim=_rotary_dim(partial, head_dim, path),
         rms_norm_eps=positive_number("rms_norm_eps", 1e-6 if eps is None else eps, path),
         rope_theta=positive_number("rope_theta", theta, path),
         max_position_embeddings=whole("max_position_embeddings", 4096),
@@ -367,6 +376,12 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
         w = Fp8Weight(tensor, scale.float().reshape(-1).expand(tensor.shape[0]).contiguous())
         return w if fp8 else dequantize(w)
 
+    return build_params(_family_tensors(get, cfg, files, directory), cfg, dtype, device, directory,
+                        progress=progress)
+
+
+def _family_tensors(get: Callable, cfg: ModelConfig, files: dict[str, Path], directory: Path) -> Callable:
+    """`get` as the families whose tensors differ from the common layout need it (each imported only for them)."""
     if cfg.architecture in ("gemma2", "gemma3"):  # (norms as 1 + w; a multimodal directory's language model)
         from nanoinfer.loaders.hf_gemma import gemma_tensors
 
@@ -375,4 +390,8 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
         from nanoinfer.loaders.hf_moe import expert_tensors
 
         get = expert_tensors(get, cfg.architecture, cfg.num_experts, directory)
-    return build_params(get, cfg, dtype, device, directory, progress=progress)
+    if cfg.rotary_dim is not None and cfg.rotary_dim < cfg.head_dim:  # (Phi-4-mini)
+        from nanoinfer.loaders.partial_rotary import rotate_half_rows
+
+        get = rotate_half_rows(get, cfg, directory)
+    return get

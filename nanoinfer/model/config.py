@@ -52,6 +52,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
+    # RoPE over the first rotary_dim of each head (Phi-4-mini); None: all of it. The loader reorders q's and k's
+    # rows so that those pairs sit where rotate-half pairs them, and the others get frequency 0 (no rotation).
+    rotary_dim: int | None = None
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # keys older than this many positions are masked, in windowed layers
@@ -87,6 +90,9 @@ class ModelConfig:
                              "each KV head serves a whole group of query heads")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates a head's dimensions in pairs")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim={self.rotary_dim}: expected an even number from 2 to head_dim "
+                             f"({self.head_dim})")
         positive_number("rms_norm_eps", self.rms_norm_eps)
         positive_number("rope_theta", self.rope_theta)
         if self.hidden_act not in ("silu", "gelu_tanh"):
@@ -108,9 +114,10 @@ class ModelConfig:
         if scaling is not None and scaling.kind == "longrope":
             for name in ("short_factor", "long_factor"):
                 factors = getattr(scaling, name)
-                if len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors):
-                    raise ValueError(f"rope scaling {name} has {len(factors)} entries: expected head_dim / 2 = "
-                                     f"{self.head_dim // 2} positive numbers")
+                rotated = self.rotary_dim or self.head_dim
+                if len(factors) != rotated // 2 or not all(f > 0 for f in factors):
+                    raise ValueError(f"rope scaling {name} has {len(factors)} entries: expected the rotated "
+                                     f"dimensions / 2 = {rotated // 2} positive numbers")
             positive_number("rope scaling attention_factor", scaling.attention_factor)
 
     def _check_experts(self) -> None:

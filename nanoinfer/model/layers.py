@@ -25,7 +25,16 @@ def rope_inv_freq(cfg: ModelConfig, context: int | None = None) -> torch.Tensor:
     sequence the engine runs, for longrope, whose long factors serve a context past the original one (chosen
     once for every sequence, as llama.cpp chooses by its context size: a sequence's tokens never depend on
     its neighbours or on its own length; None, the original context's short factors)."""
-    dim = cfg.head_dim
+    inv_freq = _scaled_inv_freq(cfg, context)
+    if cfg.rotary_dim is None or cfg.rotary_dim == cfg.head_dim:
+        return inv_freq
+    # (partial rotary: the pairs past the rotated ones turn at frequency 0, cos 1 and sin 0, as if not rotated)
+    return torch.cat((inv_freq, inv_freq.new_zeros((cfg.head_dim - cfg.rotary_dim) // 2)))
+
+
+def _scaled_inv_freq(cfg: ModelConfig, context: int | None) -> torch.Tensor:
+    """The rotated pairs' inverse frequencies [rotary_dim // 2] with the config's scaling applied."""
+    dim = cfg.rotary_dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling
     if scaling is None:
