@@ -17,8 +17,11 @@ def tokenizer(smollm2_gguf):
     return Tokenizer.from_gguf(open_gguf(smollm2_gguf), smollm2_gguf)
 
 
-def stream(tokenizer, ids, prompt=(), **kw):
+def stream(tokenizer, ids, prompt=(), window=False, **kw):
+    """Each token's delta; `window`: the window decode (the reference) in place of the stream decoder."""
     detok = IncrementalDetokenizer(tokenizer, list(prompt), **kw)
+    if window:
+        detok._step = None
     deltas = []
     for i, token in enumerate(ids):
         detok.add([token])
@@ -38,6 +41,18 @@ def test_deltas_add_up_and_never_split_a_character(tokenizer, prompt, text):
     for d in deltas[:-1]:
         # A delta never ends in a replacement character unless the full text has one there.
         assert "\ufffd" not in d or "\ufffd" in full
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXT, TEXT, st.sampled_from([(), ("ö",), ("\n\n", "wor"), ("😀",)]))
+def test_the_stream_decoder_gives_the_windows_deltas(tokenizer, prompt, text, stop):
+    """tokenizers' DecodeStream (the fast path) against the window decode, delta for delta, stop strings included;
+    ids past the vocabulary (a model's padded rows) make no text in either."""
+    assert IncrementalDetokenizer(tokenizer, [])._step is not None  # (the default model's vocabulary has one)
+    ids = tokenizer.encode(text) + [tokenizer.vocab_size + 5] + tokenizer.encode(text[:3])
+    fast, fast_state = stream(tokenizer, ids, tokenizer.encode(prompt), stop=stop)
+    ref, ref_state = stream(tokenizer, ids, tokenizer.encode(prompt), window=True, stop=stop)
+    assert fast == ref and fast_state.text == ref_state.text and fast_state.stopped == ref_state.stopped
 
 
 def test_multibyte_character_split_over_tokens_is_held_back(tokenizer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 
 class TokenizerBackend(Protocol):
@@ -32,6 +33,18 @@ class TokenizersBackend:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool):
+        """tokenizers' DecodeStream primed with `context`, as a function of one token id (see Tokenizer's); None
+        where the context does not end on a whole character (the stream would hold its bytes and put them, as
+        replacement characters, before the next token's text, where a window decode drops them)."""
+        stream, backend = DecodeStream(skip_special_tokens=skip_special_tokens), self.backend
+        text = ""
+        for token in context:
+            text = stream.step(backend, token)
+        if context and not text:
+            return None
+        return lambda token: stream.step(backend, token)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

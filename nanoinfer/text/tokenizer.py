@@ -91,6 +91,13 @@ class Tokenizer:
         """Text of `ids`. No "clean up" of spaces before punctuation: decoding stays lossless."""
         return self._backend.decode(ids, skip_special_tokens)
 
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool = True):
+        """A function of the next token id to the text it completes ("" or None: none yet), primed with `context`
+        (the tokens before it), where the vocabulary has a stream decoder (a `tokenizers` one); else None."""
+        if not isinstance(self._backend, TokenizersBackend):
+            return None
+        return self._backend.decode_stream(context, skip_special_tokens)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
