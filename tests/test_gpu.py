@@ -839,19 +839,30 @@ def test_nanochat_on_cuda_with_graphs_agrees_with_the_reference(tmp_path):
     assert engine.executor.graphs is not None
     first = prompt(140, seed=2)
     prompts = [first, first[:70] + prompt(9, seed=3)]
-    outs = []
-    for ids in prompts:
-        seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        outs.append(seq.output_token_ids)
+    outs = greedy_one_after_another(engine, prompts, 10)
     engine.close()
     assert engine.stats()["prefix_cache_hits"] > 0
     for ids, ours in zip(prompts, outs):
-        ref = reference_logits(sd, ids + ours)[len(ids) - 1:-1]  # (each of our tokens' logits, the reference's)
-        top2 = ref.topk(2, dim=-1)
-        for i, token in enumerate(ours):  # ours is the reference's argmax, or within 1e-3 of it
-            assert token == int(top2.indices[i, 0]) or top2.values[i, 0] - ref[i, token] < 1e-3, (i, token)
+        # (each of our tokens' logits, the reference's)
+        assert_argmax_up_to_near_ties(reference_logits(sd, ids + ours)[len(ids) - 1:-1], ours)
+
+
+def greedy_one_after_another(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, run to its end before the next is added (the next may find its prefix cached)."""
+    outs = []
+    for ids in prompts:
+        seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        outs.append(seq.output_token_ids)
+    return outs
+
+
+def assert_argmax_up_to_near_ties(ref: torch.Tensor, ours: list[int]) -> None:
+    """Each of `ours` is the argmax of its row of the reference's logits `ref`, or within 1e-3 of it."""
+    top2 = ref.topk(2, dim=-1)
+    for i, token in enumerate(ours):
+        assert token == int(top2.indices[i, 0]) or top2.values[i, 0] - ref[i, token] < 1e-3, (i, token)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -872,19 +883,11 @@ def test_gemma_on_cuda_with_graphs_agrees_with_transformers(family, tmp_path):
                                              max_model_len=256))
     assert engine.executor.graphs is not None and engine.executor.kernels.layer_fns == EAGER
     prompts = [[5, 17, 33, 9], list(range(3, 60))]  # (the second: two prefill chunks, past the window of 8)
-    outs = []
-    for ids in prompts:
-        seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        outs.append(seq.output_token_ids)
+    outs = greedy_one_after_another(engine, prompts, 24)
     engine.close()
     for ids, ours in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
-        top2 = ref.topk(2, dim=-1)
-        for i, token in enumerate(ours):  # ours is transformers' argmax, or within 1e-3 of it
-            assert token == int(top2.indices[i, 0]) or top2.values[i, 0] - ref[i, token] < 1e-3, (i, token)
+            assert_argmax_up_to_near_ties(hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1], ours)
 
 
 # --- structured output (issue 18) ------------------------------------------------------------------
