@@ -9,8 +9,9 @@ event loop; the worker is reached only through `_send`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import AsyncIterator, Callable, Sequence
+
+import msgspec
 
 from nanoinfer.errors import RequestError
 from nanoinfer.sampling.sampler import SamplingParams
@@ -167,10 +168,10 @@ class RequestReader:
         n = request.params.n
         if len(whole.outputs) < n:  # (every completion, even one that produced nothing)
             have = {c.index for c in whole.outputs}
-            whole = dataclasses.replace(whole, outputs=tuple(sorted(
+            whole = msgspec.structs.replace(whole, outputs=tuple(sorted(
                 whole.outputs + tuple(CompletionOutput(i, "", (), None) for i in range(n) if i not in have),
                 key=lambda c: c.index)))
-        return dataclasses.replace(whole, finished=True)
+        return msgspec.structs.replace(whole, finished=True)
 
 
 class RequestBook(RequestReader):
@@ -259,7 +260,7 @@ class RequestBook(RequestReader):
             outputs = tuple(CompletionOutput(i, "", (), reason) for i, r in enumerate(request.state.finish_reasons)
                             if r is None)
             self._retire(request)
-            request.put(RequestOutput(request.request_id, request.prompt, tuple(request.prompt_ids), outputs, True,
+            request.put(RequestOutput(request.request_id, request.prompt, request.state.prompt_ids_tuple, outputs, True,
                                       None, request.cached_tokens, error))
         self._retire(request)
         request.wakeup.set()

@@ -52,7 +52,7 @@ def test_the_stream_decoder_gives_the_windows_deltas(tokenizer, prompt, text, st
     ids = tokenizer.encode(text) + [tokenizer.vocab_size + 5] + tokenizer.encode(text[:3])
     fast, fast_state = stream(tokenizer, ids, tokenizer.encode(prompt), stop=stop)
     ref, ref_state = stream(tokenizer, ids, tokenizer.encode(prompt), window=True, stop=stop)
-    assert fast == ref and fast_state.text == ref_state.text and fast_state.stopped == ref_state.stopped
+    assert fast == ref and fast_state.unsent == ref_state.unsent and fast_state.stopped == ref_state.stopped
 
 
 def test_multibyte_character_split_over_tokens_is_held_back(tokenizer):
@@ -78,3 +78,16 @@ def test_stop_string_across_multibyte_tokens(tokenizer):
     text = "Le café coûte 3€ 😀 merci"
     deltas, detok = stream(tokenizer, tokenizer.encode(text), stop=["€ 😀"])
     assert detok.stopped and "".join(deltas) == "Le café coûte 3"
+
+
+def test_text_handed_out_is_not_kept(tokenizer):
+    """A long stream holds only what it has not handed out (a stop string's length less one, held back), not its
+    whole text: appending to the whole text copied it at every token."""
+    ids = tokenizer.encode("a few words of text " * 200)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("never there",))
+    out = []
+    for token in ids:
+        detok.add([token])
+        out.append(detok.take_delta())
+        assert len(detok.unsent) <= len("never there") - 1 + 8  # (the hold-back, and at most one token's text)
+    assert "".join(out) + detok.take_delta(final=True) == tokenizer.decode(ids)

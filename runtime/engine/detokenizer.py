@@ -35,8 +35,11 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""  # the whole output text so far (truncated at a stop string)
-        self.emitted = 0  # how much of `text` has been handed out as deltas
+        # The text made and not handed out yet (truncated at a stop string). Neither the text handed out nor the
+        # whole is kept: appending to a string that only grows copies it at every token (bench/front_tokens.py).
+        self.unsent = ""
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        self._recent = ""  # the text's last characters a stop string may begin in, before the newest piece
         self.stopped = False
         # One token's new text, from a stream decoder primed with the same context; None: the window decodes.
         self._step = tokenizer.decode_stream(self.ids, skip_special_tokens)
@@ -58,29 +61,37 @@ class IncrementalDetokenizer:
                 full = self._decode(self.ids[self.prefix_offset:])
                 new = full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
             if new:
-                start = len(self.text)
-                self.text += new
+                self.unsent += new
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-                self._check_stop(start)
+                if self.stop:
+                    self._check_stop(new)
         return len(token_ids)
 
-    def _check_stop(self, new_from: int) -> None:
-        longest = max((len(s) for s in self.stop), default=0)
-        search_from = max(0, new_from - longest + 1)
-        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, search_from)) >= 0]
-        if hits:
-            idx, s = min(hits)
-            self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-            self.stopped = True
+    def _check_stop(self, new: str) -> None:
+        """Whether a stop string ends in `new` (the newest piece of text, already in `unsent`); if so, the text is
+        cut at the first one. A match is searched from the last `longest stop - 1` characters before `new` on:
+        one wholly before it was looked for when its own piece came."""
+        window = self._recent + new
+        hits = [(idx, s) for s in self.stop if (idx := window.find(s)) >= 0]
+        if not hits:
+            self._recent = window[max(0, len(window) - self._longest_stop + 1):]
+            return
+        idx, s = min(hits)
+        cut = idx + len(s) if self.include_stop else idx
+        # (`unsent` holds at least the hold-back, a stop string's length less one, of what came before `new`, so the
+        # cut falls inside it: text handed out is never taken back)
+        self.unsent = self.unsent[:max(0, len(self.unsent) - len(window) + cut)]
+        self.stopped = True
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet handed out; while running, minus what may still become a stop string.
         `final` also flushes tokens held back as an incomplete character."""
         if final and not self.stopped and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.unsent += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
             self.read_offset = len(self.ids)
-        upto = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self._holdback)
-        delta = self.text[self.emitted:upto]
-        self.emitted = upto
+        upto = len(self.unsent) if (final or self.stopped) else len(self.unsent) - self._holdback
+        if upto <= 0:
+            return ""
+        delta, self.unsent = self.unsent[:upto], self.unsent[upto:]
         return delta

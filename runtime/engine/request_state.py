@@ -47,6 +47,7 @@ class RequestState:
         self.num_unfinished = params.n  # completions without a finish reason (read at every step)
         self.prompt_logprobs: tuple | None = None
         self._prompt_logprobs_sent = False
+        self._prompt_ids_tuple: tuple[int, ...] | None = None
         self.error: BaseException | None = None
         self.owner = None
         self.stopped: list[int] = []  # completions a stop string ended since the engine last looked
@@ -173,8 +174,16 @@ class RequestState:
         prompt_logprobs = None
         if self.prompt_logprobs is not None and not self._prompt_logprobs_sent:
             prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
-        return RequestOutput(self.request_id, self.prompt, tuple(self.prompt_ids), outputs, self.finished,
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids_tuple, outputs, self.finished,
                              prompt_logprobs, self.cached_tokens, error)
+
+    @property
+    def prompt_ids_tuple(self) -> tuple[int, ...]:
+        """The prompt's ids as every output of the request carries them: made once, where a tuple of a long prompt
+        made at each of a stream's steps was a server front's cost a token (bench/front_tokens.py)."""
+        if self._prompt_ids_tuple is None:
+            self._prompt_ids_tuple = tuple(self.prompt_ids)
+        return self._prompt_ids_tuple
 
     def _interval_due(self) -> bool:
         """Whether a completion has a delta to hand out under `stream_interval`: its first token, an

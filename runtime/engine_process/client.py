@@ -322,7 +322,8 @@ class ReplicaClient(RequestBook):
                 if state is not None:  # (else aborted here: its progress was on its way)
                     touched[advance.key] = state
                     try:
-                        state.file(advance.progress(), now)
+                        # (an Advance has a Progress's fields: only a failure's pickled error needs making one)
+                        state.file(advance if advance.error is None else advance.progress(), now)
                     except Exception as exc:  # noqa: BLE001 - this request's own failure
                         self._fail(advance.key, state, exc)
         outputs = []

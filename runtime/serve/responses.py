@@ -101,6 +101,8 @@ class EventStream(Response):
             if err.status >= 500:
                 log.error("%s failed: %r", self.rid, exc)
             return self._end(err.status, _sse_error(err))
+        if not body:
+            return  # (tokens that made no text yet: nothing to write)
         if self.backlog or self.sending or self.write_now is None or not self.write_now(body):
             self.backlog.append(body)
             self.ready.set()
