@@ -501,3 +501,87 @@ def test_a_gguf_tokenizer_written_as_hf_files_reads_back_the_same(smollm2_gguf, 
     messages = [{"role": "user", "content": "Hi"}]
     assert back.apply_chat_template(messages) == ours.apply_chat_template(messages)
     assert back.eos_token_ids == ours.eos_token_ids
+
+
+# Chat templates in the turn formats of the families issue 63 added, written here in the Jinja their
+# tokenizer_config.json files use (a system turn folded into the first user turn, `raise_exception`,
+# `namespace`, reversed slices, string methods and filters): ours must render each as transformers does.
+_FAMILY_TEMPLATES = {
+    "gemma": (
+        "{{ bos_token }}"
+        "{%- if messages[0]['role'] == 'system' -%}"
+        "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+        "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+        "{%- for m in turns -%}"
+        "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}{{ raise_exception('roles must alternate') }}"
+        "{%- endif -%}"
+        "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n'"
+        " + (prefix if loop.first else '') }}"
+        "{%- if m['content'] is string -%}{{ m['content'] | trim }}"
+        "{%- else -%}{%- for part in m['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] | trim }}"
+        "{%- endif -%}{%- endfor -%}{%- endif -%}"
+        "{{ '<end_of_turn>\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"),
+    "phi": ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"),
+    "mixtral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+                "{{ m['content'] + eos_token }}{% else %}{{ raise_exception('Only user and assistant roles') }}"
+                "{% endif %}{% endfor %}"),
+    "qwen3": (
+        "{%- set ns = namespace(last_query=messages|length - 1, searching=true) -%}"
+        "{%- for m in messages[::-1] -%}{%- set i = messages|length - 1 - loop.index0 -%}"
+        "{%- if ns.searching and m.role == 'user' and not (m.content.startswith('<tool_response>')"
+        " and m.content.endswith('</tool_response>')) -%}"
+        "{%- set ns.searching = false -%}{%- set ns.last_query = i -%}{%- endif -%}{%- endfor -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+        "{%- if '</think>' in content -%}"
+        "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+        "{%- if loop.index0 > ns.last_query and reasoning -%}"
+        "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+        "{%- else -%}{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- endif -%}{%- endif -%}"),
+}
+_FAMILY_CONVERSATIONS = _CONVERSATIONS + [
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+     {"role": "user", "content": "and 3+3?"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>x</think>a"},
+     {"role": "user", "content": "<tool_response>42</tool_response>"}],
+]
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILY_TEMPLATES))
+@pytest.mark.parametrize("thinking", [None, False])
+def test_family_chat_templates_render_as_transformers(family, thinking, saved_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    for file in saved_dir.iterdir():
+        if file.name != "chat_template.jinja":
+            shutil.copy(file, tmp_path / file.name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = _FAMILY_TEMPLATES[family]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer.from_hf_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    rendered = 0
+    for messages in _FAMILY_CONVERSATIONS:
+        for generation in (True, False):
+            try:
+                expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation,
+                                                      **extra)
+            except Exception as exc:  # noqa: BLE001 - the template refuses this conversation: so must ours
+                with pytest.raises(Exception, match="alternate|Only user"):
+                    ours.apply_chat_template(messages, add_generation_prompt=generation, **extra)
+                assert "alternate" in str(exc) or "Only user" in str(exc)
+                continue
+            assert ours.apply_chat_template(messages, add_generation_prompt=generation, **extra) == expected
+            rendered += 1
+    assert rendered >= 4
