@@ -1,10 +1,11 @@
 """Mixtral and Qwen3-MoE GGUFs written the way llama.cpp's converter lays them out (a Mixtral as architecture llama
 with expert_count, its q/k rows permuted; a Qwen3-MoE as qwen3moe; routers as ffn_gate_inp, experts stacked 3-D as
 ffn_gate_exps / ffn_up_exps / ffn_down_exps), from tiny random transformers models: F32 files against the model
-they came from, a Q8_0 file kept packed (its experts dequantized at load)."""
+they came from, a Q8_0 file kept packed (its experts too, each in its blocks)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -23,11 +24,12 @@ FAMILIES = {  # name -> (config class, GGUF architecture, fields)
 PROMPT = list(range(3, 128, 4))  # 32 tokens
 
 
-def moe_model(family: str, *, tied: bool, seed: int = 0) -> transformers.PreTrainedModel:
+def moe_model(family: str, *, tied: bool, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     config_cls, _, fields = FAMILIES[family]
-    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0, **fields)
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    config = config_cls(**{**shape, **fields, **overrides}, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+                        pad_token_id=0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -37,9 +39,10 @@ def moe_model(family: str, *, tied: bool, seed: int = 0) -> transformers.PreTrai
     return model
 
 
-def write_moe_gguf(model, path, family: str, weight_type: QT = QT.F32, rename: dict | None = None) -> None:
+def write_moe_gguf(model, path, family: str, weight_type: QT = QT.F32, rename: dict | None = None,
+                   encoded: dict | None = None) -> None:
     """Metadata and tensors as convert_hf_to_gguf.py writes them (LlamaModel with experts; Qwen3MoeModel); `rename`
-    writes some tensors under other names."""
+    writes some tensors under other names; `encoded` gives some tensors' bytes and type (name -> (bytes, type))."""
     cfg, (_, arch, _) = model.config, FAMILIES[family]
     writer = GGUFWriter(path, "llama" if family == "mixtral" else "qwen3moe")
     write_shapes(writer, cfg)
@@ -80,7 +83,7 @@ def write_moe_gguf(model, path, family: str, weight_type: QT = QT.F32, rename: d
             tensors = [(name, array)]
         for name, array in tensors:
             qtype = weight_type if array.ndim >= 2 and "ffn_gate_inp" not in name else QT.F32
-            data = quantize(array.copy(), qtype)
+            data, qtype = (encoded or {}).get(name) or (quantize(array.copy(), qtype), qtype)
             writer.add_tensor((rename or {}).get(name, name), data, raw_dtype=None if qtype == QT.F32 else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -107,8 +110,8 @@ def test_f32_logits_match_the_transformers_model_it_came_from(family, tied, tmp_
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
 def test_a_q8_0_moe_gguf_runs_packed_as_the_model_it_came_from(family, tmp_path):
-    """As a user loads one on the CPU: the attention and LM head kept packed (Q8_0 groups), the experts dequantized at
-    load, the layers torch's. The source model holds the file's values (rounded through gguf-py), so the prompt's
+    """As a user loads one on the CPU: the attention, the experts and the LM head kept packed (Q8_0 groups), the
+    layers torch's. The source model holds the file's values (rounded through gguf-py), so the prompt's
     logprobs are transformers' within the packed matmuls' int8 rounding of activations (0.03-0.07 here), and within
     1e-4 dequantized, where the greedy tokens are transformers' too. (Packed, a near tie may flip a token, and with
     it a later route: the Qwen3-MoE file's 12th token does.)"""
@@ -130,7 +133,10 @@ def test_a_q8_0_moe_gguf_runs_packed_as_the_model_it_came_from(family, tmp_path)
         with LLM(path, device="cpu", progress=False, quantization=quantization) as llm:
             layer = llm.model.params.layers[0]
             assert type(layer.qkv_proj).__name__ == ("Tensor" if quantization == "none" else "BlockWeight")
-            assert layer.moe.gate_up.dtype == torch.float32
+            if quantization == "none":
+                assert layer.moe.gate_up.dtype == torch.float32
+            else:  # (each expert's matrices kept in the file's blocks: no float copy)
+                assert {type(w).__name__ for w in layer.moe.gate_up.experts + layer.moe.down.experts} == {"BlockWeight"}
             out = llm.generate([PROMPT], params, use_tqdm=False)[0]
         got = [lp.logprob for lp in out.prompt_logprobs[1:]]
         assert max(abs(g - expected[i, PROMPT[i + 1]].item()) for i, g in enumerate(got)) <= tolerance
@@ -146,3 +152,47 @@ def test_experts_stored_otherwise_are_refused_by_name(name, tmp_path):
     write_moe_gguf(moe_model("mixtral", tied=True), path, "mixtral", rename={"blk.0.ffn_gate_exps.weight": name})
     with pytest.raises(CheckpointError, match="experts are not stored as ffn_gate_exps"):
         gguf_config(open_gguf(path), path)
+
+
+def test_k_quant_experts_stay_in_their_blocks(tmp_path):
+    """A Q4_K_M-like file's experts (gate and up in Q4_K, down in Q6_K) load as each expert's K-quant blocks, the
+    bytes of the file and no float copy, and run the packed kernels: the prompt's logprobs are transformers' within
+    the kernels' Q8_K rounding of activations, as the file's dequantized experts give them within 1e-4."""
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.quant.kquants import KQuantWeight
+    from test_gguf_formats import kquant_encode
+
+    hidden, inter, experts = 256, 256, 4
+    model = moe_model("qwen3moe", tied=False, seed=5, hidden_size=hidden, moe_intermediate_size=inter,
+                      intermediate_size=inter, num_experts=experts, num_experts_per_tok=2, head_dim=64)
+    rng, encoded, file_bytes = np.random.default_rng(0), {}, 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # (the other matrices as the file holds them: Q8_0)
+            if p.ndim == 2 and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy().copy(), QT.Q8_0), QT.Q8_0)))
+        for i, layer in enumerate(model.model.layers):
+            parts = [("ffn_gate_exps", QT.Q4_K, inter, hidden), ("ffn_up_exps", QT.Q4_K, inter, hidden),
+                     ("ffn_down_exps", QT.Q6_K, hidden, inter)]
+            values = {}
+            for name, qtype, rows, cols in parts:
+                data, vals = kquant_encode(qtype, experts * rows, cols, cols ** -0.5, rng)
+                encoded[f"blk.{i}.{name}.weight"] = (data.reshape(experts, rows, -1), qtype)
+                values[name] = torch.from_numpy(vals.reshape(experts, rows, cols).astype(np.float32))
+                file_bytes += data.nbytes
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([values["ffn_gate_exps"], values["ffn_up_exps"]], 1))
+            layer.mlp.experts.down_proj.copy_(values["ffn_down_exps"])
+    path = tmp_path / "tiny-qwen3moe-kquant.gguf"
+    write_moe_gguf(model, path, "qwen3moe", QT.Q8_0, encoded=encoded)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0], -1)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    for quantization, tolerance in (("auto", 0.15), ("none", 1e-4)):  # (auto: 0.057 here)
+        with LLM(path, device="cpu", progress=False, quantization=quantization) as llm:
+            moes = [layer.moe for layer in llm.model.params.layers]
+            if quantization == "auto":
+                held = [w for moe in moes for w in moe.gate_up.experts + moe.down.experts]
+                assert {(type(w), w.qtype) for w in held} == {(KQuantWeight, QT.Q4_K), (KQuantWeight, QT.Q6_K)}
+                assert sum(moe.gate_up.nbytes() + moe.down.nbytes() for moe in moes) == file_bytes
+            out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        assert max(abs(g - expected[i, PROMPT[i + 1]].item()) for i, g in enumerate(got)) <= tolerance

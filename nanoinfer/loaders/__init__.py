@@ -217,7 +217,8 @@ def _refuse_on_cuda(cfg: ModelConfig, path: Path, dev: torch.device) -> None:
 
 def _refuse_quantized_experts(cfg: ModelConfig, quantization: str, kept: tuple[str, ...] = ("none",)) -> None:
     """Before any weight is read: a mixture-of-experts model's matrices held as `quantization` only where that is
-    one of `kept` (its experts run nanoinfer/model/moe.py's reference over float weights)."""
+    one of `kept` (its experts run nanoinfer/model/moe.py's reference: over float weights, or a GGUF's packed
+    blocks on the CPU)."""
     if cfg.num_experts and quantization not in kept:
         raise RequestError(f"quantization={quantization!r} of a mixture-of-experts model ({cfg.architecture}) is not "
                            f"supported yet: its experts run in a float dtype (expected one of {list(kept)})",
@@ -272,7 +273,7 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(header),
                                          dtype_asked=config.dtype != "auto")
-    # (a quantized GGUF's experts are dequantized at load: nanoinfer/loaders/gguf_moe.py)
+    # (a quantized GGUF's experts stay packed, as its other matrices: nanoinfer/loaders/gguf_moe.py)
     _refuse_quantized_experts(cfg, quantization, ("none", "gguf"))
     params = None if config.load_format == "dummy" else load_gguf_params(
         header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")

@@ -254,10 +254,10 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, 
             w = unpermute_rotary_rows(w, cfg.num_kv_heads)
         return w
 
-    if cfg.num_experts:  # (a sparse layer's router and stacked experts, dequantized)
+    if cfg.num_experts:  # (a sparse layer's router and experts: packed with the file's other matrices)
         from nanoinfer.loaders.gguf_moe import expert_tensors
 
-        get = expert_tensors(get, tensors, dequant)
+        get = expert_tensors(get, tensors, dequant, packed_matrix if packed else None)
     inv_freq = None
     if "rope_freqs.weight" in tensors:
         # Llama-3.1 GGUFs store the llama3 rope scaling as per-frequency divisors.

@@ -6,8 +6,9 @@ llama.cpp's converter writes a Mixtral as architecture `llama` with `llama.exper
 its experts stacked 3-D: `ffn_gate_exps` and `ffn_up_exps` [experts, inter, hidden], `ffn_down_exps` [experts,
 hidden, inter] (numpy's order). llama.cpp runs both with softmax routing renormalized over the k chosen
 (`build_moe_ffn`'s norm_w, whatever a Qwen3-MoE's norm_topk_prob was), every layer sparse; so do we.
-The expert tensors are dequantized at load to the model's dtype (the torch reference reads float experts),
-even where the file's other matrices stay packed: a quantized file's experts take their float size in memory.
+Where the file's matrices stay packed (a quantized GGUF on the CPU), so do its experts: each expert's rows of the
+stacked tensor, its gate's and up's rows joined, as `ExpertWeights` of the packed kernels' forms; a type or
+width the packed kernels do not read, and any file loaded unpacked, is dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from nanoinfer.errors import CheckpointError
 from nanoinfer.gguf_file import GGUFFile, TensorInfo
 from nanoinfer.model.config_checks import MAX_DIMENSIONS, dimension
+from nanoinfer.model.moe import ExpertWeights
+from nanoinfer.quant.quantized import concat_rows, dequantize
 
 
 def moe_fields(gguf_file: GGUFFile, arch: str, path, *, intermediate: int) -> dict[str, Any]:
@@ -45,13 +48,19 @@ def moe_fields(gguf_file: GGUFFile, arch: str, path, *, intermediate: int) -> di
 
 
 def expert_tensors(get: Callable[[str], Any], tensors: dict[str, TensorInfo],
-                   dequant: Callable[[TensorInfo], torch.Tensor]) -> Callable[[str], Any]:
+                   dequant: Callable[[TensorInfo], torch.Tensor],
+                   pack: Callable[[TensorInfo], Any] | None = None) -> Callable[[str], Any]:
     """`get` with each sparse layer's router (`mlp.gate.weight`) and experts (`mlp.experts.gate_up_proj`: gate then
-    up, stacked per expert; `mlp.experts.down_proj`) read from the file's stacked tensors, dequantized."""
+    up, stacked per expert; `mlp.experts.down_proj`) read from the file's stacked tensors: with `pack` (a 2-D
+    tensor's packed matrix, or None where it has none), each expert's packed where every expert's matrix is,
+    else dequantized."""
 
-    def read(layer: str, name: str) -> torch.Tensor | None:
+    def read(layer: str, name: str):
         tensor = tensors.get(f"blk.{layer}.{name}")
-        return None if tensor is None else dequant(tensor)
+        if tensor is None:
+            return None
+        experts = per_expert(tensor, pack) if pack is not None else None
+        return experts if experts is not None else dequant(tensor)
 
     def expert_get(name: str):
         if not name.startswith("model.layers.") or ".mlp." not in name:
@@ -61,9 +70,34 @@ def expert_tensors(get: Callable[[str], Any], tensors: dict[str, TensorInfo],
             return read(layer, "ffn_gate_inp.weight")
         if rest == "experts.gate_up_proj":
             gate, up = read(layer, "ffn_gate_exps.weight"), read(layer, "ffn_up_exps.weight")
-            return None if gate is None or up is None else torch.cat([gate, up], dim=1)
+            if gate is None or up is None:
+                return None
+            if isinstance(gate, torch.Tensor) or isinstance(up, torch.Tensor):  # (one of them could not stay packed)
+                gate, up = (w if isinstance(w, torch.Tensor) else _dequantized(w) for w in (gate, up))
+                return torch.cat([gate, up], dim=1)
+            return ExpertWeights(tuple(concat_rows([g, u]) for g, u in zip(gate.experts, up.experts)))
         if rest == "experts.down_proj":
             return read(layer, "ffn_down_exps.weight")
         return get(name)
 
     return expert_get
+
+
+def per_expert(tensor: TensorInfo, pack: Callable[[TensorInfo], Any]) -> ExpertWeights | None:
+    """A stacked [experts, rows, cols] tensor as each expert's packed matrix (views of the file's bytes, `pack`'s
+    form), or None where `pack` has no form for its type or width (a float type among them)."""
+    if len(tensor.shape) != 3:
+        return None
+    cols, rows, experts = (int(d) for d in tensor.shape)
+    data = tensor.data.reshape(experts, rows, -1)  # (block types: [experts, rows, bytes per row] uint8)
+    matrices = []
+    for e in range(experts):
+        w = pack(tensor._replace(shape=(cols, rows), n_elements=rows * cols, n_bytes=data[e].nbytes, data=data[e]))
+        if w is None:
+            return None
+        matrices.append(w)
+    return ExpertWeights(tuple(matrices))
+
+
+def _dequantized(w: ExpertWeights) -> torch.Tensor:
+    return torch.stack([dequantize(e) for e in w.experts])

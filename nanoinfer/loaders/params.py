@@ -77,16 +77,21 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
     return Int8Weight.quantize(dequantize(w))
 
 
-def _experts(p: str, cfg: ModelConfig, load):
+def _experts(p: str, cfg: ModelConfig, load, matrix):
     """A sparse layer's router and stacked experts under transformers 5's names (`mlp.gate.weight`,
     `mlp.experts.gate_up_proj` [experts, 2 * inter, hidden], `mlp.experts.down_proj` [experts, hidden, inter]):
     each format's loader hands them over so (nanoinfer/loaders/hf_moe.py stacks a directory's per-expert tensors)."""
-    from nanoinfer.model.moe import MoEParams
+    from nanoinfer.model.moe import ExpertWeights, MoEParams
 
     experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+
+    def stacked(name: str, shape: tuple[int, int, int]):
+        w = load(name, shape)  # (a packed GGUF's: each expert's matrix in the device's form, as any matrix)
+        return w if isinstance(w, torch.Tensor) else ExpertWeights(tuple(matrix(e) for e in w.experts))
+
     return MoEParams(router=load(p + "mlp.gate.weight", (experts, hidden)),
-                     gate_up=load(p + "mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
-                     down=load(p + "mlp.experts.down_proj", (experts, hidden, inter)))
+                     gate_up=stacked(p + "mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
+                     down=stacked(p + "mlp.experts.down_proj", (experts, hidden, inter)))
 
 
 def _layer(p: str, cfg: ModelConfig, load, matrix, sparse: bool = False) -> LayerParams:
@@ -112,7 +117,7 @@ def _layer(p: str, cfg: ModelConfig, load, matrix, sparse: bool = False) -> Laye
         down_proj=None if sparse else matrix(load(p + "mlp.down_proj.weight", (hidden, inter))),
         post_attn_norm=load(p + "post_attention_layernorm.weight", (hidden,)) if cfg.sandwich_norms else None,
         post_mlp_norm=load(p + "post_feedforward_layernorm.weight", (hidden,)) if cfg.sandwich_norms else None,
-        moe=_experts(p, cfg, load) if sparse else None,
+        moe=_experts(p, cfg, load, matrix) if sparse else None,
     )
 
 

@@ -4,9 +4,11 @@ Routing as both families define it: a softmax over the router's logits (in fp32)
 probabilities kept, renormalized to sum to 1 where the family says (Mixtral always; Qwen3-MoE by
 `norm_topk_prob`). Softmax over the k largest logits (top-k then softmax) is the renormalized case's
 same numbers, so one function serves both. The experts' weights sit stacked per layer, [experts, rows,
-cols], the layout a grouped-expert kernel reads in one launch; `experts_reference` loops over the experts
-that got tokens, each computing only its own tokens, and is what runs on every device for now (a batch-1
-step reads only its k experts' weights). This module is imported by a mixture-of-experts model only.
+cols], the layout a grouped-expert kernel reads in one launch, or, from a quantized GGUF on the CPU, as each
+expert's packed matrix (`ExpertWeights`: the file's blocks, read by the packed kernels); `experts_reference`
+loops over the experts that got tokens, each computing only its own tokens, and is what runs on every device
+for now (a batch-1 step reads only its k experts' weights). This module is imported by a mixture-of-experts
+model only.
 """
 
 from __future__ import annotations
@@ -18,15 +20,36 @@ import torch.nn.functional as F
 
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.model.layers import swiglu
+from nanoinfer.quant import quantized
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """A layer's experts' matrices of one kind, each in a quantized form of its own ([rows, cols] each, the
+    packed CPU kernels' input), indexed as a stacked [experts, rows, cols] tensor is: a quantized GGUF's experts
+    hold their file's bytes, not a float copy (a Mixtral-8x7B Q4_K_M's 26 GB, not 187)."""
+
+    experts: tuple  # of nanoinfer.quant.quantized weights
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.experts), *self.experts[0].shape)
+
+    def __getitem__(self, expert: int):
+        return self.experts[expert]
+
+    def nbytes(self) -> int:
+        return sum(quantized.nbytes(w) for w in self.experts)
 
 
 @dataclass(frozen=True)
 class MoEParams:
-    """A sparse layer's MLP: its router and its experts' stacked SwiGLU matrices, in the model's dtype."""
+    """A sparse layer's MLP: its router and its experts' SwiGLU matrices — stacked in the model's dtype, or each
+    expert's packed (ExpertWeights)."""
 
     router: torch.Tensor  # [experts, hidden]: each expert's logit of a token
-    gate_up: torch.Tensor  # [experts, 2 * inter, hidden]: each expert's gate rows then its up rows (one matmul)
-    down: torch.Tensor  # [experts, hidden, inter]
+    gate_up: torch.Tensor | ExpertWeights  # [experts, 2 * inter, hidden]: each expert's gate rows then its up rows
+    down: torch.Tensor | ExpertWeights  # [experts, hidden, inter]
 
 
 def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +80,8 @@ def experts_reference(x: torch.Tensor, p: MoEParams, weights: torch.Tensor, expe
         pairs = order[start:start + count]
         start += count
         tokens = pairs // k
-        h = swiglu(F.linear(x[tokens], p.gate_up[expert]))
-        y = F.linear(h, p.down[expert]) * pair_weights[pairs, None]
+        h = swiglu(quantized.linear(x[tokens], p.gate_up[expert]))
+        y = quantized.linear(h, p.down[expert]) * pair_weights[pairs, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
