@@ -284,6 +284,13 @@ class TritonPagedAttention:
         wide = self.head_dim_pad > 128
         self.block_n, self.num_warps = (32, 8) if wide else (64, 4)
         self.partition_size = triton.cdiv(partition_size, self.block_n) * self.block_n
+        # A prefill step's tiles, (query rows, keys, warps, pipeline stages) of each program: over a block table
+        # at least `long_from` keys wide, 128 query rows a program, each K/V tile feeding twice the rows (an
+        # H100, a 4,096-query chunk over 32k keys: 267 -> 330 TFLOP/s, FlashAttention's 336 through torch's
+        # SDPA; over 4k keys 64 rows stay faster, 188 against 173: bench/RESULTS.md, issue 64).
+        self.prefill_tiles = (64, self.block_n, self.num_warps, 2)
+        self.long_prefill_tiles = (128, self.block_n, 4, 2) if not wide else self.prefill_tiles
+        self.long_from = 8192
         self.max_split_tokens, self.max_partitions = max_split_tokens, max_partitions
         self.few_programs, self.fine_from, self.fine_partition = few_programs, fine_from, fine_partition
         ws = (max_split_tokens, cfg.num_heads, max_partitions)
@@ -301,6 +308,20 @@ class TritonPagedAttention:
         if tokens <= num_seqs and num_seqs * kv_heads <= self.few_programs and max_context > self.fine_from:
             partition = self.fine_partition  # (a latency-bound decode step)
         return min(self.max_partitions, triton.cdiv(max_context, partition))
+
+    def tiles(self, split: bool, decode: bool, max_context: int) -> tuple[int, int, int, int]:
+        """(query rows, keys, warps, pipeline stages) of each program of the tensor-core kernel: a decode-sized
+        step (split, or one query per sequence) takes 16 rows, the smallest tensor-core tile, so one decode query
+        of a GQA group wastes few rows; a prefill step `prefill_tiles`, or `long_prefill_tiles` over a block
+        table at least `long_from` keys wide. Rows are at least a GQA group."""
+        tiles = ((16, self.block_n, self.num_warps, 2) if split or decode else
+                 self.long_prefill_tiles if max_context >= self.long_from else self.prefill_tiles)
+        if not split and decode and self.head_dim_pad <= 128:
+            # An unsplit decode step streams each sequence's whole context through one program: longer K/V
+            # tiles, three stages deep, keep more loads in flight (batch 256 x ~1k tokens on an H200: 3.83 ->
+            # 4.04 TB/s). Wide heads keep their smaller tiles.
+            tiles = (16, 2 * self.block_n, self.num_warps, 3)
+        return (max(tiles[0], triton.next_power_of_2(self.group)), *tiles[1:])
 
     def graph_widths(self, block_size: int) -> tuple[int, ...]:
         """The block-table widths (in blocks) where a decode step's attention launch changes
@@ -359,17 +380,8 @@ class TritonPagedAttention:
             return out
         num_parts = self.partitions(tokens, num_seqs, kv_heads, max_context)
         split = num_parts > 1
-        # Decode-sized steps (split, or one query per sequence): 16 rows (the smallest
-        # tensor-core tile) so one decode query of a GQA group wastes few rows; prefill: 64
-        # rows per K/V tile load.
-        block_m = max(16 if split or tokens <= num_seqs else 64, triton.next_power_of_2(self.group))
+        block_m, block_n, num_warps, stages = self.tiles(split, tokens <= num_seqs, max_context)
         block_q = block_m // self.group
-        # An unsplit decode step streams each sequence's whole context through one program:
-        # longer K/V tiles, three stages deep, keep more loads in flight (batch 256 x ~1k
-        # tokens on an H200: 3.83 -> 4.04 TB/s). Wide heads keep their smaller tiles.
-        block_n, stages = self.block_n, 2
-        if not split and tokens <= num_seqs and self.head_dim_pad <= 128:
-            block_n, stages = 2 * self.block_n, 3
         grid = (triton.cdiv(tokens, block_q) + num_seqs, kv_heads, num_parts if split else 1)
         _paged_attention_kernel[grid](
             q, kv_layer, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
@@ -380,7 +392,7 @@ class TritonPagedAttention:
             NUM_HEADS=heads, GROUP=self.group, HEAD_DIM=d, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
             SLIDING=metadata.sliding_window > 0, SPLIT=split, FP8_KV=kv_layer.dtype == torch.float8_e4m3fn,
-            SOFTCAP=metadata.softcap > 0, num_warps=self.num_warps, num_stages=stages, **pdl.launch(q.device))
+            SOFTCAP=metadata.softcap > 0, num_warps=num_warps, num_stages=stages, **pdl.launch(q.device))
         if split:
             self._reduce(out, metadata, num_parts)
         return out
