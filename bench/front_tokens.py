@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import itertools
 import pstats
 import random
 import time
@@ -46,9 +47,7 @@ def _client() -> ReplicaClient:
     client = ReplicaClient.__new__(ReplicaClient)
     RequestBook.__init__(client)
     client.link, client._states, client._key_of, client._stats, client._fatal = _Link(), {}, {}, {}, None
-    client._send = lambda command: None
-    import itertools
-    client._keys = itertools.count()
+    client._send, client._keys = (lambda command: None), itertools.count()
     return client
 
 
