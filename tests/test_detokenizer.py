@@ -81,8 +81,8 @@ def test_stop_string_across_multibyte_tokens(tokenizer):
 
 
 def test_text_handed_out_is_not_kept(tokenizer):
-    """A long stream holds only what it has not handed out (a stop string's length less one, held back), not its
-    whole text: appending to the whole text copied it at every token."""
+    """A long stream holds only what it has not handed out (a stop string's length less one, held back) and the ids
+    of its decode window, not its whole text and ids: appending to the whole text copied it at every token."""
     ids = tokenizer.encode("a few words of text " * 200)
     detok = IncrementalDetokenizer(tokenizer, [], stop=("never there",))
     out = []
@@ -90,4 +90,5 @@ def test_text_handed_out_is_not_kept(tokenizer):
         detok.add([token])
         out.append(detok.take_delta())
         assert len(detok.unsent) <= len("never there") - 1 + 8  # (the hold-back, and at most one token's text)
+        assert len(detok.ids) <= 8  # (the ids of the window the next token's text is decoded in)
     assert "".join(out) + detok.take_delta(final=True) == tokenizer.decode(ids)

@@ -62,7 +62,9 @@ class IncrementalDetokenizer:
                 new = full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
             if new:
                 self.unsent += new
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                # (the window moves on: the ids before it are never decoded again, so they go)
+                del self.ids[:self.read_offset]
+                self.prefix_offset, self.read_offset = 0, len(self.ids)
                 if self.stop:
                     self._check_stop(new)
         return len(token_ids)
@@ -78,8 +80,9 @@ class IncrementalDetokenizer:
             return
         idx, s = min(hits)
         cut = idx + len(s) if self.include_stop else idx
-        # (`unsent` holds at least the hold-back, a stop string's length less one, of what came before `new`, so the
-        # cut falls inside it: text handed out is never taken back)
+        # (the cut falls inside `unsent`: a match ends in `new`, and where the stop string is left out of the
+        # output `unsent` holds at least the hold-back, a stop string's length less one, of what came before `new`;
+        # text handed out is never taken back)
         self.unsent = self.unsent[:max(0, len(self.unsent) - len(window) + cut)]
         self.stopped = True
 
