@@ -3,6 +3,7 @@ the tokenizers library."""
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, Sequence
 
 import tokenizers
@@ -44,7 +45,7 @@ class TokenizersBackend:
             text = stream.step(backend, token)
         if context and not text:
             return None
-        return lambda token: stream.step(backend, token)
+        return functools.partial(stream.step, backend)  # (no Python frame of ours a token)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

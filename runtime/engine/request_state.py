@@ -129,20 +129,20 @@ class RequestState:
         string ended is listed in `stopped` (its tokens past the stop are dropped)."""
         if self.error is not None:
             return self._failed()
-        if not (self.stream or self.num_unfinished == 0 or self.params.stop):
+        stream, stop = self.stream, self.params.stop
+        if not (stream or stop or self.num_unfinished == 0):
             return None  # (waiting for its end, no stop strings: nothing to do at this step)
-        gather = self.stream_interval > 1 and self.stream
-        if gather and not self.params.stop and not self._interval_due():
+        gather = stream and self.stream_interval > 1
+        if gather and not stop and not self._interval_due():
             return None  # (its tokens gather until the next delta: detokenized then, all at once)
-        feed = self.stream or bool(self.params.stop) or self.finished
+        # (past here a completion's new tokens are detokenized: it streams, has stop strings or has ended)
         for index, c in enumerate(self.completions):
-            if c.detok is None:
+            detok = c.detok
+            if detok is None:
                 c.fed = len(c.token_ids)
-            elif feed and c.fed < len(c.token_ids) and not c.detok.stopped:
-                new = c.token_ids[c.fed:]
-                taken = c.detok.add(new)
-                c.fed += taken
-                if c.detok.stopped:
+            elif c.fed < len(c.token_ids) and not detok.stopped:
+                c.fed += detok.add(c.token_ids[c.fed:])
+                if detok.stopped:
                     # A stop string ended it: its tokens end with the one that completed it,
                     # whatever else arrived meanwhile.
                     del c.token_ids[c.fed:]
@@ -150,22 +150,24 @@ class RequestState:
                     if c.finish_reason is None:
                         self.stopped.append(index)
                     self._finish(c, "stop")
-        if not self.stream and not self.finished:
+        if not stream and self.num_unfinished:
             return None
         if gather and not self._interval_due():
             return None  # (stop strings are matched at every step, so the engine stops at once; the delta gathers)
         outputs = []
+        want_logprobs = self.params.logprobs is not None
         for index, c in enumerate(self.completions):
             if c.reported:
                 continue
             ending = c.finish_reason is not None
-            ids = c.token_ids[c.sent:]
-            text = c.detok.take_delta(final=ending) if c.detok is not None else ""
+            sent = c.sent
+            ids = tuple(c.token_ids[sent:])
+            text = c.detok.take_delta(ending) if c.detok is not None else ""
             if ids or text or ending:
-                logprobs = tuple(c.logprobs[c.sent:c.sent + len(ids)]) if self.params.logprobs is not None else None
-                c.sent += len(ids)
+                logprobs = tuple(c.logprobs[sent:sent + len(ids)]) if want_logprobs else None
+                c.sent = sent + len(ids)
                 c.reported = ending
-                outputs.append(CompletionOutput(index, text, tuple(ids), c.finish_reason, logprobs))
+                outputs.append(CompletionOutput(index, text, ids, c.finish_reason, logprobs))
         if not outputs:
             return None
         return self._output(tuple(outputs))

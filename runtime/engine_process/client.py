@@ -333,9 +333,10 @@ class ReplicaClient(RequestBook):
             except Exception as exc:  # noqa: BLE001 - this request's own failure (its text could not be made)
                 self._fail(key, state, exc)
                 out = state.take()  # (its failure: no text made)
-            for index in state.stopped:
-                self.link.post(msg.Abort(key, index, "stop"))
-            state.stopped.clear()
+            if state.stopped:
+                for index in state.stopped:
+                    self.link.post(msg.Abort(key, index, "stop"))
+                state.stopped.clear()
             if out is not None:
                 outputs.append((state, out))
         self._deliver(outputs)

@@ -87,14 +87,14 @@ class CompletionRenderer(_Renderer):
     def choice(self, index: int, c, position: int, first: bool, offset: int = 0) -> CompletionChoice:
         """Choice `index` of prompt `position` from completion output `c` (a delta while streaming:
         `first`, its first, carries the echo)."""
-        handle = self.handles[position]
-        ids, lps, text = ([], [], "") if self.scoring else (list(c.token_ids), list(c.logprobs or ()), c.text)
+        text, ids, lps = ("", (), ()) if self.scoring else (c.text, c.token_ids, c.logprobs or ())
         if self.echo and first:
+            handle = self.handles[position]
             prompt_text = handle.prompt if handle.prompt is not None else (
                 self.tokenizer.decode(handle.prompt_ids, skip_special_tokens=False) if self.tokenizer else "")
             text = prompt_text + text
-            ids = list(handle.prompt_ids) + ids
-            lps = list(self.prompt_logprobs.get(position) or [None] * len(handle.prompt_ids)) + lps
+            ids = [*handle.prompt_ids, *ids]
+            lps = [*(self.prompt_logprobs.get(position) or [None] * len(handle.prompt_ids)), *lps]
         return CompletionChoice(index, text, c.finish_reason,
                                 self.logprobs(ids, lps, offset) if self.want_logprobs else None,
                                 self.prompt_logprobs_of(position) if first else None)
@@ -102,14 +102,14 @@ class CompletionRenderer(_Renderer):
     def chunks(self, position: int, delta) -> list:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[position] = delta.prompt_logprobs
-        if not self.scoring:
-            self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
-        out = []
+        out, offsets = [], self.offsets
         for c in delta.outputs:
+            if not self.scoring:
+                self.completion_tokens += len(c.token_ids)
             index = position * self.n + c.index
-            first = index not in self.offsets
-            choice = self.choice(index, c, position, first, self.offsets.get(index, 0))
-            self.offsets[index] = self.offsets.get(index, 0) + len(choice.text)
+            offset = offsets.get(index)
+            choice = self.choice(index, c, position, offset is None, offset or 0)
+            offsets[index] = (offset or 0) + len(choice.text)
             if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
                 out.append(self._response([choice]))
         return out

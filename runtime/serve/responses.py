@@ -94,7 +94,7 @@ class EventStream(Response):
             if delta.error is not None:
                 raise failed(delta)
             body = b"".join(map(_sse, self.out.chunks(position, delta)))
-            if all(handle.final_seen for handle in self.handles):
+            if delta.finished and all(handle.final_seen for handle in self.handles):  # (this one's set first)
                 return self._end(200, body + b"".join(map(_sse, self.out.end())))
         except Exception as exc:  # noqa: BLE001 - reported in the stream: the headers are out
             err = HTTPError.of(exc, self.responder.engine.healthy)
