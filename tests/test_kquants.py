@@ -26,9 +26,10 @@ from tools.kquant_quantize import quantize
 TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # The tiers' flags: as cpu_native.ISA_FLAGS builds them, AVX-VNNI without AVX-512 (vpdpwssd's
-# VEX form, on CPUs that have it), and no AVX2 at all (the plain C loops).
+# VEX form, on CPUs that have it), AVX-512 without VNNI (the 512-bit Q4_K/Q5_K dots' vpmaddwd),
+# and no AVX2 at all (the plain C loops).
 TIERS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
-         "plain": ("-mno-avx2",)}
+         "avx512": ("-mno-avx512vnni",), "plain": ("-mno-avx2",)}
 
 
 def cpu_flags() -> set[str]:
@@ -51,6 +52,8 @@ def tier_lib(request, tmp_path_factory):
         pytest.skip("x86 tiers")
     if request.param == "avx-vnni" and "avx_vnni" not in cpu_flags():
         pytest.skip("this CPU has no AVX-VNNI")
+    if request.param == "avx512" and "avx512bw" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
     lib = cpu_native.load(tmp_path_factory.mktemp(request.param), TIERS[request.param])
     assert lib is not None
     return lib

@@ -144,6 +144,7 @@ typedef struct {
     const float *xd;
     const int16_t *bs16, *bs32;
     int64_t k, blocks;
+    int wide; /* xq interleaved for the 512-bit Q4_K/Q5_K dots (kq45_wide) */
 } kq_tokens;
 
 /* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows by KQ_TOKENS tokens a pass */
@@ -203,6 +204,11 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     int16_t *bs16 = (int16_t *)(bsum + subs), *bs32 = bs16 + subs;
     for (int64_t s = 0; s < subs; s++) bs16[s] = (int16_t)bsum[s];
     for (int64_t s = 0; s < subs / 2; s++) bs32[s] = (int16_t)(bsum[2 * s] + bsum[2 * s + 1]);
+    int wide = 0;
+#ifdef KQ45_WIDE
+    wide = kq45_wide(type, rows);
+    if (wide) kq_interleave(xq, (int64_t)rows * blocks); /* (the per-16 sums above keep the file's order) */
+#endif
     int passes = (n + KQ_ROWS - 1) / KQ_ROWS;
     /* Tokens in tiles whose activations stay in L2 (~256 KiB) while every pass runs over them: a
      * pass's rows stay in L1 over its tile's tokens, and each tile reads the weights once. */
@@ -215,7 +221,7 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
             for (int t = t0; t < t1;) {
                 int T = t1 - t >= KQ_TOKENS ? KQ_TOKENS : t1 - t >= 2 ? 2 : 1;
                 kq_tokens x = {xq + (int64_t)t * k, xd + (int64_t)t * blocks, bs16 + (int64_t)t * k / 16,
-                               bs32 + (int64_t)t * k / 32, k, blocks};
+                               bs32 + (int64_t)t * k / 32, k, blocks, wide};
                 float out[KQ_TOKENS * KQ_ROWS];
                 kquant_rows_dot(w + r0 * row_bytes, row_bytes, R, T, type, blocks, x, out);
                 for (int u = 0; u < T; u++, t++)

@@ -191,6 +191,135 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Q4_K and Q5_K in 512-bit registers (the AVX-512 tiers): a register of 64 stored bytes holds two
+ * sub-blocks' values in its low nibbles (4c and 4c + 2) and two in its high (4c + 1, 4c + 3), so each
+ * vpmaddubsw and vpdpwssd does twice the products a 256-bit one does (measured on this tier's Xeon:
+ * the pair's products a second double) and each row's unpacking is half the instructions. The
+ * activations are laid out to match (kq_interleave: each super-block's sub-blocks of 32 in the order
+ * 0 2 1 3 4 6 5 7); the per-32 sums keep theirs. The super-block's int32 sum is the same integer. */
+#define KQ45_WIDE 1
+
+static inline __m512i kq_scaled_add512(__m512i acc, __m512i p, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, p, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+#endif
+}
+
+/* The byte shuffle that broadcasts scale ja to the low 256 bits and jb to the high (both 128-bit lanes of each) */
+static inline __m512i kq_pick_mask512(int ja, int jb) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)KQ_PICK[ja])),
+                              _mm256_load_si256((const __m256i *)KQ_PICK[jb]), 1);
+}
+
+/* Each super-block's sub-blocks of 32 reordered 0 2 1 3 4 6 5 7, in place (xq of n super-blocks) */
+static void kq_interleave(int8_t *xq, int64_t n) {
+    for (int64_t b = 0; b < n; b++) {
+        int8_t *s = xq + b * QK_K;
+        for (int h = 0; h < QK_K; h += 128) { /* swap sub-blocks 1 and 2 of each half */
+            int8_t t[32];
+            memcpy(t, s + h + 32, 32), memcpy(s + h + 32, s + h + 64, 32), memcpy(s + h + 64, t, 32);
+        }
+    }
+}
+
+static inline __m256i kq_fold512(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* 16 int32 vectors -> one whose lane i is the sum of v[i]'s lanes (integers: exact in any order) */
+static inline __m512i kq_hsum16(const __m512i *v) {
+    __m512i u[8], w[4];
+    for (int i = 0; i < 8; i++) /* per 128 bits: v[2i]'s and v[2i + 1]'s pairs summed, interleaved */
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128 bits: v[4i .. 4i + 3]'s sums of that quarter */
+        w[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[2 * i], u[2 * i + 1]), _mm512_unpackhi_epi64(u[2 * i], u[2 * i + 1]));
+    __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xdd));
+    __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2], w[3], 0x88), _mm512_shuffle_i32x4(w[2], w[3], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+
+/* kq45_rows with 512-bit registers; the activations (x.xq) interleaved by kq_interleave. A super-block's
+ * sums of the 4 rows x 4 tokens are reduced together into one register, lane 4r + t, and its fp32 step
+ * done for all 16 at once (kq_acc_step's operations, lane by lane). */
+static inline __attribute__((always_inline)) void kq45_rows_wide(const uint8_t *w, int64_t row_bytes, int R, int T,
+                                                                int type, int blocks, kq_tokens x, float *out) {
+    const int bytes = type == 12 ? 144 : 176, qs_at = type == 12 ? 16 : 48;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i pick[4] = {kq_pick_mask512(0, 2), kq_pick_mask512(1, 3), kq_pick_mask512(4, 6),
+                             kq_pick_mask512(5, 7)};
+    /* lane 4r + t: row r's d (f's lane r) and dmin (its lane 4 + r) */
+    const __m512i by_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i by_row_min = _mm512_add_epi32(by_row, _mm512_set1_epi32(4));
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk[KQ_ROWS];
+        __m512i sums[KQ_ROWS * KQ_TOKENS], scales[KQ_ROWS], qh[KQ_ROWS]; /* sums[4r + t] */
+        __m128i head[KQ_ROWS], minv[KQ_ROWS];
+        for (int i = 0; i < KQ_ROWS * KQ_TOKENS; i++) sums[i] = _mm512_setzero_si512();
+        for (int r = 0; r < KQ_ROWS; r++) {
+            head[r] = minv[r] = _mm_setzero_si128();
+            if (r >= R) continue;
+            blk[r] = w + r * row_bytes + (int64_t)b * bytes;
+            head[r] = _mm_loadu_si128((const __m128i *)blk[r]);
+            __m256i sm = kq_scales_mins(head[r]);
+            scales[r] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm));
+            minv[r] = _mm256_extracti128_si256(sm, 1);
+            if (type == 13) { /* qh, and in the high half qh two bits on: bit j there is bit j + 2 */
+                __m256i h = kq_load(blk[r] + 16);
+                qh[r] = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+            }
+            kq_prefetch(blk[r], b, blocks, row_bytes, bytes);
+        }
+        for (int c = 0; c < 2; c++) { /* 64 bytes: sub-blocks 4c, 4c + 2 in the low nibbles, 4c + 1, 4c + 3 in the high */
+            for (int r = 0; r < R && r < KQ_ROWS; r++) {
+                __m512i v = _mm512_loadu_si512((const void *)(blk[r] + qs_at + 64 * c));
+                __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
+                    __m512i a = c == 0 ? _mm512_slli_epi16(qh[r], 4) : qh[r];
+                    __m512i h = c == 0 ? _mm512_slli_epi16(qh[r], 3) : _mm512_srli_epi16(qh[r], 1);
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(a, bit4)), hi = _mm512_or_si512(hi, _mm512_and_si512(h, bit4));
+                }
+                __m512i sl = _mm512_shuffle_epi8(scales[r], pick[2 * c]), sh = _mm512_shuffle_epi8(scales[r], pick[2 * c + 1]);
+                for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                    const int8_t *xt = x.xq + t * x.k + b * QK_K + 128 * c;
+                    __m512i *s = sums + KQ_TOKENS * r + t;
+                    *s = kq_scaled_add512(*s, _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xt)), sl);
+                    *s = kq_scaled_add512(*s, _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xt + 64)), sh);
+                }
+            }
+        }
+        /* the mins' term: row r's 8 mins (quarter r) against each token's per-32 sums, lane 4r + t */
+        __m512i mv = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(minv[0]), minv[1], 1)),
+            _mm256_inserti128_si256(_mm256_castsi128_si256(minv[2]), minv[3], 1), 1);
+        __m512i m[KQ_TOKENS];
+        float xd[KQ_TOKENS] = {0};
+        for (int t = 0; t < KQ_TOKENS; t++) {
+            m[t] = _mm512_setzero_si512();
+            if (t >= T) continue;
+            __m128i bsum = _mm_loadu_si128((const __m128i *)(x.bs32 + t * x.k / 32 + b * 8));
+            m[t] = _mm512_madd_epi16(mv, _mm512_broadcast_i32x4(bsum));
+            xd[t] = x.xd[t * x.blocks + b];
+        }
+        __m512i mx = _mm512_add_epi32(_mm512_unpacklo_epi32(m[0], m[1]), _mm512_unpackhi_epi32(m[0], m[1]));
+        __m512i my = _mm512_add_epi32(_mm512_unpacklo_epi32(m[2], m[3]), _mm512_unpackhi_epi32(m[2], m[3]));
+        __m512i summ = _mm512_add_epi32(_mm512_unpacklo_epi64(mx, my), _mm512_unpackhi_epi64(mx, my));
+        __m512 f = _mm512_castps256_ps512(kq_factors(head[0], head[1], head[2], head[3]));
+        __m512 xv = _mm512_broadcast_f32x4(_mm_loadu_ps(xd));
+        __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(xv, _mm512_permutexvar_ps(by_row, f)), _mm512_cvtepi32_ps(kq_hsum16(sums)));
+        __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(xv, _mm512_permutexvar_ps(by_row_min, f)), _mm512_cvtepi32_ps(summ));
+        acc = _mm512_add_ps(acc, _mm512_sub_ps(t1, t2));
+    }
+    float all[KQ_ROWS * KQ_TOKENS];
+    _mm512_storeu_ps(all, acc);
+    for (int t = 0; t < T && t < KQ_TOKENS; t++)
+        for (int r = 0; r < R && r < KQ_ROWS; r++) out[t * KQ_ROWS + r] = all[KQ_TOKENS * r + t];
+}
+#endif
+
 /* The same for Q6_K (type 14): ql[128], qh[64], 16 int8 scales, d; the tokens' int16 per-16 sums
  * (the offset of 32: sumi = sum_s sc_s (q_s . x_s - 32 sum x_s)). */
 static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int64_t row_bytes, int R, int T,
@@ -262,6 +391,15 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
 
 /* R rows (1 <= R <= KQ_ROWS) of `type` against T tokens (1 <= T <= KQ_TOKENS): each (R, T) its own
  * unrolled copy. */
+#ifdef KQ45_WIDE
+/* Whether a call of `rows` tokens runs `type` on the 512-bit dots (its activations interleaved for them): Q5_K
+ * always; Q4_K where several tokens share the call, its one-token dot staying the 256-bit one (measured: 287
+ * against 339 us for 2048x8192, where the 512-bit one's 16-lane reduction serves one token). */
+static inline int kq45_wide(int type, int rows) { return type == 13 || (type == 12 && rows > 1); }
+#define KQ45(...) (x.wide ? kq45_rows_wide(__VA_ARGS__) : kq45_rows(__VA_ARGS__))
+#else
+#define KQ45 kq45_rows
+#endif
 static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int T, int type, int blocks, kq_tokens x,
                             float *out) {
 #define KQ_CASE(n, m)                                                               \
@@ -269,9 +407,9 @@ static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int T, i
         if (type == 14)                                                             \
             kq6_rows(w, row_bytes, n, m, blocks, x, out);                           \
         else if (type == 12)                                                        \
-            kq45_rows(w, row_bytes, n, m, 12, blocks, x, out);                      \
+            KQ45(w, row_bytes, n, m, 12, blocks, x, out);                           \
         else                                                                        \
-            kq45_rows(w, row_bytes, n, m, 13, blocks, x, out);                      \
+            KQ45(w, row_bytes, n, m, 13, blocks, x, out);                           \
         return;
 #define KQ_CASES(n) KQ_CASE(n, 1) KQ_CASE(n, 2) KQ_CASE(n, 3) KQ_CASE(n, 4)
     switch (R * 8 + T) {
