@@ -318,6 +318,73 @@ static inline __attribute__((always_inline)) void kq45_rows_wide(const uint8_t *
     for (int t = 0; t < T && t < KQ_TOKENS; t++)
         for (int r = 0; r < R && r < KQ_ROWS; r++) out[t * KQ_ROWS + r] = all[KQ_TOKENS * r + t];
 }
+
+/* Q6_K (type 14) in 512-bit registers, where a call takes several tokens at once: a register of 64 of a
+ * half's ql bytes gives its values 0-63 in its low nibbles and 64-127 in its high, its qh bits from
+ * [qh, qh >> 2]; each 128 bits one sub-block of 16, its scale placed by a byte shuffle. The activations are in the
+ * file's order. Reduced and stepped as kq45_rows_wide's. */
+static inline __attribute__((always_inline)) void kq6_rows_wide(const uint8_t *w, int64_t row_bytes, int R, int T,
+                                                               int blocks, kq_tokens x, float *out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(3), bits45 = _mm512_set1_epi8(0x30);
+    /* byte shuffles placing, in 128-bit quarter q, int16 scale q (values 0-63 of a half) or 4 + q (64-127) of the
+     * half's 8, which every quarter holds */
+    const __m512i pick_lo = _mm512_setr_epi32(0x01000100, 0x01000100, 0x01000100, 0x01000100, 0x03020302, 0x03020302,
+                                              0x03020302, 0x03020302, 0x05040504, 0x05040504, 0x05040504, 0x05040504,
+                                              0x07060706, 0x07060706, 0x07060706, 0x07060706);
+    const __m512i pick_hi = _mm512_add_epi8(pick_lo, _mm512_set1_epi8(8));
+    const __m512i by_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk[KQ_ROWS];
+        __m512i sums[KQ_ROWS * KQ_TOKENS], sc[KQ_ROWS][2]; /* sums[4r + t]; each half's 8 scales in every quarter */
+        __m128i tail[KQ_ROWS];
+        for (int r = 0; r < KQ_ROWS; r++) {
+            tail[r] = _mm_setzero_si128();
+            for (int t = 0; t < KQ_TOKENS; t++) sums[KQ_TOKENS * r + t] = _mm512_setzero_si512();
+            if (r >= R) continue;
+            blk[r] = w + r * row_bytes + (int64_t)b * 210;
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
+            sc[r][0] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+            sc[r][1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1));
+            /* -32 sum_s sc_s sum x_s, in lanes the reduction adds up */
+            for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                __m256i bsum = kq_load(x.bs16 + t * x.k / 16 + b * 16);
+                sums[KQ_TOKENS * r + t] = _mm512_castsi256_si512(_mm256_sub_epi32(
+                    _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsum), 5)));
+            }
+            uint16_t d;
+            memcpy(&d, blk[r] + 208, 2);
+            tail[r] = _mm_cvtsi32_si128(d);
+            kq_prefetch(blk[r], b, blocks, row_bytes, 210);
+        }
+        for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
+            for (int r = 0; r < R && r < KQ_ROWS; r++) {
+                __m512i l = _mm512_loadu_si512((const void *)(blk[r] + 64 * h));
+                __m256i hb = kq_load(blk[r] + 128 + 32 * h);
+                __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(hb), _mm256_srli_epi16(hb, 2), 1);
+                __m512i v01 = _mm512_or_si512(_mm512_and_si512(l, low4), _mm512_slli_epi16(_mm512_and_si512(q, two), 4));
+                __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4), _mm512_and_si512(q, bits45));
+                __m512i s01 = _mm512_shuffle_epi8(sc[r][h], pick_lo), s23 = _mm512_shuffle_epi8(sc[r][h], pick_hi);
+                for (int t = 0; t < T && t < KQ_TOKENS; t++) {
+                    const int8_t *xh = x.xq + t * x.k + b * QK_K + 128 * h;
+                    __m512i *s = sums + KQ_TOKENS * r + t;
+                    *s = kq_scaled_add512(*s, _mm512_maddubs_epi16(v01, _mm512_loadu_si512(xh)), s01);
+                    *s = kq_scaled_add512(*s, _mm512_maddubs_epi16(v23, _mm512_loadu_si512(xh + 64)), s23);
+                }
+            }
+        }
+        float xd[KQ_TOKENS] = {0};
+        for (int t = 0; t < T && t < KQ_TOKENS; t++) xd[t] = x.xd[t * x.blocks + b];
+        __m512 d = _mm512_castps256_ps512(kq_factors(tail[0], tail[1], tail[2], tail[3]));
+        __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(xd)), _mm512_permutexvar_ps(by_row, d)),
+                                  _mm512_cvtepi32_ps(kq_hsum16(sums)));
+        acc = _mm512_add_ps(acc, t1);
+    }
+    float all[KQ_ROWS * KQ_TOKENS];
+    _mm512_storeu_ps(all, acc);
+    for (int t = 0; t < T && t < KQ_TOKENS; t++)
+        for (int r = 0; r < R && r < KQ_ROWS; r++) out[t * KQ_ROWS + r] = all[KQ_TOKENS * r + t];
+}
 #endif
 
 /* The same for Q6_K (type 14): ql[128], qh[64], 16 int8 scales, d; the tokens' int16 per-16 sums
@@ -397,15 +464,19 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
  * against 339 us for 2048x8192, where the 512-bit one's 16-lane reduction serves one token). */
 static inline int kq45_wide(int type, int rows) { return type == 13 || (type == 12 && rows > 1); }
 #define KQ45(...) (x.wide ? kq45_rows_wide(__VA_ARGS__) : kq45_rows(__VA_ARGS__))
+/* (Q6_K takes its activations in the file's order: the 512-bit dot wherever a pass has several tokens) */
+#define KQ6(w, row_bytes, R, T, ...) ((T) > 1 ? kq6_rows_wide(w, row_bytes, R, T, __VA_ARGS__) \
+                                              : kq6_rows(w, row_bytes, R, T, __VA_ARGS__))
 #else
 #define KQ45 kq45_rows
+#define KQ6 kq6_rows
 #endif
 static void kquant_rows_dot(const uint8_t *w, int64_t row_bytes, int R, int T, int type, int blocks, kq_tokens x,
                             float *out) {
 #define KQ_CASE(n, m)                                                               \
     case (n) * 8 + (m):                                                             \
         if (type == 14)                                                             \
-            kq6_rows(w, row_bytes, n, m, blocks, x, out);                           \
+            KQ6(w, row_bytes, n, m, blocks, x, out);                                \
         else if (type == 12)                                                        \
             KQ45(w, row_bytes, n, m, 12, blocks, x, out);                           \
         else                                                                        \
