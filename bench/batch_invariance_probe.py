@@ -1,0 +1,124 @@
+"""Which CUDA kernels give a row the same bits whatever the batch around it (issue 65's first question).
+
+    python bench/batch_invariance_probe.py        # on a CUDA machine; prints counts of differing elements
+
+Each line compares one row's (or one query's) result computed alone, in a prefix of the batch, or inside a larger
+step with the same row computed another way; 0 means bit-identical. It decides the deterministic mode's design:
+if every Triton `tl.dot` tile shape agrees, a matmul's tile may follow the row count; where a path differs (the
+one-row GEMV, the decode attention beside the prefill kernel) that path must go or be made to agree.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "tests")  # (tests/tiny.py: a small model config)
+
+
+@triton.jit
+def _matmul(x, w, o, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """o [M, N] fp32 = x [M, K] @ w [N, K].T, no split over K."""
+    om = tl.program_id(0) * BM + tl.arange(0, BM)
+    on = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        ok = k0 + tl.arange(0, BK)
+        a = tl.load(x + om[:, None] * K + ok[None, :], mask=om[:, None] < M, other=0.0)
+        b = tl.load(w + on[:, None] * K + ok[None, :], mask=on[:, None] < N, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+    tl.store(o + om[:, None] * N + on[None, :], acc, mask=(om[:, None] < M) & (on[None, :] < N))
+
+
+def matmul(x, w, bm, bn, bk, warps, stages=3):
+    (M, K), N = x.shape, w.shape[0]
+    o = torch.empty(M, N, dtype=torch.float32, device="cuda")
+    _matmul[(triton.cdiv(M, bm), triton.cdiv(N, bn))](x, w, o, M, N, K, bm, bn, bk, num_warps=warps,
+                                                      num_stages=stages)
+    return o
+
+
+def differ(a, b) -> int:
+    return int((a != b).sum().item())
+
+
+def linear_and_norms() -> None:
+    from nanoinfer.backends.cuda.gemv import gemv
+    from nanoinfer.backends.cuda.row_kernels import rms_norm as triton_rms_norm
+    from nanoinfer.model.layers import rms_norm
+
+    torch.manual_seed(0)
+    w = torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = matmul(x, w, 16, 32, 256, 4)
+    for cfg in [(16, 64, 128, 4), (16, 32, 64, 4), (32, 32, 64, 4), (64, 64, 64, 4), (64, 16, 64, 4),
+                (64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8), (128, 64, 32, 4)]:
+        print("tl.dot tiles (BM, BN, BK, warps)", cfg, "vs (16, 32, 256, 4):", differ(matmul(x, w, *cfg), ref))
+    for cfg in [(16, 32, 256, 4), (128, 128, 64, 8)]:
+        full = matmul(x, w, *cfg)
+        print("tl.dot", cfg, "rows 1/3/17/100 alone vs in 512:",
+              [differ(matmul(x[:m], w, *cfg), full[:m]) for m in (1, 3, 17, 100)])
+    full = x @ w.T
+    print("cuBLAS prefixes 1..256 vs in 512:",
+          [differ(x[:m] @ w.T, full[:m]) for m in (1, 2, 4, 8, 16, 17, 32, 64, 128, 256)])
+    print("cuBLAS vs tl.dot:", differ(full, ref.bfloat16()))
+    full = gemv(x, w)
+    print("gemv (the linear dispatch) prefixes 1/2/8/16/17/64:",
+          [differ(gemv(x[:m], w), full[:m]) for m in (1, 2, 8, 16, 17, 64)])
+    h = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.rand(1024, device="cuda", dtype=torch.bfloat16)
+    full = rms_norm(h, g, 1e-6)
+    print("torch rms_norm prefixes 1/2/8/64:", [differ(rms_norm(h[:m], g, 1e-6), full[:m]) for m in (1, 2, 8, 64)])
+    tri = triton_rms_norm(h, g, 1e-6)
+    print("Triton rms_norm prefixes:", [differ(triton_rms_norm(h[:m], g, 1e-6), tri[:m]) for m in (1, 2, 8, 64)],
+          "vs torch:", differ(tri, full))
+    for vocab in (151936, 50257):
+        logits = torch.randn(256, vocab, device="cuda") * 3
+        full = logits.log_softmax(-1)
+        print("log_softmax", vocab, "prefixes 1/2/7/64:",
+              [differ(logits[:m].log_softmax(-1), full[:m]) for m in (1, 2, 7, 64)],
+              "single rows 1/3/5:", [differ(logits[i:i + 1].log_softmax(-1), full[i:i + 1]) for i in (1, 3, 5)])
+
+
+def attention() -> None:
+    from tiny import tiny_config
+
+    from nanoinfer.attention.triton_paged import TritonPagedAttention
+    from nanoinfer.model.batch import SeqChunk, build_batch
+
+    torch.manual_seed(0)
+    block, blocks, length = 16, 600, 700
+    for group, fp8 in ((2, False), (4, False), (2, True)):
+        cfg = tiny_config(num_heads=8 * group, num_kv_heads=8, head_dim=128)
+        kv = torch.randn(2, blocks, block, 8, 128, device="cuda").to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        q = torch.randn(length, 8 * group, 128, device="cuda", dtype=torch.bfloat16)
+
+        def attend(chunks, queries, **kw):
+            a = TritonPagedAttention(cfg, **kw)
+            return a.attention(queries.contiguous(), kv, a.prepare(build_batch(chunks, block, "cuda"), cfg, None))
+
+        table, wide = list(range(44)), list(range(520))
+        last = length - 1
+        whole = attend([SeqChunk([0] * length, 0, table, True)], q)[last]  # the last query of a whole prefill
+        ways = {
+            "prefill, 520-block table": attend([SeqChunk([0] * length, 0, wide, True)], q)[last],
+            "a 100-token chunk": attend([SeqChunk([0] * 100, 600, table, True)], q[600:])[-1],
+            "a 1-token chunk beside a 300-token prefill": attend(
+                [SeqChunk([0] * 300, 0, table, True), SeqChunk([0], last, table, True)],
+                torch.cat([q[:300], q[last:]]))[-1],
+            "decode alone (split)": attend([SeqChunk([0], last, table, True)], q[last:]),
+            "decode unsplit": attend([SeqChunk([0], last, table, True)], q[last:], partition_size=8192)[0],
+            "decode beside 99 others": attend([SeqChunk([0], last, table, True)] + [SeqChunk([0], 300, table, True)] * 99,
+                                              torch.cat([q[last:]] * 100))[0],
+            "decode, 520-block table": attend([SeqChunk([0], last, wide, True)], q[last:]),
+        }
+        print(f"attention, GQA {group}, {'fp8' if fp8 else 'bf16'} pool, vs the whole prefill's last query:",
+              {name: differ(v.reshape(whole.shape), whole) for name, v in ways.items()})
+
+
+if __name__ == "__main__":
+    linear_and_norms()
+    attention()
