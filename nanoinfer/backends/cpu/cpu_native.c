@@ -498,16 +498,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* One weight row against one quantized activation row. */
-static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, const int8_t *xq, const float *xd,
-                     const float *xs, int groups, int bits) {
-    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-    int g = 0;
-    for (; g + 8 <= groups; g += 8, q += 32 * bits, xq += 256) {
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot(q, xq, bits, 8)), chunk_scales(d + g, xd + g, 8), acc);
-        mins = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))), _mm256_loadu_ps(xs + g),
-                               mins);
-    }
+/* The tail of a row's dot past its whole chunks of 8 groups (g of them done), and its sum. */
+static inline float row_dot_finish(__m256 acc, __m256 mins, const uint8_t *q, const uint16_t *d, const uint16_t *m,
+                                   const int8_t *xq, const float *xd, const float *xs, int g, int groups, int bits) {
     float rest = 0.0f;
     for (int G = 4; G >= 1; G /= 2) /* unrolled by the compiler: each G a constant */
         if ((groups - g) & G) {
@@ -517,11 +510,104 @@ static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, con
         }
     return hsum8(_mm256_add_ps(acc, mins)) + rest;
 }
+
+/* Tokens a row's chunk is unpacked once for (block_matmul_to's prefill): as many as the registers hold
+ * (its 8 weight registers and two accumulators a token) — AVX-512's 32, AVX2's 16. */
+#if defined(__AVX512VL__)
+#define ROW_TOKENS 4
+#else
+#define ROW_TOKENS 2
+#endif
+
+/* A chunk of 8 groups' weights as chunk_dot loads them: 4-bit, the low nibbles' 4 registers then the high's;
+ * 8-bit, its 8 loads. */
+static inline void chunk_weights(const uint8_t *q, int bits, __m256i w[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int l = 0; l < (bits == 8 ? 8 : 4); l++) {
+        __m256i v = load32(q + 32 * l);
+        if (bits == 8)
+            w[l] = v;
+        else
+            w[l] = _mm256_and_si256(v, low), w[4 + l] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+}
+
+/* chunk_dot(q, x, bits, 8) from its weights unpacked by chunk_weights: the same lane sums. */
+static inline __m256i chunk_dot_w(const __m256i w[8], const int8_t *x, int bits) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    if (bits == 8)
+        for (int l = 0; l < 8; l += 2) {
+            a = dot_acc8(a, w[l], load32(x + 32 * l));
+            b = dot_acc8(b, w[l + 1], load32(x + 32 * l + 32));
+        }
+    else if (DOT_ISA == 1) {
+        for (int l = 0; l < 4; l++) {
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[l], load32(x + 32 * l)));
+            b = _mm256_add_epi16(b, _mm256_maddubs_epi16(w[4 + l], load32(x + 128 + 32 * l)));
+        }
+        return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
+    } else
+        for (int l = 0; l < 4; l++) {
+            a = dot_acc(a, w[l], load32(x + 32 * l));
+            b = dot_acc(b, w[4 + l], load32(x + 128 + 32 * l));
+        }
+    return _mm256_add_epi32(a, b);
+}
+
+/* row_dot of one weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at
+ * xq + t k, xd + t groups, xs + t groups): each chunk's weights unpacked once for all of them, each token's
+ * operations row_dot's, in its order (the same bits as one token at a time). */
+static inline __attribute__((always_inline)) void row_dot_tokens(const uint8_t *q, const uint16_t *d,
+                                                                 const uint16_t *m, const int8_t *xq, const float *xd,
+                                                                 const float *xs, int groups, int bits, int64_t k,
+                                                                 int T, float *out) {
+    __m256 acc[ROW_TOKENS], mins[ROW_TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = mins[t] = _mm256_setzero_ps();
+    int g = 0;
+    const uint8_t *qc = q;
+    for (; g + 8 <= groups; g += 8, qc += 32 * bits) {
+        __m256i w[8];
+        chunk_weights(qc, bits, w);
+        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
+        __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g)));
+        for (int t = 0; t < T; t++) {
+            __m256i sums = chunk_dot_w(w, xq + t * k + 32 * g, bits);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_loadu_ps(xd + t * groups + g)),
+                                     acc[t]);
+            mins[t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + t * groups + g), mins[t]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        out[t] = row_dot_finish(acc[t], mins[t], qc, d, m, xq + t * k + 32 * g, xd + t * groups, xs + t * groups, g,
+                                groups, bits);
+}
+
+static void row_dot_some(const uint8_t *q, const uint16_t *d, const uint16_t *m, const int8_t *xq, const float *xd,
+                         const float *xs, int groups, int bits, int64_t k, int T, float *out) {
+    switch (T) { /* (each T its own unrolled copy) */
+    case 1: row_dot_tokens(q, d, m, xq, xd, xs, groups, bits, k, 1, out); return;
+    case 2: row_dot_tokens(q, d, m, xq, xd, xs, groups, bits, k, 2, out); return;
+#if ROW_TOKENS > 2
+    case 3: row_dot_tokens(q, d, m, xq, xd, xs, groups, bits, k, 3, out); return;
+    case 4: row_dot_tokens(q, d, m, xq, xd, xs, groups, bits, k, 4, out); return;
+#endif
+    }
+}
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 /* row_dot, BLOCK_DOT and DOT_ISA (4 neon, 5 neon-dotprod, 6 neon-i8mm): cpu_native_arm.h, included above */
 #else
 #define BLOCK_DOT 0
 #define DOT_ISA 0
+#endif
+
+#if BLOCK_DOT && !defined(ROW_TOKENS)
+/* (a build whose row_dot takes one token at a time: ARM's) */
+#define ROW_TOKENS 1
+static void row_dot_some(const uint8_t *q, const uint16_t *d, const uint16_t *m, const int8_t *xq, const float *xd,
+                         const float *xs, int groups, int bits, int64_t k, int T, float *out) {
+    (void)k, (void)T;
+    out[0] = row_dot(q, d, m, xq, xd, xs, groups, bits);
+}
 #endif
 
 #ifndef PREFETCH_ROWS
@@ -589,18 +675,28 @@ static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q,
     if (!xq) return -1;
     float *xd = (float *)(xq + (int64_t)rows * k), *xs = xd + (int64_t)rows * groups;
     quantize_groups_q8(x, rows, k, xq, xd, xs);
+    /* Tokens in tiles whose activations stay in L2 (~256 KiB) while every row runs over them (each tile reads
+     * the weights once), ROW_TOKENS of them sharing each unpacked chunk of a row. */
+    int tile = (int)(262144 / k) > ROW_TOKENS ? (int)(262144 / k) : ROW_TOKENS;
+    for (int t0 = 0; t0 < rows; t0 += tile) {
+        int t1 = t0 + tile < rows ? t0 + tile : rows;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; r++) {
-        /* a few rows ahead: the hardware prefetcher alone left a core's stream at ~60% of its bandwidth */
-        const uint8_t *ahead = q + (int64_t)(r + PREFETCH_ROWS < n ? r + PREFETCH_ROWS : r) * row_bytes;
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
-        for (int t = 0; t < rows; t++) {
-            float v = row_dot(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
-                              xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits);
-            if (y_f32)
-                ((float *)y)[(int64_t)t * ldy + r] = v;
-            else
-                ((uint16_t *)y)[(int64_t)t * ldy + r] = f32_to_bf16(v);
+        for (int r = 0; r < n; r++) {
+            /* a few rows ahead: the hardware prefetcher alone left a core's stream at ~60% of its bandwidth */
+            const uint8_t *ahead = q + (int64_t)(r + PREFETCH_ROWS < n ? r + PREFETCH_ROWS : r) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+            for (int t = t0; t < t1; t += ROW_TOKENS) {
+                int T = t1 - t < ROW_TOKENS ? t1 - t : ROW_TOKENS;
+                float v[ROW_TOKENS];
+                row_dot_some(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
+                             xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits, k, T, v);
+                for (int u = 0; u < T; u++) {
+                    if (y_f32)
+                        ((float *)y)[(int64_t)(t + u) * ldy + r] = v[u];
+                    else
+                        ((uint16_t *)y)[(int64_t)(t + u) * ldy + r] = f32_to_bf16(v[u]);
+                }
+            }
         }
     }
     free(xq);
