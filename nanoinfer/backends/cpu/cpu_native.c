@@ -554,6 +554,30 @@ static inline __m256i chunk_dot_w(const __m256i w[8], const int8_t *x, int bits)
     return _mm256_add_epi32(a, b);
 }
 
+#if DOT_ISA == 3
+/* A 4-bit chunk's weights in 512-bit registers (AVX-512 VNNI): w[0], w[1] the low nibbles of its 64-byte halves,
+ * w[2], w[3] the high ones; its dot in 4 vpdpbusd, not 8. Lane i of the low 256 bits and lane i of the high sum
+ * what lane i of chunk_dot's 256-bit sums holds (the products of its loads 2j and 2j + 1): folded, the same
+ * integers. */
+#define CHUNK_WIDE 1
+static inline void chunk_weights4_wide(const uint8_t *q, __m512i w[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 2; j++) {
+        __m512i v = _mm512_loadu_si512((const void *)(q + 64 * j));
+        w[j] = _mm512_and_si512(v, low), w[2 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+}
+
+static inline __m256i chunk_dot4_wide(const __m512i w[4], const int8_t *x) {
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512((const void *)x));
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], _mm512_loadu_si512((const void *)(x + 128)));
+    a = _mm512_dpbusd_epi32(a, w[1], _mm512_loadu_si512((const void *)(x + 64)));
+    b = _mm512_dpbusd_epi32(b, w[3], _mm512_loadu_si512((const void *)(x + 192)));
+    __m512i s = _mm512_add_epi32(a, b);
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+}
+#endif
+
 /* row_dot of one weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at
  * xq + t k, xd + t groups, xs + t groups): each chunk's weights unpacked once for all of them, each token's
  * operations row_dot's, in its order (the same bits as one token at a time). */
@@ -567,11 +591,21 @@ static inline __attribute__((always_inline)) void row_dot_tokens(const uint8_t *
     const uint8_t *qc = q;
     for (; g + 8 <= groups; g += 8, qc += 32 * bits) {
         __m256i w[8];
-        chunk_weights(qc, bits, w);
+#ifdef CHUNK_WIDE
+        __m512i wide[4];
+        if (bits == 4)
+            chunk_weights4_wide(qc, wide);
+        else
+#endif
+            chunk_weights(qc, bits, w);
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
         __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g)));
         for (int t = 0; t < T; t++) {
+#ifdef CHUNK_WIDE
+            __m256i sums = bits == 4 ? chunk_dot4_wide(wide, xq + t * k + 32 * g) : chunk_dot_w(w, xq + t * k + 32 * g, bits);
+#else
             __m256i sums = chunk_dot_w(w, xq + t * k + 32 * g, bits);
+#endif
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dv, _mm256_loadu_ps(xd + t * groups + g)),
                                      acc[t]);
             mins[t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + t * groups + g), mins[t]);
