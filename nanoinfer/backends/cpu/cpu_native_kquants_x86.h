@@ -191,6 +191,18 @@ static inline __attribute__((always_inline)) void kq45_rows(const uint8_t *w, in
     }
 }
 
+/* Q6_K's offset term for one token: 32 sum_s sc_s sum x_s, in 8 int32 lanes (sc16: the 16 scales as int16) */
+static inline __m256i kq6_offset(__m256i sc16, const int16_t *bs16) {
+    return _mm256_slli_epi32(_mm256_madd_epi16(sc16, kq_load(bs16)), 5);
+}
+
+/* Q6_K's fp16 d, as kq_factors takes a row's */
+static inline __m128i kq6_d(const uint8_t *blk) {
+    uint16_t d;
+    memcpy(&d, blk + 208, 2);
+    return _mm_cvtsi32_si128(d);
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 /* Q4_K and Q5_K in 512-bit registers (the AVX-512 tiers): a register of 64 stored bytes holds two
  * sub-blocks' values in its low nibbles (4c and 4c + 2) and two in its high (4c + 1, 4c + 3), so each
@@ -347,14 +359,10 @@ static inline __attribute__((always_inline)) void kq6_rows_wide(const uint8_t *w
             sc[r][0] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
             sc[r][1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1));
             /* -32 sum_s sc_s sum x_s, in lanes the reduction adds up */
-            for (int t = 0; t < T && t < KQ_TOKENS; t++) {
-                __m256i bsum = kq_load(x.bs16 + t * x.k / 16 + b * 16);
-                sums[KQ_TOKENS * r + t] = _mm512_castsi256_si512(_mm256_sub_epi32(
-                    _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsum), 5)));
-            }
-            uint16_t d;
-            memcpy(&d, blk[r] + 208, 2);
-            tail[r] = _mm_cvtsi32_si128(d);
+            for (int t = 0; t < T && t < KQ_TOKENS; t++)
+                sums[KQ_TOKENS * r + t] = _mm512_castsi256_si512(
+                    _mm256_sub_epi32(_mm256_setzero_si256(), kq6_offset(sc16, x.bs16 + t * x.k / 16 + b * 16)));
+            tail[r] = kq6_d(blk[r]);
             kq_prefetch(blk[r], b, blocks, row_bytes, 210);
         }
         for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
@@ -406,13 +414,9 @@ static inline __attribute__((always_inline)) void kq6_rows(const uint8_t *w, int
             blk[r] = w + r * row_bytes + (int64_t)b * 210;
             /* -32 sum_s sc_s sum x_s, in the same int32 lanes the dots go to */
             __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));
-            for (int t = 0; t < T && t < KQ_TOKENS; t++) {
-                __m256i bsum = kq_load(x.bs16 + t * x.k / 16 + b * 16);
-                sums[t][r] = _mm256_sub_epi32(sums[t][r], _mm256_slli_epi32(_mm256_madd_epi16(sc, bsum), 5));
-            }
-            uint16_t d;
-            memcpy(&d, blk[r] + 208, 2);
-            tail[r] = _mm_cvtsi32_si128(d);
+            for (int t = 0; t < T && t < KQ_TOKENS; t++)
+                sums[t][r] = _mm256_sub_epi32(sums[t][r], kq6_offset(sc, x.bs16 + t * x.k / 16 + b * 16));
+            tail[r] = kq6_d(blk[r]);
             kq_prefetch(blk[r], b, blocks, row_bytes, 210);
         }
         for (int h = 0; h < 2; h++) { /* a half of 128 values: ql[64], qh[32] */
