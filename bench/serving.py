@@ -217,12 +217,12 @@ def _bound(buckets: dict[str, float], total: float, share: float) -> str:
 
 def print_server_gaps(url: str) -> None:
     """The gaps between tokens as the server's front saw them (its ITL histogram, since it started): those over
-    0.1, 0.25, 0.5 and 1 s — beside the clients' gaps, where a stall happens (the server, or the way to the client);
+    20 ms to 1 s — beside the clients' gaps, where a stall happens (the server, or the way to the client);
     and the front's own TTFT and queue time (from a request's admission: the clients' TTFT less these is the way
     in, through HTTP and admission, and out)."""
     histograms = _histograms(url)
     buckets, total = histograms.get("nanoinfer_inter_token_latency_seconds", ({}, 0.0))
-    over = {le: total - n for le, n in buckets.items() if le in ("0.02", "0.05", "0.1", "0.2", "0.5", "1.0")}
+    over = {le: total - n for le, n in buckets.items() if le in ("0.02", "0.03", "0.04", "0.05", "0.1", "0.2", "0.5", "1.0")}
     print(f"server-side token gaps: {total:.0f}, p99 <= {_bound(buckets, total, 0.99)} s; over " +
           ", ".join(f"{le} s: {n:.0f}" for le, n in over.items()))
     for name, what in (("nanoinfer_time_to_first_token_seconds", "TTFT"),

@@ -5,7 +5,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from runtime.serve.metrics import LATENCY_BUCKETS, BulkHistogram
+from runtime.serve.metrics import ITL_BUCKETS, BulkHistogram
 
 
 def exposition(registry) -> dict[str, float]:
@@ -18,18 +18,18 @@ def exposition(registry) -> dict[str, float]:
 def test_bulk_histogram_exposes_what_one_observe_a_value_does():
     rng = random.Random(0)
     # values on the bounds (a bound's own bucket: le), past the last one, zero, and a spread in between
-    values = [rng.choice(LATENCY_BUCKETS) for _ in range(50)] + [rng.expovariate(20) for _ in range(500)] + [99.0, 0.0]
+    values = [rng.choice(ITL_BUCKETS) for _ in range(50)] + [rng.expovariate(20) for _ in range(500)] + [99.0, 0.0]
     reference, bulk = CollectorRegistry(), CollectorRegistry()
-    histogram = Histogram("x_seconds", "gaps", buckets=LATENCY_BUCKETS, registry=reference)
+    histogram = Histogram("x_seconds", "gaps", buckets=ITL_BUCKETS, registry=reference)
     for v in values:
         histogram.observe(v)
-    fast = BulkHistogram("x_seconds", "gaps", LATENCY_BUCKETS)
+    fast = BulkHistogram("x_seconds", "gaps", ITL_BUCKETS)
     bulk.register(fast)
     for start in range(0, len(values), 97):  # (as requests end: a request's gaps at a time, some requests none)
         fast.observe_many(values[start:start + 97])
         fast.observe_many([])
     want, got = exposition(reference), exposition(bulk)
-    assert want.keys() == got.keys() and len(want) == len(LATENCY_BUCKETS) + 3  # (buckets with +Inf, count, sum)
+    assert want.keys() == got.keys() and len(want) == len(ITL_BUCKETS) + 3  # (buckets with +Inf, count, sum)
     for name, value in want.items():
         assert got[name] == value if not name.endswith("_sum") else abs(got[name] - value) <= 1e-9 * value
     assert got['x_seconds_bucket{le="+Inf"}'] == len(values) and got['x_seconds_bucket{le="0.05"}'] > 0
