@@ -237,10 +237,6 @@ static void kq_interleave(int8_t *xq, int64_t n) {
     }
 }
 
-static inline __m256i kq_fold512(__m512i v) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
-
 /* 16 int32 vectors -> one whose lane i is the sum of v[i]'s lanes (integers: exact in any order) */
 static inline __m512i kq_hsum16(const __m512i *v) {
     __m512i u[8], w[4];
