@@ -554,7 +554,7 @@ static inline __m256i chunk_dot_w(const __m256i w[8], const int8_t *x, int bits)
     return _mm256_add_epi32(a, b);
 }
 
-#if DOT_ISA == 3
+#if DOT_ISA == 3 && defined(__AVX512BW__)
 /* A 4-bit chunk's weights in 512-bit registers (AVX-512 VNNI): w[0], w[1] the low nibbles of its 64-byte halves,
  * w[2], w[3] the high ones; its dot in 4 vpdpbusd, not 8. Lane i of the low 256 bits and lane i of the high sum
  * what lane i of chunk_dot's 256-bit sums holds (the products of its loads 2j and 2j + 1): folded, the same
