@@ -578,9 +578,9 @@ static inline __m256i chunk_dot4_wide(const __m512i w[4], const int8_t *x) {
 }
 #endif
 
-/* row_dot of one weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at
- * xq + t k, xd + t groups, xs + t groups): each chunk's weights unpacked once for all of them, each token's
- * operations row_dot's, in its order (the same bits as one token at a time). */
+/* One weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at xq + t k,
+ * xd + t groups, xs + t groups): each chunk's weights unpacked once for all of them, each token's operations those
+ * of a one-token call (T = 1), in its order: the same bits as one token at a time. */
 static inline __attribute__((always_inline)) void row_dot_tokens(const uint8_t *q, const uint16_t *d,
                                                                  const uint16_t *m, const int8_t *xq, const float *xd,
                                                                  const float *xs, int groups, int bits, int64_t k,
@@ -628,7 +628,8 @@ static void row_dot_some(const uint8_t *q, const uint16_t *d, const uint16_t *m,
     }
 }
 #elif defined(__aarch64__) && defined(__ARM_NEON)
-/* row_dot, BLOCK_DOT and DOT_ISA (4 neon, 5 neon-dotprod, 6 neon-i8mm): cpu_native_arm.h, included above */
+/* row_dot, BLOCK_DOT and DOT_ISA (4 neon, 5 neon-dotprod, 6 neon-i8mm): cpu_native_arm.h, included above;
+ * block_matmul_to calls its row_dot a token at a time (row_dot_some below) */
 #else
 #define BLOCK_DOT 0
 #define DOT_ISA 0
