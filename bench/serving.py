@@ -30,6 +30,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -274,6 +275,9 @@ def main():
     parser.add_argument("--profile", default=None, metavar="FILE.txt",
                         help="py-spy's collapsed stacks of the server's processes during the timed run")
     parser.add_argument("--profile-seconds", type=float, default=20.0)
+    parser.add_argument("--profile-delay", type=float, default=0.0,
+                        help="seconds into the timed run before sampling starts (past the clients' connecting "
+                             "and the first prefills, into the steady decode)")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     parser.add_argument("--serve-args", default="", help="more flags for `nanoinfer serve`, as one string")
     args = parser.parse_args()
@@ -311,7 +315,12 @@ def main():
         fronts = [server.pid, *(p for p in below if is_api_server(p))]  # (--api-server-count N: N front processes)
         engines = [p for p in below if p not in fronts]
         cpu_before, engines_before = cpu_of(fronts), cpu_of(engines)
-        profiler = start_profile(server.pid, args.profile_seconds, args.profile) if args.profile else None
+        profiler = None
+        if args.profile:
+            profiler = threading.Timer(args.profile_delay, lambda: profilers.append(
+                start_profile(server.pid, args.profile_seconds, args.profile)))
+            profilers: list[subprocess.Popen] = []
+            profiler.start()
         LONG_GAPS.clear()
         WHOLE_TEXT_ITLS.clear()
         run_start = time.monotonic()
@@ -331,9 +340,11 @@ def main():
               f"tokens a step, {counters['nanoinfer_preemptions_total']:.0f} preemptions, "
               f"{counters_before['nanoinfer_kv_blocks_total']:.0f} KV blocks")
         if profiler is not None:
-            profiler.wait()
-            if profiler.returncode:
-                print(f"py-spy failed: {profiler.stderr.read()[-500:]}", file=sys.stderr)
+            profiler.join()
+            for spy in profilers:
+                spy.wait()
+                if spy.returncode:
+                    print(f"py-spy failed: {spy.stderr.read()[-500:]}", file=sys.stderr)
     finally:
         server.terminate()
         server.wait(60)
