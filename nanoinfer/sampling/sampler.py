@@ -164,7 +164,18 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, max_
                  for i in range(0, logits.shape[0], rows)]
         return Logprobs(*(torch.cat(columns) for columns in zip(*parts)))
     logp = logits.float().log_softmax(dim=-1)
-    top = logp.topk(k, dim=-1) if k > 0 else None
-    empty = logp.new_empty(logp.shape[0], 0)
-    return Logprobs(logp.gather(1, token_ids[:, None])[:, 0],
-                    top.indices if top is not None else empty.long(), top.values if top is not None else empty)
+    top_ids = _top_ids(logp, k) if k > 0 else logp.new_empty(logp.shape[0], 0, dtype=torch.long)
+    return Logprobs(logp.gather(1, token_ids[:, None])[:, 0], top_ids, logp.gather(1, top_ids))
+
+
+def _top_ids(logp: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` most likely tokens of each row of `logp` [rows, vocab] fp32, best first, equal values by the lowest
+    token id (the argmax's rule). torch.topk orders equal values as its algorithm meets them, which follows the
+    batch's shape on CUDA (one block or several per row), and bf16 logits tie often: here each value and its id
+    make one int64 key, all distinct — the float's order as an integer (a negative float's magnitude bits
+    reversed), then the id reversed."""
+    bits = logp.view(torch.int32).long()
+    ordered = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
+    ids = torch.arange(logp.shape[-1], device=logp.device)
+    keys = ordered * (1 << 32) + ((1 << 32) - 1 - ids)
+    return (1 << 32) - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
