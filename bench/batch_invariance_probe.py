@@ -1,6 +1,7 @@
 """Which CUDA kernels give a row the same bits whatever the batch around it (issue 65's first question).
 
-    python bench/batch_invariance_probe.py        # on a CUDA machine; prints counts of differing elements
+    python bench/batch_invariance_probe.py [PART ...]   # on a CUDA machine; prints counts of differing elements
+                                                         # (parts: linear_and_norms attention decode_tiles)
 
 Each line compares one row's (or one query's) result computed alone, in a prefix of the batch, or inside a larger
 step with the same row computed another way; 0 means bit-identical. It decides the deterministic mode's design:
@@ -119,6 +120,84 @@ def attention() -> None:
               {name: differ(v.reshape(whole.shape), whole) for name, v in ways.items()})
 
 
+def linear_tiles() -> None:
+    """Which of a tensor-core product's tile parameters change a row's bits, per weight form: rows 0-16 of an
+    M-row product at one config against the same rows of a 1,100-row product at another (one parameter apart)."""
+    import triton as _triton
+
+    from nanoinfer.backends.cuda.gemv import _rows_kernel
+    from nanoinfer.backends.cuda.int4_gemv import _int4_mm_kernel
+    from nanoinfer.loaders.params import device_form
+    from nanoinfer.loaders.quantize import int4_groups
+    from nanoinfer.quant.quantized import Fp8Weight, Int8Weight
+
+    torch.manual_seed(0)
+    n, k = 1024, 3072
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(1100, k, device="cuda", dtype=torch.bfloat16)
+    forms = {"bf16": (w, None), "int8": (lambda q: (q.q, q.scale))(Int8Weight.quantize(w, torch.float32)),
+             "fp8": (lambda q: (q.q, q.scale))(Fp8Weight.quantize(w))}
+    int4 = device_form(int4_groups(w), w.device, w.dtype)
+
+    def product(form, m, bm, bn, bk, warps, stages=3):
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        if form == "int4":
+            _int4_mm_kernel.fn[(_triton.cdiv(m, bm), _triton.cdiv(n, bn))](
+                x, int4.packed, int4.scale, int4.min, out, m, n, k, x.stride(0), int4.packed.stride(0),
+                int4.scale.stride(0), out.stride(0), 1, GROUP=int4.group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=warps, num_stages=stages)
+            return out
+        q, scale = forms[form]
+        _rows_kernel.fn[(_triton.cdiv(n, bn), _triton.cdiv(m, bm))](
+            x, q, q if scale is None else scale, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
+            q.element_size(), HAS_SCALE=scale is not None, INT8=q.dtype == torch.int8, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        return out
+
+    pairs = {"same config (64, 128, K, 4)": ((64, 128, 0, 4), (64, 128, 0, 4)),
+             "BLOCK_N 16 vs 128": ((64, 16, 0, 4), (64, 128, 0, 4)),
+             "BLOCK_M 16 vs 64": ((16, 64, 0, 4), (64, 64, 0, 4)),
+             "BLOCK_M 64 vs 128 (8 warps)": ((64, 128, 0, 8), (128, 128, 0, 8)),
+             "BLOCK_K 2x": ((64, 64, 1, 4), (64, 64, 0, 4)),
+             "warps 8 vs 4": ((64, 64, 0, 8), (64, 64, 0, 4))}
+    for form in ("bf16", "int8", "fp8", "int4"):
+        base_k = 128 if form == "int4" else 64
+        found = {}
+        for name, (small, full) in pairs.items():
+            conf = lambda c: (c[0], c[1], base_k * (2 if c[2] else 1), c[3])
+            whole = product(form, 1100, *conf(full))
+            found[name] = [differ(product(form, m, *conf(small)), whole[:m]) for m in (1, 2, 17)]
+        print(f"tensor-core product, {form}, rows 1/2/17 vs in 1,100:", found)
+
+
+def decode_tiles() -> None:
+    """The deterministic attention with other tiles for its decode steps than its prefill's (64 rows, 4 warps):
+    which would keep a decode row's bits (16 rows a program wastes fewer rows of one sequence's queries)."""
+    from tiny import tiny_config
+
+    from nanoinfer.attention.triton_paged import TritonPagedAttention
+    from nanoinfer.model.batch import SeqChunk, build_batch
+
+    torch.manual_seed(0)
+    block, length = 16, 700
+    for group, head_dim, pool in ((2, 128, torch.bfloat16), (4, 64, torch.bfloat16), (2, 128, torch.float8_e4m3fn)):
+        cfg = tiny_config(num_heads=4 * group, num_kv_heads=4, head_dim=head_dim)
+        kv = torch.randn(2, 64, block, 4, head_dim, device="cuda").to(pool)
+        q = torch.randn(length, 4 * group, head_dim, device="cuda", dtype=torch.bfloat16)
+        a = TritonPagedAttention(cfg, device="cuda", deterministic=True)
+        table = list(range(44))
+        whole = a.attention(q, kv, a.prepare(build_batch([SeqChunk([0] * length, 0, table, True)], block, "cuda"),
+                                             cfg, None))
+        default = a.tiles
+        for tiles in ((16, a.block_n, 1, 2), (16, a.block_n, 4, 2), (32, a.block_n, 2, 2), (64, a.block_n, 4, 2),
+                      (128, a.block_n, 4, 2), (64, a.block_n, 8, 2)):
+            a.tiles = lambda split, decode, width, t=tiles: t if decode else default(split, decode, width)
+            rows = [a.attention(q[i:i + 1].contiguous(), kv, a.prepare(
+                build_batch([SeqChunk([0], i, table, True)], block, "cuda"), cfg, None))[0] for i in (5, 64, 699)]
+            print(f"deterministic attention, GQA {group}, d {head_dim}, {pool}: decode tiles {tiles} vs the prefill:",
+                  [differ(r, whole[i]) for r, i in zip(rows, (5, 64, 699))])
+
+
 if __name__ == "__main__":
-    linear_and_norms()
-    attention()
+    for part in sys.argv[1:] or ["linear_and_norms", "attention", "decode_tiles"]:
+        globals()[part]()

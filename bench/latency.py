@@ -33,13 +33,15 @@ import time
 import torch
 
 
-def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1, peer_sums=True):
+def time_ours(model, new_tokens, enforce_eager=False, async_scheduling=None, tensor_parallel_size=1, peer_sums=True,
+              deterministic=False):
     from nanoinfer.sampling.sampler import SamplingParams
     from runtime.engine.engine_core import EngineConfig, EngineCore
 
     engine = EngineCore(model, EngineConfig(block_size=16, num_blocks=256, max_model_len=2048,
                                             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                                             tensor_parallel_size=tensor_parallel_size, peer_sums=peer_sums,
+                                            deterministic=deterministic,
                                             cuda_graph_capture="all"))  # (none captured in the timed steps)
     prompt = [11, 22, 33, 44, 55]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -97,7 +99,9 @@ def main():
     parser.add_argument("--peer-sums", action=argparse.BooleanOptionalAction, default=True,
                         help="TP's one-token sums over peer memory (--no-peer-sums: NCCL's)")
     parser.add_argument("--variants", nargs="+", default=["overlap", "no-overlap", "eager"],
-                        choices=["overlap", "no-overlap", "eager"], help="which of our engine's paths to time")
+                        choices=["overlap", "no-overlap", "eager", "deterministic"],
+                        help="which of our engine's paths to time (deterministic: graphs, overlap and the "
+                             "batch-invariant kernels)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="tok/s bars per shape and variant, with each one's speedup over our eager path")
     args = parser.parse_args()
@@ -124,9 +128,11 @@ def main():
                 model = dense if form == "none" else dataclasses.replace(
                     dense, params=quantize_params(dense.params, form), quantization=form)
             nbytes = weight_bytes(model)
-            variants = [v for key, v in (("overlap", ("graphs, overlap", False, True)),
-                                         ("no-overlap", ("graphs, no overlap", False, False)),
-                                         ("eager", ("eager", True, True))) if key in args.variants]
+            variants = [v for key, v in (("overlap", ("graphs, overlap", False, True, False)),
+                                         ("no-overlap", ("graphs, no overlap", False, False, False)),
+                                         ("eager", ("eager", True, True, False)),
+                                         ("deterministic", ("deterministic", False, True, True)))
+                        if key in args.variants]
             linear = nanoinfer.backends.cuda.linear.linear
             if quant == "gpt-fast-int8":  # (kernels_for reads nanoinfer.backends.cuda.linear.linear when the engine starts)
                 nanoinfer.backends.cuda.linear.linear = quantized.linear
@@ -134,11 +140,11 @@ def main():
                 from bench.gpt_fast_int4 import with_tinygemm
 
                 nanoinfer.backends.cuda.linear.linear = with_tinygemm(linear)
-            runs = [(label, eager, overlap, size) for size in args.tensor_parallel_size
-                    for label, eager, overlap in (variants if quant == "none" else variants[:1])]
-            for label, eager, overlap, size in runs:
+            runs = [(label, eager, overlap, det, size) for size in args.tensor_parallel_size
+                    for label, eager, overlap, det in (variants if quant == "none" else variants[:1])]
+            for label, eager, overlap, det, size in runs:
                 tps, phases = time_ours(model, args.new_tokens, enforce_eager=eager, async_scheduling=overlap,
-                                        tensor_parallel_size=size, peer_sums=args.peer_sums)
+                                        tensor_parallel_size=size, peer_sums=args.peer_sums, deterministic=det)
                 breakdown = " ".join(f"{phases.get(k, 0):.3f}" for k in ("schedule", "batch", "forward", "sample",
                                                                           "resolve"))
                 sums = ", peer sums" if phases.pop("peer sums") else ", NCCL sums"

@@ -79,11 +79,13 @@ def main():
                              "default: the engine's")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused layers")
+    parser.add_argument("--deterministic", action="store_true", help="the batch-invariant kernels (issue 65)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parallel = dict(pipeline_parallel_size=args.pipeline_parallel_size,
                     pipeline_micro_batches=args.pipeline_micro_batches,
-                    tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+                    tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                    deterministic=args.deterministic)
     if args.pipeline_overlap is not None:
         parallel["pipeline_overlap"] = args.pipeline_overlap
 
@@ -149,7 +151,7 @@ def main():
         rows.append((f"transformers (batch {args.baseline_batch}, padded)", theirs, total / theirs))
     print(f"model {model_path.name}  device {args.device}  tp {args.tensor_parallel_size}  pp "
           f"{args.pipeline_parallel_size} (micro-batches {args.pipeline_micro_batches}, overlap "
-          f"{args.pipeline_overlap})  eager {args.enforce_eager}  "
+          f"{args.pipeline_overlap})  eager {args.enforce_eager}  deterministic {args.deterministic}  "
           f"kv cache {args.kv_cache_dtype}  quantization "
           f"{args.quantization}  temperature {args.temperature}  seqs {args.num_seqs}  "
           f"input {args.input_len}  "

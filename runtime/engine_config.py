@@ -114,6 +114,11 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "keep computed prompt blocks and reuse them for requests that share "
                                                 "a prefix (a system prompt, a conversation's history)")
     enforce_eager: bool = setting(False, "no CUDA graphs; the dense layer parts and the sampler's draw in torch ops")
+    deterministic: bool = setting(False, "on CUDA, a request's tokens and logprobs bit-identical whether it runs alone "
+                                         "or batched with any others, chunked, preempted or cached: every row count "
+                                         "through the same kernels (nanoinfer/backends/cuda/invariant.py; a cost "
+                                         "at batch 1 and over long contexts). The CPU's kernels are so already; "
+                                         "tensor parallelism over more than two GPUs is not")
     cuda_graph_capture: str = setting("lazy", "when CUDA graphs are captured: lazy (the largest batch sizes at "
                                               "start, each other on the first step that needs it: a shorter start) "
                                               "or all (every size at start: no capture mid-run, as benchmarks want)",

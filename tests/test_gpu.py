@@ -12,7 +12,6 @@ pytest.importorskip("triton")
 import dataclasses  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
 
 from nanoinfer.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from nanoinfer.model.batch import SeqChunk, build_batch, host_batch  # noqa: E402
@@ -20,8 +19,6 @@ from nanoinfer.backends.cuda.graphs import StepGraphs  # noqa: E402
 from nanoinfer.backends.choose import cuda_layer_functions, kernels_for  # noqa: E402
 from nanoinfer.model.kv_cache import allocate_kv_pool  # noqa: E402
 from nanoinfer.model.layers import rms_norm  # noqa: E402
-from nanoinfer.loaders import LoadedModel  # noqa: E402
-from nanoinfer.loaders.hf import load_hf_params, read_hf_config  # noqa: E402
 from nanoinfer.model.decoder import EAGER, forward, map_params  # noqa: E402
 from nanoinfer.sampling.sampler import SamplingParams  # noqa: E402
 from runtime.async_engine import engine_config  # noqa: E402
@@ -31,17 +28,9 @@ from runtime.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
 @pytest.fixture(scope="module")
 def hf_and_ours(tmp_path_factory):
     """A Qwen3-0.6B-shaped model with random weights, saved by transformers, loaded by us."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                                      num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                                      head_dim=128, tie_word_embeddings=True, initializer_range=0.05)
-    with torch.device("cuda"):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    path = tmp_path_factory.mktemp("qwen3-shape")
-    hf.save_pretrained(path)
-    cfg = read_hf_config(path)
-    ours = LoadedModel(cfg, load_hf_params(path, cfg, torch.bfloat16, "cuda", progress=False), None, path)
-    return hf, ours
+    from tests.tiny import qwen3_shaped
+
+    return qwen3_shaped(tmp_path_factory.mktemp("qwen3-shape"))
 
 
 def tiny_cfg():

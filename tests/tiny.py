@@ -93,3 +93,22 @@ def byte_level_tokenizer(path, vocab_size: int = 600):
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
     return Tokenizer.from_hf_dir(path)
+
+
+def qwen3_shaped(path, num_layers: int = 28):
+    """(transformers' model, ours) of the Qwen3-0.6B shape (its first `num_layers` layers) on CUDA, random bf16
+    weights (`initializer_range` 0.05: near-ties everywhere) saved by transformers into `path` and loaded by us."""
+    import transformers
+
+    from nanoinfer.loaders import LoadedModel
+    from nanoinfer.loaders.hf import load_hf_params, read_hf_config
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                      num_hidden_layers=num_layers, num_attention_heads=16, num_key_value_heads=8,
+                                      head_dim=128, tie_word_embeddings=True, initializer_range=0.05)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    hf.save_pretrained(path)
+    cfg = read_hf_config(path)
+    return hf, LoadedModel(cfg, load_hf_params(path, cfg, torch.bfloat16, "cuda", progress=False), None, path)

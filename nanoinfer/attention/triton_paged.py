@@ -263,11 +263,17 @@ class TritonPagedAttention:
     partitions of `fine_partition` keys (an H100, µs per layer, 8B shape: batch 1, 1,000 keys
     14.3 -> 7.1, 2,000 keys 15.8 -> 8.9; below 256 keys one program is faster, the reduce
     kernel costing more than the split saves; at batch 4, 300 keys, 7.4 -> 8.5: bench/RESULTS.md).
+
+    `deterministic` (issue 65): a query row's bits the same in every step, whatever else the step holds —
+    never split (a split combines partial softmaxes in an arithmetic of its own, at cut points that
+    follow the table's width), one tile shape for decode and prefill (`tiles`), and no CUDA-core decode
+    kernel for an fp8 pool.
     """
 
     def __init__(self, cfg: ModelConfig, *, max_split_tokens: int | None = None, partition_size: int = 512,
                  max_partitions: int = 32, few_programs: int = 16, fine_from: int = 256, fine_partition: int = 64,
-                 device: torch.device | str = "cuda"):
+                 device: torch.device | str = "cuda", deterministic: bool = False):
+        self.deterministic = deterministic
         if max_split_tokens is None:
             max_split_tokens = max(1, 512 // cfg.num_kv_heads)
         d = cfg.head_dim
@@ -302,7 +308,7 @@ class TritonPagedAttention:
         """How many partitions the tensor-core kernel cuts each program's keys into (1: the
         unsplit launch) for a step of `tokens` query rows of `num_seqs` sequences over
         `kv_heads` heads, its block table `max_context` keys wide (see the class docstring)."""
-        if tokens > self.max_split_tokens:
+        if tokens > self.max_split_tokens or self.deterministic:
             return 1
         partition = self.partition_size
         if tokens <= num_seqs and num_seqs * kv_heads <= self.few_programs and max_context > self.fine_from:
@@ -313,10 +319,14 @@ class TritonPagedAttention:
         """(query rows, keys, warps, pipeline stages) of each program of the tensor-core kernel: a decode-sized
         step (split, or one query per sequence) takes 16 rows, the smallest tensor-core tile, so one decode query
         of a GQA group wastes few rows; a prefill step `prefill_tiles`, or `long_prefill_tiles` over a block
-        table at least `long_from` keys wide. Rows are at least a GQA group."""
+        table at least `long_from` keys wide. Rows are at least a GQA group. `deterministic`: `prefill_tiles` for
+        every step (16 rows over 4 warps would sum a row's probabilities across warps, in another order than
+        the prefill tiles' sum within one warp)."""
+        if self.deterministic:
+            return (max(self.prefill_tiles[0], triton.next_power_of_2(self.group)), *self.prefill_tiles[1:])
         tiles = ((16, self.block_n, self.num_warps, 2) if split or decode else
                  self.long_prefill_tiles if max_context >= self.long_from else self.prefill_tiles)
-        if not split and decode and self.head_dim_pad <= 128:
+        if not split and decode and self.head_dim_pad <= 128 and not self.deterministic:
             # An unsplit decode step streams each sequence's whole context through one program: longer K/V
             # tiles, three stages deep, keep more loads in flight (batch 256 x ~1k tokens on an H200: 3.83 ->
             # 4.04 TB/s). Wide heads keep their smaller tiles.
@@ -326,7 +336,9 @@ class TritonPagedAttention:
     def graph_widths(self, block_size: int) -> tuple[int, ...]:
         """The block-table widths (in blocks) where a decode step's attention launch changes
         (`partitions`): a runner captures its decode graphs at each, so that a step of short
-        contexts replays a graph whose attention does not split them."""
+        contexts replays a graph whose attention does not split them (`deterministic`: none, it never splits)."""
+        if self.deterministic:
+            return ()
         return (self.fine_from // block_size, self.partition_size // block_size)
 
     def prepare(self, batch: Batch, cfg: ModelConfig, window: int | None) -> TritonMetadata:
@@ -363,7 +375,7 @@ class TritonPagedAttention:
         max_context = metadata.block_tables.shape[1] * block_size
         num_parts = min(self.max_partitions, triton.cdiv(max_context, self.partition_size))
         if (kv_layer.dtype == torch.float8_e4m3fn and tokens <= num_seqs and not metadata.softcap
-                and triton_decode_cc.takes(self.group, self.head_dim_pad)):
+                and not self.deterministic and triton_decode_cc.takes(self.group, self.head_dim_pad)):
             # A decode step over an fp8 pool with a GQA group of 1 or 2: the CUDA-core kernel,
             # split only while (sequence, KV head) programs are too few to fill the GPU.
             if tokens > self.max_split_tokens or num_seqs * kv_heads >= 256:

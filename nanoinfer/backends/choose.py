@@ -51,11 +51,12 @@ class Kernels(NamedTuple):
     mask: Callable | None = None  # grammar masks onto the logits, fused; None: nanoinfer.structured.bitmasks.apply_bitmask
 
 
-def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:
+def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int,
+                      deterministic: bool = False) -> AttentionBackend:
     if device.type == "cuda":
         from nanoinfer.attention.triton_paged import TritonPagedAttention
 
-        return TritonPagedAttention(cfg, device=device)
+        return TritonPagedAttention(cfg, device=device, deterministic=deterministic)
     from nanoinfer.attention.torch_paged import TorchPagedAttention
 
     return TorchPagedAttention(block_size)
@@ -83,11 +84,16 @@ def cuda_lacks(cfg: ModelConfig) -> str | None:
 
 
 def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False,
-                params: Params | None = None, kv_dtype: torch.dtype | None = None) -> Kernels:
-    """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model."""
+                params: Params | None = None, kv_dtype: torch.dtype | None = None,
+                deterministic: bool = False) -> Kernels:
+    """`params` and `kv_dtype` (the pool's) let the CPU pick its fused layers for a packed model.
+    `deterministic`: on CUDA, the batch-invariant parts (nanoinfer.backends.cuda.invariant), with CUDA graphs
+    unless `eager`; the CPU's kernels are batch-invariant already (tests/test_cpu_determinism.py)."""
     lacking = fused_layers_lack(cfg)
     if device.type == "cuda" and (missing := cuda_lacks(cfg)) is not None:
         raise ValueError(f"{cfg.architecture} cannot run on CUDA: {missing}; load it with device='cpu'")
+    if device.type == "cuda" and deterministic:
+        return _invariant_kernels(cfg, device, block_size, eager, lacking, params)
     if device.type != "cuda":
         from nanoinfer.backends.cpu import cpu_layers
         from nanoinfer.backends.cpu import cpu_native
@@ -112,6 +118,20 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
 
     return Kernels(attention, cuda_layer_functions() if lacking is None else EAGER, True, triton_draw,
                    masked_float_logits)
+
+
+def _invariant_kernels(cfg: ModelConfig, device: torch.device, block_size: int, eager: bool, lacking: str | None,
+                       params: Params | None) -> Kernels:
+    from nanoinfer.backends.cuda import invariant
+    from nanoinfer.backends.cuda.bitmask_triton import masked_float_logits
+    from nanoinfer.backends.cuda.draw_triton import triton_draw
+
+    why = lacking and f"deterministic=True cannot run {cfg.architecture} on CUDA yet: {lacking}"
+    why = why or invariant.refusal(cfg, params.dtype if params is not None else torch.bfloat16)
+    if why:
+        raise ValueError(why)
+    return Kernels(attention_backend(cfg, device, block_size, deterministic=True), invariant.layer_functions(),
+                   not eager, triton_draw, masked_float_logits)
 
 
 def cuda_layer_functions() -> LayerFunctions:

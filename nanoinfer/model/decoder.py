@@ -167,6 +167,9 @@ class LayerFunctions(NamedTuple):
     all_reduce: Callable = _same
     embed: Callable = embedding
     gather_logits: Callable = _same
+    # The final norm before the LM head (CUDA's deterministic mode: a kernel of one program per row,
+    # nanoinfer.backends.cuda.invariant; torch's reduction picks its order by the row count).
+    norm: Callable = rms_norm
 
 
 EAGER = LayerFunctions()
@@ -225,7 +228,7 @@ def forward(
     if params.lm_head is None:  # a stage before the last: its activations are the next stage's input
         return x
     # Only the rows that sample pay for the final norm and the LM head.
-    x = rms_norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
+    x = layer_fns.norm(x[batch.logits_indices], params.final_norm, cfg.rms_norm_eps)
     logits = layer_fns.gather_logits(layer_fns.lm_head(x, params.lm_head))
     if cfg.final_softcap is not None:
         logits = softcap(logits, cfg.final_softcap)

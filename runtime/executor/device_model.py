@@ -27,7 +27,8 @@ class DeviceModel:
         self.kv_dtype = kv_dtype(model.params.dtype, config.kv_cache_dtype)
         self.kernels = self._layer_functions(kernels_for(self.cfg, self.device, config.block_size,
                                                          eager=config.enforce_eager, params=model.params,
-                                                         kv_dtype=self.kv_dtype))
+                                                         kv_dtype=self.kv_dtype,
+                                                         deterministic=config.deterministic))
         prepare(self.kernels, model.params, self.cfg.vocab_size)
         self.pools = self.kv = self.graphs = None
 

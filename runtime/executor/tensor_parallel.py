@@ -300,9 +300,15 @@ class TensorParallelRunner(ModelRunner):
     defers_sampling = False  # (a masked step samples at once: the deferral is measured on one GPU only)
 
     def __init__(self, model: LoadedModel, config, max_model_len: int, draft: LoadedModel | None = None):
+        if config.deterministic and config.tensor_parallel_size > 2 and model.params.device.type == "cuda":
+            # (two ranks' sum is one rounding of x0 + x1 in any order; NCCL adds more in an order of its choosing)
+            raise ValueError(f"deterministic=True with tensor_parallel_size={config.tensor_parallel_size} on CUDA: "
+                             f"NCCL's sum over more than two GPUs follows its algorithm; expected at most 2")
         self.tp = TensorParallelRanks(model.config, model.params,
                                       Grid(config.tensor_parallel_size, config.pipeline_parallel_size),
-                                      peer_sums=config.peer_sums and not config.enforce_eager)
+                                      # (deterministic: one token's sum as more tokens' are, through NCCL)
+                                      peer_sums=config.peer_sums and not config.enforce_eager
+                                      and not config.deterministic)
         try:
             local_cfg, local_params = self.tp.local(model.params)  # rank 0's heads and units (and layers)
             super().__init__(dataclasses.replace(model, config=local_cfg, params=local_params), config,
@@ -332,7 +338,8 @@ class TensorParallelRunner(ModelRunner):
         """The ranks size their pools, and capture their graphs now, in step with rank 0's."""
         c = self.config
         self.tp.setup(RankSetup(self.num_blocks, self.num_cpu_blocks, c.block_size, kv_dtype, c.enforce_eager,
-                                self._graph_sizes() if self.kernels.graphs else None, self._micro_batches()))
+                                self._graph_sizes() if self.kernels.graphs else None, self._micro_batches(),
+                                deterministic=c.deterministic))
 
     def _micro_batches(self) -> int:
         """(A seam of pipeline_parallel.py's subclass.)"""

@@ -140,7 +140,8 @@ def _rank_model(rank: int, grid: Grid, vocab_size: int, local: ModelConfig, part
     links = peer_links(local, grid, rank, part.dtype, device) if setup.peer_sums else None
     if links is not None:  # (first: rank 0 connects on sending the setup, and waits CONNECT for us)
         links.connect(dist.group.WORLD.group_name)
-    kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype)
+    kernels = kernels_for(local, device, setup.block_size, eager=setup.eager, params=part, kv_dtype=setup.kv_dtype,
+                          deterministic=setup.deterministic)
     fns = rank_layer_functions(kernels.layer_fns, grid, rank, vocab_size, None if groups is None else groups.tp, links)
     pools = KVPools(local, setup.num_blocks, setup.num_cpu_blocks, setup.block_size, setup.kv_dtype, device)
 

@@ -24,6 +24,7 @@ class RankSetup(NamedTuple):
     graphs: GraphSizes | None  # the CUDA graphs rank 0 captures, which every rank captures alike
     micro_batches: int = 1  # pipeline parallelism: the most micro-batches a step is cut into
     peer_sums: bool = False  # one-token sums over NVLink peer memory (nanoinfer.backends.cuda.peer_sum), connected now
+    deterministic: bool = False  # kernels_for's: the batch-invariant parts
 
 # Every order starts with a fixed header of int64s: its kind and, for a forward (every step),
 # each batch tensor's rows, columns (-1: 1-D) and dtype, so that the step's path pickles

@@ -160,29 +160,34 @@ ROWS_MAX = 16
     key=["N", "K", "W_BYTES"], do_bench=quick_bench, cache_results=True,
     prune_configs_by={"early_config_prune": ShippedChoice("_rows_kernel")},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, W_BYTES,
-                 HAS_SCALE: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr = 16):
     # Rows of x padded to 16, one tensor-core product per weight tile: the weight is read once
     # for all rows (cuBLAS picks split-K tilings here that ran 10-40% slower than one row).
+    # BLOCK_M (`tiled_matmul`, the deterministic mode's product): a grid axis of row tiles. M is not
+    # specialized on: one compiled program for every row count.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if INT8:  # (exact: an int8 is a bf16 or fp16; the widening trick of _gemv_kernel)
             w = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(x.dtype)
+        else:  # (an fp8 weight widens exactly; a no-op for x's own dtype)
+            w = w.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -211,6 +216,30 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
     return out
 
 
+# The deterministic mode's one tile of rows and of K (and warps, stages) for every row count: the same compiled
+# program computes a row whatever M is. (An H100 found widened 1-byte weights' rows differing between 16- and 128-row
+# tiles, where bf16 ones did not: bench/batch_invariance_probe.py, bench/RESULTS.md.) Only the output columns a
+# program takes follow M: few rows want many programs, many rows wide tiles.
+INVARIANT_TILES = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+def invariant_block_n(m: int) -> int:
+    return 16 if m <= 16 else 64 if m <= 256 else 128
+
+
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (w[N, K] * scale[N, None]).T -> [M, N] in x's dtype (bf16/fp16) on tensor cores, a row's bits
+    the same whatever M (the deterministic mode's product: nanoinfer.backends.cuda.invariant): `_rows_kernel` at
+    INVARIANT_TILES for every M. w: bf16/fp16 (x's), int8 or fp8 with a per-row `scale`."""
+    n, k = w.shape
+    m = x.shape[0]
+    x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bn = invariant_block_n(m)
+    _rows_kernel.fn[(triton.cdiv(n, bn), triton.cdiv(m, INVARIANT_TILES["BLOCK_M"]))](
+        x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        w.element_size(), HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, BLOCK_N=bn, **INVARIANT_TILES)
+    return out
 
 
 def fused_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm: torch.Tensor | None, eps: float,

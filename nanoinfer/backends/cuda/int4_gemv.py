@@ -204,7 +204,7 @@ def _int4_gemv_tensor_cores(x_ptr, w_ptr, scale_ptr, min_ptr, offs_n, n_mask, K,
     key=["ROWS", "N", "K", "GROUP"], do_bench=quick_bench, cache_results=True,
     prune_configs_by={"early_config_prune": ShippedChoice("_int4_mm_kernel")},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ROWS"])
 def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                     stride_om, ROWS, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
@@ -241,14 +241,23 @@ def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_x
 _BITS_OF_128 = 0x43000000
 
 
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+            invariant: bool = False) -> torch.Tensor:
     """x [M, K] (bf16 or fp16) @ the Int4CudaWeight (packed, scale, low: its min).T -> [M, N],
-    fp32 accumulation; one row in the GEMV kernel, more in the tensor-core one."""
+    fp32 accumulation; one row in the GEMV kernel, more in the tensor-core one. `invariant`: every row
+    count in the tensor-core kernel at one config of rows, K and warps, so that a row's bits do not
+    depend on M (the deterministic mode)."""
     n, k = packed.shape[0], packed.shape[1] * 8
     group = k // scale.shape[1]
     m = x.shape[0]
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if invariant:  # (one config but for its output columns, as gemv.tiled_matmul's)
+        bn = 32 if m <= 16 else 64 if m <= 256 else 128
+        _int4_mm_kernel.fn[(triton.cdiv(m, 64), triton.cdiv(n, bn))](
+            x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
+            triton.next_power_of_2(m), GROUP=group, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=3)
+        return out
     if m == 1:
         _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             *int4_gemv_args(x, packed, scale, low, out), GROUP=group, HALF=scale.dtype == torch.float16)
