@@ -161,6 +161,10 @@ class EngineCore:
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
                 torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()  # (the caching allocator's blocks, back to the device)
+        else:  # (the heap keeps freed buffers for the next op: runtime/executor/host_heap.py)
+            from runtime.executor import host_heap
+
+            host_heap.give_back()
 
     def stats(self) -> dict:
         spec = self.speculator

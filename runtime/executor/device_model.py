@@ -16,6 +16,7 @@ from nanoinfer.backends.choose import forward_of, kernels_for, prepare
 from nanoinfer.model.kv_cache import kv_dtype
 from nanoinfer.loaders import LoadedModel
 from runtime.engine_config import EngineConfig
+from runtime.executor import host_heap
 from runtime.executor.kv_pools import KVPools
 
 
@@ -25,6 +26,8 @@ class DeviceModel:
         self.device = model.params.device
         self.block_size = config.block_size
         self.kv_dtype = kv_dtype(model.params.dtype, config.kv_cache_dtype)
+        if self.device.type == "cpu":  # (each op's buffers reused, not faulted in afresh)
+            host_heap.keep_step_buffers()
         self.kernels = self._layer_functions(kernels_for(self.cfg, self.device, config.block_size,
                                                          eager=config.enforce_eager, params=model.params,
                                                          kv_dtype=self.kv_dtype,
