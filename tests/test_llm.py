@@ -56,6 +56,19 @@ def test_chunked_prefill_gives_the_same_tokens(smollm2_gguf):
     assert outputs[0] == outputs[1]
 
 
+def test_deterministic_changes_nothing_on_the_cpu(llm, smollm2_gguf):
+    """`deterministic=True` (issue 65) asks CUDA for its batch-invariant kernels; the CPU's are batch-invariant
+    already, so on the CPU the setting is accepted and the tokens and logprobs are those of the default."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    default = llm.generate(PROMPTS, params, use_tqdm=False)
+    with LLM(smollm2_gguf, device="cpu", progress=False, num_blocks=64, block_size=8, enable_prefix_caching=False,
+             deterministic=True) as det:
+        assert det.engine.core.config.deterministic
+        ours = det.generate(PROMPTS, params, use_tqdm=False)
+    assert [(o.token_ids, o.outputs[0].logprobs) for o in ours] == [(o.token_ids, o.outputs[0].logprobs)
+                                                                    for o in default]
+
+
 def test_stop_token_ids_and_eos(llm):
     base = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     stop_id = base.token_ids[3]
