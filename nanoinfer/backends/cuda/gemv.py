@@ -224,6 +224,7 @@ INVARIANT_TILES = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 def invariant_block_n(m: int) -> int:
+    """The output columns a program of the deterministic mode's product takes at `m` rows (a speed choice only)."""
     return 16 if m <= 16 else 64 if m <= 256 else 128
 
 

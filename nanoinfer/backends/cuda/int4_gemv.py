@@ -252,11 +252,13 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
     m = x.shape[0]
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if invariant:  # (one config but for its output columns, as gemv.tiled_matmul's)
-        bn = 32 if m <= 16 else 64 if m <= 256 else 128
-        _int4_mm_kernel.fn[(triton.cdiv(m, 64), triton.cdiv(n, bn))](
+    if invariant:  # (gemv.tiled_matmul's rule: one config but for its output columns; K in 128s, a word's planes)
+        from nanoinfer.backends.cuda.gemv import INVARIANT_TILES, invariant_block_n
+
+        bm, bn = INVARIANT_TILES["BLOCK_M"], max(32, invariant_block_n(m))
+        _int4_mm_kernel.fn[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
-            triton.next_power_of_2(m), GROUP=group, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=3)
+            triton.next_power_of_2(m), GROUP=group, BLOCK_N=bn, **{**INVARIANT_TILES, "BLOCK_K": 128})
         return out
     if m == 1:
         _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
