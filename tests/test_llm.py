@@ -69,6 +69,17 @@ def test_deterministic_changes_nothing_on_the_cpu(llm, smollm2_gguf):
                                                                     for o in default]
 
 
+def test_a_streams_per_token_outputs_are_not_tracked_by_the_cyclic_gc(llm):
+    """A server front makes a CompletionOutput a token a stream: untracked, they set off no collection."""
+    import gc
+
+    stream = llm.stream("The capital of France is", GREEDY)
+    out = next(stream)
+    stream.close()
+    assert not gc.is_tracked(out.outputs[0]) and out.outputs[0].token_ids
+    assert all_blocks_free(llm)
+
+
 def test_stop_token_ids_and_eos(llm):
     base = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     stop_id = base.token_ids[3]
