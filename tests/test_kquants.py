@@ -69,8 +69,10 @@ def test_blocks_read_as_gguf_py_reads_them(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-# (tokens by 4, 2 and 1 in a pass; 200 of 1,536 columns span two of kquant_matmul_to's token tiles)
-@pytest.mark.parametrize("out, cols, tokens", [(37, 256, 1), (64, 768, 3), (9, 1536, 5), (6, 512, 7), (9, 1536, 200)])
+# (tokens by 4, 2 and 1 in a pass; 200 of 1,536 columns span two of kquant_matmul_to's token tiles; from 32
+# tokens on, AVX-512 VNNI takes rows by 16 (cpu_native_kquants_tiles.h): 37 rows are 2 tiles and 5 rows left)
+@pytest.mark.parametrize("out, cols, tokens", [(37, 256, 1), (64, 768, 3), (9, 1536, 5), (6, 512, 7), (9, 1536, 200),
+                                               (37, 512, 40), (16, 768, 35)])
 def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, cols, tokens):
     g = torch.Generator().manual_seed(out + cols)
     kq = kquant(torch.randn(out, cols, generator=g) * 0.05, qtype)
@@ -88,11 +90,13 @@ def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, co
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-@pytest.mark.parametrize("out, blocks", [(1, 1), (2, 3), (3, 1), (4, 2), (6, 1), (7, 8)])
-def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, blocks):
+@pytest.mark.parametrize("out, blocks, tokens", [(1, 1, 3), (2, 3, 3), (3, 1, 3), (4, 2, 3), (6, 1, 3), (7, 8, 3),
+                                                 (17, 2, 33)])
+def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, blocks, tokens):
     """Super-blocks of random bytes (every value, scale and min the format can hold, 63s among
     them) against activations at +-127 (the int16 pairs' largest sums), at row counts around a
-    pass's 4 rows (cpu_native_kquants_x86.h), of one and several super-blocks: the reference's bits."""
+    pass's 4 rows (cpu_native_kquants_x86.h) and a tile's 16 (cpu_native_kquants_tiles.h, from 32
+    tokens), of one and several super-blocks: the reference's bits."""
     g = torch.Generator().manual_seed(out * 100 + blocks + qtype)
     bytes_ = kquants.BLOCK_BYTES[qtype]
     data = torch.randint(0, 256, (out, blocks, bytes_), generator=g, dtype=torch.uint8)
@@ -102,7 +106,7 @@ def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, block
         factor = (torch.rand(out, blocks, generator=g) * 0.02 - 0.005).to(torch.float16)
         data[..., offset:offset + 2] = factor.view(torch.uint8).reshape(out, blocks, 2)
     kq = KQuantWeight(data.reshape(out, -1).contiguous(), int(qtype), blocks * 256)
-    x = torch.randn(3, blocks * 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, blocks * 256, generator=g).to(torch.bfloat16)
     x[0] = torch.where(x[0] < 0, -1.0, 1.0)  # every activation at +-127
     x[1] = x[1].abs()  # all at the same sign: the largest sums
     want = kquants.reference_kquant_matmul(x, kq)

@@ -150,6 +150,10 @@ typedef struct {
 /* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows by KQ_TOKENS tokens a pass */
 #if defined(__AVX2__) && defined(__F16C__)
 #include "cpu_native_kquants_x86.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KQ_TILES 1 /* prefill: 16 rows unpacked once for every token */
+#include "cpu_native_kquants_tiles.h"
+#endif
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include "cpu_native_kquants_arm.h"
 #endif
@@ -204,20 +208,31 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     int16_t *bs16 = (int16_t *)(bsum + subs), *bs32 = bs16 + subs;
     for (int64_t s = 0; s < subs; s++) bs16[s] = (int16_t)bsum[s];
     for (int64_t s = 0; s < subs / 2; s++) bs32[s] = (int16_t)(bsum[2 * s] + bsum[2 * s + 1]);
+    int done = 0; /* the columns computed by the tiles */
+#ifdef KQ_TILES
+    if (rows >= KQ_TILE_MIN_TOKENS && n >= KQ_TILE_ROWS) {
+        kq_tokens all = {xq, xd, bs16, bs32, k, blocks, 0};
+        done = n / KQ_TILE_ROWS * KQ_TILE_ROWS;
+        if (kquant_tiles_to(w, row_bytes, type, blocks, rows, all, done, y, ldy, y_f32, threads)) {
+            free(xq);
+            return -1;
+        }
+    }
+#endif
     int wide = 0;
 #ifdef KQ45_WIDE
-    wide = kq45_wide(type, rows);
+    wide = done < n && kq45_wide(type, rows);
     if (wide) kq_interleave(xq, (int64_t)rows * blocks); /* (the per-16 sums above keep the file's order) */
 #endif
-    int passes = (n + KQ_ROWS - 1) / KQ_ROWS;
+    int passes = (n - done + KQ_ROWS - 1) / KQ_ROWS;
     /* Tokens in tiles whose activations stay in L2 (~256 KiB) while every pass runs over them: a
      * pass's rows stay in L1 over its tile's tokens, and each tile reads the weights once. */
     int tile = (int)(262144 / k) > KQ_TOKENS ? (int)(262144 / k) : KQ_TOKENS;
-    for (int t0 = 0; t0 < rows; t0 += tile) {
+    for (int t0 = 0; t0 < rows && done < n; t0 += tile) {
         int t1 = t0 + tile < rows ? t0 + tile : rows;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int p = 0; p < passes; p++) {
-            int r0 = p * KQ_ROWS, R = n - r0 < KQ_ROWS ? n - r0 : KQ_ROWS;
+            int r0 = done + p * KQ_ROWS, R = n - r0 < KQ_ROWS ? n - r0 : KQ_ROWS;
             for (int t = t0; t < t1;) {
                 int T = t1 - t >= KQ_TOKENS ? KQ_TOKENS : t1 - t >= 2 ? 2 : 1;
                 kq_tokens x = {xq + (int64_t)t * k, xd + (int64_t)t * blocks, bs16 + (int64_t)t * k / 16,
