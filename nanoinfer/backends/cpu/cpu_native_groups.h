@@ -179,6 +179,9 @@ static inline __m256i chunk_dot4_wide(const __m512i w[4], const int8_t *x) {
     __m512i s = _mm512_add_epi32(a, b);
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
+
+#define GROUP_TILES 1 /* prefill: 16 rows unpacked once for every token */
+#include "cpu_native_groups_tiles.h"
 #endif
 
 /* One weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at xq + t k,
@@ -313,13 +316,23 @@ static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q,
     if (!xq) return -1;
     float *xd = (float *)(xq + (int64_t)rows * k), *xs = xd + (int64_t)rows * groups;
     quantize_groups_q8(x, rows, k, xq, xd, xs);
+    int done = 0; /* the columns computed by the tiles */
+#ifdef GROUP_TILES
+    if (rows >= GROUP_TILE_MIN_TOKENS && n >= GROUP_TILE_ROWS && groups % 8 == 0) {
+        done = n / GROUP_TILE_ROWS * GROUP_TILE_ROWS;
+        if (groups_tiles_to(q, d, m, bits, groups, rows, xq, xd, xs, k, done, y, ldy, y_f32, threads)) {
+            free(xq);
+            return -1;
+        }
+    }
+#endif
     /* Tokens in tiles whose activations stay in L2 (~256 KiB) while every row runs over them (each tile reads
      * the weights once), ROW_TOKENS of them sharing each unpacked chunk of a row. */
     int tile = (int)(262144 / k) > ROW_TOKENS ? (int)(262144 / k) : ROW_TOKENS;
-    for (int t0 = 0; t0 < rows; t0 += tile) {
+    for (int t0 = 0; t0 < rows && done < n; t0 += tile) {
         int t1 = t0 + tile < rows ? t0 + tile : rows;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int r = 0; r < n; r++) {
+        for (int r = done; r < n; r++) {
             /* a few rows ahead: the hardware prefetcher alone left a core's stream at ~60% of its bandwidth */
             const uint8_t *ahead = q + (int64_t)(r + PREFETCH_ROWS < n ? r + PREFETCH_ROWS : r) * row_bytes;
             for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
