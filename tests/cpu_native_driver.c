@@ -23,7 +23,7 @@ const char *block_dot_name(void);
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs);
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
                  int n, void *y, int y_f32, int threads);
-int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y, int y_f32,
+int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n, void *y, int y_f32,
                   int threads);
 int paged_attention(const float *q, int tokens, const float *k_pool, const float *v_pool, const int32_t *tables,
                     int64_t table_stride, const int32_t *lens, const int32_t *query_start, int seqs, int block_size,
@@ -101,7 +101,7 @@ int main(int argc, char **argv) {
             uint16_t *x = read_array(dir, name, "x", (size_t)rows * k * 2);
             uint8_t *w = read_array(dir, name, "w", (size_t)n * bytes);
             float *y = malloc(sizeof(float) * rows * n);
-            if (kquant_matmul(x, rows, k, w, type, n, y, 1, 1)) fail("kquant_matmul", "no memory or a bad type");
+            if (kquant_matmul(x, rows, k, w, type, 0, n, y, 1, 1)) fail("kquant_matmul", "no memory or a bad type");
             write_array(dir, name, "y", y, sizeof(float) * rows * n);
             free(x), free(w), free(y);
         } else if (!strcmp(op, "attention")) {

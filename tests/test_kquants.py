@@ -71,8 +71,9 @@ def test_blocks_read_as_gguf_py_reads_them(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 # (tokens by 4, 2 and 1 in a pass; 200 of 1,536 columns span two of kquant_matmul_to's token tiles; from 32
 # tokens on, AVX-512 VNNI takes rows by 16 (cpu_native_kquants_tiles.h): 37 rows are 2 tiles and 5 rows left)
+# interleaved (cpu_native_kquants_rows16.h) the rows go 16 a group, up to 4 tokens a pass; the last rows % 16 as stored
 @pytest.mark.parametrize("out, cols, tokens", [(37, 256, 1), (64, 768, 3), (9, 1536, 5), (6, 512, 7), (9, 1536, 200),
-                                               (37, 512, 40), (16, 768, 35)])
+                                               (37, 512, 40), (16, 768, 35), (48, 512, 6), (32, 2048, 1)])
 def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, cols, tokens):
     g = torch.Generator().manual_seed(out + cols)
     kq = kquant(torch.randn(out, cols, generator=g) * 0.05, qtype)
@@ -80,18 +81,31 @@ def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, co
     x[0, :256] = 0  # a super-block of zeros (no scale to divide by)
     x[-1, -256:] *= 100  # and one far larger than the rest
     want = kquants.reference_kquant_matmul(x, kq)
-    got = cpu_native.kquant_matmul(x, kq, tier_lib, torch.float32)
-    assert torch.equal(got, want)
-    assert torch.equal(cpu_native.kquant_matmul(x, kq, tier_lib), want.to(torch.bfloat16))
-    one = [cpu_native.kquant_matmul(x[t:t + 1], kq, tier_lib, torch.float32) for t in range(tokens)]
-    assert torch.equal(torch.cat(one), got)  # each token by itself: the same bits
+    for w in layouts(kq, tier_lib):
+        got = cpu_native.kquant_matmul(x, w, tier_lib, torch.float32)
+        assert torch.equal(got, want)
+        assert torch.equal(cpu_native.kquant_matmul(x, w, tier_lib), want.to(torch.bfloat16))
+        one = [cpu_native.kquant_matmul(x[t:t + 1], w, tier_lib, torch.float32) for t in range(tokens)]
+        assert torch.equal(torch.cat(one), got)  # each token by itself: the same bits
     with pytest.raises(TypeError, match="bf16 rows of"):
         cpu_native.kquant_matmul(x.float(), kq, tier_lib)
 
 
+def layouts(kq: KQuantWeight, lib) -> list[KQuantWeight]:
+    """`kq` as the file lays it out, and interleaved where `lib`'s kernels read that (AVX-512 VNNI); elsewhere
+    an interleaved weight is refused, not misread."""
+    group = cpu_native.kquant_interleave_rows(lib)
+    if not group:
+        x = torch.zeros(1, kq.cols, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="interleaved by 0, not by 16"):
+            cpu_native.kquant_matmul(x, kquants.interleave(kq), lib)
+        return [kq]
+    return [kq, kquants.interleave(kq, group)]
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 @pytest.mark.parametrize("out, blocks, tokens", [(1, 1, 3), (2, 3, 3), (3, 1, 3), (4, 2, 3), (6, 1, 3), (7, 8, 3),
-                                                 (17, 2, 33)])
+                                                 (17, 2, 33), (16, 3, 2), (33, 2, 5)])
 def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, blocks, tokens):
     """Super-blocks of random bytes (every value, scale and min the format can hold, 63s among
     them) against activations at +-127 (the int16 pairs' largest sums), at row counts around a
@@ -110,7 +124,8 @@ def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, block
     x[0] = torch.where(x[0] < 0, -1.0, 1.0)  # every activation at +-127
     x[1] = x[1].abs()  # all at the same sign: the largest sums
     want = kquants.reference_kquant_matmul(x, kq)
-    assert torch.equal(cpu_native.kquant_matmul(x, kq, tier_lib, torch.float32), want)
+    for w in layouts(kq, tier_lib):
+        assert torch.equal(cpu_native.kquant_matmul(x, w, tier_lib, torch.float32), want)
 
 
 def test_rows_stack_and_map_as_the_dense_matrix():
@@ -135,6 +150,46 @@ def test_rows_stack_and_map_as_the_dense_matrix():
         KQuantWeight(a.data[:, :100], kquants.Q4_K, 256)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_interleaved_layout_keeps_every_byte_and_row(qtype):
+    """kquants.interleave: the same bytes in 16-row groups (the last rows % 16 as they were), undone by
+    file_layout; rows taken by ids or a slice are the file's rows, in the weight's own layout."""
+    g = torch.Generator().manual_seed(qtype)
+    rows, blocks = 37, 3
+    data = torch.randint(0, 256, (rows, blocks * kquants.BLOCK_BYTES[qtype]), generator=g, dtype=torch.uint8)
+    kq = KQuantWeight(data, int(qtype), blocks * 256)
+    il = kquants.interleave(kq)
+    assert il.interleaved == 16 and il.shape == kq.shape and not torch.equal(il.data[:32], data[:32])
+    assert torch.equal(il.data[32:], data[32:]) and torch.equal(kquants.file_layout(il).data, data)
+    assert sorted(il.data[:16].flatten().tolist()) == sorted(data[:16].flatten().tolist())
+    # row 1's first 4 bytes sit after row 0's; a unit's 16 copies span 64 bytes
+    assert torch.equal(il.data[0, 4:8], data[1, :4]) and torch.equal(il.data[0, 64:68], data[0, 4:8])
+    ids = torch.tensor([36, 0, 17, 5, 17])
+    taken = kquants.file_layout(il.rows(ids))
+    assert torch.equal(taken.data, data[ids])
+    sliced = il.rows(slice(3, 37))
+    assert sliced.interleaved == 16 and torch.equal(kquants.file_layout(sliced).data, data[3:])
+    same = dict(rtol=0, atol=0, equal_nan=True)  # (random bytes: some fp16 factors are NaN)
+    assert torch.allclose(kquants.dequantize(il), kquants.dequantize(kq), **same)
+    assert torch.allclose(quantized.embedding(il, ids, torch.float32), kquants.dequantize(kq)[ids], **same)
+    with pytest.raises(ValueError, match="already interleaved"):
+        kquants.interleave(il)
+
+
+def test_kernel_form_interleaves_where_the_build_reads_it(tier_lib):
+    """kquant_form gives the CPU's kernels their layout: interleaved parts of a stack, grouped parts packed;
+    a merge of interleaved parts (concat_rows) reads their rows in the file's order."""
+    g = torch.Generator().manual_seed(5)
+    a = kquant(torch.randn(32, 256, generator=g), QT.Q4_K)
+    v = kquant(torch.randn(16, 256, generator=g), QT.Q6_K)
+    formed = kquant_form(quantized.concat_rows([a, v]), torch.device("cpu"), torch.float32)
+    group = cpu_native.kquant_interleave_rows(cpu_native.library())
+    assert [p.interleaved for p in formed.parts] == [group, group]
+    assert torch.equal(quantized.dequantize(formed), torch.cat([kquants.dequantize(a), kquants.dequantize(v)]))
+    merged = quantized.concat_rows([kquants.interleave(a), a])
+    assert merged.interleaved == 0 and torch.equal(merged.data, torch.cat([a.data, a.data]))
+
+
 def kquant_params(cfg, seed=3):
     """A Q4_K_M-like model: q/k Q4_K with v Q6_K, o Q4_K, gate Q5_K beside 8-bit groups of up
     (a stack of two forms), down Q6_K; the LM head in 4-bit blocks."""
@@ -154,11 +209,22 @@ def kquant_params(cfg, seed=3):
     return dataclasses.replace(dense, layers=tuple(layer(lp) for lp in dense.layers), lm_head=lm_head)
 
 
+def quantized_in_file_layout(params):
+    def file(w):
+        if isinstance(w, StackedWeight):
+            return StackedWeight(tuple(map(file, w.parts)))
+        return kquants.file_layout(w) if isinstance(w, KQuantWeight) else w
+    return dataclasses.replace(params, layers=tuple(dataclasses.replace(
+        lp, **{n: file(getattr(lp, n)) for n in cpu_layers.BLOCK_FIELDS}) for lp in params.layers))
+
+
 def test_whole_layer_call_runs_mixed_kquant_layers_as_the_pieces_do(tier_lib):
     if not cpu_native.has_block_matmul(tier_lib):
         pytest.skip("no SIMD group dot product on this build: the layer call is not used")
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
     params = kquant_params(cfg)
+    if not cpu_native.kquant_interleave_rows(tier_lib):  # (kquant_form chose the native build's layout)
+        params = quantized_in_file_layout(params)
     assert isinstance(params.layers[0].qkv_proj, StackedWeight)
     assert isinstance(params.layers[0].gate_up_proj.parts[1], quantized.BlockWeight)
     native = cpu_native.CpuNative(tier_lib)

@@ -7,6 +7,7 @@ quantization) only when a load asks for them: loading one model imports one form
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +149,20 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
         # token the config names but the tokenizer does not, or the other way round).
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    if dev.type == "cpu":
+        _return_freed_memory()
     return LoadedModel(cfg, params, tokenizer, path, hub_id or (name if name in KNOWN_MODELS else None), quantization,
                        sampling_defaults.resolve(config.generation_config, loaded.recommended))
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system after a load. glibc keeps what the loader's
+    copies of each matrix freed (the file's bytes, then the kernels' layout of them): ~90 MiB of a
+    1B GGUF's resident memory. A no-op where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Loaded(NamedTuple):

@@ -19,7 +19,7 @@ from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.model.layers import local_rope_inv_freq, rope_inv_freq
 from nanoinfer.model.decoder import LayerParams, Params
-from nanoinfer.quant.kquants import Q4_K, KQuantWeight, StackedWeight
+from nanoinfer.quant.kquants import Q4_K, KQuantWeight, StackedWeight, interleave
 from nanoinfer.quant.quantized import (
     GroupedWeight,
     Int4CudaWeight,
@@ -65,10 +65,15 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
     """K-quant super-blocks (alone or stacked with grouped parts) in the form `device`'s kernels
     read: on a CPU where cpu_native builds they stay as they are (grouped parts packed in
     blocks); elsewhere Q4_K goes to its exact groups of 32 (device_form), anything else per-row int8."""
-    if device.type == "cpu" and cpu_native.has_block_matmul(cpu_native.library()):
-        if isinstance(w, KQuantWeight):
-            return w
-        return StackedWeight(tuple(p if isinstance(p, KQuantWeight) else pack(p, blocks=True) for p in w.parts))
+    lib = cpu_native.library() if device.type == "cpu" else None
+    if cpu_native.has_block_matmul(lib):
+        group = cpu_native.kquant_interleave_rows(lib)  # (the layout this CPU's one-token kernels stream)
+
+        def kernel_form(p):
+            if isinstance(p, KQuantWeight):
+                return interleave(p, group) if group and not p.interleaved else p
+            return pack(p, blocks=True)
+        return kernel_form(w) if isinstance(w, KQuantWeight) else StackedWeight(tuple(map(kernel_form, w.parts)))
     if isinstance(w, KQuantWeight) and w.qtype == Q4_K:
         from nanoinfer.loaders.gguf_blocks import grouped_weight  # (GGUF's reader of Q4_K's groups)
         from gguf import GGMLQuantizationType
@@ -155,6 +160,8 @@ def build_params(
     layers = [_layer(f"model.layers.{i}.", cfg, load, matrix, sparse[i]) for i in bar]
     embed = load("model.embed_tokens.weight", (cfg.vocab_size, hidden))
     lm_head = matrix(embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden)))
+    if cfg.tie_word_embeddings and isinstance(embed, KQuantWeight) and isinstance(lm_head, KQuantWeight):
+        embed = lm_head  # (one copy of a tied table in the kernels' layout: its rows are read in any layout)
     if inv_freq is None:
         inv_freq = rope_inv_freq(cfg)
     local = local_rope_inv_freq(cfg)

@@ -28,9 +28,10 @@ NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 class KQuantWeight:
     """A [rows, cols] matrix as GGUF's K-quant super-blocks, cols a multiple of 256."""
 
-    data: torch.Tensor  # [rows, cols // 256 * BLOCK_BYTES[qtype]] uint8, the file's bytes
+    data: torch.Tensor  # [rows, cols // 256 * BLOCK_BYTES[qtype]] uint8, the file's bytes (in `interleave`'s order)
     qtype: int  # Q4_K, Q5_K or Q6_K
     cols: int
+    interleaved: int = 0  # rows a group of `interleave`'s layout, or 0: the file's
 
     def __post_init__(self):
         if self.qtype not in BLOCK_BYTES:
@@ -44,7 +45,84 @@ class KQuantWeight:
         return self.data.shape[0], self.cols
 
     def rows(self, index) -> "KQuantWeight":
-        return KQuantWeight(self.data[index], self.qtype, self.cols)
+        """The rows at `index` (a slice or ids), in this weight's layout."""
+        if not self.interleaved:
+            return KQuantWeight(self.data[index], self.qtype, self.cols)
+        ids = torch.arange(self.data.shape[0])[index]
+        return interleave(KQuantWeight(_file_rows(self, ids), self.qtype, self.cols), self.interleaved)
+
+
+def _groups(w: KQuantWeight, group: int) -> tuple[torch.Tensor, int, int, int, int]:
+    """The rows that go in groups of `group` as [groups, group * row_bytes], with how many rows that
+    is, a row's blocks, a block's 4-byte units and the bytes left after them."""
+    (rows, row_bytes), bytes_ = w.data.shape, BLOCK_BYTES[w.qtype]
+    grouped = rows // group * group
+    return w.data[:grouped].reshape(grouped // group, group * row_bytes), grouped, row_bytes // bytes_, bytes_ // 4, bytes_ % 4
+
+
+def interleave(w: KQuantWeight, group: int = 16) -> KQuantWeight:
+    """`w` laid out as cpu_native_kquants_rows16.h's kernels read it: the rows in groups of `group`
+    (the last rows % group stay as they are), and within a group each super-block's bytes cut in
+    4-byte units and stored unit by unit, the group's rows' copies of a unit together, super-block
+    after super-block; the 2 bytes a Q6_K block has past its units (d) after all the group's units,
+    [block][row]. A group keeps the file's bytes: the matrix keeps its shape."""
+    if w.interleaved:
+        raise ValueError(f"already interleaved by {w.interleaved}")
+    out = torch.empty_like(w.data, memory_format=torch.contiguous_format)
+    body, tail = _layout_views(out, w.qtype, group)
+    _, grouped, blocks, units, rest = _groups(w, group)
+    file = w.data[:grouped].reshape(-1, group, blocks, 4 * units + rest)  # [groups, row, block, byte]
+    # (copy_ from the permuted views: no temporary the size of the matrix, which the allocator would keep)
+    body.copy_(file[..., :4 * units].unflatten(-1, (units, 4)).permute(0, 2, 3, 1, 4))
+    tail.copy_(file[..., 4 * units:].permute(0, 2, 1, 3))
+    out[grouped:] = w.data[grouped:]
+    return KQuantWeight(out, w.qtype, w.cols, group)
+
+
+def file_layout(w: KQuantWeight) -> KQuantWeight:
+    """`w` in the file's layout (interleave undone)."""
+    if not w.interleaved:
+        return w
+    group, out = w.interleaved, torch.empty_like(w.data, memory_format=torch.contiguous_format)
+    body, tail = _layout_views(w.data, w.qtype, group)
+    _, grouped, blocks, units, rest = _groups(w, group)
+    file = out[:grouped].view(-1, group, blocks, 4 * units + rest)
+    file[..., :4 * units].unflatten(-1, (units, 4)).copy_(body.permute(0, 3, 1, 2, 4))
+    file[..., 4 * units:].copy_(tail.permute(0, 2, 1, 3))
+    out[grouped:] = w.data[grouped:]
+    return KQuantWeight(out, w.qtype, w.cols)
+
+
+def _layout_views(data: torch.Tensor, qtype: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of interleaved bytes: the units [groups, block, unit, row, 4] and the rest of the blocks
+    [groups, block, row, bytes]."""
+    rows, row_bytes = data.shape
+    bytes_, grouped = BLOCK_BYTES[qtype], rows // group * group
+    blocks, units, rest = row_bytes // bytes_, bytes_ // 4, bytes_ % 4
+    flat = data[:grouped].reshape(grouped // group, group * row_bytes)
+    return (flat[:, :blocks * units * group * 4].unflatten(1, (blocks, units, group, 4)),
+            flat[:, blocks * units * group * 4:].unflatten(1, (blocks, group, rest)))
+
+
+def _file_rows(w: KQuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an interleaved `w` in the file's layout [len(ids), row_bytes], reading only their
+    bytes (an embedding table's few rows a step)."""
+    group, (rows, row_bytes) = w.interleaved, w.data.shape
+    _, grouped, blocks, units, rest = _groups(w, group)
+    ids = ids.reshape(-1).long()
+    inside = ids < grouped
+    g, r = ids[inside] // group, ids[inside] % group
+    base = g[:, None] * group * row_bytes  # [n, 1]
+    # each row's copy of unit u of block b: after the group's earlier blocks and units, its 4 bytes
+    start = base[..., None] + (torch.arange(blocks)[:, None] * units + torch.arange(units)) * 4 * group + 4 * r[:, None, None]
+    flat = w.data.reshape(-1)
+    body = flat[start[..., None] + torch.arange(4)].flatten(2)  # [n, blocks, 4 units]
+    tail_at = base + blocks * units * 4 * group + (torch.arange(blocks) * group + r[:, None]) * rest
+    tail = flat[tail_at[..., None] + torch.arange(rest)]
+    out = torch.empty(len(ids), row_bytes, dtype=torch.uint8)
+    out[inside] = torch.cat((body, tail), dim=-1).reshape(-1, row_bytes)
+    out[~inside] = w.data[ids[~inside]]
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,7 +138,8 @@ class StackedWeight:
 
 
 def _blocks(w: KQuantWeight) -> torch.Tensor:
-    """[rows, blocks, bytes] int32 (shifts and masks below need a wider type than uint8)."""
+    """[rows, blocks, bytes] int32 in the file's layout (shifts and masks below need a wider type than uint8)."""
+    w = file_layout(w)
     return w.data.reshape(w.data.shape[0], -1, BLOCK_BYTES[w.qtype]).to(torch.int32)
 
 

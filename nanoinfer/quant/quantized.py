@@ -349,7 +349,7 @@ def _stack(parts: list[Weight]) -> Weight:
             runs[-1].append(p)
         else:
             runs.append([p])
-    merged = [KQuantWeight(torch.cat([p.data for p in run]), run[0].qtype, run[0].cols)
+    merged = [KQuantWeight(torch.cat([kquants.file_layout(p).data for p in run]), run[0].qtype, run[0].cols)
               if isinstance(run[0], KQuantWeight) else GroupedWeight.cat(run) for run in runs]
     return merged[0] if len(merged) == 1 else StackedWeight(tuple(merged))
 

@@ -212,6 +212,7 @@ typedef struct block_mat {
     const uint16_t *d, *m;
     int bits, n;
     int type;                    /* 0: groups of 32 (q, d, m, bits); 12, 13, 14: K-quant rows (q), ggml's type id */
+    int interleaved;             /* K-quant rows in groups of this many (kquant_interleave_rows), or 0 */
     const struct block_mat *next; /* the rows after these n, in another form (a fused matrix of mixed types), or NULL */
 } block_mat;
 
@@ -221,7 +222,7 @@ static int mat_rows(const block_mat *M) { return M ? M->n + mat_rows(M->next) : 
 static int mat_matmul(const uint16_t *x, int rows, int k, const block_mat *M, uint16_t *y, int threads) {
     int failed = 0, n = mat_rows(M), col = 0;
     for (; M; col += M->n, M = M->next)
-        failed |= M->type ? kquant_matmul_to(x, rows, k, M->q, M->type, M->n, y + col, n, 0, threads)
+        failed |= M->type ? kquant_matmul_to(x, rows, k, M->q, M->type, M->interleaved, M->n, y + col, n, 0, threads)
                           : block_matmul_to(x, rows, k, M->q, M->d, M->m, M->bits, M->n, y + col, n, 0, threads);
     return failed;
 }

@@ -32,7 +32,8 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 HEADERS = tuple(Path(__file__).with_name(h) for h in (  # SOURCE's includes
     "cpu_native_attention.h", "cpu_native_arm.h", "cpu_native_groups.h", "cpu_native_groups_tiles.h",
     "cpu_native_kquants.h",
-    "cpu_native_kquants_x86.h", "cpu_native_kquants_tiles.h", "cpu_native_kquants_arm.h"))
+    "cpu_native_kquants_x86.h", "cpu_native_kquants_rows16.h", "cpu_native_kquants_tiles.h",
+    "cpu_native_kquants_arm.h"))
 
 
 def native_flag(machine: str) -> str:
@@ -57,7 +58,8 @@ SIGNATURES = {
     "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
     "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
-    "kquant_matmul": (_P, _I, _I, _P, _I, _I, _P, _I, _I),
+    "kquant_matmul": (_P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
+    "kquant_interleave_rows": (),
     "quantize_q8k": (_P, _I, _I, _P, _P, _P),  # (kquant_matmul's first step, bound for the tests)
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
     "random_draw": (_P, _P, _P, _P, _I, _I),
@@ -124,7 +126,8 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    for name in ("block_dot_isa", "block_matmul", "kquant_matmul", "paged_attention", "block_layer_forward"):
+    for name in ("block_dot_isa", "block_matmul", "kquant_matmul", "kquant_interleave_rows", "paged_attention",
+                 "block_layer_forward"):
         getattr(lib, name).restype = ctypes.c_int
     lib.block_dot_name.restype = ctypes.c_char_p
     return lib
@@ -170,6 +173,12 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.block_dot_isa() > 0
 
 
+def kquant_interleave_rows(lib: ctypes.CDLL | None) -> int:
+    """The rows `lib`'s K-quant kernels read interleaved (kquants.interleave), or 0 where they read the
+    file's layout (builds without AVX-512 VNNI)."""
+    return lib.kquant_interleave_rows() if lib is not None else 0
+
+
 def block_dot_name(lib: ctypes.CDLL | None) -> str:
     """The tier of `lib`'s group dot product, for logs and bug reports: "avx512-vnni",
     "avx-vnni", "avx2", "neon-i8mm", "neon-dotprod", "neon", or "none" (no library either)."""
@@ -211,8 +220,11 @@ def kquant_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
     rows = rows.contiguous()
     (tokens, cols), out_features = rows.shape, w.data.shape[0]
     out = torch.empty(tokens, out_features, dtype=out_dtype)
-    if lib.kquant_matmul(rows.data_ptr(), tokens, cols, w.data.data_ptr(), w.qtype, out_features, out.data_ptr(),
-                         out_dtype == torch.float32, torch.get_num_threads()):
+    if w.interleaved not in (0, kquant_interleave_rows(lib)):
+        raise ValueError(f"this build's kquant_matmul reads K-quant rows interleaved by "
+                         f"{kquant_interleave_rows(lib)}, not by {w.interleaved}")
+    if lib.kquant_matmul(rows.data_ptr(), tokens, cols, w.data.data_ptr(), w.qtype, w.interleaved, out_features,
+                         out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
         raise MemoryError(f"kquant_matmul: no memory to quantize {tokens} x {cols} activations")
     return out
 
@@ -222,7 +234,7 @@ class BlockMat(ctypes.Structure):
     segment's of a StackedWeight."""
 
 
-BlockMat._fields_ = [("q", _P), ("d", _P), ("m", _P), ("bits", _I), ("n", _I), ("type", _I),
+BlockMat._fields_ = [("q", _P), ("d", _P), ("m", _P), ("bits", _I), ("n", _I), ("type", _I), ("interleaved", _I),
                      ("next", ctypes.POINTER(BlockMat))]
 
 
@@ -246,8 +258,8 @@ def block_mat(w) -> BlockMat:
     """The struct of a BlockWeight, KQuantWeight or StackedWeight of them (its segments chained:
     ctypes keeps the chained structs alive with the head's `next`)."""
     parts = getattr(w, "parts", (w,))
-    mats = [BlockMat(p.data.data_ptr(), None, None, 0, p.data.shape[0], p.qtype) if hasattr(p, "qtype")
-            else BlockMat(p.q.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.bits, p.q.shape[0], 0)
+    mats = [BlockMat(p.data.data_ptr(), None, None, 0, p.data.shape[0], p.qtype, p.interleaved) if hasattr(p, "qtype")
+            else BlockMat(p.q.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.bits, p.q.shape[0], 0, 0)
             for p in parts]
     for mat, after in zip(mats, mats[1:]):
         mat.next = ctypes.pointer(after)

@@ -151,6 +151,8 @@ typedef struct {
 #if defined(__AVX2__) && defined(__F16C__)
 #include "cpu_native_kquants_x86.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KQ_ROWS16 1 /* weights interleaved 16 rows a group at load (kquants.interleave) */
+#include "cpu_native_kquants_rows16.h"
 #define KQ_TILES 1 /* prefill: 16 rows unpacked once for every token */
 #include "cpu_native_kquants_tiles.h"
 #endif
@@ -188,13 +190,23 @@ static void kquant_rows_unpacked(const uint8_t *w, int64_t row_bytes, int type, 
 }
 #endif
 
+/* How many rows kquants.interleave should put in a group for this build's kernels (0: keep the file's layout) */
+int kquant_interleave_rows(void) {
+#ifdef KQ_ROWS16
+    return KQ16;
+#else
+    return 0;
+#endif
+}
+
 /* y [rows, ldy] (columns col0 ..  col0 + n) = x [rows, k] bf16 @ w.T, w [n, k] K-quant rows of
- * `type` (ggml's id: 12 Q4_K, 13 Q5_K, 14 Q6_K); bf16, or fp32 where y_f32. Returns 0, -1
- * without memory for the quantized x, -2 for a type or k it does not take. */
-static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y,
-                            int64_t ldy, int y_f32, int threads) {
+ * `type` (ggml's id: 12 Q4_K, 13 Q5_K, 14 Q6_K), the first n - n % 16 of them in 16-row groups where
+ * `interleaved` (kquant_interleave_rows); bf16, or fp32 where y_f32. Returns 0, -1 without memory
+ * for the quantized x, -2 for a type, k or layout it does not take. */
+static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n,
+                            void *y, int64_t ldy, int y_f32, int threads) {
     int blocks = k / QK_K, bytes = block_bytes(type);
-    if (!bytes || k % QK_K) return -2;
+    if (!bytes || k % QK_K || (interleaved && interleaved != kquant_interleave_rows())) return -2;
     int64_t row_bytes = (int64_t)blocks * bytes, subs = (int64_t)rows * k / 16;
     /* xq, xd, bsum (per-16 int32), and the int16 per-16 and per-32 sums the x86 dots take */
     int8_t *xq = malloc((size_t)rows * k + sizeof(float) * rows * blocks + sizeof(int32_t) * subs +
@@ -210,13 +222,16 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     for (int64_t s = 0; s < subs / 2; s++) bs32[s] = (int16_t)(bsum[2 * s] + bsum[2 * s + 1]);
     int done = 0; /* the columns computed by the tiles */
 #ifdef KQ_TILES
+    kq_tokens all = {xq, xd, bs16, bs32, k, blocks, 0};
     if (rows >= KQ_TILE_MIN_TOKENS && n >= KQ_TILE_ROWS) {
-        kq_tokens all = {xq, xd, bs16, bs32, k, blocks, 0};
         done = n / KQ_TILE_ROWS * KQ_TILE_ROWS;
-        if (kquant_tiles_to(w, row_bytes, type, blocks, rows, all, done, y, ldy, y_f32, threads)) {
+        if (kquant_tiles_to(w, row_bytes, interleaved, type, blocks, rows, all, done, y, ldy, y_f32, threads)) {
             free(xq);
             return -1;
         }
+    } else if (interleaved) { /* (before kq_interleave below reorders xq for the file-layout rows) */
+        done = n / KQ16 * KQ16;
+        kquant_rows16_to(w, row_bytes, type, blocks, rows, all, done, y, ldy, y_f32, threads);
     }
 #endif
     int wide = 0;
@@ -257,7 +272,7 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
 }
 
 /* kquant_matmul_to over y [rows, n] (what cpu_native.py binds) */
-int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int n, void *y, int y_f32,
-                  int threads) {
-    return kquant_matmul_to(x, rows, k, w, type, n, y, n, y_f32, threads);
+int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n, void *y,
+                  int y_f32, int threads) {
+    return kquant_matmul_to(x, rows, k, w, type, interleaved, n, y, n, y_f32, threads);
 }

@@ -47,13 +47,16 @@ static int kq_tile_alloc(kq_tile *t, int blocks) {
 
 static void kq_tile_free(kq_tile *t) { free(t->q), free(t->sc), free(t->pairs), free(t->d), free(t->dmin); }
 
-/* Rows w[0 .. 16) (row_bytes apart) of `type` into the tile */
-static void kq_tile_unpack(const uint8_t *w, int64_t row_bytes, int type, int blocks, kq_tile *t) {
+/* Rows w[0 .. 16) (row_bytes apart, or a group of cpu_native_kquants_rows16.h's where interleaved) of `type`
+ * into the tile */
+static void kq_tile_unpack(const uint8_t *w, int64_t row_bytes, int interleaved, int type, int blocks, kq_tile *t) {
     const int bytes = block_bytes(type), nsub = kq_tile_subs(type);
     kq_block u = {0}; /* (Q6_K's unpacking leaves m and dmin: zeros) */
+    uint8_t file[256];
     for (int r = 0; r < KQ_TILE_ROWS; r++)
         for (int b = 0; b < blocks; b++) {
-            kquant_unpack(w + r * row_bytes + (int64_t)b * bytes, type, &u);
+            if (interleaved) kq16_row_block(w, type, blocks, b, r, file);
+            kquant_unpack(interleaved ? file : w + r * row_bytes + (int64_t)b * bytes, type, &u);
             uint8_t *q = t->q + (int64_t)b * QK_K * KQ_TILE_ROWS + 4 * r;
             for (int g = 0; g < QK_K / 4; g++) memcpy(q + g * 4 * KQ_TILE_ROWS, u.q + 4 * g, 4);
             for (int s = 0; s < nsub; s++) t->sc[((int64_t)b * nsub + s) * KQ_TILE_ROWS + r] = u.sc[s];
@@ -103,36 +106,23 @@ static inline __attribute__((always_inline)) void kq_tile_dot(const kq_tile *tl,
                 other[t] = _mm512_dpwssd_epi32(other[t], pv, _mm512_set1_epi32(kq_load4(bs + t * per + (int64_t)b * nsub + 2 * i)));
         }
         __m512 d = _mm512_load_ps(tl->d + b * KQ_TILE_ROWS), dmin = _mm512_load_ps(tl->dmin + b * KQ_TILE_ROWS);
-        for (int t = 0; t < T; t++) {
-            __m512 xd = _mm512_set1_ps(x.xd[t * x.blocks + b]);
-            if (type == 14) { /* sumi - 32 offset; (xd d) sumi */
-                __m512i s = _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(other[t], 5));
-                acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(s)));
-            } else { /* (xd d) sumi - (xd dmin) summ */
-                __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(sumi[t]));
-                __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(xd, dmin), _mm512_cvtepi32_ps(other[t]));
-                acc[t] = _mm512_add_ps(acc[t], _mm512_sub_ps(t1, t2));
-            }
+        for (int t = 0; t < T; t++) { /* Q6_K: sumi - 32 offset */
+            __m512i s = type == 14 ? _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(other[t], 5)) : sumi[t];
+            acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, s, other[t], type != 14);
         }
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out[t], acc[t]);
 }
 
 static void kq_tile_dot_any(const kq_tile *tl, int type, int blocks, int T, kq_tokens x, float out[KQ_TILE_TOKENS][KQ_TILE_ROWS]) {
-#define KQ_TILE_CASE(n, ty)                       \
-    if (T == (n) && type == (ty)) {               \
-        kq_tile_dot(tl, ty, blocks, n, x, out);   \
-        return;                                   \
-    }
-#define KQ_TILE_TYPES(n) KQ_TILE_CASE(n, 12) KQ_TILE_CASE(n, 13) KQ_TILE_CASE(n, 14)
-    KQ_TILE_TYPES(4) KQ_TILE_TYPES(3) KQ_TILE_TYPES(2) KQ_TILE_TYPES(1)
-#undef KQ_TILE_TYPES
-#undef KQ_TILE_CASE
+#define KQ_TILE_DOT(n, ty) kq_tile_dot(tl, ty, blocks, n, x, out)
+    KQ16_CONSTANTS(KQ_TILE_DOT, T, type)
+#undef KQ_TILE_DOT
 }
 
-/* y [rows, ldy] columns 0 .. n16 (a multiple of 16) = the tokens (x, file order) @ rows 0 .. n16 of w.
- * Returns -1 without memory for a thread's tile. */
-static int kquant_tiles_to(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, kq_tokens x,
+/* y [rows, ldy] columns 0 .. n16 (a multiple of 16) = the tokens (x, file order) @ rows 0 .. n16 of w (in
+ * 16-row groups where interleaved). Returns -1 without memory for a thread's tile. */
+static int kquant_tiles_to(const uint8_t *w, int64_t row_bytes, int interleaved, int type, int blocks, int rows, kq_tokens x,
                            int n16, void *y, int64_t ldy, int y_f32, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -143,20 +133,14 @@ static int kquant_tiles_to(const uint8_t *w, int64_t row_bytes, int type, int bl
         for (int p = 0; p < n16 / KQ_TILE_ROWS; p++) {
             if (failed) continue;
             int r0 = p * KQ_TILE_ROWS;
-            kq_tile_unpack(w + r0 * row_bytes, row_bytes, type, blocks, &tl);
+            kq_tile_unpack(w + r0 * row_bytes, row_bytes, interleaved, type, blocks, &tl);
             for (int t = 0; t < rows; t += KQ_TILE_TOKENS) {
                 int T = rows - t < KQ_TILE_TOKENS ? rows - t : KQ_TILE_TOKENS;
                 kq_tokens xt = {x.xq + (int64_t)t * x.k, x.xd + (int64_t)t * x.blocks, x.bs16 + (int64_t)t * x.k / 16,
                                 x.bs32 + (int64_t)t * x.k / 32, x.k, x.blocks, 0};
                 float out[KQ_TILE_TOKENS][KQ_TILE_ROWS];
                 kq_tile_dot_any(&tl, type, blocks, T, xt, out);
-                for (int u = 0; u < T; u++)
-                    for (int r = 0; r < KQ_TILE_ROWS; r++) {
-                        if (y_f32)
-                            ((float *)y)[(t + u) * ldy + r0 + r] = out[u][r];
-                        else
-                            ((uint16_t *)y)[(t + u) * ldy + r0 + r] = f32_to_bf16(out[u][r]);
-                    }
+                kq16_write(out, T, y, ldy, t, r0, y_f32);
             }
         }
         kq_tile_free(&tl);
