@@ -94,10 +94,10 @@ def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, co
 def layouts(kq: KQuantWeight, lib) -> list[KQuantWeight]:
     """`kq` as the file lays it out, and interleaved where `lib`'s kernels read that (AVX-512 VNNI); elsewhere
     an interleaved weight is refused, not misread."""
-    group = cpu_native.kquant_interleave_rows(lib)
+    group = cpu_native.kquant_interleave_rows(lib, kq.qtype)
     if not group:
         x = torch.zeros(1, kq.cols, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="interleaved by 0, not by 16"):
+        with pytest.raises(ValueError, match=f"reads {kq.qtype} rows interleaved by 0, not by 16"):
             cpu_native.kquant_matmul(x, kquants.interleave(kq), lib)
         return [kq]
     return [kq, kquants.interleave(kq, group)]
@@ -183,8 +183,8 @@ def test_kernel_form_interleaves_where_the_build_reads_it(tier_lib):
     a = kquant(torch.randn(32, 256, generator=g), QT.Q4_K)
     v = kquant(torch.randn(16, 256, generator=g), QT.Q6_K)
     formed = kquant_form(quantized.concat_rows([a, v]), torch.device("cpu"), torch.float32)
-    group = cpu_native.kquant_interleave_rows(cpu_native.library())
-    assert [p.interleaved for p in formed.parts] == [group, group]
+    lib = cpu_native.library()
+    assert [p.interleaved for p in formed.parts] == [cpu_native.kquant_interleave_rows(lib, t) for t in (12, 14)]
     assert torch.equal(quantized.dequantize(formed), torch.cat([kquants.dequantize(a), kquants.dequantize(v)]))
     merged = quantized.concat_rows([kquants.interleave(a), a])
     assert merged.interleaved == 0 and torch.equal(merged.data, torch.cat([a.data, a.data]))
@@ -209,22 +209,24 @@ def kquant_params(cfg, seed=3):
     return dataclasses.replace(dense, layers=tuple(layer(lp) for lp in dense.layers), lm_head=lm_head)
 
 
-def quantized_in_file_layout(params):
-    def file(w):
+def in_layout_of(params, lib):
+    """The params' K-quants in the layout `lib`'s kernels read (kquant_form chose the native build's)."""
+    def form(w):
         if isinstance(w, StackedWeight):
-            return StackedWeight(tuple(map(file, w.parts)))
-        return kquants.file_layout(w) if isinstance(w, KQuantWeight) else w
+            return StackedWeight(tuple(map(form, w.parts)))
+        if not isinstance(w, KQuantWeight):
+            return w
+        group = cpu_native.kquant_interleave_rows(lib, w.qtype)
+        return kquants.interleave(kquants.file_layout(w), group) if group else kquants.file_layout(w)
     return dataclasses.replace(params, layers=tuple(dataclasses.replace(
-        lp, **{n: file(getattr(lp, n)) for n in cpu_layers.BLOCK_FIELDS}) for lp in params.layers))
+        lp, **{n: form(getattr(lp, n)) for n in cpu_layers.BLOCK_FIELDS}) for lp in params.layers))
 
 
 def test_whole_layer_call_runs_mixed_kquant_layers_as_the_pieces_do(tier_lib):
     if not cpu_native.has_block_matmul(tier_lib):
         pytest.skip("no SIMD group dot product on this build: the layer call is not used")
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
-    params = kquant_params(cfg)
-    if not cpu_native.kquant_interleave_rows(tier_lib):  # (kquant_form chose the native build's layout)
-        params = quantized_in_file_layout(params)
+    params = in_layout_of(kquant_params(cfg), tier_lib)
     assert isinstance(params.layers[0].qkv_proj, StackedWeight)
     assert isinstance(params.layers[0].gate_up_proj.parts[1], quantized.BlockWeight)
     native = cpu_native.CpuNative(tier_lib)

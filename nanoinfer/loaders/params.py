@@ -67,10 +67,9 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
     blocks); elsewhere Q4_K goes to its exact groups of 32 (device_form), anything else per-row int8."""
     lib = cpu_native.library() if device.type == "cpu" else None
     if cpu_native.has_block_matmul(lib):
-        group = cpu_native.kquant_interleave_rows(lib)  # (the layout this CPU's one-token kernels stream)
-
         def kernel_form(p):
-            if isinstance(p, KQuantWeight):
+            if isinstance(p, KQuantWeight):  # (in the layout this CPU's one-token kernels stream)
+                group = cpu_native.kquant_interleave_rows(lib, p.qtype)
                 return interleave(p, group) if group and not p.interleaved else p
             return pack(p, blocks=True)
         return kernel_form(w) if isinstance(w, KQuantWeight) else StackedWeight(tuple(map(kernel_form, w.parts)))

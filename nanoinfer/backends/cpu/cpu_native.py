@@ -59,7 +59,7 @@ SIGNATURES = {
     "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
     "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
     "kquant_matmul": (_P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
-    "kquant_interleave_rows": (),
+    "kquant_interleave_rows": (_I,),
     "quantize_q8k": (_P, _I, _I, _P, _P, _P),  # (kquant_matmul's first step, bound for the tests)
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
     "random_draw": (_P, _P, _P, _P, _I, _I),
@@ -173,10 +173,10 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.block_dot_isa() > 0
 
 
-def kquant_interleave_rows(lib: ctypes.CDLL | None) -> int:
-    """The rows `lib`'s K-quant kernels read interleaved (kquants.interleave), or 0 where they read the
-    file's layout (builds without AVX-512 VNNI)."""
-    return lib.kquant_interleave_rows() if lib is not None else 0
+def kquant_interleave_rows(lib: ctypes.CDLL | None, qtype: int) -> int:
+    """The rows `lib`'s kernels read a K-quant of `qtype` interleaved by (kquants.interleave), or 0 where they
+    read the file's layout (ARM, plain C, and Q6_K on AVX2 builds)."""
+    return lib.kquant_interleave_rows(qtype) if lib is not None else 0
 
 
 def block_dot_name(lib: ctypes.CDLL | None) -> str:
@@ -220,9 +220,9 @@ def kquant_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
     rows = rows.contiguous()
     (tokens, cols), out_features = rows.shape, w.data.shape[0]
     out = torch.empty(tokens, out_features, dtype=out_dtype)
-    if w.interleaved not in (0, kquant_interleave_rows(lib)):
-        raise ValueError(f"this build's kquant_matmul reads K-quant rows interleaved by "
-                         f"{kquant_interleave_rows(lib)}, not by {w.interleaved}")
+    if w.interleaved not in (0, kquant_interleave_rows(lib, w.qtype)):
+        raise ValueError(f"this build's kquant_matmul reads {w.qtype} rows interleaved by "
+                         f"{kquant_interleave_rows(lib, w.qtype)}, not by {w.interleaved}")
     if lib.kquant_matmul(rows.data_ptr(), tokens, cols, w.data.data_ptr(), w.qtype, w.interleaved, out_features,
                          out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
         raise MemoryError(f"kquant_matmul: no memory to quantize {tokens} x {cols} activations")

@@ -150,9 +150,9 @@ typedef struct {
 /* kquant_rows_dot: the super-blocks dotted in registers, KQ_ROWS rows by KQ_TOKENS tokens a pass */
 #if defined(__AVX2__) && defined(__F16C__)
 #include "cpu_native_kquants_x86.h"
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KQ_ROWS16 1 /* weights interleaved 16 rows a group at load (kquants.interleave) */
 #include "cpu_native_kquants_rows16.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KQ_TILES 1 /* prefill: 16 rows unpacked once for every token */
 #include "cpu_native_kquants_tiles.h"
 #endif
@@ -190,11 +190,16 @@ static void kquant_rows_unpacked(const uint8_t *w, int64_t row_bytes, int type, 
 }
 #endif
 
-/* How many rows kquants.interleave should put in a group for this build's kernels (0: keep the file's layout) */
-int kquant_interleave_rows(void) {
-#ifdef KQ_ROWS16
-    return KQ16;
+/* How many rows kquants.interleave should put in a group of `type` for this build's kernels (0: keep the file's
+ * layout). AVX2 without AVX-512 VNNI keeps Q6_K's: its 256-bit dot there ran no faster at one token (15.9 against
+ * 15.0 GB/s) and slower at several (31 against 24 ms, 2048x8192 at 128 tokens, Zen 4), out of registers. */
+int kquant_interleave_rows(int type) {
+#if defined(KQ_ROWS16) && KQ16_LANES == 16
+    return block_bytes(type) ? KQ16 : 0;
+#elif defined(KQ_ROWS16)
+    return type == 12 || type == 13 ? KQ16 : 0;
 #else
+    (void)type;
     return 0;
 #endif
 }
@@ -206,7 +211,7 @@ int kquant_interleave_rows(void) {
 static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n,
                             void *y, int64_t ldy, int y_f32, int threads) {
     int blocks = k / QK_K, bytes = block_bytes(type);
-    if (!bytes || k % QK_K || (interleaved && interleaved != kquant_interleave_rows())) return -2;
+    if (!bytes || k % QK_K || (interleaved && interleaved != kquant_interleave_rows(type))) return -2;
     int64_t row_bytes = (int64_t)blocks * bytes, subs = (int64_t)rows * k / 16;
     /* xq, xd, bsum (per-16 int32), and the int16 per-16 and per-32 sums the x86 dots take */
     int8_t *xq = malloc((size_t)rows * k + sizeof(float) * rows * blocks + sizeof(int32_t) * subs +
@@ -221,15 +226,18 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     for (int64_t s = 0; s < subs; s++) bs16[s] = (int16_t)bsum[s];
     for (int64_t s = 0; s < subs / 2; s++) bs32[s] = (int16_t)(bsum[2 * s] + bsum[2 * s + 1]);
     int done = 0; /* the columns computed by the tiles */
-#ifdef KQ_TILES
     kq_tokens all = {xq, xd, bs16, bs32, k, blocks, 0};
+#ifdef KQ_TILES
     if (rows >= KQ_TILE_MIN_TOKENS && n >= KQ_TILE_ROWS) {
         done = n / KQ_TILE_ROWS * KQ_TILE_ROWS;
         if (kquant_tiles_to(w, row_bytes, interleaved, type, blocks, rows, all, done, y, ldy, y_f32, threads)) {
             free(xq);
             return -1;
         }
-    } else if (interleaved) { /* (before kq_interleave below reorders xq for the file-layout rows) */
+    }
+#endif
+#ifdef KQ_ROWS16
+    if (interleaved && !done) { /* (before kq_interleave below reorders xq for the file-layout rows) */
         done = n / KQ16 * KQ16;
         kquant_rows16_to(w, row_bytes, type, blocks, rows, all, done, y, ldy, y_f32, threads);
     }

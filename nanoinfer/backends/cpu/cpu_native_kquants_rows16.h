@@ -1,6 +1,6 @@
-/* K-quant dots on AVX-512 VNNI over weights repacked at load: 16 rows interleaved per super-block.
+/* K-quant dots over weights repacked at load (x86, AVX2 and up): 16 rows interleaved per super-block.
  *
- * cpu_native_kquants.h includes this with cpu_native_kquants_tiles.h (AVX-512 VNNI). At one token a
+ * cpu_native_kquants.h includes this after cpu_native_kquants_x86.h. At one token a
  * matmul reads each weight once, and the dots of cpu_native_kquants_x86.h, reading the file's rows,
  * spent ~60 instructions on each row's super-block (its scales unpacked in a register, a vpmaddubsw
  * and a vpdpwssd for each 32 values, a horizontal sum per row): on a Zen 4 that streamed ~21 GB/s
@@ -21,132 +21,206 @@
  */
 
 #define KQ16 16 /* rows interleaved */
-#define KQ16_TOKENS 4 /* tokens a pass, sharing its weight loads */
 
-
-static inline __m512i kq16_load(const uint8_t *group_block, int unit) {
-    return _mm512_loadu_si512((const void *)(group_block + 64 * unit));
+/* The vector the dots run on: all 16 rows in one AVX-512 register, or on AVX2 (and AVX-VNNI) 8 rows
+ * in a 256-bit one, each group in two passes (half 0: the units' first 32 bytes, rows 0-7; the
+ * second pass reads the group's other halves from L1/L2). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KQ16_TOKENS 4 /* tokens a pass, sharing its weight loads (AVX-512's 32 registers) */
+#define KQ16_LANES 16
+typedef __m512i kv_i;
+typedef __m512 kv_f;
+static inline kv_i kv_load(const uint8_t *g, int unit, int half) {
+    (void)half;
+    return _mm512_loadu_si512((const void *)(g + 64 * unit));
 }
+static inline kv_i kv_set1_8(int c) { return _mm512_set1_epi8((char)c); }
+static inline kv_i kv_set1_32(int v) { return _mm512_set1_epi32(v); }
+static inline kv_i kv_zero(void) { return _mm512_setzero_si512(); }
+static inline kv_i kv_and(kv_i a, kv_i b) { return _mm512_and_si512(a, b); }
+static inline kv_i kv_or(kv_i a, kv_i b) { return _mm512_or_si512(a, b); }
+static inline kv_i kv_add(kv_i a, kv_i b) { return _mm512_add_epi32(a, b); }
+static inline kv_i kv_sub(kv_i a, kv_i b) { return _mm512_sub_epi32(a, b); }
+static inline kv_i kv_mullo(kv_i a, kv_i b) { return _mm512_mullo_epi32(a, b); }
+static inline kv_i kv_srli16(kv_i a, int n) { return _mm512_srli_epi16(a, n); }
+static inline kv_i kv_slli16(kv_i a, int n) { return _mm512_slli_epi16(a, n); }
+static inline kv_i kv_srli32(kv_i a, int n) { return _mm512_srli_epi32(a, n); }
+static inline kv_i kv_slli32(kv_i a, int n) { return _mm512_slli_epi32(a, n); }
+static inline kv_i kv_srai32(kv_i a, int n) { return _mm512_srai_epi32(a, n); }
+static inline kv_i kv_dpbusd(kv_i acc, kv_i u, kv_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline kv_f kv_cvt(kv_i a) { return _mm512_cvtepi32_ps(a); }
+static inline kv_f kv_set1_ps(float v) { return _mm512_set1_ps(v); }
+static inline kv_f kv_zero_ps(void) { return _mm512_setzero_ps(); }
+static inline kv_f kv_mul_ps(kv_f a, kv_f b) { return _mm512_mul_ps(a, b); }
+static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm512_add_ps(a, b); }
+static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm512_sub_ps(a, b); }
+static inline void kv_store_ps(float *p, kv_f a) { _mm512_storeu_ps(p, a); }
+/* the fp16 in each lane's low (which 0) or high (1) half, as fp32 */
+static inline kv_f kv_half_f16(kv_i a, int which) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16 * which))); }
+/* 16 fp16 at p (this half's lanes) */
+static inline kv_f kv_load_f16(const uint16_t *p, int half) {
+    (void)half;
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#else
+#define KQ16_TOKENS 2 /* (AVX2's 16 registers) */
+#define KQ16_LANES 8
+typedef __m256i kv_i;
+typedef __m256 kv_f;
+static inline kv_i kv_load(const uint8_t *g, int unit, int half) { return kq_load(g + 64 * unit + 32 * half); }
+static inline kv_i kv_set1_8(int c) { return _mm256_set1_epi8((char)c); }
+static inline kv_i kv_set1_32(int v) { return _mm256_set1_epi32(v); }
+static inline kv_i kv_zero(void) { return _mm256_setzero_si256(); }
+static inline kv_i kv_and(kv_i a, kv_i b) { return _mm256_and_si256(a, b); }
+static inline kv_i kv_or(kv_i a, kv_i b) { return _mm256_or_si256(a, b); }
+static inline kv_i kv_add(kv_i a, kv_i b) { return _mm256_add_epi32(a, b); }
+static inline kv_i kv_sub(kv_i a, kv_i b) { return _mm256_sub_epi32(a, b); }
+static inline kv_i kv_mullo(kv_i a, kv_i b) { return _mm256_mullo_epi32(a, b); }
+static inline kv_i kv_srli16(kv_i a, int n) { return _mm256_srli_epi16(a, n); }
+static inline kv_i kv_slli16(kv_i a, int n) { return _mm256_slli_epi16(a, n); }
+static inline kv_i kv_srli32(kv_i a, int n) { return _mm256_srli_epi32(a, n); }
+static inline kv_i kv_slli32(kv_i a, int n) { return _mm256_slli_epi32(a, n); }
+static inline kv_i kv_srai32(kv_i a, int n) { return _mm256_srai_epi32(a, n); }
+/* 4 unsigned x signed byte products into each int32 lane: AVX-VNNI's vpdpbusd, or AVX2's vpmaddubsw (exact here:
+ * values < 64, |x| <= 127, a pair within 2 * 63 * 127 < 32767) and a vpmaddwd by ones */
+static inline kv_i kv_dpbusd(kv_i acc, kv_i u, kv_i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline kv_f kv_cvt(kv_i a) { return _mm256_cvtepi32_ps(a); }
+static inline kv_f kv_set1_ps(float v) { return _mm256_set1_ps(v); }
+static inline kv_f kv_zero_ps(void) { return _mm256_setzero_ps(); }
+static inline kv_f kv_mul_ps(kv_f a, kv_f b) { return _mm256_mul_ps(a, b); }
+static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm256_add_ps(a, b); }
+static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm256_sub_ps(a, b); }
+static inline void kv_store_ps(float *p, kv_f a) { _mm256_storeu_ps(p, a); }
+static inline kv_f kv_half_f16(kv_i a, int which) {
+    kv_i v = _mm256_and_si256(_mm256_srli_epi32(a, 16 * which), _mm256_set1_epi32(0xffff));
+    kv_i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08); /* lanes 0-7's words in the low 128 bits */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(words));
+}
+static inline kv_f kv_load_f16(const uint16_t *p, int half) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * half)));
+}
+#endif
 
 /* byte j (0-3) of each int32 lane, then masked */
-static inline __m512i kq16_byte(__m512i v, int shift, int mask) {
-    return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(mask));
-}
+static inline kv_i kq16_byte(kv_i v, int shift, int mask) { return kv_and(kv_srli32(v, shift), kv_set1_32(mask)); }
 
-/* Q4_K's/Q5_K's scale (which 0) or min (1) of sub-block j for the 16 rows, as int32 (get_scale_min_k4:
+/* Q4_K's/Q5_K's scale (which 0) or min (1) of sub-block j for the rows, as int32 (get_scale_min_k4:
  * the 12 scale bytes in units s1 .. s3) */
-static inline __m512i kq16_scale_min(__m512i s1, __m512i s2, __m512i s3, int j, int which) {
-    __m512i lowpart = which ? s2 : s1;
+static inline kv_i kq16_scale_min(kv_i s1, kv_i s2, kv_i s3, int j, int which) {
+    kv_i lowpart = which ? s2 : s1;
     if (j < 4) return kq16_byte(lowpart, 8 * j, 63);
     int i = j - 4;
-    return _mm512_or_si512(kq16_byte(s3, 8 * i + 4 * which, 15), kq16_byte(lowpart, 8 * i + 2, 0x30));
+    return kv_or(kq16_byte(s3, 8 * i + 4 * which, 15), kq16_byte(lowpart, 8 * i + 2, 0x30));
 }
 
 /* bit `bit` of each byte of qh moved to bit 4, the rest cleared */
-static inline __m512i kq16_bit4(__m512i qh, int bit) {
-    __m512i at = bit < 4 ? _mm512_slli_epi16(qh, 4 - bit) : bit > 4 ? _mm512_srli_epi16(qh, bit - 4) : qh;
-    return _mm512_and_si512(at, _mm512_set1_epi8(0x10));
+static inline kv_i kq16_bit4(kv_i qh, int bit) {
+    kv_i at = bit < 4 ? kv_slli16(qh, 4 - bit) : bit > 4 ? kv_srli16(qh, bit - 4) : qh;
+    return kv_and(at, kv_set1_8(0x10));
 }
 
-/* kq_acc_step for 16 rows (lanes): acc + ((xd d) sumi - (xd dmin) summ), Q6_K (no mins) acc + (xd d) sumi */
-static inline __m512 kq16_acc_step(__m512 acc, float xd, __m512 d, __m512 dmin, __m512i sumi, __m512i summ, int mins) {
-    __m512 x = _mm512_set1_ps(xd);
-    __m512 t = _mm512_mul_ps(_mm512_mul_ps(x, d), _mm512_cvtepi32_ps(sumi));
-    if (mins) t = _mm512_sub_ps(t, _mm512_mul_ps(_mm512_mul_ps(x, dmin), _mm512_cvtepi32_ps(summ)));
-    return _mm512_add_ps(acc, t);
+/* kq_acc_step for the rows (lanes): acc + ((xd d) sumi - (xd dmin) summ), Q6_K (no mins) acc + (xd d) sumi */
+static inline kv_f kq16_acc_step(kv_f acc, float xd, kv_f d, kv_f dmin, kv_i sumi, kv_i summ, int mins) {
+    kv_f x = kv_set1_ps(xd);
+    kv_f t = kv_mul_ps(kv_mul_ps(x, d), kv_cvt(sumi));
+    if (mins) t = kv_sub_ps(t, kv_mul_ps(kv_mul_ps(x, dmin), kv_cvt(summ)));
+    return kv_add_ps(acc, t);
 }
 
-static inline __m512i kq16_x4(const int8_t *p) {
+static inline kv_i kq16_x4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    return kv_set1_32(v);
 }
 
 /* 16 interleaved rows (the group at w) of `type` against T tokens (T <= KQ16_TOKENS; type and T constants
- * where inlined): out[t][r] fp32 */
+ * where inlined): out[t][r] fp32, the rows of each of the 16 / KQ16_LANES halves in turn */
 static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int type, int blocks, int T, kq_tokens x,
                                                           float out[KQ16_TOKENS][KQ16]) {
     const int gb = KQ16 * (block_bytes(type) & ~3); /* a group's bytes of units a super-block (64-byte aligned) */
     const uint16_t *tails = (const uint16_t *)(w + (int64_t)blocks * gb); /* Q6_K's d: [blocks][16] */
-    const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
-    __m512 acc[KQ16_TOKENS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    const kv_i low4 = kv_set1_8(0x0f), bits45 = kv_set1_8(0x30);
+    for (int half = 0; half < KQ16 / KQ16_LANES; half++) {
+    kv_f acc[KQ16_TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = kv_zero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t *g = w + (int64_t)b * gb;
-        /* Q6_K's units are read out of order (a value takes bits from three of them): the hardware
-         * prefetcher lost the stream (15 GB/s against 32 with this, 2048x8192 from DRAM on a Zen 4);
-         * the other types read theirs in order and ran no faster with it. */
-        if (type == 14)
-            for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + 2 * gb + l, 0, 0);
-        __m512i sumi[KQ16_TOKENS];
-        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
+        kv_i sumi[KQ16_TOKENS];
+        for (int t = 0; t < T; t++) sumi[t] = kv_zero();
         if (type == 14) { /* ql units 0-31 (16h + 8j + u: ql bytes 64h + 32j + 4u), qh 32-47, scales 48-51, d after */
+            /* (its units are read out of order, a value taking bits from three: the hardware prefetcher lost the
+             * stream — 15 GB/s against 32 with this, 2048x8192 from DRAM on a Zen 4; the other types read theirs
+             * in order and ran no faster with it) */
+            if (half == 0)
+                for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + 2 * gb + l, 0, 0);
             for (int h = 0; h < 2; h++)
-                for (int half = 0; half < 2; half++) { /* units u of values 128h + 32q + 4u, sub-block 8h + 2q + half */
-                    __m512i dot[4][KQ16_TOKENS];
+                for (int hs = 0; hs < 2; hs++) { /* units u of values 128h + 32q + 4u, sub-block 8h + 2q + hs */
+                    kv_i dot[4][KQ16_TOKENS];
                     for (int q = 0; q < 4; q++)
-                        for (int t = 0; t < T; t++) dot[q][t] = _mm512_setzero_si512();
-                    for (int u = 4 * half; u < 4 * half + 4; u++) {
-                        __m512i la = kq16_load(g, 16 * h + u), lb = kq16_load(g, 16 * h + 8 + u), qh = kq16_load(g, 32 + 8 * h + u);
-                        __m512i v[4] = { /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
-                            _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), bits45)),
-                            _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), bits45)),
-                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(la, 4), low4), _mm512_and_si512(qh, bits45)),
-                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lb, 4), low4),
-                                            _mm512_and_si512(_mm512_srli_epi16(qh, 2), bits45))};
+                        for (int t = 0; t < T; t++) dot[q][t] = kv_zero();
+                    for (int u = 4 * hs; u < 4 * hs + 4; u++) {
+                        kv_i la = kv_load(g, 16 * h + u, half), lb = kv_load(g, 16 * h + 8 + u, half);
+                        kv_i qh = kv_load(g, 32 + 8 * h + u, half);
+                        kv_i v[4] = { /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
+                            kv_or(kv_and(la, low4), kv_and(kv_slli16(qh, 4), bits45)),
+                            kv_or(kv_and(lb, low4), kv_and(kv_slli16(qh, 2), bits45)),
+                            kv_or(kv_and(kv_srli16(la, 4), low4), kv_and(qh, bits45)),
+                            kv_or(kv_and(kv_srli16(lb, 4), low4), kv_and(kv_srli16(qh, 2), bits45))};
                         for (int q = 0; q < 4; q++)
                             for (int t = 0; t < T; t++)
-                                dot[q][t] = _mm512_dpbusd_epi32(dot[q][t], v[q], kq16_x4(x.xq + t * x.k + b * QK_K + 128 * h + 32 * q + 4 * u));
+                                dot[q][t] = kv_dpbusd(dot[q][t], v[q], kq16_x4(x.xq + t * x.k + b * QK_K + 128 * h + 32 * q + 4 * u));
                     }
                     for (int q = 0; q < 4; q++) {
-                        int s = 8 * h + 2 * q + half;
-                        __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(kq16_load(g, 48 + s / 4), 24 - 8 * (s % 4)), 24);
-                        for (int t = 0; t < T; t++) { /* sc_s (q_s . x_s - 32 sum x_s) */
-                            __m512i off = _mm512_set1_epi32(32 * x.bs16[t * x.k / 16 + b * 16 + s]);
-                            sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(_mm512_sub_epi32(dot[q][t], off), sc));
-                        }
+                        int s = 8 * h + 2 * q + hs;
+                        kv_i sc = kv_srai32(kv_slli32(kv_load(g, 48 + s / 4, half), 24 - 8 * (s % 4)), 24);
+                        for (int t = 0; t < T; t++) /* sc_s (q_s . x_s - 32 sum x_s) */
+                            sumi[t] = kv_add(sumi[t], kv_mullo(kv_sub(dot[q][t], kv_set1_32(32 * x.bs16[t * x.k / 16 + b * 16 + s])), sc));
                     }
                 }
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tails + KQ16 * b)));
+            kv_f d = kv_load_f16(tails + KQ16 * b, half);
             for (int t = 0; t < T; t++) acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, d, sumi[t], sumi[t], 0);
             continue;
         }
         /* Q4_K, Q5_K: unit 0 d and dmin, 1-3 the scale bytes, Q5_K's qh 4-11, then qs (8c + u: bytes 32c + 4u) */
         const int qs = type == 12 ? 4 : 12;
-        __m512i head = kq16_load(g, 0), s1 = kq16_load(g, 1), s2 = kq16_load(g, 2), s3 = kq16_load(g, 3);
-        __m512i summ[KQ16_TOKENS];
-        for (int t = 0; t < T; t++) summ[t] = _mm512_setzero_si512();
+        kv_i head = kv_load(g, 0, half), s1 = kv_load(g, 1, half), s2 = kv_load(g, 2, half), s3 = kv_load(g, 3, half);
+        kv_i summ[KQ16_TOKENS];
+        for (int t = 0; t < T; t++) summ[t] = kv_zero();
         for (int c = 0; c < 4; c++) { /* sub-block 2c in the low nibbles, 2c + 1 in the high */
-            __m512i lo[KQ16_TOKENS], hi[KQ16_TOKENS];
-            for (int t = 0; t < T; t++) lo[t] = hi[t] = _mm512_setzero_si512();
+            kv_i lo[KQ16_TOKENS], hi[KQ16_TOKENS];
+            for (int t = 0; t < T; t++) lo[t] = hi[t] = kv_zero();
             for (int u = 0; u < 8; u++) {
-                __m512i v = kq16_load(g, qs + 8 * c + u);
-                __m512i vl = _mm512_and_si512(v, low4), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                kv_i v = kv_load(g, qs + 8 * c + u, half);
+                kv_i vl = kv_and(v, low4), vh = kv_and(kv_srli16(v, 4), low4);
                 if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
-                    __m512i qh = kq16_load(g, 4 + u);
-                    vl = _mm512_or_si512(vl, kq16_bit4(qh, 2 * c)), vh = _mm512_or_si512(vh, kq16_bit4(qh, 2 * c + 1));
+                    kv_i qh = kv_load(g, 4 + u, half);
+                    vl = kv_or(vl, kq16_bit4(qh, 2 * c)), vh = kv_or(vh, kq16_bit4(qh, 2 * c + 1));
                 }
                 for (int t = 0; t < T; t++) {
                     const int8_t *xt = x.xq + t * x.k + b * QK_K + 64 * c + 4 * u;
-                    lo[t] = _mm512_dpbusd_epi32(lo[t], vl, kq16_x4(xt));
-                    hi[t] = _mm512_dpbusd_epi32(hi[t], vh, kq16_x4(xt + 32));
+                    lo[t] = kv_dpbusd(lo[t], vl, kq16_x4(xt));
+                    hi[t] = kv_dpbusd(hi[t], vh, kq16_x4(xt + 32));
                 }
             }
-            __m512i sc0 = kq16_scale_min(s1, s2, s3, 2 * c, 0), sc1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 0);
-            __m512i m0 = kq16_scale_min(s1, s2, s3, 2 * c, 1), m1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 1);
+            kv_i sc0 = kq16_scale_min(s1, s2, s3, 2 * c, 0), sc1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 0);
+            kv_i m0 = kq16_scale_min(s1, s2, s3, 2 * c, 1), m1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 1);
             for (int t = 0; t < T; t++) {
                 const int16_t *bs = x.bs32 + t * x.k / 32 + b * 8 + 2 * c;
-                sumi[t] = _mm512_add_epi32(sumi[t], _mm512_add_epi32(_mm512_mullo_epi32(lo[t], sc0), _mm512_mullo_epi32(hi[t], sc1)));
-                summ[t] = _mm512_add_epi32(summ[t], _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(bs[0])),
-                                                                     _mm512_mullo_epi32(m1, _mm512_set1_epi32(bs[1]))));
+                sumi[t] = kv_add(sumi[t], kv_add(kv_mullo(lo[t], sc0), kv_mullo(hi[t], sc1)));
+                summ[t] = kv_add(summ[t], kv_add(kv_mullo(m0, kv_set1_32(bs[0])), kv_mullo(m1, kv_set1_32(bs[1]))));
             }
         }
-        /* each lane: d in its low half, dmin in its high */
-        __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-        __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+        kv_f d = kv_half_f16(head, 0), dmin = kv_half_f16(head, 1); /* (each lane: d in its low half, dmin in its high) */
         for (int t = 0; t < T; t++) acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
     }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(out[t], acc[t]);
+    for (int t = 0; t < T; t++) kv_store_ps(out[t] + KQ16_LANES * half, acc[t]);
+    }
 }
 
 /* CALL(T, type) with both as constants (each pair its own unrolled copy), T 1-4, type 12-14 */
@@ -157,8 +231,13 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
 #define KQ16_CASES(CALL, n) KQ16_CASE(CALL, n, 12) KQ16_CASE(CALL, n, 13) KQ16_CASE(CALL, n, 14)
 #define KQ16_CONSTANTS(CALL, T, type)                                                          \
     switch ((T) * 16 + (type)) {                                                               \
-        KQ16_CASES(CALL, 1) KQ16_CASES(CALL, 2) KQ16_CASES(CALL, 3) KQ16_CASES(CALL, 4)        \
+        KQ16_CASES(CALL, 1) KQ16_CASES(CALL, 2) KQ16_MORE(CALL)                                \
     }
+#if KQ16_TOKENS == 4
+#define KQ16_MORE(CALL) KQ16_CASES(CALL, 3) KQ16_CASES(CALL, 4)
+#else
+#define KQ16_MORE(CALL)
+#endif
 
 static void kq16_dot_any(const uint8_t *w, int type, int blocks, int T, kq_tokens x, float out[KQ16_TOKENS][KQ16]) {
 #define KQ16_DOT(n, ty) kq16_dot(w, ty, blocks, n, x, out)
@@ -189,7 +268,10 @@ static void kq16_write(float out[KQ16_TOKENS][KQ16], int T, void *y, int64_t ldy
  * 0 .. n16 of w: each thread its groups in turn, the tokens 4 a pass over each. */
 static void kquant_rows16_to(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, kq_tokens x,
                              int n16, void *y, int64_t ldy, int y_f32, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#ifndef KQ16_SCHED
+#define KQ16_SCHED static
+#endif
+#pragma omp parallel for schedule(KQ16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / KQ16; p++) {
         int r0 = p * KQ16;
         for (int t = 0; t < rows; t += KQ16_TOKENS) {
