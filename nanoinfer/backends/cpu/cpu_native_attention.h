@@ -67,14 +67,14 @@ static inline void weighted_sum(const float *p, float ig, const float *v_pool, c
  * row's arithmetic is the same whatever n: its scores 8 keys at a time from its first key and
  * the rest one by one, its softmax, P V summed key by key in order. A block only shares the
  * reads of the keys, which a long chunk would otherwise bring from memory once per row. The
- * heads sharing a KV head go together too. scores: scratch of n * (heads / kv_heads) *
- * (c0 + n - 1) floats. */
+ * heads sharing a KV head go together too; only KV heads kvh0 .. kvh1 (and their query heads) are done.
+ * scores: scratch of n * (heads / kv_heads) * (c0 + n - 1) floats. */
 static void attend(const float *q, int n, int64_t c0, const float *k_pool, const float *v_pool, const int64_t *s,
-                   int heads, int kv_heads, int d, float scale, float *scores, float *out) {
+                   int heads, int kv_heads, int kvh0, int kvh1, int d, float scale, float *scores, float *out) {
     int group = heads / kv_heads, by8 = KEYS_AT_ONCE > 1 && d % 8 == 0;
     int64_t width = c0 + n - 1, hd = (int64_t)heads * d;
     float inv[n * group];
-    for (int kvh = 0; kvh < kv_heads; kvh++) {
+    for (int kvh = kvh0; kvh < kvh1; kvh++) {
         const float *qg = q + (int64_t)kvh * group * d;
         float *og = out + (int64_t)kvh * group * d;
         int64_t j = 0;
@@ -178,7 +178,8 @@ int paged_attention(const float *q, int tokens, const float *k_pool, const float
                                            sizeof(float) * (tokens - query_start[seqs]) * heads * d);
     if (rows <= 0) return 0;
     /* work items: up to ROW_BLOCK consecutive rows of a sequence that see the same first key
-     * (without a window: all of a chunk's), or single rows */
+     * (without a window: all of a chunk's), or single rows; each KV head's by itself (so a decode
+     * step's one row spreads over the threads too) */
     int64_t *slots = malloc(sizeof(int64_t) * (total + 1)), *base = malloc(sizeof(int64_t) * seqs);
     int *item_seq = malloc(sizeof(int) * rows), *item_row = malloc(sizeof(int) * rows), items = 0;
     int failed = !slots || !base || !item_seq || !item_row;
@@ -202,14 +203,14 @@ int paged_attention(const float *q, int tokens, const float *k_pool, const float
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < items; i++) {
+            for (int ih = 0; ih < items * kv_heads; ih++) {
                 if (!scores) continue;
-                int s = item_seq[i], row = item_row[i];
+                int i = ih / kv_heads, kvh = ih % kv_heads, s = item_seq[i], row = item_row[i];
                 int n = query_start[s + 1] - row < block ? query_start[s + 1] - row : block;
                 int64_t p = lens[s] - (query_start[s + 1] - row); /* the first row's position */
                 int64_t lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
                 attend(q + (int64_t)row * heads * d, n, p + 1 - lo, k_pool, v_pool, slots + base[s] + lo, heads,
-                       kv_heads, d, scale, scores, out + (int64_t)row * heads * d);
+                       kv_heads, kvh, kvh + 1, d, scale, scores, out + (int64_t)row * heads * d);
             }
             free(scores);
         }
