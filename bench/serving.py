@@ -97,9 +97,18 @@ LONG_GAPS: list[tuple[float, float]] = []  # (time.monotonic() at its end, secon
 WHOLE_TEXT_ITLS: list[float] = []
 
 
+# --token-chunks: each token's logprob asked for (`logprobs` 0), so a step's token comes in a chunk even while its
+# text is held back, and the ITL times tokens rather than text (set in the environment: the client processes
+# are spawned).
+TOKEN_CHUNKS = "SERVING_TOKEN_CHUNKS"
+
+
 async def one_client(http, url, prompt, max_tokens, ttfts, itls):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    per_token = os.environ.get(TOKEN_CHUNKS) == "1"
+    if per_token:
+        body["logprobs"] = 0
     start = time.perf_counter()
     last, tokens = None, 0
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
@@ -110,7 +119,8 @@ async def one_client(http, url, prompt, max_tokens, ttfts, itls):
             now = time.perf_counter()
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
+            elif chunk["choices"] and (chunk["choices"][0]["text"] or per_token and (
+                    chunk["choices"][0].get("logprobs") or {}).get("tokens")):
                 if last is None:
                     ttfts.append(now - start)
                 else:
@@ -279,8 +289,12 @@ def main():
                         help="seconds into the timed run before sampling starts (past the clients' connecting "
                              "and the first prefills, into the steady decode)")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
+    parser.add_argument("--token-chunks", action="store_true", help="time the ITL between tokens, not text: each "
+                        "token's logprob asked for, so held-back text still sends its token's chunk")
     parser.add_argument("--serve-args", default="", help="more flags for `nanoinfer serve`, as one string")
     args = parser.parse_args()
+    if args.token_chunks:
+        os.environ[TOKEN_CHUNKS] = "1"
 
     import random
 
