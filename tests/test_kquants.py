@@ -97,7 +97,7 @@ def layouts(kq: KQuantWeight, lib) -> list[KQuantWeight]:
     group = cpu_native.kquant_interleave_rows(lib, kq.qtype)
     if not group:
         x = torch.zeros(1, kq.cols, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match=f"reads {kq.qtype} rows interleaved by 0, not by 16"):
+        with pytest.raises(ValueError, match=f"reads K-quant type {kq.qtype}'s rows interleaved by 0, not by 16"):
             cpu_native.kquant_matmul(x, kquants.interleave(kq), lib)
         return [kq]
     return [kq, kquants.interleave(kq, group)]

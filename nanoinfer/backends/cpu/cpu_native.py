@@ -221,7 +221,7 @@ def kquant_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
     (tokens, cols), out_features = rows.shape, w.data.shape[0]
     out = torch.empty(tokens, out_features, dtype=out_dtype)
     if w.interleaved not in (0, kquant_interleave_rows(lib, w.qtype)):
-        raise ValueError(f"this build's kquant_matmul reads {w.qtype} rows interleaved by "
+        raise ValueError(f"this build's kquant_matmul reads K-quant type {w.qtype}'s rows interleaved by "
                          f"{kquant_interleave_rows(lib, w.qtype)}, not by {w.interleaved}")
     if lib.kquant_matmul(rows.data_ptr(), tokens, cols, w.data.data_ptr(), w.qtype, w.interleaved, out_features,
                          out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):

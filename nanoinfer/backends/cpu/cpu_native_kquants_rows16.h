@@ -90,6 +90,11 @@ static inline kv_i kv_dpbusd(kv_i acc, kv_i u, kv_i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+#if !defined(__AVXVNNI__)
+/* Q4_K's/Q5_K's pair sums kept in int16 over 4 units, widened once (kq16_dot): a unit's vpmaddubsw and a vpaddw
+ * in place of kv_dpbusd's three instructions (exact: |4 units' pair sums| <= 4 * 2 * 31 * 127 < 32767) */
+#define KV_PAIRS16 1
+#endif
 static inline kv_f kv_cvt(kv_i a) { return _mm256_cvtepi32_ps(a); }
 static inline kv_f kv_set1_ps(float v) { return _mm256_set1_ps(v); }
 static inline kv_f kv_zero_ps(void) { return _mm256_setzero_ps(); }
@@ -195,6 +200,10 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
         for (int c = 0; c < 4; c++) { /* sub-block 2c in the low nibbles, 2c + 1 in the high */
             kv_i lo[KQ16_TOKENS], hi[KQ16_TOKENS];
             for (int t = 0; t < T; t++) lo[t] = hi[t] = kv_zero();
+#ifdef KV_PAIRS16
+            kv_i lo16[KQ16_TOKENS], hi16[KQ16_TOKENS];
+            for (int t = 0; t < T; t++) lo16[t] = hi16[t] = kv_zero();
+#endif
             for (int u = 0; u < 8; u++) {
                 kv_i v = kv_load(g, qs + 8 * c + u, half);
                 kv_i vl = kv_and(v, low4), vh = kv_and(kv_srli16(v, 4), low4);
@@ -204,8 +213,18 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
                 }
                 for (int t = 0; t < T; t++) {
                     const int8_t *xt = x.xq + t * x.k + b * QK_K + 64 * c + 4 * u;
+#ifdef KV_PAIRS16
+                    lo16[t] = _mm256_add_epi16(lo16[t], _mm256_maddubs_epi16(vl, kq16_x4(xt)));
+                    hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(vh, kq16_x4(xt + 32)));
+                    if (u % 4 == 3) {
+                        const kv_i ones = _mm256_set1_epi16(1);
+                        lo[t] = kv_add(lo[t], _mm256_madd_epi16(lo16[t], ones)), lo16[t] = kv_zero();
+                        hi[t] = kv_add(hi[t], _mm256_madd_epi16(hi16[t], ones)), hi16[t] = kv_zero();
+                    }
+#else
                     lo[t] = kv_dpbusd(lo[t], vl, kq16_x4(xt));
                     hi[t] = kv_dpbusd(hi[t], vh, kq16_x4(xt + 32));
+#endif
                 }
             }
             kv_i sc0 = kq16_scale_min(s1, s2, s3, 2 * c, 0), sc1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 0);
@@ -243,14 +262,6 @@ static void kq16_dot_any(const uint8_t *w, int type, int blocks, int T, kq_token
 #define KQ16_DOT(n, ty) kq16_dot(w, ty, blocks, n, x, out)
     KQ16_CONSTANTS(KQ16_DOT, T, type)
 #undef KQ16_DOT
-}
-
-/* Row r's super-block b of the interleaved group at w, in the file's layout, into out[block_bytes(type)] */
-static void kq16_row_block(const uint8_t *w, int type, int blocks, int b, int r, uint8_t *out) {
-    const int bytes = block_bytes(type), units = bytes / 4;
-    const uint8_t *g = w + (int64_t)b * KQ16 * 4 * units;
-    for (int u = 0; u < units; u++) memcpy(out + 4 * u, g + 64 * u + 4 * r, 4);
-    if (bytes % 4) memcpy(out + 4 * units, w + (int64_t)blocks * KQ16 * 4 * units + (b * KQ16 + r) * 2, 2);
 }
 
 /* 16 rows' sums for T tokens (out[t][r]) into y's rows t0 .. t0 + T, columns r0 .. r0 + 16: fp32, or bf16 */

@@ -47,6 +47,14 @@ static int kq_tile_alloc(kq_tile *t, int blocks) {
 
 static void kq_tile_free(kq_tile *t) { free(t->q), free(t->sc), free(t->pairs), free(t->d), free(t->dmin); }
 
+/* Row r's super-block b of the interleaved group at w, in the file's layout, into out[block_bytes(type)] */
+static void kq16_row_block(const uint8_t *w, int type, int blocks, int b, int r, uint8_t *out) {
+    const int bytes = block_bytes(type), units = bytes / 4;
+    const uint8_t *g = w + (int64_t)b * KQ16 * 4 * units;
+    for (int u = 0; u < units; u++) memcpy(out + 4 * u, g + 64 * u + 4 * r, 4);
+    if (bytes % 4) memcpy(out + 4 * units, w + (int64_t)blocks * KQ16 * 4 * units + (b * KQ16 + r) * 2, 2);
+}
+
 /* Rows w[0 .. 16) (row_bytes apart, or a group of cpu_native_kquants_rows16.h's where interleaved) of `type`
  * into the tile */
 static void kq_tile_unpack(const uint8_t *w, int64_t row_bytes, int interleaved, int type, int blocks, kq_tile *t) {
