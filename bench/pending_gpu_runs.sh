@@ -6,7 +6,8 @@
 #   # then in .scratch/gcthr/runtime/serve/server.py, after the lifespan's gc.freeze(): gc.set_threshold(20000, 10, 10)
 #   # and the cp312 wheels (see the device's README): msgspec starlette uvicorn gguf llguidance websockets httptools py-spy
 # (llguidance >= 1.9, as pyproject asks: 1.6's LLTokenizer takes one EOS id and the engine process exits.)
-# Modes: serve (the 512 streams only), serve-all (and the GC variant and the probe), det (issue 65's tests, ~3 min), tiny (det + 512 streams, ~5 min), short (+ throughput with and without
+# Modes: serve (the 512 streams only), serve-all (and the GC variant and the probe), det (issue 65's tests,
+# ~3 min), tiny (det + 512 streams, ~5 min), short (+ throughput with and without
 # --deterministic), all (+ the GC-threshold variant and the linear-tile probe, ~10 min).
 set -u
 export PYTHONUNBUFFERED=1

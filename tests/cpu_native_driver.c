@@ -23,8 +23,8 @@ const char *block_dot_name(void);
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs);
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
                  int n, void *y, int y_f32, int threads);
-int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n, void *y, int y_f32,
-                  int threads);
+int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n, void *y,
+                  int y_f32, int threads);
 int paged_attention(const float *q, int tokens, const float *k_pool, const float *v_pool, const int32_t *tables,
                     int64_t table_stride, const int32_t *lens, const int32_t *query_start, int seqs, int block_size,
                     int window, int heads, int kv_heads, int d, float scale, int threads, float *out);

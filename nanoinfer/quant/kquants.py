@@ -52,12 +52,16 @@ class KQuantWeight:
         return interleave(KQuantWeight(_file_rows(self, ids), self.qtype, self.cols), self.interleaved)
 
 
-def _groups(w: KQuantWeight, group: int) -> tuple[torch.Tensor, int, int, int, int]:
-    """The rows that go in groups of `group` as [groups, group * row_bytes], with how many rows that
-    is, a row's blocks, a block's 4-byte units and the bytes left after them."""
-    (rows, row_bytes), bytes_ = w.data.shape, BLOCK_BYTES[w.qtype]
-    grouped = rows // group * group
-    return w.data[:grouped].reshape(grouped // group, group * row_bytes), grouped, row_bytes // bytes_, bytes_ // 4, bytes_ % 4
+def _views(data: torch.Tensor, qtype: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three views of the rows of `data` that go in groups of `group`: in the file's order [groups, row, block,
+    byte], and in `interleave`'s, its units [groups, block, unit, row, 4] and the blocks' bytes past their
+    units [groups, block, row, bytes]."""
+    (rows, row_bytes), bytes_ = data.shape, BLOCK_BYTES[qtype]
+    groups, blocks, units = rows // group, row_bytes // bytes_, bytes_ // 4
+    flat = data[:groups * group].reshape(groups, group * row_bytes)
+    return (flat.view(groups, group, blocks, bytes_),
+            flat[:, :blocks * units * group * 4].unflatten(1, (blocks, units, group, 4)),
+            flat[:, blocks * units * group * 4:].unflatten(1, (blocks, group, bytes_ % 4)))
 
 
 def interleave(w: KQuantWeight, group: int = 16) -> KQuantWeight:
@@ -69,12 +73,12 @@ def interleave(w: KQuantWeight, group: int = 16) -> KQuantWeight:
     if w.interleaved:
         raise ValueError(f"already interleaved by {w.interleaved}")
     out = torch.empty_like(w.data, memory_format=torch.contiguous_format)
-    body, tail = _layout_views(out, w.qtype, group)
-    _, grouped, blocks, units, rest = _groups(w, group)
-    file = w.data[:grouped].reshape(-1, group, blocks, 4 * units + rest)  # [groups, row, block, byte]
+    (file, _, _), (_, body, tail) = _views(w.data, w.qtype, group), _views(out, w.qtype, group)
+    units = body.shape[2]
     # (copy_ from the permuted views: no temporary the size of the matrix, which the allocator would keep)
     body.copy_(file[..., :4 * units].unflatten(-1, (units, 4)).permute(0, 2, 3, 1, 4))
     tail.copy_(file[..., 4 * units:].permute(0, 2, 1, 3))
+    grouped = file.shape[0] * group
     out[grouped:] = w.data[grouped:]
     return KQuantWeight(out, w.qtype, w.cols, group)
 
@@ -84,39 +88,28 @@ def file_layout(w: KQuantWeight) -> KQuantWeight:
     if not w.interleaved:
         return w
     group, out = w.interleaved, torch.empty_like(w.data, memory_format=torch.contiguous_format)
-    body, tail = _layout_views(w.data, w.qtype, group)
-    _, grouped, blocks, units, rest = _groups(w, group)
-    file = out[:grouped].view(-1, group, blocks, 4 * units + rest)
+    (_, body, tail), (file, _, _) = _views(w.data, w.qtype, group), _views(out, w.qtype, group)
+    units = body.shape[2]
     file[..., :4 * units].unflatten(-1, (units, 4)).copy_(body.permute(0, 3, 1, 2, 4))
     file[..., 4 * units:].copy_(tail.permute(0, 2, 1, 3))
+    grouped = file.shape[0] * group
     out[grouped:] = w.data[grouped:]
     return KQuantWeight(out, w.qtype, w.cols)
-
-
-def _layout_views(data: torch.Tensor, qtype: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of interleaved bytes: the units [groups, block, unit, row, 4] and the rest of the blocks
-    [groups, block, row, bytes]."""
-    rows, row_bytes = data.shape
-    bytes_, grouped = BLOCK_BYTES[qtype], rows // group * group
-    blocks, units, rest = row_bytes // bytes_, bytes_ // 4, bytes_ % 4
-    flat = data[:grouped].reshape(grouped // group, group * row_bytes)
-    return (flat[:, :blocks * units * group * 4].unflatten(1, (blocks, units, group, 4)),
-            flat[:, blocks * units * group * 4:].unflatten(1, (blocks, group, rest)))
 
 
 def _file_rows(w: KQuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of an interleaved `w` in the file's layout [len(ids), row_bytes], reading only their
     bytes (an embedding table's few rows a step)."""
-    group, (rows, row_bytes) = w.interleaved, w.data.shape
-    _, grouped, blocks, units, rest = _groups(w, group)
+    group, (rows, row_bytes), bytes_ = w.interleaved, w.data.shape, BLOCK_BYTES[w.qtype]
+    blocks, units, rest = row_bytes // bytes_, bytes_ // 4, bytes_ % 4
     ids = ids.reshape(-1).long()
-    inside = ids < grouped
+    inside = ids < rows // group * group
     g, r = ids[inside] // group, ids[inside] % group
-    base = g[:, None] * group * row_bytes  # [n, 1]
-    # each row's copy of unit u of block b: after the group's earlier blocks and units, its 4 bytes
-    start = base[..., None] + (torch.arange(blocks)[:, None] * units + torch.arange(units)) * 4 * group + 4 * r[:, None, None]
+    base = g[:, None] * group * row_bytes  # [n, 1]: the row's group
+    # its copy of unit u of block b: past the group's earlier blocks' units and this block's earlier units
+    unit_at = (torch.arange(blocks)[:, None] * units + torch.arange(units)) * 4 * group  # [blocks, units]
     flat = w.data.reshape(-1)
-    body = flat[start[..., None] + torch.arange(4)].flatten(2)  # [n, blocks, 4 units]
+    body = flat[(base[..., None] + unit_at + 4 * r[:, None, None])[..., None] + torch.arange(4)].flatten(2)
     tail_at = base + blocks * units * 4 * group + (torch.arange(blocks) * group + r[:, None]) * rest
     tail = flat[tail_at[..., None] + torch.arange(rest)]
     out = torch.empty(len(ids), row_bytes, dtype=torch.uint8)

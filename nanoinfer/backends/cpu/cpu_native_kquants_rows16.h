@@ -56,7 +56,9 @@ static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm512_add_ps(a, b); }
 static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm512_sub_ps(a, b); }
 static inline void kv_store_ps(float *p, kv_f a) { _mm512_storeu_ps(p, a); }
 /* the fp16 in each lane's low (which 0) or high (1) half, as fp32 */
-static inline kv_f kv_half_f16(kv_i a, int which) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16 * which))); }
+static inline kv_f kv_half_f16(kv_i a, int which) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16 * which)));
+}
 /* 16 fp16 at p (this half's lanes) */
 static inline kv_f kv_load_f16(const uint16_t *p, int half) {
     (void)half;
@@ -172,24 +174,29 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
                     for (int u = 4 * hs; u < 4 * hs + 4; u++) {
                         kv_i la = kv_load(g, 16 * h + u, half), lb = kv_load(g, 16 * h + 8 + u, half);
                         kv_i qh = kv_load(g, 32 + 8 * h + u, half);
-                        kv_i v[4] = { /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
+                        /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
+                        kv_i v[4] = {
                             kv_or(kv_and(la, low4), kv_and(kv_slli16(qh, 4), bits45)),
                             kv_or(kv_and(lb, low4), kv_and(kv_slli16(qh, 2), bits45)),
                             kv_or(kv_and(kv_srli16(la, 4), low4), kv_and(qh, bits45)),
                             kv_or(kv_and(kv_srli16(lb, 4), low4), kv_and(kv_srli16(qh, 2), bits45))};
                         for (int q = 0; q < 4; q++)
                             for (int t = 0; t < T; t++)
-                                dot[q][t] = kv_dpbusd(dot[q][t], v[q], kq16_x4(x.xq + t * x.k + b * QK_K + 128 * h + 32 * q + 4 * u));
+                                dot[q][t] = kv_dpbusd(dot[q][t], v[q],
+                                                      kq16_x4(x.xq + t * x.k + b * QK_K + 128 * h + 32 * q + 4 * u));
                     }
                     for (int q = 0; q < 4; q++) {
                         int s = 8 * h + 2 * q + hs;
                         kv_i sc = kv_srai32(kv_slli32(kv_load(g, 48 + s / 4, half), 24 - 8 * (s % 4)), 24);
-                        for (int t = 0; t < T; t++) /* sc_s (q_s . x_s - 32 sum x_s) */
-                            sumi[t] = kv_add(sumi[t], kv_mullo(kv_sub(dot[q][t], kv_set1_32(32 * x.bs16[t * x.k / 16 + b * 16 + s])), sc));
+                        for (int t = 0; t < T; t++) { /* sc_s (q_s . x_s - 32 sum x_s) */
+                            kv_i off = kv_set1_32(32 * x.bs16[t * x.k / 16 + b * 16 + s]);
+                            sumi[t] = kv_add(sumi[t], kv_mullo(kv_sub(dot[q][t], off), sc));
+                        }
                     }
                 }
             kv_f d = kv_load_f16(tails + KQ16 * b, half);
-            for (int t = 0; t < T; t++) acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, d, sumi[t], sumi[t], 0);
+            for (int t = 0; t < T; t++)
+                acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, d, sumi[t], sumi[t], 0);
             continue;
         }
         /* Q4_K, Q5_K: unit 0 d and dmin, 1-3 the scale bytes, Q5_K's qh 4-11, then qs (8c + u: bytes 32c + 4u) */
@@ -235,8 +242,9 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
                 summ[t] = kv_add(summ[t], kv_add(kv_mullo(m0, kv_set1_32(bs[0])), kv_mullo(m1, kv_set1_32(bs[1]))));
             }
         }
-        kv_f d = kv_half_f16(head, 0), dmin = kv_half_f16(head, 1); /* (each lane: d in its low half, dmin in its high) */
-        for (int t = 0; t < T; t++) acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
+        kv_f d = kv_half_f16(head, 0), dmin = kv_half_f16(head, 1); /* (a lane: d in its low half, dmin its high) */
+        for (int t = 0; t < T; t++)
+            acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
     }
     for (int t = 0; t < T; t++) kv_store_ps(out[t] + KQ16_LANES * half, acc[t]);
     }

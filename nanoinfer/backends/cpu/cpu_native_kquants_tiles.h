@@ -130,8 +130,8 @@ static void kq_tile_dot_any(const kq_tile *tl, int type, int blocks, int T, kq_t
 
 /* y [rows, ldy] columns 0 .. n16 (a multiple of 16) = the tokens (x, file order) @ rows 0 .. n16 of w (in
  * 16-row groups where interleaved). Returns -1 without memory for a thread's tile. */
-static int kquant_tiles_to(const uint8_t *w, int64_t row_bytes, int interleaved, int type, int blocks, int rows, kq_tokens x,
-                           int n16, void *y, int64_t ldy, int y_f32, int threads) {
+static int kquant_tiles_to(const uint8_t *w, int64_t row_bytes, int interleaved, int type, int blocks, int rows,
+                           kq_tokens x, int n16, void *y, int64_t ldy, int y_f32, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
