@@ -48,8 +48,14 @@ class KQuantWeight:
         """The rows at `index` (a slice or ids), in this weight's layout."""
         if not self.interleaved:
             return KQuantWeight(self.data[index], self.qtype, self.cols)
-        ids = torch.arange(self.data.shape[0])[index]
-        return interleave(KQuantWeight(_file_rows(self, ids), self.qtype, self.cols), self.interleaved)
+        return interleave(self.file_rows(torch.arange(self.data.shape[0])[index]), self.interleaved)
+
+    def file_rows(self, ids: torch.Tensor) -> "KQuantWeight":
+        """Rows `ids` in the file's layout, reading only their bytes (an embedding table's few a step)."""
+        ids = ids.reshape(-1)
+        if not self.interleaved:
+            return KQuantWeight(self.data[ids], self.qtype, self.cols)
+        return KQuantWeight(_file_rows(self, ids), self.qtype, self.cols)
 
 
 def _views(data: torch.Tensor, qtype: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,23 +104,23 @@ def file_layout(w: KQuantWeight) -> KQuantWeight:
 
 
 def _file_rows(w: KQuantWeight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of an interleaved `w` in the file's layout [len(ids), row_bytes], reading only their
-    bytes (an embedding table's few rows a step)."""
+    """Rows `ids` (1-D) of an interleaved `w` in the file's layout [len(ids), row_bytes]: a row's units
+    are evenly strided through its group, so each is one strided copy (a few torch ops a row)."""
     group, (rows, row_bytes), bytes_ = w.interleaved, w.data.shape, BLOCK_BYTES[w.qtype]
     blocks, units, rest = row_bytes // bytes_, bytes_ // 4, bytes_ % 4
-    ids = ids.reshape(-1).long()
-    inside = ids < rows // group * group
-    g, r = ids[inside] // group, ids[inside] % group
-    base = g[:, None] * group * row_bytes  # [n, 1]: the row's group
-    # its copy of unit u of block b: past the group's earlier blocks' units and this block's earlier units
-    unit_at = (torch.arange(blocks)[:, None] * units + torch.arange(units)) * 4 * group  # [blocks, units]
     flat = w.data.reshape(-1)
-    body = flat[(base[..., None] + unit_at + 4 * r[:, None, None])[..., None] + torch.arange(4)].flatten(2)
-    tail_at = base + blocks * units * 4 * group + (torch.arange(blocks) * group + r[:, None]) * rest
-    tail = flat[tail_at[..., None] + torch.arange(rest)]
     out = torch.empty(len(ids), row_bytes, dtype=torch.uint8)
-    out[inside] = torch.cat((body, tail), dim=-1).reshape(-1, row_bytes)
-    out[~inside] = w.data[ids[~inside]]
+    blocked = out.view(len(ids), blocks, bytes_)
+    for i, row in enumerate(ids.tolist()):
+        if row >= rows // group * group:  # (the last rows % group, as the file has them)
+            out[i] = w.data[row]
+            continue
+        start = flat.storage_offset() + row // group * group * row_bytes  # (its group's first byte)
+        blocked[i, :, :4 * units] = flat.as_strided((blocks, units, 4), (4 * units * group, 4 * group, 1),
+                                                    start + 4 * (row % group)).flatten(1)
+        if rest:  # (Q6_K's d: after the group's units, [block][row])
+            blocked[i, :, 4 * units:] = flat.as_strided((blocks, rest), (group * rest, 1),
+                                                        start + 4 * units * blocks * group + rest * (row % group))
     return out
 
 

@@ -457,6 +457,8 @@ def embedding(table: torch.Tensor | GroupedWeight | Int8Weight | KQuantWeight, i
     """Rows `ids` of an embedding table, dense or quantized row-wise, in `dtype`."""
     if isinstance(table, torch.Tensor):
         return table[ids]
+    if isinstance(table, KQuantWeight):  # (its rows in the file's layout, whatever the table's)
+        return kquants.dequantize(table.file_rows(ids)).reshape(*ids.shape, -1).to(dtype)
     return dequantize(take_rows(table, ids)).to(dtype)
 
 
