@@ -1,7 +1,8 @@
 """Which CUDA kernels give a row the same bits whatever the batch around it (issue 65's first question).
 
     python bench/batch_invariance_probe.py [PART ...]   # on a CUDA machine; prints counts of differing elements
-                                                         # (parts: linear_and_norms attention decode_tiles)
+                                                         # (parts: linear_and_norms attention decode_tiles
+                                                         #  linear_tiles one_row_tiles)
 
 Each line compares one row's (or one query's) result computed alone, in a prefix of the batch, or inside a larger
 step with the same row computed another way; 0 means bit-identical. It decides the deterministic mode's design:
@@ -168,6 +169,43 @@ def linear_tiles() -> None:
             whole = product(form, 1100, *conf(full))
             found[name] = [differ(product(form, m, *conf(small)), whole[:m]) for m in (1, 2, 17)]
         print(f"tensor-core product, {form}, rows 1/2/17 vs in 1,100:", found)
+
+
+def one_row_tiles() -> None:
+    """The deterministic product's tiles for a one-row (batch-1 decode) bf16 projection: each config's time at one
+    row (a CUDA graph of 50 calls) beside the default mode's CUDA-core GEMV, and whether its row has the bits of the
+    same row inside a 64-row product at INVARIANT_TILES (0: the same). Shapes: Qwen3-0.6B's and Llama-3.2-1B's."""
+    import triton as _triton
+    from triton.testing import do_bench_cudagraph
+
+    from nanoinfer.backends.cuda.gemv import INVARIANT_TILES, _rows_kernel, gemv, invariant_block_n
+
+    torch.manual_seed(0)
+    shapes = {"qwen3-0.6b": ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)),
+              "llama-3.2-1b": ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))}
+    configs = [(64, 16, 64, 4, 3)] + [(16, bn, bk, warps, stages) for bn in (16, 32, 64) for bk in (128, 256)
+                                      for warps, stages in ((4, 4), (4, 6))]
+
+    def product(x, w, bm, bn, bk, warps, stages):
+        m, n, k = x.shape[0], w.shape[0], w.shape[1]
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        _rows_kernel.fn[(_triton.cdiv(n, bn), _triton.cdiv(m, bm))](
+            x, w, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), 2, HAS_SCALE=False, INT8=False,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        return out
+
+    for name, dims in shapes.items():
+        for n, k in dims:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+            x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+            t = INVARIANT_TILES
+            whole = product(x, w, t["BLOCK_M"], invariant_block_n(64), t["BLOCK_K"], t["num_warps"], t["num_stages"])
+            one = x[:1].contiguous()
+            line = [f"gemv {do_bench_cudagraph(lambda: gemv(one, w), rep=50) * 1000:.1f}"]
+            for c in configs:
+                us = do_bench_cudagraph(lambda: product(one, w, *c), rep=50) * 1000
+                line.append(f"{c} {us:.1f}/{differ(product(one, w, *c), whole[:1])}")
+            print(f"{name} N {n} K {k} us/differing:", "  ".join(line), flush=True)
 
 
 def decode_tiles() -> None:

@@ -22,7 +22,7 @@ int block_dot_isa(void);
 const char *block_dot_name(void);
 void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *xd, float *xs);
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
-                 int n, void *y, int y_f32, int threads);
+                 int interleaved, int n, void *y, int y_f32, int threads);
 int kquant_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int type, int interleaved, int n, void *y,
                   int y_f32, int threads);
 int paged_attention(const float *q, int tokens, const float *k_pool, const float *v_pool, const int32_t *tables,
@@ -92,7 +92,7 @@ int main(int argc, char **argv) {
             uint8_t *q = read_array(dir, name, "q", (size_t)n * k * bits / 8);
             uint16_t *d = read_array(dir, name, "d", 2 * g), *m = read_array(dir, name, "m", 2 * g);
             float *y = malloc(sizeof(float) * rows * n);
-            if (block_matmul(x, rows, k, q, d, m, bits, n, y, 1, 1)) fail("block_matmul", "no memory");
+            if (block_matmul(x, rows, k, q, d, m, bits, 0, n, y, 1, 1)) fail("block_matmul", "no memory");
             write_array(dir, name, "y", y, sizeof(float) * rows * n);
             free(x), free(q), free(d), free(m), free(y);
         } else if (!strcmp(op, "kquant")) {

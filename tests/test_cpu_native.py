@@ -93,6 +93,36 @@ def test_block_matmul_tokens_together_equal_one_at_a_time(block_lib, bits, cols)
         assert torch.equal(cpu_native.block_matmul(x[:tokens], blocks, block_lib, torch.float32), torch.cat(one[:tokens]))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_interleaved_blocks_give_the_file_layouts_bits(block_lib, bits, symmetric):
+    """Rows interleaved 16 at a time (BlockWeight.interleave, cpu_native_groups_rows16.h at one token and the tiles
+    from 32) give the file layout's bits, at any token count, with the last rows % 16 left in the file's layout; a
+    symmetric format's mins (Q4_0's -8 d) are derived, not stored. A build that does not read the layout refuses it."""
+    g = torch.Generator().manual_seed(bits + symmetric)
+    out, cols = 37, 512
+    q = torch.randint(0, 2**bits, (out, cols), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(out, cols // 32, generator=g) * 0.1 + 0.01).half().float()
+    mins = -(2 ** (bits - 1)) * scale if symmetric else -scale * torch.rand(out, cols // 32, generator=g)
+    blocks = BlockWeight.from_groups(GroupedWeight(q, scale, mins, bits))
+    laid = blocks.interleave(16)
+    assert laid.shape == blocks.shape and (laid.min is None) == symmetric
+    back = laid.file_layout()
+    assert all(torch.equal(getattr(back, f), getattr(blocks, f)) for f in ("q", "scale", "min"))
+    assert torch.equal(laid.groups().q, q)
+    with pytest.raises(ValueError, match="whole chunks of 256 columns"):
+        BlockWeight.from_groups(GroupedWeight(q[:, :288], scale[:, :9], mins[:, :9], bits)).interleave(16)
+    x = randn(40, cols, seed=bits, dtype=torch.bfloat16) * 3
+    x[1] = 0  # (a row of zeros: the sums' -0.0 as the file layout's)
+    if cpu_native.block_interleave_rows(block_lib, bits) != 16:
+        with pytest.raises(ValueError, match="interleaved by 0, not by 16"):
+            cpu_native.block_matmul(x, laid, block_lib)
+        return
+    for tokens in (1, 2, 5, 33, 40):
+        want = cpu_native.block_matmul(x[:tokens], blocks, block_lib, torch.float32)
+        assert torch.equal(cpu_native.block_matmul(x[:tokens], laid, block_lib, torch.float32), want)
+
+
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 32), (2, 100)])
 def test_norms_and_swiglu_equal_their_torch_ops(native, rows, dim):
     x, w, eps = randn(rows, dim, seed=1) * 3, 1 + 0.1 * randn(dim, seed=2), 1e-5

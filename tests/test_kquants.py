@@ -210,10 +210,13 @@ def kquant_params(cfg, seed=3):
 
 
 def in_layout_of(params, lib):
-    """The params' K-quants in the layout `lib`'s kernels read (kquant_form chose the native build's)."""
+    """The params' K-quants and blocks in the layout `lib`'s kernels read (kquant_form chose the native build's)."""
     def form(w):
         if isinstance(w, StackedWeight):
             return StackedWeight(tuple(map(form, w.parts)))
+        if isinstance(w, quantized.BlockWeight):
+            group = cpu_native.block_interleave_rows(lib, w.bits)
+            return w.file_layout().interleave(group) if group else w.file_layout()
         if not isinstance(w, KQuantWeight):
             return w
         group = cpu_native.kquant_interleave_rows(lib, w.qtype)

@@ -21,6 +21,7 @@ from nanoinfer.model.layers import local_rope_inv_freq, rope_inv_freq
 from nanoinfer.model.decoder import LayerParams, Params
 from nanoinfer.quant.kquants import Q4_K, KQuantWeight, StackedWeight, interleave
 from nanoinfer.quant.quantized import (
+    BlockWeight,
     GroupedWeight,
     Int4CudaWeight,
     Int8Weight,
@@ -57,8 +58,16 @@ def device_form(w: GroupedWeight, device: torch.device, dtype: torch.dtype) -> "
         return Int4CudaWeight.from_groups(w) if w.bits == 4 else Int8Weight.quantize(dequantize(w))
     if w.cols is not None:
         return dequantize(w).to(dtype)
-    # (`library()` builds cpu_native.c on a machine's first packed load)
-    return pack(w, blocks=w.group == 32 and cpu_native.has_block_matmul(cpu_native.library()))
+    lib = cpu_native.library()  # (built on a machine's first packed load)
+    return _blocks(w, lib) if w.group == 32 and cpu_native.has_block_matmul(lib) else pack(w)
+
+
+def _blocks(w: GroupedWeight, lib) -> BlockWeight:
+    """cpu_native's form of groups of 32, in the layout this CPU's one-token kernel streams (rows interleaved where its
+    build reads them so, and the rows are whole chunks: BlockWeight.interleave)."""
+    blocks = pack(w, blocks=True)
+    group = cpu_native.block_interleave_rows(lib, w.bits)
+    return blocks.interleave(group) if group and w.shape[1] % 256 == 0 and w.shape[0] >= group else blocks
 
 
 def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: torch.dtype) -> "Weight":
@@ -71,7 +80,7 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
             if isinstance(p, KQuantWeight):  # (in the layout this CPU's one-token kernels stream)
                 group = cpu_native.kquant_interleave_rows(lib, p.qtype)
                 return interleave(p, group) if group and not p.interleaved else p
-            return pack(p, blocks=True)
+            return _blocks(p, lib)
         return kernel_form(w) if isinstance(w, KQuantWeight) else StackedWeight(tuple(map(kernel_form, w.parts)))
     if isinstance(w, KQuantWeight) and w.qtype == Q4_K:
         from nanoinfer.loaders.gguf_blocks import grouped_weight  # (GGUF's reader of Q4_K's groups)

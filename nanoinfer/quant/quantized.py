@@ -4,18 +4,18 @@ A projection weight in `Params` is either a dense tensor or one of the frozen da
 here; `linear(x, w, bias)` is the one entry point the model calls, and `dequantize(w)` is
 the reference every packed kernel is tested against (tests/test_quantized.py).
 
-- `GroupedWeight` is the loader's exact form of a block-quantized matrix (GGUF Q4_0, Q4_1,
-  Q4_K, Q8_0): unsigned integers, a scale and a min per group of 32 inputs. Rows can be
-  concatenated and permuted (the loader fuses q/k/v and gate/up in it); `pack` then turns it
-  into a form a kernel reads. It also serves embedding lookups (`embedding`), which need
-  rows, not a matmul.
+- `GroupedWeight` (nanoinfer.quant.grouped) is the loader's exact form of a block-quantized
+  matrix (GGUF Q4_0, Q4_1, Q4_K, Q8_0): unsigned integers, a scale and a min per group of 32
+  inputs. Rows can be concatenated and permuted (the loader fuses q/k/v and gate/up in it);
+  `pack` then turns it into a form a kernel reads. It also serves embedding lookups
+  (`embedding`), which need rows, not a matmul.
 - `Int4Weight`: torch's packed int4 CPU kernel (`_weight_int4pack_mm_for_cpu`), asymmetric
   groups of 32. 4-bit groups map onto it exactly (the scale and zero round to bf16, the
   kernel's type).
 - `SplitInt8Weight`: 8-bit groups (Q8_0) as two int4 halves, u = 16 h + l: the same kernel,
   exact as above, where torch's int8 kernel only takes one scale per row.
-- `BlockWeight`: 4- and 8-bit groups of 32 in the order of cpu_native.c's `block_matmul`,
-  which rounds the activations to int8 per group as llama.cpp does and multiplies in
+- `BlockWeight` (nanoinfer.quant.grouped): 4- and 8-bit groups of 32 in the order of cpu_native.c's
+  `block_matmul`, which rounds the activations to int8 per group as llama.cpp does and multiplies in
   integers (torch's int4 kernel multiplies in fp32 and is bound by the cores' FMA rate). The
   CPU's form wherever that library builds with a SIMD dot product; fp16 scales and mins.
 - `KQuantWeight` (nanoinfer.quant.kquants): GGUF's Q4_K, Q5_K and Q6_K super-blocks as the file
@@ -46,40 +46,8 @@ import torch.nn.functional as F
 
 from nanoinfer.backends.cpu import cpu_native
 from nanoinfer.quant import kquants
+from nanoinfer.quant.grouped import BlockWeight, GroupedWeight, block_chunks  # noqa: F401 (their home, re-exported)
 from nanoinfer.quant.kquants import KQuantWeight, StackedWeight
-
-@dataclass(frozen=True)
-class GroupedWeight:
-    """w[r, c] = scale[r, c // group] * q[r, c] + min[r, c // group], q in [0, 2**bits)."""
-
-    q: torch.Tensor  # [out, in] uint8
-    scale: torch.Tensor  # [out, in // group] fp32
-    min: torch.Tensor  # [out, in // group] fp32
-    bits: int  # 4 or 8
-    # Which input each stored column is (GPTQ's act-order, its inputs reordered so that each
-    # group's are contiguous: w[r, cols[c]] is the formula's); None: column c is input c.
-    cols: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
-
-    def rows(self, index) -> "GroupedWeight":
-        """The rows at `index` (a permutation, a slice...), still quantized."""
-        return GroupedWeight(self.q[index], self.scale[index], self.min[index], self.bits, self.cols)
-
-    @staticmethod
-    def cat(parts: list["GroupedWeight"]) -> "GroupedWeight":
-        """Rows stacked, as torch.cat of the dense matrices would (parts of equal bits, and
-        of one column order: None from `concat_rows` otherwise)."""
-        cols = parts[0].cols
-        return GroupedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")), parts[0].bits,
-                             cols)
-
 
 @dataclass(frozen=True)
 class Int4Weight:
@@ -119,58 +87,6 @@ class SplitInt8Weight:
     @property
     def shape(self) -> tuple[int, int]:
         return self.high.shape
-
-
-def block_chunks(groups: int) -> list[int]:
-    """How BlockWeight splits a row of `groups` groups: 8 at a time, then 4, 2, 1 as needed."""
-    sizes = [8] * (groups // 8)
-    return sizes + [g for g in (4, 2, 1) if groups % 8 & g]
-
-
-@dataclass(frozen=True)
-class BlockWeight:
-    """Groups of 32 in cpu_native.c's chunk order: w[r, c] = scale[r, g] * q[r, c] + min[r, g].
-
-    A row is chunks of G groups (`block_chunks`). In a chunk, value 4 s + i of group j (step
-    s of 8, i of 4) is byte 4 (G s + j) + i; for 4 bits the chunk's 16 G bytes hold the first
-    half of that order in their low nibbles and the second half in their high ones. Each
-    32-byte load is then four values of each of the chunk's groups, and the kernel sums a
-    group in one integer lane (cpu_native.c says more)."""
-
-    q: torch.Tensor  # [out, in * bits / 8] uint8
-    scale: torch.Tensor  # [out, in // 32] fp16
-    min: torch.Tensor  # [out, in // 32] fp16
-    bits: int  # 4 or 8
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * 8 // self.bits
-
-    @staticmethod
-    def from_groups(w: GroupedWeight) -> "BlockWeight":
-        if w.group != 32:
-            raise ValueError(f"block_matmul takes groups of 32, not {w.group}")
-        out, parts, start = w.shape[0], [], 0
-        for size in block_chunks(w.shape[1] // 32):
-            chunk = w.q[:, 32 * start:32 * (start + size)].reshape(out, size, 8, 4).transpose(1, 2).reshape(out, -1)
-            if w.bits == 4:
-                chunk = chunk[:, :16 * size] | chunk[:, 16 * size:] << 4
-            parts.append(chunk)
-            start += size
-        return BlockWeight(torch.cat(parts, dim=1).contiguous(), w.scale.to(torch.float16), w.min.to(torch.float16),
-                           w.bits)
-
-    def groups(self) -> GroupedWeight:
-        """The inverse of `from_groups` (scales and mins in fp32)."""
-        out, cols = self.shape
-        parts, offset = [], 0
-        for size in block_chunks(cols // 32):
-            chunk = self.q[:, offset:offset + 4 * self.bits * size]
-            offset += chunk.shape[1]
-            if self.bits == 4:
-                chunk = torch.cat((chunk & 15, chunk >> 4), dim=1)
-            parts.append(chunk.reshape(out, 8, size, 4).transpose(1, 2).reshape(out, -1))
-        return GroupedWeight(torch.cat(parts, dim=1).contiguous(), self.scale.float(), self.min.float(), self.bits)
 
 
 @dataclass(frozen=True)

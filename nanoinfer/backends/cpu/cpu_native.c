@@ -212,18 +212,23 @@ typedef struct block_mat {
     const uint16_t *d, *m;
     int bits, n;
     int type;                    /* 0: groups of 32 (q, d, m, bits); 12, 13, 14: K-quant rows (q), ggml's type id */
-    int interleaved;             /* K-quant rows in groups of this many (kquant_interleave_rows), or 0 */
+    int interleaved;             /* rows in groups of this many (block_ or kquant_interleave_rows), or 0 */
     const struct block_mat *next; /* the rows after these n, in another form (a fused matrix of mixed types), or NULL */
 } block_mat;
 
 static int mat_rows(const block_mat *M) { return M ? M->n + mat_rows(M->next) : 0; }
 
+/* The worse of two return codes (-2, a layout this build does not read, over -1, no memory, over 0) */
+static int worse(int a, int b) { return a < b ? a : b; }
+
 /* y [rows, mat_rows(M)] bf16 = x [rows, k] @ M.T, each segment of rows in its own form. */
 static int mat_matmul(const uint16_t *x, int rows, int k, const block_mat *M, uint16_t *y, int threads) {
     int failed = 0, n = mat_rows(M), col = 0;
     for (; M; col += M->n, M = M->next)
-        failed |= M->type ? kquant_matmul_to(x, rows, k, M->q, M->type, M->interleaved, M->n, y + col, n, 0, threads)
-                          : block_matmul_to(x, rows, k, M->q, M->d, M->m, M->bits, M->n, y + col, n, 0, threads);
+        failed = worse(failed, M->type ? kquant_matmul_to(x, rows, k, M->q, M->type, M->interleaved, M->n, y + col, n,
+                                                          0, threads)
+                                       : block_matmul_to(x, rows, k, M->q, M->d, M->m, M->bits, M->interleaved, M->n,
+                                                         y + col, n, 0, threads));
     return failed;
 }
 
@@ -242,7 +247,8 @@ typedef struct {
 
 /* x_out [tokens, hidden] = the layer applied to x [tokens, hidden] (x_out may be x), writing
  * this step's keys and values into the pools (k_pool, v_pool [slots, kv_heads, d]); cos, sin
- * [tokens, d / 2]. Returns 0, or -1 when there was no memory for the scratch. */
+ * [tokens, d / 2]. Returns 0, -1 when there was no memory for the scratch, -2 for a weight in a layout this build
+ * does not read. */
 int block_layer_forward(const block_layer *L, const block_step *S, const float *cos, const float *sin,
                         float *k_pool, float *v_pool, const float *x, float *x_out) {
     int64_t T = S->tokens, H = S->hidden, qs = (int64_t)S->heads * S->d;
@@ -255,7 +261,7 @@ int block_layer_forward(const block_layer *L, const block_step *S, const float *
     uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * inter, *down = act + T * inter;
     int failed = 0;
     rms_norm_bf16(x, L->attn_norm, h, T, H, S->eps);
-    failed |= mat_matmul(h, T, H, &L->qkv, qkv, S->threads);
+    failed = worse(failed, mat_matmul(h, T, H, &L->qkv, qkv, S->threads));
     if (L->qkv_bias) { /* (as the pieces add it: to the bf16 output, in fp32) */
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < width; i++) qkv_f[t * width + i] = bf16_to_f32(qkv[t * width + i]) + L->qkv_bias[i];
@@ -264,15 +270,16 @@ int block_layer_forward(const block_layer *L, const block_step *S, const float *
     } else
         rope_write(qkv, 1, L->q_norm, L->k_norm, S->eps, cos, sin, S->slots, T, S->heads, S->kv_heads, S->d, k_pool,
                    v_pool, q);
-    failed |= paged_attention(q, T, k_pool, v_pool, S->tables, S->table_stride, S->lens, S->query_start, S->seqs,
-                              S->block_size, S->window, S->heads, S->kv_heads, S->d, S->scale, S->threads, attn);
+    failed = worse(failed, paged_attention(q, T, k_pool, v_pool, S->tables, S->table_stride, S->lens, S->query_start,
+                                           S->seqs, S->block_size, S->window, S->heads, S->kv_heads, S->d, S->scale,
+                                           S->threads, attn));
     for (int64_t i = 0; i < T * qs; i++) attn16[i] = f32_to_bf16(attn[i]);
-    failed |= mat_matmul(attn16, T, qs, &L->o, o, S->threads);
+    failed = worse(failed, mat_matmul(attn16, T, qs, &L->o, o, S->threads));
     add_rms_norm_bf16(x, o, L->mlp_norm, x_out, h, T, H, S->eps);
-    failed |= mat_matmul(h, T, H, &L->gate_up, gate_up, S->threads);
+    failed = worse(failed, mat_matmul(h, T, H, &L->gate_up, gate_up, S->threads));
     silu_mul_bf16(gate_up, act, T, inter);
-    failed |= mat_matmul(act, T, inter, &L->down, down, S->threads);
+    failed = worse(failed, mat_matmul(act, T, inter, &L->down, down, S->threads));
     for (int64_t i = 0; i < T * H; i++) x_out[i] += bf16_to_f32(down[i]);
     free(fbuf);
-    return failed ? -1 : 0;
+    return failed;
 }

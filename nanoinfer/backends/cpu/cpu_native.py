@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_native.c")
 HEADERS = tuple(Path(__file__).with_name(h) for h in (  # SOURCE's includes
     "cpu_native_attention.h", "cpu_native_arm.h", "cpu_native_groups.h", "cpu_native_groups_tiles.h",
+    "cpu_native_groups_rows16.h",
     "cpu_native_kquants.h",
     "cpu_native_kquants_x86.h", "cpu_native_kquants_rows16.h", "cpu_native_kquants_tiles.h",
     "cpu_native_kquants_arm.h"))
@@ -56,7 +57,8 @@ SIGNATURES = {
     "silu_mul_bf16": (_P, _P, _I, _I),
     "rope_write": (_P, _I, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P),
     "paged_attention": (_P, _I, _P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
-    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I),
+    "block_matmul": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _I, _I),
+    "block_interleave_rows": (_I,),
     "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
     "kquant_matmul": (_P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
     "kquant_interleave_rows": (_I,),
@@ -126,8 +128,8 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
-    for name in ("block_dot_isa", "block_matmul", "kquant_matmul", "kquant_interleave_rows", "paged_attention",
-                 "block_layer_forward"):
+    for name in ("block_dot_isa", "block_matmul", "block_interleave_rows", "kquant_matmul", "kquant_interleave_rows",
+                 "paged_attention", "block_layer_forward"):
         getattr(lib, name).restype = ctypes.c_int
     lib.block_dot_name.restype = ctypes.c_char_p
     return lib
@@ -173,6 +175,12 @@ def has_block_matmul(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.block_dot_isa() > 0
 
 
+def block_interleave_rows(lib: ctypes.CDLL | None, bits: int) -> int:
+    """The rows `lib`'s block_matmul reads a BlockWeight of `bits`-bit groups interleaved by (BlockWeight.interleave),
+    or 0 where it reads the file's layout only (no library: 0)."""
+    return lib.block_interleave_rows(bits) if lib is not None else 0
+
+
 def kquant_interleave_rows(lib: ctypes.CDLL | None, qtype: int) -> int:
     """The rows `lib`'s kernels read a K-quant of `qtype` interleaved by (kquants.interleave), or 0 where they
     read the file's layout (ARM, plain C, and Q6_K on AVX2 builds)."""
@@ -201,8 +209,12 @@ def block_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
     rows = rows.contiguous()
     (tokens, cols), out_features = rows.shape, w.q.shape[0]
     out = torch.empty(tokens, out_features, dtype=out_dtype)
-    if lib.block_matmul(rows.data_ptr(), tokens, cols, w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits,
-                        out_features, out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
+    if w.interleaved not in (0, block_interleave_rows(lib, w.bits)):
+        raise ValueError(f"this build's block_matmul reads {w.bits}-bit groups' rows interleaved by "
+                         f"{block_interleave_rows(lib, w.bits)}, not by {w.interleaved}")
+    if lib.block_matmul(rows.data_ptr(), tokens, cols, w.q.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.bits,
+                        w.interleaved, out_features, out.data_ptr(), out_dtype == torch.float32,
+                        torch.get_num_threads()):
         raise MemoryError(f"block_matmul: no memory to quantize {tokens} x {cols} activations")
     return out
 
@@ -259,7 +271,7 @@ def block_mat(w) -> BlockMat:
     ctypes keeps the chained structs alive with the head's `next`)."""
     parts = getattr(w, "parts", (w,))
     mats = [BlockMat(p.data.data_ptr(), None, None, 0, p.data.shape[0], p.qtype, p.interleaved) if hasattr(p, "qtype")
-            else BlockMat(p.q.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.bits, p.q.shape[0], 0, 0)
+            else BlockMat(p.q.data_ptr(), p.scale.data_ptr(), _ptr(p.min), p.bits, p.q.shape[0], 0, p.interleaved)
             for p in parts]
     for mat, after in zip(mats, mats[1:]):
         mat.next = ctypes.pointer(after)
@@ -365,8 +377,12 @@ class CpuNative:
         if x.shape[0] != step.tokens or not x.is_contiguous():
             raise ValueError(f"block_layer_forward takes the step's {step.tokens} contiguous rows, not {tuple(x.shape)}")
         out = torch.empty_like(x)
-        if self.lib.block_layer_forward(ctypes.byref(layer), ctypes.byref(step), cos.data_ptr(), sin.data_ptr(),
-                                        *_kv_ptrs(kv_layer), x.data_ptr(), out.data_ptr()):
+        failed = self.lib.block_layer_forward(ctypes.byref(layer), ctypes.byref(step), cos.data_ptr(), sin.data_ptr(),
+                                              *_kv_ptrs(kv_layer), x.data_ptr(), out.data_ptr())
+        if failed == -2:
+            raise ValueError(f"block_layer_forward: a weight's rows are interleaved as this build ({block_dot_name(self.lib)}) "
+                             "does not read them (lay the weights out for the library that runs them)")
+        if failed:
             raise MemoryError(f"block_layer_forward: no memory for the scratch of {x.shape[0]} tokens")
         return out
 

@@ -182,6 +182,7 @@ static inline __m256i chunk_dot4_wide(const __m512i w[4], const int8_t *x) {
 
 #define GROUP_TILES 1 /* prefill: 16 rows unpacked once for every token */
 #include "cpu_native_groups_tiles.h"
+#include "cpu_native_groups_rows16.h" /* decode: 16 rows interleaved at load */
 #endif
 
 /* One weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at xq + t k,
@@ -205,7 +206,8 @@ static inline __attribute__((always_inline)) void row_dot_tokens(const uint8_t *
 #endif
             chunk_weights(qc, bits, w);
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
-        __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g)));
+        __m256 mv = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))) /* (NULL: symmetric, interleaved) */
+                      : _mm256_mul_ps(dv, _mm256_set1_ps(-(float)(1 << (bits - 1))));
         for (int t = 0; t < T; t++) {
 #ifdef CHUNK_WIDE
             __m256i sums = bits == 4 ? chunk_dot4_wide(wide, xq + t * k + 32 * g) : chunk_dot_w(w, xq + t * k + 32 * g, bits);
@@ -254,6 +256,17 @@ static void row_dot_some(const uint8_t *q, const uint16_t *d, const uint16_t *m,
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8
 #endif
+
+/* The rows a group of block_matmul's interleaved layout holds for `bits`-bit weights (cpu_native_groups_rows16.h;
+ * nanoinfer.quant.block_rows writes it), or 0 where this build reads the file's layout only. */
+int block_interleave_rows(int bits) {
+#ifdef GROUP_ROWS16
+    return bits == 4 || bits == 8 ? GROUP_ROWS16 : 0;
+#else
+    (void)bits;
+    return 0;
+#endif
+}
 
 /* Which group dot product this build has: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 6 NEON i8mm,
  * 5 NEON dotprod, 4 NEON, 0 none (block_matmul is then not to be called). */
@@ -304,11 +317,13 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
 }
 #endif
 
-/* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above: bf16, or fp32 where y_f32 (a
- * tensor-parallel rank's partial sum, rounded only once the ranks' parts are added). Returns
- * 0, or -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes). */
+/* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above (`interleaved`: its rows in groups of that many,
+ * block_interleave_rows, and m may then be NULL: a symmetric format's -2^(bits - 1) d): bf16, or fp32 where y_f32 (a tensor-parallel rank's partial sum, rounded only once the
+ * ranks' parts are added). Returns 0, -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes),
+ * -2 for a layout this build does not read. */
 static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m,
-                           int bits, int n, void *y, int64_t ldy, int y_f32, int threads) {
+                           int bits, int interleaved, int n, void *y, int64_t ldy, int y_f32, int threads) {
+    if (interleaved ? interleaved != block_interleave_rows(bits) || k % 256 : !m) return -2;
 #if BLOCK_DOT
     int groups = k / 32;
     int64_t row_bytes = (int64_t)k * bits / 8;
@@ -320,10 +335,16 @@ static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q,
 #ifdef GROUP_TILES
     if (rows >= GROUP_TILE_MIN_TOKENS && n >= GROUP_TILE_ROWS && groups % 8 == 0) {
         done = n / GROUP_TILE_ROWS * GROUP_TILE_ROWS;
-        if (groups_tiles_to(q, d, m, bits, groups, rows, xq, xd, xs, k, done, y, ldy, y_f32, threads)) {
+        if (groups_tiles_to(q, d, m, bits, interleaved, groups, rows, xq, xd, xs, k, done, y, ldy, y_f32, threads)) {
             free(xq);
             return -1;
         }
+    }
+#endif
+#ifdef GROUP_ROWS16
+    if (interleaved && !done) {
+        done = n / GROUP_ROWS16 * GROUP_ROWS16;
+        groups_rows16_to(q, d, m, bits, groups, rows, xq, xd, xs, k, done, y, ldy, y_f32, threads);
     }
 #endif
     /* Tokens in tiles whose activations stay in L2 (~256 KiB) while every row runs over them (each tile reads
@@ -339,8 +360,9 @@ static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q,
             for (int t = t0; t < t1; t += ROW_TOKENS) {
                 int T = t1 - t < ROW_TOKENS ? t1 - t : ROW_TOKENS;
                 float v[ROW_TOKENS];
-                row_dot_some(q + r * row_bytes, d + (int64_t)r * groups, m + (int64_t)r * groups, xq + (int64_t)t * k,
-                             xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits, k, T, v);
+                row_dot_some(q + r * row_bytes, d + (int64_t)r * groups, m ? m + (int64_t)r * groups : NULL,
+                             xq + (int64_t)t * k, xd + (int64_t)t * groups, xs + (int64_t)t * groups, groups, bits, k,
+                             T, v);
                 for (int u = 0; u < T; u++) {
                     if (y_f32)
                         ((float *)y)[(int64_t)(t + u) * ldy + r] = v[u];
@@ -357,7 +379,7 @@ static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q,
 
 /* block_matmul_to over y [rows, n] (what cpu_native.py binds) */
 int block_matmul(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits,
-                 int n, void *y, int y_f32, int threads) {
-    return block_matmul_to(x, rows, k, q, d, m, bits, n, y, n, y_f32, threads);
+                 int interleaved, int n, void *y, int y_f32, int threads) {
+    return block_matmul_to(x, rows, k, q, d, m, bits, interleaved, n, y, n, y_f32, threads);
 }
 

@@ -36,12 +36,36 @@ static int group_tile_alloc(group_tile *t, int chunks) {
 
 static void group_tile_free(group_tile *t) { free(t->q), free(t->d), free(t->m); }
 
-/* Rows r0 .. r0 + 16 of the weights (row_bytes apart) into the tile */
+/* Rows r0 .. r0 + 16 of the weights (row_bytes apart, or where `interleaved` a group of
+ * cpu_native_groups_rows16.h's, whose units are the tile's vectors packed) into the tile */
 static void group_tile_unpack(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t row_bytes, int groups,
-                              int bits, group_tile *t) {
+                              int bits, int interleaved, group_tile *t) {
+    const int chunks = groups / 8;
+    if (interleaved) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < chunks; c++)
+            for (int u = 0; u < 8 * bits; u++) { /* unit 4 j + s (8 bits: 8 j + s): group j's step s (and s + 4) */
+                __m512i v = _mm512_loadu_si512((const void *)(q + ((int64_t)c * 8 * bits + u) * 64));
+                int s = u % bits, j = u / bits;
+                uint8_t *to = t->q + (((int64_t)j * chunks + c) * 8 + s) * 64;
+                if (bits == 8)
+                    _mm512_store_si512((void *)to, v);
+                else
+                    _mm512_store_si512((void *)to, _mm512_and_si512(v, low)),
+                        _mm512_store_si512((void *)(to + 4 * 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+        for (int g = 0; g < groups; g++) { /* (m NULL: a symmetric format's, -2^(bits - 1) d exactly) */
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * 16)));
+            _mm512_store_ps(t->d + g * GROUP_TILE_ROWS, dv);
+            _mm512_store_ps(t->m + g * GROUP_TILE_ROWS,
+                            m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * 16)))
+                              : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)(1 << (bits - 1)))));
+        }
+        return;
+    }
     for (int r = 0; r < GROUP_TILE_ROWS; r++) {
         const uint8_t *row = q + r * row_bytes;
-        for (int c = 0; c < groups / 8; c++) {
+        for (int c = 0; c < chunks; c++) {
             uint8_t e[256]; /* the chunk's values in the 8-bit order: value 4 s + i of group j at 4 (8 s + j) + i */
             const uint8_t *chunk = row + (int64_t)c * 32 * bits;
             for (int p = 0; p < 128; p++) {
@@ -52,7 +76,7 @@ static void group_tile_unpack(const uint8_t *q, const uint16_t *d, const uint16_
             }
             for (int s = 0; s < 8; s++)
                 for (int j = 0; j < 8; j++)
-                    memcpy(t->q + ((((int64_t)j * (groups / 8) + c) * 8 + s) * GROUP_TILE_ROWS + r) * 4, e + 32 * s + 4 * j, 4);
+                    memcpy(t->q + ((((int64_t)j * chunks + c) * 8 + s) * GROUP_TILE_ROWS + r) * 4, e + 32 * s + 4 * j, 4);
         }
         for (int g = 0; g < groups; g++) {
             t->d[g * GROUP_TILE_ROWS + r] = _cvtsh_ss(d[r * (int64_t)groups + g]);
@@ -114,8 +138,10 @@ static void group_tile_dot_any(const group_tile *tl, int groups, int T, const in
 }
 
 /* y [rows, ldy] columns 0 .. n16 (a multiple of 16) = the tokens (xq, xd, xs as quantize_groups_q8 wrote them)
- * @ weight rows 0 .. n16. Returns -1 without memory for a thread's tile. */
-static int groups_tiles_to(const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits, int groups, int rows,
+ * @ weight rows 0 .. n16 (interleaved: cpu_native_groups_rows16.h's groups). Returns -1 without memory for a
+ * thread's tile. */
+static int groups_tiles_to(const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits, int interleaved,
+                           int groups, int rows,
                            const int8_t *xq, const float *xd, const float *xs, int64_t k, int n16, void *y, int64_t ldy,
                            int y_f32, int threads) {
     int failed = 0;
@@ -128,8 +154,8 @@ static int groups_tiles_to(const uint8_t *q, const uint16_t *d, const uint16_t *
         for (int p = 0; p < n16 / GROUP_TILE_ROWS; p++) {
             if (failed) continue;
             int r0 = p * GROUP_TILE_ROWS;
-            group_tile_unpack(q + r0 * row_bytes, d + (int64_t)r0 * groups, m + (int64_t)r0 * groups, row_bytes, groups,
-                              bits, &tl);
+            group_tile_unpack(q + r0 * row_bytes, d + (int64_t)r0 * groups, m ? m + (int64_t)r0 * groups : NULL,
+                              row_bytes, groups, bits, interleaved, &tl);
             for (int t = 0; t < rows; t += GROUP_TILE_TOKENS) {
                 int T = rows - t < GROUP_TILE_TOKENS ? rows - t : GROUP_TILE_TOKENS;
                 float out[GROUP_TILE_TOKENS][GROUP_TILE_ROWS];
