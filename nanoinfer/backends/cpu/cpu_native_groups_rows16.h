@@ -81,7 +81,10 @@ static void groups_rows16_to(const uint8_t *q, const uint16_t *d, const uint16_t
                              const int8_t *xq, const float *xd, const float *xs, int64_t k, int n16, void *y,
                              int64_t ldy, int y_f32, int threads) {
     const int64_t group_bytes = GROUP_ROWS16 * k * bits / 8, group_scales = (int64_t)GROUP_ROWS16 * groups;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#ifndef G16_SCHED
+#define G16_SCHED static
+#endif
+#pragma omp parallel for schedule(G16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / GROUP_ROWS16; p++)
         for (int t = 0; t < rows; t++) {
             float out[GROUP_ROWS16];

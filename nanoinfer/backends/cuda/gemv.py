@@ -228,18 +228,32 @@ def invariant_block_n(m: int) -> int:
     return 16 if m <= 16 else 64 if m <= 256 else 128
 
 
+def invariant_tiles(m: int, n: int, w: torch.Tensor) -> dict:
+    """The deterministic mode's tiles for `m` rows of a product with `n` outputs: INVARIANT_TILES, except that a
+    bf16/fp16 weight's few rows (decode) take 16-row tiles shaped by N. A 2-byte weight's row has the same bits at
+    every tile shape tried (BLOCK_M 16-128, BLOCK_N 16-256, BLOCK_K 32-256, 3-6 stages: the sums over K run in
+    MMA steps of 16 in order into one fp32 accumulator; bench/batch_invariance_probe.py's linear_tiles and
+    one_row_tiles on an H100), so the tile is a speed choice there: at one row the 64-row tile cost 1.3-2.3x the
+    best 16-row one (one_row_tiles, bench/RESULTS.md)."""
+    if m > 16 or w.element_size() != 2:
+        return dict(INVARIANT_TILES, BLOCK_N=invariant_block_n(m))
+    if n <= 2048:  # (few programs: the longest K steps, the deepest pipeline)
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=6)
+    return dict(BLOCK_M=16, BLOCK_N=32 if n <= 4096 else 64, BLOCK_K=128, num_warps=4, num_stages=4)
+
+
 def tiled_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (w[N, K] * scale[N, None]).T -> [M, N] in x's dtype (bf16/fp16) on tensor cores, a row's bits
     the same whatever M (the deterministic mode's product: nanoinfer.backends.cuda.invariant): `_rows_kernel` at
-    INVARIANT_TILES for every M. w: bf16/fp16 (x's), int8 or fp8 with a per-row `scale`."""
+    `invariant_tiles`. w: bf16/fp16 (x's), int8 or fp8 with a per-row `scale`."""
     n, k = w.shape
     m = x.shape[0]
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bn = invariant_block_n(m)
-    _rows_kernel.fn[(triton.cdiv(n, bn), triton.cdiv(m, INVARIANT_TILES["BLOCK_M"]))](
+    tiles = invariant_tiles(m, n, w)
+    _rows_kernel.fn[(triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(m, tiles["BLOCK_M"]))](
         x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        w.element_size(), HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, BLOCK_N=bn, **INVARIANT_TILES)
+        w.element_size(), HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, **tiles)
     return out
 
 
