@@ -1,14 +1,16 @@
 """One matmul's time per weight form on the CPU: K-quant super-blocks (kquant_matmul) beside groups of 32 (block_matmul).
 
     OMP_NUM_THREADS=2 python bench/kquant_matmul.py [--shapes 2048x8192,8192x2048] [--tokens 1]
-        [--repeats 7] [--baseline REF] [--tiers native,avx2]
+        [--repeats 7] [--baseline REF] [--tiers native,avx2] [--copies 1]
 
 For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with
 their flags): 4-bit groups (the Q4_0/Q4_1 kernel; Q4_1's bytes), 8-bit groups, Q4_K, Q5_K and
-Q6_K, each timed interleaved with the others, the fastest call of `--repeats` runs, printed as
+Q6_K, each in the file's layout and (`rows16`) in the one the tier's one-token kernels read where
+it has one, timed interleaved with the others, the fastest call of `--repeats` runs, printed as
 microseconds a call and GB/s of weight bytes streamed. `--baseline REF` also builds cpu_native.c
 as git holds it at REF (same flags) and times its K-quant kernels in the same run: the before of
-a kernel change. Weights from tools/kquant_quantize.py, warm (this machine's L3 holds them).
+a kernel change. Weights from tools/kquant_quantize.py, warm (this machine's L3 holds them), or
+with `--copies N` N copies of each called in turn (8 of a 2048x8192 matrix: from DRAM).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from nanoinfer.backends.cpu import cpu_native
-from nanoinfer.quant import quantized
+from nanoinfer.quant import kquants, quantized
 from nanoinfer.quant.kquants import KQuantWeight
 from nanoinfer.quant.quantized import BlockWeight
 from tests.tiny import grouped
@@ -68,6 +70,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--baseline", help="a git ref whose K-quant kernels to time beside these")
     parser.add_argument("--tiers", default=",".join(cpu_native.ISA_FLAGS), help="of cpu_native.ISA_FLAGS")
+    parser.add_argument("--copies", type=int, default=1, help="copies of each weight called in turn (8: from DRAM)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="kquant_bench_"))
     libs = {}
@@ -84,23 +87,40 @@ def main():
                  "8-bit groups (Q8_0)": BlockWeight.from_groups(grouped(w, 8))}
         for name, qtype in (("Q4_K", 12), ("Q5_K", 13), ("Q6_K", 14)):
             forms[name] = KQuantWeight(torch.from_numpy(quantize(w.numpy(), qtype)), qtype, cols)
+        laid = {}  # (tier, form): the copies it is called on, in each layout the tier reads
+        for tier, lib in libs.items():
+            for name, f in forms.items():
+                if isinstance(f, BlockWeight):
+                    group = 0 if "@" in tier else cpu_native.block_interleave_rows(lib, f.bits)
+                    rows16 = f.interleave(group) if group else None
+                else:
+                    group = cpu_native.kquant_interleave_rows(lib, f.qtype)
+                    rows16 = kquants.interleave(f, group) if group and "@" not in tier else None
+                laid[tier, name] = [_copy(f) for _ in range(args.copies)]
+                if rows16 is not None:
+                    laid[tier, name + " rows16"] = [_copy(rows16) for _ in range(args.copies)]
         x = torch.randn(args.tokens, cols).to(torch.bfloat16)
         calls = max(3, int(2e8 / (out * cols)))  # ~0.1 s a run
         best = {}
         for _ in range(args.repeats):  # tiers and forms interleaved: another load on the machine hits them alike
-            for tier, lib in libs.items():
-                for name, f in forms.items():
-                    if isinstance(f, KQuantWeight):
-                        call = lambda: cpu_native.kquant_matmul(x, f, lib)  # noqa: E731
-                    elif "@" in tier:
-                        continue  # (the baseline's group kernel is today's: timed once, above)
-                    else:
-                        call = lambda: cpu_native.block_matmul(x, f, lib)  # noqa: E731
-                    best[tier, name] = min(best.get((tier, name), float("inf")), time_call(call, calls))
+            for (tier, name), copies in laid.items():
+                lib = libs[tier]
+                if "@" in tier and not isinstance(copies[0], KQuantWeight):
+                    continue  # (the baseline's group kernel is today's: timed once, above)
+                matmul = cpu_native.kquant_matmul if isinstance(copies[0], KQuantWeight) else cpu_native.block_matmul
+                turn = iter(range(1 << 62))
+                call = lambda: matmul(x, copies[next(turn) % len(copies)], lib)  # noqa: E731
+                best[tier, name] = min(best.get((tier, name), float("inf")), time_call(call, calls))
         for tier in libs:
             print(f"{shape:>10} {tier:<16} " + "  ".join(
-                f"{n} {t * 1e6:.0f} us {quantized.nbytes(forms[n]) / t / 1e9:.1f} GB/s"
+                f"{n} {t * 1e6:.0f} us {quantized.nbytes(laid[at, n][0]) / t / 1e9:.1f} GB/s"
                 for (at, n), t in best.items() if at == tier))
+
+
+def _copy(w):
+    """A copy of a weight in its own memory."""
+    return quantized.map_weight(torch.clone, w)
+
 
 if __name__ == "__main__":
     main()
