@@ -1,0 +1,78 @@
+"""Decode speed of one GGUF file with its weights in the layouts the CPU kernels stream and in the file's, llama.cpp beside.
+
+    python bench/layout_ab.py MODEL.gguf [--new-tokens 64] [--rounds 7] [--threads 2]
+
+One process loads the file twice, once as NanoInfer loads it (rows interleaved where the build's one-token kernels
+read them so: BlockWeight.interleave, kquants.interleave) and once with the interleaving off, and llama-cpp-python
+on the same file; then each generates `--new-tokens` greedy tokens in turn, round after round, and the medians are
+printed. On a machine whose speed moves from minute to minute (a shared VM) the three meet the same moments, where
+separate runs of bench/cpu_decode.py do not. Decode tok/s leaves the prompt out (a one-token run's time taken off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import llama_cpp
+
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.backends.cpu import cpu_native
+
+    def load() -> LLM:
+        return LLM(args.model, device="cpu", max_model_len=512, progress=False)
+
+    engines = {"interleaved": load()}
+    layouts = cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows
+    cpu_native.block_interleave_rows = cpu_native.kquant_interleave_rows = lambda lib, kind: 0
+    try:
+        engines["file layout"] = load()
+    finally:
+        cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows = layouts
+    llama = llama_cpp.Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=512,
+                            verbose=False)
+    prompt, n = "The capital of France is", args.new_tokens
+    many, one = (SamplingParams(max_tokens=t, temperature=0, ignore_eos=True) for t in (n, 1))
+
+    def ours(llm: LLM) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt], many, use_tqdm=False)
+        took = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate([prompt], one, use_tqdm=False)
+        return (n - 1) / (took - (time.perf_counter() - start))
+
+    def theirs() -> float:
+        llama.reset()
+        llama.eval(llama.tokenize(prompt.encode()))
+        start = time.perf_counter()
+        for _ in range(n - 1):
+            llama.eval([llama.sample(temp=0.0)])
+        return (n - 1) / (time.perf_counter() - start)
+
+    runs = {**{name: (lambda e=e: ours(e)) for name, e in engines.items()}, "llama.cpp": theirs}
+    for run in runs.values():  # (warm-up)
+        run()
+    rates = {name: [] for name in runs}
+    for r in range(args.rounds):
+        for name, run in runs.items():
+            rates[name].append(run())
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+    median = {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
+    print("median decode tok/s: " + "  ".join(f"{k} {v:.1f} ({v / median['llama.cpp']:.2f}x llama.cpp)"
+                                             for k, v in median.items()))
+
+
+if __name__ == "__main__":
+    main()
