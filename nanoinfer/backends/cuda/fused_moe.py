@@ -1,0 +1,100 @@
+"""The mixture-of-experts MLP's experts on CUDA: the (token, choice) pairs sorted by expert, one grouped launch per projection.
+
+nanoinfer.model.moe's `experts_reference` loops over the experts a step chose, one pair of matmuls each, and
+reads their count back to the host: no CUDA graph can capture it. Here (vLLM's fused_moe and mini-sglang's,
+in their plainest form) `align` lays the step's pairs out expert by expert, each expert's run padded to whole
+blocks of BLOCK_M, with torch ops of fixed shapes (no host sync); `_experts_kernel` then runs one program per
+(block, column tile): it reads its block's expert, gathers the block's rows (a token's activations for the
+gate/up projection, a pair's for the down projection), and multiplies them by that expert's matrix. A step
+reads only the chosen experts' weights: at batch 1, k experts' (the other blocks are padding and return at
+once). The down projection's products are weighted by the routing weights in fp32, rounded, and a token's k
+products add in fp32 in choice order (no atomics: the same bits whatever the batch's other tokens).
+Stacked bf16/fp16 weights ([experts, rows, cols]); tests/test_fused_moe.py holds it against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoinfer.backends.cuda.row_kernels import silu_mul
+
+BLOCK_M = 16  # pairs a program takes (tl.dot's smallest tile): the padding an expert's run costs at most
+
+
+def align(experts: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's pairs (token t's choice j is pair t k + j) expert by expert: (slots [S] int32, the pair each slot
+    holds, the pair count where a slot pads its expert's run to whole blocks; block_expert [S / block] int32, each
+    block's expert, `num_experts` past the last used block). S = pairs + num_experts (block - 1), rounded up to a
+    block: the most any routing needs, so every shape is fixed by the batch's size alone (CUDA graphs)."""
+    flat = experts.reshape(-1)
+    pairs = flat.numel()
+    slots_max = triton.cdiv(pairs + num_experts * (block - 1), block) * block
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block - 1) // block * block
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)  # (an expert's pairs in token order)
+    chosen = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[chosen]
+    slots = torch.full((slots_max,), pairs, dtype=torch.int32, device=flat.device)
+    slots[(ends - padded)[chosen] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, slots_max, block, device=flat.device)
+    return slots, torch.searchsorted(ends, starts, right=True).to(torch.int32)
+
+
+@triton.jit
+def _experts_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, weight_ptr, PAIRS, N, K, TOP_K,
+                    NUM_EXPERTS, stride_xm, stride_we, stride_wn, stride_om, TOKENS: tl.constexpr,
+                    WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[pair] = x[row] @ w[expert].T for the block's pairs, row = the pair's token (TOKENS) or the pair itself
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= NUM_EXPERTS:  # (padding past the step's last block)
+        return
+    pair = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < PAIRS
+    row = pair // TOP_K if TOKENS else pair
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(x_ptr + row[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    if WEIGHTED:  # (the routing weight, fp32, before the one rounding)
+        acc *= tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor, pairs: int,
+             top_k: int, tokens: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out [pairs, w rows] of `_experts_kernel`."""
+    experts, n, k = w.shape
+    out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    # (few pairs: narrower column tiles, more programs. K's steps stay one size: a row's sums the same at any batch)
+    block_n, block_k = (64 if pairs > 64 else 32), 64
+    _experts_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
+        x, w, out, slots, block_expert, out if weights is None else weights, pairs, n, k, top_k, experts,
+        x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOKENS=tokens, WEIGHTED=weights is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return out
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  experts: torch.Tensor) -> torch.Tensor:
+    """moe.experts_reference's sum over a token's chosen experts for x [tokens, hidden] (gate_up [experts, 2 inter,
+    hidden], down [experts, hidden, inter], weights and experts [tokens, k] from moe.route), in x's dtype."""
+    tokens, top_k = experts.shape
+    pairs = tokens * top_k
+    slots, block_expert = align(experts, gate_up.shape[0])
+    h = silu_mul(_grouped(x.contiguous(), gate_up, slots, block_expert, pairs, top_k, tokens=True))
+    y = _grouped(h, down, slots, block_expert, pairs, top_k, tokens=False,
+                 weights=weights.reshape(-1).to(torch.float32).contiguous())
+    return y.view(tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
