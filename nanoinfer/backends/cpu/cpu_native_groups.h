@@ -258,7 +258,8 @@ static void row_dot_some(const uint8_t *q, const uint16_t *d, const uint16_t *m,
 #endif
 
 /* The rows a group of block_matmul's interleaved layout holds for `bits`-bit weights (cpu_native_groups_rows16.h;
- * nanoinfer.quant.block_rows writes it), or 0 where this build reads the file's layout only. */
+ * BlockWeight.interleave in nanoinfer/quant/grouped.py writes it), or 0 where this build reads the file's layout
+ * only. */
 int block_interleave_rows(int bits) {
 #ifdef GROUP_ROWS16
     return bits == 4 || bits == 8 ? GROUP_ROWS16 : 0;
@@ -318,8 +319,8 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
 #endif
 
 /* y [rows, n] = x [rows, k] bf16 @ w.T, w [n, k] as above (`interleaved`: its rows in groups of that many,
- * block_interleave_rows, and m may then be NULL: a symmetric format's -2^(bits - 1) d): bf16, or fp32 where y_f32 (a tensor-parallel rank's partial sum, rounded only once the
- * ranks' parts are added). Returns 0, -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes),
+ * block_interleave_rows, and m may then be NULL: a symmetric format's -2^(bits - 1) d): bf16, or fp32 where
+ * y_f32 (a tensor-parallel rank's partial sum, rounded only once the ranks' parts are added). Returns 0, -1 when there was no memory for the quantized x (rows * k * 5 / 4 bytes),
  * -2 for a layout this build does not read. */
 static int block_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *d, const uint16_t *m,
                            int bits, int interleaved, int n, void *y, int64_t ldy, int y_f32, int threads) {

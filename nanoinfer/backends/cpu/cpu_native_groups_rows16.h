@@ -3,7 +3,7 @@
  * cpu_native_groups.h includes this where AVX-512 VNNI is there (after cpu_native_groups_tiles.h). At one
  * token row_dot_tokens reads a row's chunk of 8 groups, dots it in 256-bit lanes (lane l: group l) and ends
  * each row in a horizontal sum: on a Zen 4 its stream from DRAM ran at 24-35 GB/s where the K-quants'
- * interleaved rows (cpu_native_kquants_rows16.h) run at 35-50. Here (nanoinfer.quant.block_rows writes the
+ * interleaved rows (cpu_native_kquants_rows16.h) run at 35-50. Here (BlockWeight.interleave writes the
  * layout) the rows go in groups of 16, and a group's rows are cut in 4-byte units stored unit by unit, the 16
  * rows' copies of a unit together (64 bytes, one vector), a chunk's units group by group: a 4-bit chunk's unit
  * 4 j + s holds the 4 values of group j's step s (the activations' bytes 32 s + 4 j) in its low nibbles and
@@ -21,7 +21,7 @@
 
 #define GROUP_ROWS16 16
 #ifndef G16_AHEAD
-#define G16_AHEAD 1
+#define G16_AHEAD 1 /* chunks of software prefetch ahead (0: none; 2 and 4 were no faster on a Zen 4) */
 #endif
 
 /* The 16 interleaved rows at q (d, m: their [group][16] scales and mins; m NULL: -2^(bits - 1) d, a symmetric
@@ -82,7 +82,7 @@ static void groups_rows16_to(const uint8_t *q, const uint16_t *d, const uint16_t
                              int64_t ldy, int y_f32, int threads) {
     const int64_t group_bytes = GROUP_ROWS16 * k * bits / 8, group_scales = (int64_t)GROUP_ROWS16 * groups;
 #ifndef G16_SCHED
-#define G16_SCHED static
+#define G16_SCHED static /* (a thread's groups one stream; dynamic chunks of 4 or 16 groups gained nothing) */
 #endif
 #pragma omp parallel for schedule(G16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / GROUP_ROWS16; p++)
