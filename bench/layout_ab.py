@@ -1,12 +1,14 @@
 """Decode speed of one GGUF file with its weights in the layouts the CPU kernels stream and in the file's, llama.cpp beside.
 
-    python bench/layout_ab.py MODEL.gguf [--new-tokens 64] [--rounds 7] [--threads 2]
+    python bench/layout_ab.py MODEL.gguf [--new-tokens 64] [--rounds 7] [--threads 2] [--builds NAME=FLAGS ...]
 
 One process loads the file twice, once as NanoInfer loads it (rows interleaved where the build's one-token kernels
 read them so: BlockWeight.interleave, kquants.interleave) and once with the interleaving off, and llama-cpp-python
 on the same file; then each generates `--new-tokens` greedy tokens in turn, round after round, and the medians are
 printed. On a machine whose speed moves from minute to minute (a shared VM) the three meet the same moments, where
 separate runs of bench/cpu_decode.py do not. Decode tok/s leaves the prompt out (a one-token run's time taken off).
+`--builds`: instead of the two layouts, builds of cpu_native.c with extra compiler flags (`;`-separated, e.g.
+`static=-DKQ16_SCHED=static dyn=-DKQ16_SCHED=dynamic,32`), each running the file in the kernels' layout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--builds", nargs="*", default=[], help="NAME=FLAGS: cpu_native builds to compare")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import llama_cpp
@@ -33,13 +36,25 @@ def main() -> None:
     def load() -> LLM:
         return LLM(args.model, device="cpu", max_model_len=512, progress=False)
 
-    engines = {"interleaved": load()}
-    layouts = cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows
-    cpu_native.block_interleave_rows = cpu_native.kquant_interleave_rows = lambda lib, kind: 0
-    try:
-        engines["file layout"] = load()
-    finally:
-        cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows = layouts
+    engines = {}
+    if args.builds:
+        library = cpu_native.library
+        for build in args.builds:
+            name, _, flags = build.partition("=")
+            lib = cpu_native.load(extra_flags=tuple(f for f in flags.split(";") if f))
+            cpu_native.library = lambda lib=lib: lib  # (what the loader and the kernels' choice ask for)
+            try:
+                engines[name] = load()
+            finally:
+                cpu_native.library = library
+    else:
+        engines["interleaved"] = load()
+        layouts = cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows
+        cpu_native.block_interleave_rows = cpu_native.kquant_interleave_rows = lambda lib, kind: 0
+        try:
+            engines["file layout"] = load()
+        finally:
+            cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows = layouts
     llama = llama_cpp.Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=512,
                             verbose=False)
     prompt, n = "The capital of France is", args.new_tokens

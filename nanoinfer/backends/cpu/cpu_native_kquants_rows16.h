@@ -288,7 +288,11 @@ static void kq16_write(float out[KQ16_TOKENS][KQ16], int T, void *y, int64_t ldy
 static void kquant_rows16_to(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, kq_tokens x,
                              int n16, void *y, int64_t ldy, int y_f32, int threads) {
 #ifndef KQ16_SCHED
-#define KQ16_SCHED static
+/* Chunks of 32 groups (512 rows) to whichever thread is free: at a decode step's ends of matmul the threads
+ * waited ~14% of the time for each other with static halves; chunks this size keep each thread's stream
+ * sequential (chunks of 1 group lost it: slower) and ran Q4_K_M decode 5%, Q5_K_M 2% faster on a 2-core Zen 4
+ * (bench/layout_ab.py --builds, bench/RESULTS.md). */
+#define KQ16_SCHED dynamic, 32
 #endif
 #pragma omp parallel for schedule(KQ16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / KQ16; p++) {
