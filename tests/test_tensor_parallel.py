@@ -715,3 +715,19 @@ def test_peer_sums_take_a_16_bit_model_split_over_gpus():
     cfg = tiny_config()
     links = peer_links(cfg, Grid(2), 1, torch.float16, torch.device("cuda", 0))  # (not connected: no GPU needed)
     assert (links.rank, links.ranks, links.hidden, links.ready) == (1, 2, cfg.hidden_size, False)
+
+
+def test_a_ranks_part_of_interleaved_blocks_is_laid_out_as_the_whole_was():
+    """A rank's rows or columns of a CPU block matrix whose rows are interleaved (BlockWeight.interleave) are the
+    whole's values, interleaved again where the part's columns are whole chunks (the one-token kernel's layout)."""
+    from nanoinfer.parallel.shards import _packed
+    from nanoinfer.quant.quantized import GroupedWeight
+
+    whole = BlockWeight.from_groups(grouped(torch.randn(64, 512, generator=torch.Generator().manual_seed(3)), 4))
+    laid = whole.interleave(16)
+    rows = _packed(laid, lambda g: g.rows(slice(0, 32)))
+    assert rows.interleaved == 16 and torch.equal(dequantize(rows), dequantize(whole)[:32])
+    cols = _packed(laid, lambda g: GroupedWeight(g.q[:, 256:], g.scale[:, 8:], g.min[:, 8:], g.bits))
+    assert cols.interleaved == 16 and torch.equal(dequantize(cols), dequantize(whole)[:, 256:])
+    narrow = _packed(laid, lambda g: GroupedWeight(g.q[:, :96], g.scale[:, :3], g.min[:, :3], g.bits))
+    assert narrow.interleaved == 0 and torch.equal(dequantize(narrow), dequantize(whole)[:, :96])

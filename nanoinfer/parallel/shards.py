@@ -90,8 +90,10 @@ def _packed(w: Weight, pick: Callable[[Weight], Weight]) -> Weight:
     """`pick` (a part of a matrix) applied to `w`: dense, per-row int8/fp8 or GGUF groups as
     they are, the CPU's packed blocks and CUDA's 4-bit words through their exact groups
     (re-packed after)."""
-    if isinstance(w, BlockWeight):
-        return BlockWeight.from_groups(pick(w.groups()))
+    if isinstance(w, BlockWeight):  # (a rank's part laid out again as the whole was, where its columns allow)
+        part = BlockWeight.from_groups(pick(w.groups()))
+        keeps = w.interleaved and part.shape[1] % 256 == 0 and part.shape[0] >= w.interleaved
+        return part.interleave(w.interleaved) if keeps else part
     if isinstance(w, Int4CudaWeight):
         if w.cols is not None:  # (a rank's columns of an act-order matrix are not a slice of its stored ones)
             raise RequestError("tensor parallelism cannot split a 4-bit matrix stored in act order (GPTQ desc_act): "
