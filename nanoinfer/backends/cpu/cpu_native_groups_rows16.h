@@ -75,8 +75,68 @@ static inline __attribute__((always_inline)) void g16_dot(const uint8_t *q, cons
     _mm512_storeu_ps(out, _mm512_add_ps(sum, _mm512_setzero_ps()));
 }
 
+#define G16_TOKENS 4 /* tokens a pass of g16_dot_tokens shares each weight load with */
+
+/* g16_dot for T tokens (2 <= T <= G16_TOKENS, a constant where inlined; token t's xq at + t k, its xd and xs at
+ * + t groups): out[t][r]. Group lane by group lane (its accumulators for T tokens fit the registers where all 8
+ * lanes' would not), each unit loaded and its nibbles split once for the T tokens; a lane's chunks in order, so
+ * each token's operations and their order are g16_dot's: the same bits. The 16 rows' data come from L1/L2 after
+ * the first lane (a batch's few tokens: several decodes, a speculative verify). */
+static inline __attribute__((always_inline)) void g16_dot_tokens(const uint8_t *q, const uint16_t *d,
+                                                                const uint16_t *m, int groups, int bits, int T,
+                                                                const int8_t *xq, const float *xd, const float *xs,
+                                                                int64_t k, float out[G16_TOKENS][GROUP_ROWS16]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int units = 8 * bits, steps = bits; /* a chunk's units; a group's (4, or 8 on 8 bits) */
+    __m512 v[8][G16_TOKENS];
+    for (int j = 0; j < 8; j++) {
+        __m512 acc[G16_TOKENS], mins[G16_TOKENS];
+        for (int t = 0; t < T; t++) acc[t] = mins[t] = _mm512_setzero_ps();
+        for (int c = 0; c < groups / 8; c++) {
+            const uint8_t *w = q + ((int64_t)c * units + j * steps) * 64;
+            __m512i a[G16_TOKENS], b[G16_TOKENS];
+            for (int t = 0; t < T; t++) a[t] = b[t] = _mm512_setzero_si512();
+            for (int s = 0; s < steps; s++) {
+                __m512i u = _mm512_loadu_si512((const void *)(w + s * 64));
+                __m512i lo = bits == 4 ? _mm512_and_si512(u, low) : u;
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *x = xq + t * k + c * 256 + 32 * s + 4 * j;
+                    int32_t x0, x1;
+                    memcpy(&x0, x, 4);
+                    if (bits == 4) {
+                        memcpy(&x1, x + 128, 4);
+                        a[t] = _mm512_dpbusd_epi32(a[t], lo, _mm512_set1_epi32(x0));
+                        b[t] = _mm512_dpbusd_epi32(b[t], hi, _mm512_set1_epi32(x1));
+                    } else if (s % 2 == 0) {
+                        a[t] = _mm512_dpbusd_epi32(a[t], lo, _mm512_set1_epi32(x0));
+                    } else {
+                        b[t] = _mm512_dpbusd_epi32(b[t], lo, _mm512_set1_epi32(x0));
+                    }
+                }
+            }
+            const int g = 8 * c + j;
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * GROUP_ROWS16)));
+            __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * GROUP_ROWS16)))
+                          : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)(1 << (bits - 1))));
+            for (int t = 0; t < T; t++) {
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[t], b[t])),
+                                         _mm512_mul_ps(dv, _mm512_set1_ps(xd[t * groups + g])), acc[t]);
+                mins[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[t * groups + g]), mins[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) v[j][t] = _mm512_add_ps(acc[t], mins[t]);
+    }
+    for (int t = 0; t < T; t++) { /* hsum8's tree, then + 0, as g16_dot */
+        __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(v[0][t], v[4][t]), _mm512_add_ps(v[2][t], v[6][t])),
+                                   _mm512_add_ps(_mm512_add_ps(v[1][t], v[5][t]), _mm512_add_ps(v[3][t], v[7][t])));
+        _mm512_storeu_ps(out[t], _mm512_add_ps(sum, _mm512_setzero_ps()));
+    }
+}
+
 /* y [rows, ldy] columns 0 .. n16 (a multiple of 16) = the tokens @ the interleaved rows 0 .. n16: each thread
- * its groups of 16 rows in turn (one sequential stream), every token against a group while it is in cache. */
+ * its groups of 16 rows in turn (one sequential stream), the tokens G16_TOKENS a pass against a group while it is
+ * in cache (one token: g16_dot, which reads the group once, in order). */
 static void groups_rows16_to(const uint8_t *q, const uint16_t *d, const uint16_t *m, int bits, int groups, int rows,
                              const int8_t *xq, const float *xd, const float *xs, int64_t k, int n16, void *y,
                              int64_t ldy, int y_f32, int threads) {
@@ -86,20 +146,30 @@ static void groups_rows16_to(const uint8_t *q, const uint16_t *d, const uint16_t
 #endif
 #pragma omp parallel for schedule(G16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / GROUP_ROWS16; p++)
-        for (int t = 0; t < rows; t++) {
-            float out[GROUP_ROWS16];
+        for (int t = 0; t < rows; t += G16_TOKENS) {
+            int T = rows - t < G16_TOKENS ? rows - t : G16_TOKENS;
+            float out[G16_TOKENS][GROUP_ROWS16];
             const uint8_t *qp = q + p * group_bytes;
             const uint16_t *dp = d + p * group_scales, *mp = m ? m + p * group_scales : NULL;
-            if (bits == 4) /* (each its own unrolled copy) */
-                g16_dot(qp, dp, mp, groups, 4, xq + t * k, xd + (int64_t)t * groups, xs + (int64_t)t * groups, out);
-            else
-                g16_dot(qp, dp, mp, groups, 8, xq + t * k, xd + (int64_t)t * groups, xs + (int64_t)t * groups, out);
-            for (int r = 0; r < GROUP_ROWS16; r++) {
-                int64_t at = (int64_t)t * ldy + p * GROUP_ROWS16 + r;
-                if (y_f32)
-                    ((float *)y)[at] = out[r];
-                else
-                    ((uint16_t *)y)[at] = f32_to_bf16(out[r]);
+            const int8_t *xt = xq + t * k;
+            const float *xdt = xd + (int64_t)t * groups, *xst = xs + (int64_t)t * groups;
+            switch (T * 16 + bits) { /* (each pair its own unrolled copy) */
+            case 16 + 4: g16_dot(qp, dp, mp, groups, 4, xt, xdt, xst, out[0]); break;
+            case 16 + 8: g16_dot(qp, dp, mp, groups, 8, xt, xdt, xst, out[0]); break;
+            case 32 + 4: g16_dot_tokens(qp, dp, mp, groups, 4, 2, xt, xdt, xst, k, out); break;
+            case 32 + 8: g16_dot_tokens(qp, dp, mp, groups, 8, 2, xt, xdt, xst, k, out); break;
+            case 48 + 4: g16_dot_tokens(qp, dp, mp, groups, 4, 3, xt, xdt, xst, k, out); break;
+            case 48 + 8: g16_dot_tokens(qp, dp, mp, groups, 8, 3, xt, xdt, xst, k, out); break;
+            case 64 + 4: g16_dot_tokens(qp, dp, mp, groups, 4, 4, xt, xdt, xst, k, out); break;
+            default: g16_dot_tokens(qp, dp, mp, groups, 8, 4, xt, xdt, xst, k, out); break;
             }
+            for (int u = 0; u < T; u++)
+                for (int r = 0; r < GROUP_ROWS16; r++) {
+                    int64_t at = (int64_t)(t + u) * ldy + p * GROUP_ROWS16 + r;
+                    if (y_f32)
+                        ((float *)y)[at] = out[u][r];
+                    else
+                        ((uint16_t *)y)[at] = f32_to_bf16(out[u][r]);
+                }
         }
 }
