@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_native.c")
 HEADERS = tuple(Path(__file__).with_name(h) for h in (  # SOURCE's includes
     "cpu_native_attention.h", "cpu_native_arm.h", "cpu_native_groups.h", "cpu_native_groups_tiles.h",
-    "cpu_native_groups_rows16.h",
+    "cpu_native_groups_rows16.h", "cpu_native_vec16.h",
     "cpu_native_kquants.h",
     "cpu_native_kquants_x86.h", "cpu_native_kquants_rows16.h", "cpu_native_kquants_tiles.h",
     "cpu_native_kquants_arm.h"))

@@ -182,8 +182,9 @@ static inline __m256i chunk_dot4_wide(const __m512i w[4], const int8_t *x) {
 
 #define GROUP_TILES 1 /* prefill: 16 rows unpacked once for every token */
 #include "cpu_native_groups_tiles.h"
-#include "cpu_native_groups_rows16.h" /* decode: 16 rows interleaved at load */
 #endif
+#include "cpu_native_vec16.h"
+#include "cpu_native_groups_rows16.h" /* decode: 16 rows interleaved at load */
 
 /* One weight row against T tokens (T <= ROW_TOKENS, a constant where inlined; token t's rows at xq + t k,
  * xd + t groups, xs + t groups): each chunk's weights unpacked once for all of them, each token's operations those

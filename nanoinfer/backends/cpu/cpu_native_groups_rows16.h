@@ -1,6 +1,7 @@
-/* Group-of-32 dots over weights repacked at load (AVX-512 VNNI): 16 rows interleaved, a 4-byte unit at a time.
+/* Group-of-32 dots over weights repacked at load (x86, AVX2 and up): 16 rows interleaved, a 4-byte unit at a time.
  *
- * cpu_native_groups.h includes this where AVX-512 VNNI is there (after cpu_native_groups_tiles.h). At one
+ * cpu_native_groups.h includes this on x86 builds with AVX2 (after cpu_native_groups_tiles.h where AVX-512 VNNI
+ * is there), written once against cpu_native_vec16.h's vectors: 16 rows a register on AVX-512, 8 on AVX2. At one
  * token row_dot_tokens reads a row's chunk of 8 groups, dots it in 256-bit lanes (lane l: group l) and ends
  * each row in a horizontal sum: on a Zen 4 its stream from DRAM ran at 24-35 GB/s where the K-quants'
  * interleaved rows (cpu_native_kquants_rows16.h) run at 35-50. Here (BlockWeight.interleave writes the
@@ -16,66 +17,126 @@
  * The arithmetic is row_dot_tokens' lane by lane, as cpu_native_groups_tiles.h's is: group lane j's
  * accumulators are vectors over the 16 rows, acc = fma(sum, d xd, acc) and mins = fma(m, xs, mins) chunk
  * after chunk, then hsum8's tree across the 8 lanes and + 0: the same bits. A matrix's last rows % 16 stay in
- * the file's layout (row_dot_tokens reads them); its rows must be whole chunks (k a multiple of 256).
+ * the file's layout (row_dot_tokens reads them); its rows must be whole chunks (k a multiple of 256). On AVX2
+ * the int32 sums are vpmaddubsw's pair sums (exact: the bounds are at g16_sums), each group runs in two halves of
+ * 8 rows, and a one-token pass holds 4 group lanes' accumulators, not 8.
  */
 
 #define GROUP_ROWS16 16
 #ifndef G16_AHEAD
 #define G16_AHEAD 1 /* chunks of software prefetch ahead (0: none; 2 and 4 were no faster on a Zen 4) */
 #endif
+#if V16_LANES == 16
+#define G16_SET 8    /* group lanes a one-token pass keeps in registers: all 8 (their acc and mins: 16 of 32) */
+#define G16_TOKENS 4 /* tokens a pass of g16_dot_tokens shares each weight load with */
+#else
+#ifndef G16_SET
+#define G16_SET 8
+#endif
+#define G16_MINS_APART 1
+#define G16_TOKENS 2
+#endif
 
-/* The 16 interleaved rows at q (d, m: their [group][16] scales and mins; m NULL: -2^(bits - 1) d, a symmetric
- * format's, Q4_0's and Q8_0's, whose mins need not be read) against one token (xq, xd, xs as
- * quantize_groups_q8 wrote them): out[r]. bits a constant where inlined. */
+static inline kv_i g16_x4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return kv_set1_32(v);
+}
+
+/* Group lane j's integer sums over the chunk at w (its activations at x), for the rows of `half`: each row's
+ * lane the sum of its 32 products. bits a constant where inlined. */
+static inline __attribute__((always_inline)) kv_i g16_sums(const uint8_t *w, int j, int bits, int half,
+                                                           const int8_t *x) {
+    const kv_i low = kv_set1_8(0x0f);
+    kv_i a = kv_zero(), b = kv_zero(); /* (two chains: the dot products overlap) */
+    if (bits == 4) {
+        for (int s = 0; s < 4; s++) {
+            kv_i v = kv_load(w, 4 * j + s, half);
+            kv_i lo = kv_and(v, low), hi = kv_and(kv_srli16(v, 4), low);
+#ifdef KV_PAIRS16 /* (exact: |4 units' pair sums, twice| <= 8 * 2 * 15 * 127 < 32767) */
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo, g16_x4(x + 32 * s + 4 * j)));
+            b = _mm256_add_epi16(b, _mm256_maddubs_epi16(hi, g16_x4(x + 128 + 32 * s + 4 * j)));
+#else
+            a = kv_dpbusd(a, lo, g16_x4(x + 32 * s + 4 * j));
+            b = kv_dpbusd(b, hi, g16_x4(x + 128 + 32 * s + 4 * j));
+#endif
+        }
+#ifdef KV_PAIRS16
+        return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+    } else
+        for (int s = 0; s < 8; s += 2) {
+            a = kv_dpbusd8(a, kv_load(w, 8 * j + s, half), g16_x4(x + 32 * s + 4 * j));
+            b = kv_dpbusd8(b, kv_load(w, 8 * j + s + 1, half), g16_x4(x + 32 * s + 32 + 4 * j));
+        }
+    return kv_add(a, b);
+}
+
+/* A group lane's scales for the rows of `half` (d, m: the group's [16] fp16; m NULL: -2^(bits - 1) d, a
+ * symmetric format's, exactly) */
+static inline kv_f g16_mins(const uint16_t *m, kv_f dv, int bits, int half) {
+    return m ? kv_load_f16(m, half) : kv_mul_ps(dv, kv_set1_ps(-(float)(1 << (bits - 1))));
+}
+
+/* hsum8's tree over the 8 group lanes' acc + mins (lanes i + 4, then i + 2, then i + 1), then + 0 (row_dot_finish's
+ * empty rest), into out */
+static inline void g16_store(const kv_f v[8], float *out) {
+    kv_f sum = kv_add_ps(kv_add_ps(kv_add_ps(v[0], v[4]), kv_add_ps(v[2], v[6])),
+                         kv_add_ps(kv_add_ps(v[1], v[5]), kv_add_ps(v[3], v[7])));
+    kv_store_ps(out, kv_add_ps(sum, kv_zero_ps()));
+}
+
+/* The 16 interleaved rows at q (d, m: their [group][16] scales and mins; m NULL: a symmetric format's, Q4_0's and
+ * Q8_0's, whose mins need not be read) against one token (xq, xd, xs as quantize_groups_q8 wrote them): out[r].
+ * The chunks in order, G16_SET group lanes at a time (all 8 on AVX-512: one sequential read; AVX2's passes after
+ * the first find the group in L1/L2, the first prefetching each next chunk whole). bits a constant where inlined. */
 static inline __attribute__((always_inline)) void g16_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m,
                                                          int groups, int bits, const int8_t *xq, const float *xd,
                                                          const float *xs, float out[GROUP_ROWS16]) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
     const int units = 8 * bits; /* a chunk's 4-byte units */
-    __m512 acc[8], mins[8];
-    for (int j = 0; j < 8; j++) acc[j] = mins[j] = _mm512_setzero_ps();
-    for (int c = 0; c < groups / 8; c++) {
-        const uint8_t *w = q + (int64_t)c * units * 64;
-        const int8_t *x = xq + c * 256;
-        if (G16_AHEAD)
-            for (int l = 0; l < units * 64; l += 64) __builtin_prefetch(w + G16_AHEAD * units * 64 + l, 0, 0);
+    for (int half = 0; half < GROUP_ROWS16 / V16_LANES; half++) {
+        kv_f v[8];
+        for (int j0 = 0; j0 < 8; j0 += G16_SET) {
+            kv_f acc[G16_SET];
+#ifdef G16_MINS_APART /* (each lane's mins chain first, on its own: the main loop's registers then hold only acc) */
+            for (int j = 0; j < G16_SET; j++) v[j0 + j] = kv_zero_ps();
+            for (int c = 0; c < groups / 8; c++)
+                for (int j = 0; j < G16_SET; j++) {
+                    const int g = 8 * c + j0 + j;
+                    kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
+                    v[j0 + j] = kv_fmadd_ps(g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half),
+                                            kv_set1_ps(xs[g]), v[j0 + j]);
+                }
+#else
+            kv_f mins[G16_SET];
+            for (int j = 0; j < G16_SET; j++) mins[j] = kv_zero_ps();
+#endif
+            for (int j = 0; j < G16_SET; j++) acc[j] = kv_zero_ps();
+            for (int c = 0; c < groups / 8; c++) {
+                const uint8_t *w = q + (int64_t)c * units * 64;
+                if (G16_AHEAD && half == 0 && j0 == 0)
+                    for (int l = 0; l < units * 64; l += 64) __builtin_prefetch(w + G16_AHEAD * units * 64 + l, 0, 0);
 #pragma GCC unroll 8 /* (acc[j] and mins[j] stay in registers only with j a constant) */
-        for (int j = 0; j < 8; j++) {
-            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512(); /* (two chains: the dpbusd overlap) */
-            int32_t x0, x1;
-            if (bits == 4)
-                for (int s = 0; s < 4; s++) {
-                    __m512i v = _mm512_loadu_si512((const void *)(w + (4 * j + s) * 64));
-                    memcpy(&x0, x + 32 * s + 4 * j, 4), memcpy(&x1, x + 128 + 32 * s + 4 * j, 4);
-                    a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(x0));
-                    b = _mm512_dpbusd_epi32(b, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(x1));
+                for (int j = 0; j < G16_SET; j++) {
+                    const int g = 8 * c + j0 + j;
+                    kv_i sums = g16_sums(w, j0 + j, bits, half, xq + c * 256);
+                    kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
+                    acc[j] = kv_fmadd_ps(kv_cvt(sums), kv_mul_ps(dv, kv_set1_ps(xd[g])), acc[j]);
+#ifndef G16_MINS_APART
+                    mins[j] = kv_fmadd_ps(g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half),
+                                          kv_set1_ps(xs[g]), mins[j]);
+#endif
                 }
-            else
-                for (int s = 0; s < 8; s += 2) {
-                    memcpy(&x0, x + 32 * s + 4 * j, 4), memcpy(&x1, x + 32 * s + 32 + 4 * j, 4);
-                    a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(w + (8 * j + s) * 64)),
-                                            _mm512_set1_epi32(x0));
-                    b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512((const void *)(w + (8 * j + s + 1) * 64)),
-                                            _mm512_set1_epi32(x1));
-                }
-            const int g = 8 * c + j;
-            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * GROUP_ROWS16)));
-            __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * GROUP_ROWS16)))
-                          : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)(1 << (bits - 1)))); /* (exact) */
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), _mm512_mul_ps(dv, _mm512_set1_ps(xd[g])),
-                                     acc[j]);
-            mins[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[g]), mins[j]);
+            }
+#ifdef G16_MINS_APART
+            for (int j = 0; j < G16_SET; j++) v[j0 + j] = kv_add_ps(acc[j], v[j0 + j]); /* (acc + mins: the same sum) */
+#else
+            for (int j = 0; j < G16_SET; j++) v[j0 + j] = kv_add_ps(acc[j], mins[j]);
+#endif
         }
+        g16_store(v, out + V16_LANES * half);
     }
-    __m512 v[8];
-    for (int j = 0; j < 8; j++) v[j] = _mm512_add_ps(acc[j], mins[j]);
-    /* hsum8's tree: lanes i + 4, then i + 2, then i + 1; then + 0 (row_dot_finish's empty rest) */
-    __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[4]), _mm512_add_ps(v[2], v[6])),
-                               _mm512_add_ps(_mm512_add_ps(v[1], v[5]), _mm512_add_ps(v[3], v[7])));
-    _mm512_storeu_ps(out, _mm512_add_ps(sum, _mm512_setzero_ps()));
 }
-
-#define G16_TOKENS 4 /* tokens a pass of g16_dot_tokens shares each weight load with */
 
 /* g16_dot for T tokens (2 <= T <= G16_TOKENS, a constant where inlined; token t's xq at + t k, its xd and xs at
  * + t groups): out[t][r]. Group lane by group lane (its accumulators for T tokens fit the registers where all 8
@@ -86,51 +147,53 @@ static inline __attribute__((always_inline)) void g16_dot_tokens(const uint8_t *
                                                                 const uint16_t *m, int groups, int bits, int T,
                                                                 const int8_t *xq, const float *xd, const float *xs,
                                                                 int64_t k, float out[G16_TOKENS][GROUP_ROWS16]) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const kv_i low = kv_set1_8(0x0f);
     const int units = 8 * bits, steps = bits; /* a chunk's units; a group's (4, or 8 on 8 bits) */
-    __m512 v[8][G16_TOKENS];
-    for (int j = 0; j < 8; j++) {
-        __m512 acc[G16_TOKENS], mins[G16_TOKENS];
-        for (int t = 0; t < T; t++) acc[t] = mins[t] = _mm512_setzero_ps();
-        for (int c = 0; c < groups / 8; c++) {
-            const uint8_t *w = q + ((int64_t)c * units + j * steps) * 64;
-            __m512i a[G16_TOKENS], b[G16_TOKENS];
-            for (int t = 0; t < T; t++) a[t] = b[t] = _mm512_setzero_si512();
-            for (int s = 0; s < steps; s++) {
-                __m512i u = _mm512_loadu_si512((const void *)(w + s * 64));
-                __m512i lo = bits == 4 ? _mm512_and_si512(u, low) : u;
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
-                for (int t = 0; t < T; t++) {
-                    const int8_t *x = xq + t * k + c * 256 + 32 * s + 4 * j;
-                    int32_t x0, x1;
-                    memcpy(&x0, x, 4);
-                    if (bits == 4) {
-                        memcpy(&x1, x + 128, 4);
-                        a[t] = _mm512_dpbusd_epi32(a[t], lo, _mm512_set1_epi32(x0));
-                        b[t] = _mm512_dpbusd_epi32(b[t], hi, _mm512_set1_epi32(x1));
-                    } else if (s % 2 == 0) {
-                        a[t] = _mm512_dpbusd_epi32(a[t], lo, _mm512_set1_epi32(x0));
-                    } else {
-                        b[t] = _mm512_dpbusd_epi32(b[t], lo, _mm512_set1_epi32(x0));
+    for (int half = 0; half < GROUP_ROWS16 / V16_LANES; half++) {
+        kv_f v[G16_TOKENS][8];
+        for (int j = 0; j < 8; j++) {
+            kv_f acc[G16_TOKENS], mins[G16_TOKENS];
+            for (int t = 0; t < T; t++) acc[t] = mins[t] = kv_zero_ps();
+            for (int c = 0; c < groups / 8; c++) {
+                const uint8_t *w = q + (int64_t)c * units * 64;
+                kv_i a[G16_TOKENS], b[G16_TOKENS];
+                for (int t = 0; t < T; t++) a[t] = b[t] = kv_zero();
+                for (int s = 0; s < steps; s++) {
+                    kv_i u = kv_load(w, j * steps + s, half);
+                    kv_i lo = bits == 4 ? kv_and(u, low) : u, hi = kv_and(kv_srli16(u, 4), low);
+                    for (int t = 0; t < T; t++) {
+                        const int8_t *x = xq + t * k + c * 256 + 32 * s + 4 * j;
+                        if (bits == 4) {
+#ifdef KV_PAIRS16 /* (g16_sums' int16 pair sums) */
+                            a[t] = _mm256_add_epi16(a[t], _mm256_maddubs_epi16(lo, g16_x4(x)));
+                            b[t] = _mm256_add_epi16(b[t], _mm256_maddubs_epi16(hi, g16_x4(x + 128)));
+#else
+                            a[t] = kv_dpbusd(a[t], lo, g16_x4(x));
+                            b[t] = kv_dpbusd(b[t], hi, g16_x4(x + 128));
+#endif
+                        } else if (s % 2 == 0)
+                            a[t] = kv_dpbusd8(a[t], lo, g16_x4(x));
+                        else
+                            b[t] = kv_dpbusd8(b[t], lo, g16_x4(x));
                     }
                 }
+                const int g = 8 * c + j;
+                kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
+                kv_f mv = g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half);
+                for (int t = 0; t < T; t++) {
+#ifdef KV_PAIRS16
+                    kv_i sums = bits == 4 ? _mm256_madd_epi16(_mm256_add_epi16(a[t], b[t]), _mm256_set1_epi16(1))
+                                          : kv_add(a[t], b[t]);
+#else
+                    kv_i sums = kv_add(a[t], b[t]);
+#endif
+                    acc[t] = kv_fmadd_ps(kv_cvt(sums), kv_mul_ps(dv, kv_set1_ps(xd[t * groups + g])), acc[t]);
+                    mins[t] = kv_fmadd_ps(mv, kv_set1_ps(xs[t * groups + g]), mins[t]);
+                }
             }
-            const int g = 8 * c + j;
-            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * GROUP_ROWS16)));
-            __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * GROUP_ROWS16)))
-                          : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)(1 << (bits - 1))));
-            for (int t = 0; t < T; t++) {
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[t], b[t])),
-                                         _mm512_mul_ps(dv, _mm512_set1_ps(xd[t * groups + g])), acc[t]);
-                mins[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[t * groups + g]), mins[t]);
-            }
+            for (int t = 0; t < T; t++) v[t][j] = kv_add_ps(acc[t], mins[t]);
         }
-        for (int t = 0; t < T; t++) v[j][t] = _mm512_add_ps(acc[t], mins[t]);
-    }
-    for (int t = 0; t < T; t++) { /* hsum8's tree, then + 0, as g16_dot */
-        __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(v[0][t], v[4][t]), _mm512_add_ps(v[2][t], v[6][t])),
-                                   _mm512_add_ps(_mm512_add_ps(v[1][t], v[5][t]), _mm512_add_ps(v[3][t], v[7][t])));
-        _mm512_storeu_ps(out[t], _mm512_add_ps(sum, _mm512_setzero_ps()));
+        for (int t = 0; t < T; t++) g16_store(v[t], out[t] + V16_LANES * half);
     }
 }
 
@@ -158,10 +221,12 @@ static void groups_rows16_to(const uint8_t *q, const uint16_t *d, const uint16_t
             case 16 + 8: g16_dot(qp, dp, mp, groups, 8, xt, xdt, xst, out[0]); break;
             case 32 + 4: g16_dot_tokens(qp, dp, mp, groups, 4, 2, xt, xdt, xst, k, out); break;
             case 32 + 8: g16_dot_tokens(qp, dp, mp, groups, 8, 2, xt, xdt, xst, k, out); break;
+#if G16_TOKENS == 4
             case 48 + 4: g16_dot_tokens(qp, dp, mp, groups, 4, 3, xt, xdt, xst, k, out); break;
             case 48 + 8: g16_dot_tokens(qp, dp, mp, groups, 8, 3, xt, xdt, xst, k, out); break;
             case 64 + 4: g16_dot_tokens(qp, dp, mp, groups, 4, 4, xt, xdt, xst, k, out); break;
-            default: g16_dot_tokens(qp, dp, mp, groups, 8, 4, xt, xdt, xst, k, out); break;
+            case 64 + 8: g16_dot_tokens(qp, dp, mp, groups, 8, 4, xt, xdt, xst, k, out); break;
+#endif
             }
             for (int u = 0; u < T; u++)
                 for (int r = 0; r < GROUP_ROWS16; r++) {

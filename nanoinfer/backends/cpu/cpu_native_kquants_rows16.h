@@ -22,96 +22,14 @@
 
 #define KQ16 16 /* rows interleaved */
 
-/* The vector the dots run on: all 16 rows in one AVX-512 register, or on AVX2 (and AVX-VNNI) 8 rows
- * in a 256-bit one, each group in two passes (half 0: the units' first 32 bytes, rows 0-7; the
- * second pass reads the group's other halves from L1/L2). */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The vector the dots run on (cpu_native_vec16.h): all 16 rows in one AVX-512 register, or on AVX2 (and
+ * AVX-VNNI) 8 rows in a 256-bit one, each group in two passes (half 0: the units' first 32 bytes, rows 0-7;
+ * the second pass reads the group's other halves from L1/L2). */
+#include "cpu_native_vec16.h"
+#if V16_LANES == 16
 #define KQ16_TOKENS 4 /* tokens a pass, sharing its weight loads (AVX-512's 32 registers) */
-#define KQ16_LANES 16
-typedef __m512i kv_i;
-typedef __m512 kv_f;
-static inline kv_i kv_load(const uint8_t *g, int unit, int half) {
-    (void)half;
-    return _mm512_loadu_si512((const void *)(g + 64 * unit));
-}
-static inline kv_i kv_set1_8(int c) { return _mm512_set1_epi8((char)c); }
-static inline kv_i kv_set1_32(int v) { return _mm512_set1_epi32(v); }
-static inline kv_i kv_zero(void) { return _mm512_setzero_si512(); }
-static inline kv_i kv_and(kv_i a, kv_i b) { return _mm512_and_si512(a, b); }
-static inline kv_i kv_or(kv_i a, kv_i b) { return _mm512_or_si512(a, b); }
-static inline kv_i kv_add(kv_i a, kv_i b) { return _mm512_add_epi32(a, b); }
-static inline kv_i kv_sub(kv_i a, kv_i b) { return _mm512_sub_epi32(a, b); }
-static inline kv_i kv_mullo(kv_i a, kv_i b) { return _mm512_mullo_epi32(a, b); }
-static inline kv_i kv_srli16(kv_i a, int n) { return _mm512_srli_epi16(a, n); }
-static inline kv_i kv_slli16(kv_i a, int n) { return _mm512_slli_epi16(a, n); }
-static inline kv_i kv_srli32(kv_i a, int n) { return _mm512_srli_epi32(a, n); }
-static inline kv_i kv_slli32(kv_i a, int n) { return _mm512_slli_epi32(a, n); }
-static inline kv_i kv_srai32(kv_i a, int n) { return _mm512_srai_epi32(a, n); }
-static inline kv_i kv_dpbusd(kv_i acc, kv_i u, kv_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
-static inline kv_f kv_cvt(kv_i a) { return _mm512_cvtepi32_ps(a); }
-static inline kv_f kv_set1_ps(float v) { return _mm512_set1_ps(v); }
-static inline kv_f kv_zero_ps(void) { return _mm512_setzero_ps(); }
-static inline kv_f kv_mul_ps(kv_f a, kv_f b) { return _mm512_mul_ps(a, b); }
-static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm512_add_ps(a, b); }
-static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm512_sub_ps(a, b); }
-static inline void kv_store_ps(float *p, kv_f a) { _mm512_storeu_ps(p, a); }
-/* the fp16 in each lane's low (which 0) or high (1) half, as fp32 */
-static inline kv_f kv_half_f16(kv_i a, int which) {
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16 * which)));
-}
-/* 16 fp16 at p (this half's lanes) */
-static inline kv_f kv_load_f16(const uint16_t *p, int half) {
-    (void)half;
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-}
 #else
 #define KQ16_TOKENS 2 /* (AVX2's 16 registers) */
-#define KQ16_LANES 8
-typedef __m256i kv_i;
-typedef __m256 kv_f;
-static inline kv_i kv_load(const uint8_t *g, int unit, int half) { return kq_load(g + 64 * unit + 32 * half); }
-static inline kv_i kv_set1_8(int c) { return _mm256_set1_epi8((char)c); }
-static inline kv_i kv_set1_32(int v) { return _mm256_set1_epi32(v); }
-static inline kv_i kv_zero(void) { return _mm256_setzero_si256(); }
-static inline kv_i kv_and(kv_i a, kv_i b) { return _mm256_and_si256(a, b); }
-static inline kv_i kv_or(kv_i a, kv_i b) { return _mm256_or_si256(a, b); }
-static inline kv_i kv_add(kv_i a, kv_i b) { return _mm256_add_epi32(a, b); }
-static inline kv_i kv_sub(kv_i a, kv_i b) { return _mm256_sub_epi32(a, b); }
-static inline kv_i kv_mullo(kv_i a, kv_i b) { return _mm256_mullo_epi32(a, b); }
-static inline kv_i kv_srli16(kv_i a, int n) { return _mm256_srli_epi16(a, n); }
-static inline kv_i kv_slli16(kv_i a, int n) { return _mm256_slli_epi16(a, n); }
-static inline kv_i kv_srli32(kv_i a, int n) { return _mm256_srli_epi32(a, n); }
-static inline kv_i kv_slli32(kv_i a, int n) { return _mm256_slli_epi32(a, n); }
-static inline kv_i kv_srai32(kv_i a, int n) { return _mm256_srai_epi32(a, n); }
-/* 4 unsigned x signed byte products into each int32 lane: AVX-VNNI's vpdpbusd, or AVX2's vpmaddubsw (exact here:
- * values < 64, |x| <= 127, a pair within 2 * 63 * 127 < 32767) and a vpmaddwd by ones */
-static inline kv_i kv_dpbusd(kv_i acc, kv_i u, kv_i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-#if !defined(__AVXVNNI__)
-/* Q4_K's/Q5_K's pair sums kept in int16 over 4 units, widened once (kq16_dot): a unit's vpmaddubsw and a vpaddw
- * in place of kv_dpbusd's three instructions (exact: |4 units' pair sums| <= 4 * 2 * 31 * 127 < 32767) */
-#define KV_PAIRS16 1
-#endif
-static inline kv_f kv_cvt(kv_i a) { return _mm256_cvtepi32_ps(a); }
-static inline kv_f kv_set1_ps(float v) { return _mm256_set1_ps(v); }
-static inline kv_f kv_zero_ps(void) { return _mm256_setzero_ps(); }
-static inline kv_f kv_mul_ps(kv_f a, kv_f b) { return _mm256_mul_ps(a, b); }
-static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm256_add_ps(a, b); }
-static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm256_sub_ps(a, b); }
-static inline void kv_store_ps(float *p, kv_f a) { _mm256_storeu_ps(p, a); }
-static inline kv_f kv_half_f16(kv_i a, int which) {
-    kv_i v = _mm256_and_si256(_mm256_srli_epi32(a, 16 * which), _mm256_set1_epi32(0xffff));
-    kv_i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08); /* lanes 0-7's words in the low 128 bits */
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(words));
-}
-static inline kv_f kv_load_f16(const uint16_t *p, int half) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * half)));
-}
 #endif
 
 /* byte j (0-3) of each int32 lane, then masked */
@@ -147,13 +65,13 @@ static inline kv_i kq16_x4(const int8_t *p) {
 }
 
 /* 16 interleaved rows (the group at w) of `type` against T tokens (T <= KQ16_TOKENS; type and T constants
- * where inlined): out[t][r] fp32, the rows of each of the 16 / KQ16_LANES halves in turn */
+ * where inlined): out[t][r] fp32, the rows of each of the 16 / V16_LANES halves in turn */
 static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int type, int blocks, int T, kq_tokens x,
                                                           float out[KQ16_TOKENS][KQ16]) {
     const int gb = KQ16 * (block_bytes(type) & ~3); /* a group's bytes of units a super-block (64-byte aligned) */
     const uint16_t *tails = (const uint16_t *)(w + (int64_t)blocks * gb); /* Q6_K's d: [blocks][16] */
     const kv_i low4 = kv_set1_8(0x0f), bits45 = kv_set1_8(0x30);
-    for (int half = 0; half < KQ16 / KQ16_LANES; half++) {
+    for (int half = 0; half < KQ16 / V16_LANES; half++) {
     kv_f acc[KQ16_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = kv_zero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -246,7 +164,7 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
         for (int t = 0; t < T; t++)
             acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
     }
-    for (int t = 0; t < T; t++) kv_store_ps(out[t] + KQ16_LANES * half, acc[t]);
+    for (int t = 0; t < T; t++) kv_store_ps(out[t] + V16_LANES * half, acc[t]);
     }
 }
 
