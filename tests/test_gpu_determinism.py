@@ -57,6 +57,22 @@ def test_a_row_of_the_invariant_linear_is_the_same_at_every_row_count(form, n, k
         assert torch.equal(invariant.linear(x[i:i + 1], w), full[i:i + 1]), i
 
 
+@pytest.mark.parametrize("form", ["bf16", "int8", "fp8"])
+def test_the_products_epilogues_give_the_unfused_kernels_bits(form):
+    """SiLU · up and the residual add folded into the deterministic product (invariant.attention_output_and_mlp)
+    round as row_kernels' silu_mul and torch's add after the plain product do, at one row and at many."""
+    from nanoinfer.backends.cuda.row_kernels import silu_mul
+
+    w = weight(form, 2 * 1536, 1024)
+    q, scale = (w, None) if form == "bf16" else (w.q, w.scale)
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 17, 300):
+        plain = invariant.tiled_matmul(x[:m], q, scale)
+        assert torch.equal(invariant.tiled_matmul(x[:m], q, scale, silu=True), silu_mul(plain)), m
+        residual = torch.randn(m, 2 * 1536, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(invariant.tiled_matmul(x[:m], q, scale, residual=residual), residual + plain), m
+
+
 @pytest.mark.parametrize("group,head_dim", [(2, 128), (4, 128), (1, 64), (8, 256)])
 @pytest.mark.parametrize("pool", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_an_attention_row_is_the_same_in_every_step(group, head_dim, pool):

@@ -163,32 +163,52 @@ ROWS_MAX = 16
 @triton.jit(do_not_specialize=["M"])
 def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, W_BYTES,
                  HAS_SCALE: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr = 16):
+                 BLOCK_M: tl.constexpr = 16, res_ptr=0, RESIDUAL: tl.constexpr = False, SILU: tl.constexpr = False):
     # Rows of x padded to 16, one tensor-core product per weight tile: the weight is read once
     # for all rows (cuBLAS picks split-K tilings here that ran 10-40% slower than one row).
     # BLOCK_M (`tiled_matmul`, the deterministic mode's product): a grid axis of row tiles. M is not
     # specialized on: one compiled program for every row count.
+    # The deterministic mode's epilogues, each the bits of the unfused kernels after it: RESIDUAL, res [M, N]
+    # (out's strides) added to the rounded product; SILU, w is [gate | up] (2 N rows) and out silu(gate) * up.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SILU:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if INT8:  # (exact: an int8 is a bf16 or fp16; the widening trick of _gemv_kernel)
-            w = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(x.dtype)
-        else:  # (an fp8 weight widens exactly; a no-op for x's own dtype)
-            w = w.to(x.dtype)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(_weight_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn, x.dtype, INT8)), acc)
+        if SILU:  # (the up rows' sums: the same steps into their own accumulator)
+            acc_up = tl.dot(x, tl.trans(_weight_tile(w_ptr, offs_n + N, offs_k, n_mask, k_mask, stride_wn, x.dtype,
+                                                     INT8)), acc_up)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        if SILU:
+            acc_up *= tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    out_at = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SILU:  # (row_kernels' silu_mul on the rounded product: gate and up round, F.silu rounds, the product rounds)
+        gate = acc.to(dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if RESIDUAL:  # (torch's bf16 add: both in fp32, one rounding)
+        acc = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + out_at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_at, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _weight_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn, dtype: tl.constexpr, INT8: tl.constexpr):
+    """Rows offs_n, columns offs_k of a weight, in the activations' dtype."""
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if INT8:  # (exact: an int8 is a bf16 or fp16; the widening trick of _gemv_kernel)
+        return ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(dtype)
+    return w.to(dtype)  # (an fp8 weight widens exactly; a no-op for x's own dtype)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -242,18 +262,24 @@ def invariant_tiles(m: int, n: int, w: torch.Tensor) -> dict:
     return dict(BLOCK_M=16, BLOCK_N=32 if n <= 4096 else 64, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
-def tiled_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """x [M, K] @ (w[N, K] * scale[N, None]).T -> [M, N] in x's dtype (bf16/fp16) on tensor cores, a row's bits
     the same whatever M (the deterministic mode's product: nanoinfer.backends.cuda.invariant): `_rows_kernel` at
-    `invariant_tiles`. w: bf16/fp16 (x's), int8 or fp8 with a per-row `scale`."""
+    `invariant_tiles`. w: bf16/fp16 (x's), int8 or fp8 with a per-row `scale`. `residual` [M, N]: added to the
+    product as `residual + product` would; `silu`: w is [gate | up] and the output [M, N / 2] is
+    row_kernels.silu_mul's of the product (the same bits as those kernels after it, one kernel fewer each)."""
     n, k = w.shape
     m = x.shape[0]
+    n = n // 2 if silu else n
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert residual is None or residual.shape == out.shape and residual.stride() == out.stride()
     tiles = invariant_tiles(m, n, w)
     _rows_kernel.fn[(triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(m, tiles["BLOCK_M"]))](
         x, w, w if scale is None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        w.element_size(), HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, **tiles)
+        w.element_size(), HAS_SCALE=scale is not None, INT8=w.dtype == torch.int8, **tiles,
+        res_ptr=out if residual is None else residual, RESIDUAL=residual is not None, SILU=silu)
     return out
 
 

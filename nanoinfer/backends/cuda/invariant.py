@@ -9,7 +9,8 @@ split-K included, follows the shape). Here every projection at every row count i
 tensor-core kernel, `tiled_matmul` (4-bit weights: `int4_mm`'s tensor-core kernel, one row
 included), whose sums over K run in the same order for every tile shape; the norms, SiLU · up
 and the residual adds are nanoinfer.backends.cuda.row_kernels' one-program-per-row kernels at
-every row count (nanoinfer.backends.cuda.batched_layers, as more than one token runs by default);
+every row count (nanoinfer.backends.cuda.batched_layers, as more than one token runs by default),
+SiLU · up and the MLP's residual add folded into the products' epilogues with those kernels' bits;
 RoPE and the KV write nanoinfer.backends.cuda.rope_write's kernel, one program per token and head.
 The attention's half is TritonPagedAttention's `deterministic` (no split over the keys, one key
 tile for every step); the sampler's argmax, draw and log-softmax are one program (or one torch
@@ -29,7 +30,8 @@ from nanoinfer.backends.cuda import batched_layers
 from nanoinfer.backends.cuda.gemv import tiled_matmul
 from nanoinfer.backends.cuda.int4_gemv import int4_kernels_take, int4_mm
 from nanoinfer.backends.cuda.rope_write import rope_and_write
-from nanoinfer.backends.cuda.row_kernels import rms_norm
+from nanoinfer.backends.cuda.row_kernels import add_rms_norm, rms_norm
+from nanoinfer.model import decoder as model
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.model.decoder import EAGER, LayerFunctions, LayerParams
 from nanoinfer.quant import quantized
@@ -54,6 +56,26 @@ def linear(x: torch.Tensor, w: quantized.Weight, b: torch.Tensor | None = None) 
     return out if b is None else out + b
 
 
+def _product(x: torch.Tensor, w: quantized.Weight, **epilogue) -> torch.Tensor:
+    """`tiled_matmul` of a weight it reads (dense, int8, fp8) with its epilogue."""
+    if isinstance(w, (Int8Weight, Fp8Weight)):
+        return tiled_matmul(x, w.q, w.scale, **epilogue)
+    return tiled_matmul(x, w if w.stride(1) == 1 else w.contiguous(), **epilogue)
+
+
+def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear,
+                             reduce=model._same) -> torch.Tensor:
+    """batched_layers' with SiLU · up in the gate/up product's epilogue and the residual add in the down
+    projection's: the same bits, two kernels fewer a layer (where tiled_matmul reads the weights and no
+    tensor-parallel sum runs between a projection and its add)."""
+    products = (lp.o_proj, lp.gate_up_proj, lp.down_proj)
+    if (reduce is not model._same or cfg.sandwich_norms or cfg.hidden_act != "silu"
+            or not all(isinstance(w, (torch.Tensor, Int8Weight, Fp8Weight)) for w in products)):
+        return batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+    x, h = add_rms_norm(x, _product(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj), lp.mlp_norm, cfg.rms_norm_eps)
+    return _product(_product(h, lp.gate_up_proj, silu=True), lp.down_proj, residual=x)
+
+
 def qkv_rope_and_write(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear, cos: torch.Tensor,
                        sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """q, with k and v into the pool: the batched parts at every row count (no GEMV epilogue)."""
@@ -63,7 +85,7 @@ def qkv_rope_and_write(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linea
 
 def layer_functions() -> LayerFunctions:
     return EAGER._replace(qkv_rope_and_write=qkv_rope_and_write, linear=linear, lm_head=linear,
-                          attention_output_and_mlp=batched_layers.attention_output_and_mlp, norm=rms_norm)
+                          attention_output_and_mlp=attention_output_and_mlp, norm=rms_norm)
 
 
 def refusal(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
