@@ -145,19 +145,16 @@ def test_moe_configs_we_cannot_run_are_refused_by_name(fields, message):
         config_from_hf({**QWEN3_MOE_JSON, **fields}, "config.json")
 
 
-def test_moe_is_refused_on_cuda_and_under_tensor_parallelism_by_name():
-    """No grouped-expert kernel on CUDA yet: refused at load in one line (and by the kernels' choice); the CPU runs
-    the reference in its torch layers. Tensor parallelism does not split experts yet."""
-    from nanoinfer.backends.choose import cuda_lacks, fused_layers_lack, kernels_for
+def test_moe_runs_the_cpus_torch_layers_and_is_refused_under_tensor_parallelism_by_name():
+    """The CPU runs the reference in its torch layers (CUDA its grouped-expert kernels: test_a_moe_model_on_cuda_
+    gives_the_cpus_tokens). Tensor parallelism does not split experts yet."""
+    from nanoinfer.backends.choose import fused_layers_lack, kernels_for
     from nanoinfer.errors import RequestError
     from nanoinfer.loaders.hf import config_from_hf
     from nanoinfer.parallel.shards import check_shardable
 
     cfg = config_from_hf(QWEN3_MOE_JSON, "config.json")
     assert "mixture-of-experts MLP is not in the fused layers" in fused_layers_lack(cfg)
-    assert "mixture-of-experts MLP has no CUDA kernel" in cuda_lacks(cfg)
-    with pytest.raises(ValueError, match="qwen3_moe cannot run on CUDA: the mixture-of-experts MLP"):
-        kernels_for(cfg, torch.device("cuda"), 16)
     assert type(kernels_for(cfg, torch.device("cpu"), 16).attention).__name__ == "TorchPagedAttention"
     with pytest.raises(RequestError, match="does not run under tensor parallelism"):
         check_shardable(cfg, 2)
@@ -198,3 +195,22 @@ def test_a_bfloat16_moe_model_runs_on_the_cpu(mixtral_dir):
     hf_model.config._experts_implementation = "eager"
     prompt = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     assert prompt_logprob_error(model, hf_model, prompt, EngineConfig(block_size=4, num_blocks=32)) <= 0.15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_moe_model_on_cuda_gives_the_cpus_tokens(mixtral_dir):
+    """On CUDA (CUDA graphs, nanoinfer/backends/cuda/fused_moe.py's grouped kernels) greedy tokens of the fp32 model
+    are the CPU reference's."""
+    pytest.importorskip("triton")
+    from nanoinfer import LLM, SamplingParams
+
+    prompts = [[5, 9, 17, 33, 2, 71], [100, 3, 3, 8]]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(mixtral_dir), device=device, dtype="float32", max_model_len=128, progress=False)
+        try:
+            outs[device] = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+        finally:
+            llm.close()
+    for cpu, cuda in zip(outs["cpu"], outs["cuda"]):
+        assert cuda.outputs[0].token_ids == cpu.outputs[0].token_ids

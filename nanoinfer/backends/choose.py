@@ -75,14 +75,6 @@ def fused_layers_lack(cfg: ModelConfig) -> str | None:
     return None
 
 
-def cuda_lacks(cfg: ModelConfig) -> str | None:
-    """What of `cfg`'s dataflow CUDA cannot run at all, as one line (a load there is refused by name before any
-    weight is read: nanoinfer.loaders.load_model); None: nothing."""
-    if cfg.num_experts:  # (moe.py's reference loops over the experts a step chose: no CUDA graph can capture it)
-        return "the mixture-of-experts MLP has no CUDA kernel yet (no fused grouped-expert Triton kernel)"
-    return None
-
-
 def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eager: bool = False,
                 params: Params | None = None, kv_dtype: torch.dtype | None = None,
                 deterministic: bool = False) -> Kernels:
@@ -90,8 +82,6 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     `deterministic`: on CUDA, the batch-invariant parts (nanoinfer.backends.cuda.invariant), with CUDA graphs
     unless `eager`; the CPU's kernels are batch-invariant already (tests/test_cpu_determinism.py)."""
     lacking = fused_layers_lack(cfg)
-    if device.type == "cuda" and (missing := cuda_lacks(cfg)) is not None:
-        raise ValueError(f"{cfg.architecture} cannot run on CUDA: {missing}; load it with device='cpu'")
     if device.type == "cuda" and deterministic:
         return _invariant_kernels(cfg, device, block_size, eager, lacking, params)
     if device.type != "cuda":
@@ -116,8 +106,16 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     from nanoinfer.backends.cuda.bitmask_triton import masked_float_logits
     from nanoinfer.backends.cuda.draw_triton import triton_draw
 
-    return Kernels(attention, cuda_layer_functions() if lacking is None else EAGER, True, triton_draw,
-                   masked_float_logits)
+    layers = cuda_layer_functions() if lacking is None else EAGER
+    if cfg.num_experts:  # (the experts through nanoinfer.backends.cuda.fused_moe's grouped kernels)
+        from nanoinfer.backends.cuda import fused_moe
+
+        if params is not None and any(lp.moe is not None and not isinstance(lp.moe.gate_up, torch.Tensor)
+                                      for lp in params.layers):
+            raise ValueError(f"{cfg.architecture} cannot run on CUDA with quantized experts yet (the grouped-expert "
+                             "kernels read bf16/fp16 stacks): load it with quantization='none'")
+        layers = layers._replace(attention_output_and_mlp=fused_moe.attention_output_and_mlp)
+    return Kernels(attention, layers, True, triton_draw, masked_float_logits)
 
 
 def _invariant_kernels(cfg: ModelConfig, device: torch.device, block_size: int, eager: bool, lacking: str | None,

@@ -218,16 +218,6 @@ def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: t
     return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
 
 
-def _refuse_on_cuda(cfg: ModelConfig, path: Path, dev: torch.device) -> None:
-    """Before any weight is read: a model whose dataflow CUDA cannot run yet (a mixture of experts) is refused there
-    by name."""
-    if dev.type == "cuda":
-        from nanoinfer.backends.choose import cuda_lacks
-
-        if (lacking := cuda_lacks(cfg)) is not None:
-            raise CheckpointError(path, f"{cfg.architecture} cannot run on CUDA: {lacking}; load it with device='cpu'")
-
-
 def _refuse_quantized_experts(cfg: ModelConfig, quantization: str, kept: tuple[str, ...] = ("none",)) -> None:
     """Before any weight is read: a mixture-of-experts model's matrices held as `quantization` only where that is
     one of `kept` (its experts run nanoinfer/model/moe.py's reference: over float weights, or a GGUF's packed
@@ -246,7 +236,6 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
     dummy = config.load_format == "dummy"
     cfg = read_hf_config(path)
-    _refuse_on_cuda(cfg, path, dev)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     int4 = read_int4_format(path)
     fp8_file = not dummy and int4 is None and has_fp8_weights(path)
@@ -282,12 +271,12 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
 
     header = open_gguf(path)
     cfg = gguf_config(header, path)
-    _refuse_on_cuda(cfg, path, dev)
     torch_dtype = resolve_dtype(config.dtype, cfg, dev)
     quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(header),
                                          dtype_asked=config.dtype != "auto")
-    # (a quantized GGUF's experts stay packed, as its other matrices: nanoinfer/loaders/gguf_moe.py)
-    _refuse_quantized_experts(cfg, quantization, ("none", "gguf"))
+    # (a quantized GGUF's experts stay packed on the CPU, as its other matrices: nanoinfer/loaders/gguf_moe.py; CUDA's
+    # grouped-expert kernels read float stacks)
+    _refuse_quantized_experts(cfg, quantization, ("none",) if dev.type == "cuda" else ("none", "gguf"))
     params = None if config.load_format == "dummy" else load_gguf_params(
         header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
     from nanoinfer.sampling.sampling_defaults import from_gguf

@@ -15,10 +15,15 @@ Stacked bf16/fp16 weights ([experts, rows, cols]); tests/test_fused_moe.py holds
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoinfer.backends.cuda.row_kernels import silu_mul
+from nanoinfer.backends.cuda.row_kernels import rms_norm, silu_mul
+from nanoinfer.model import decoder as model
+from nanoinfer.model.config import ModelConfig
+from nanoinfer.model.decoder import LayerParams
+from nanoinfer.model.moe import route
 
 BLOCK_M = 16  # pairs a program takes (tl.dot's smallest tile): the padding an expert's run costs at most
 
@@ -98,3 +103,15 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     y = _grouped(h, down, slots, block_expert, pairs, top_k, tokens=False,
                  weights=weights.reshape(-1).to(torch.float32).contiguous())
     return y.view(tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
+
+
+def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear,
+                             reduce=model._same) -> torch.Tensor:
+    """nanoinfer.model.decoder's, a sparse layer's experts through `fused_experts` (no host sync: CUDA graphs
+    capture it); a dense layer's as the decoder runs it."""
+    if lp.moe is None:
+        return model.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+    x = x + reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    weights, experts = route(F.linear(h, lp.moe.router), cfg.experts_per_token, cfg.norm_topk_prob)
+    return x + reduce(fused_experts(h, lp.moe.gate_up, lp.moe.down, weights, experts))
