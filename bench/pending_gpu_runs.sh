@@ -2,10 +2,13 @@
 # The device runs owed to issues 63 and 65, one mode per device call (carry .whl: the cp312 wheels of msgspec
 # starlette uvicorn gguf llguidance websockets httptools, as the device's README says).
 # Modes:
-#   verify   (~6 min) the branches' GPU tests (tests/test_gpu_determinism.py, tests/test_fused_moe.py,
-#            tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
+#   verify   (~6 min) the GPU tests of determinism and the experts (tests/test_gpu_determinism.py,
+#            tests/test_fused_moe.py, tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
+#   layers   (~6 min) CUDA's layer parts for Gemma and MoE: their tests (tests/test_row_kernels.py, the experts',
+#            Gemma's on CUDA), batch 1 of the 8B beside Gemma-3-12B and Qwen3-30B-A3B, the grouped-expert
+#            kernels' tiles (bench/moe_kernels.py), 256 sequences of Qwen3-30B-A3B.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -36,5 +39,18 @@ if [ "$mode" = families ]; then
   for shape in llama-3.1-8b qwen3-30b-a3b; do
     timeout 120 python $T --shape $shape 2>&1 | tail -3
   done
+fi
+if [ "$mode" = layers ]; then
+  step "issue 63: CUDA's layer parts for Gemma and MoE"
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfE tests/test_row_kernels.py tests/test_fused_moe.py \
+    tests/test_moe.py tests/test_gpu.py::test_gemma_on_cuda_with_graphs_agrees_with_transformers > $OUT/tests.txt 2>&1
+  tail -12 $OUT/tests.txt
+  step "issue 63: batch 1"
+  timeout 150 python bench/latency.py --shapes llama-3.1-8b gemma-3-12b qwen3-30b-a3b --no-baseline \
+    --variants overlap 2>&1 | tail -5
+  step "issue 63: the grouped-expert kernels' tiles"
+  timeout 120 python bench/moe_kernels.py --tokens 1 8 64 256 2>&1 | tail -10
+  step "issue 63: 256 sequences of Qwen3-30B-A3B"
+  timeout 100 python $T --shape qwen3-30b-a3b 2>&1 | tail -3
 fi
 echo "=== done $(date +%T)"

@@ -856,11 +856,10 @@ def assert_argmax_up_to_near_ties(ref: torch.Tensor, ours: list[int]) -> None:
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_gemma_on_cuda_with_graphs_agrees_with_transformers(family, tmp_path):
-    """Gemma on CUDA: its layers' torch parts (the fused ones lack sandwich norms and GeGLU) around the Triton
+    """Gemma on CUDA: CUDA's layer parts (its sandwich norms and GeGLU in the row kernels) around the Triton
     attention with Gemma 2's soft-cap, windowed and global layers, captured in CUDA graphs; fp32 greedy tokens are
     transformers' (CPU, fp32) up to near-ties, with a chunked prefill and a decode past the window."""
     from nanoinfer.loaders import load_model
-    from nanoinfer.model.decoder import EAGER
     from runtime.async_engine import engine_config
     from tests.test_hf_models import CASES, random_model
 
@@ -870,7 +869,7 @@ def test_gemma_on_cuda_with_graphs_agrees_with_transformers(family, tmp_path):
     model = load_model(tmp_path, device="cuda", dtype="float32", progress=False)
     engine = EngineCore(model, engine_config(block_size=16, num_blocks=64, max_num_batched_tokens=32,
                                              max_model_len=256))
-    assert engine.executor.graphs is not None and engine.executor.kernels.layer_fns == EAGER
+    assert engine.executor.graphs is not None and engine.executor.kernels.layer_fns == cuda_layer_functions(model.config)
     prompts = [[5, 17, 33, 9], list(range(3, 60))]  # (the second: two prefill chunks, past the window of 8)
     outs = greedy_one_after_another(engine, prompts, 24)
     engine.close()

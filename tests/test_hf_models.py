@@ -291,9 +291,9 @@ def test_gemma3_configs_we_cannot_run_are_refused_by_name(fields, message):
 @pytest.mark.parametrize("arch,feature", [("Gemma2ForCausalLM", "attention logit soft-capping"),
                                           ("Gemma3ForCausalLM", "sandwich norms and GeGLU MLP")])
 def test_what_the_fused_layers_lack_of_gemma_is_named(arch, feature):
-    """The fused layers (the CPU's packed C layers, CUDA's fused layer parts) lack Gemma's soft-capping and sandwich
-    norms, named in one line: Gemma runs its layers' torch parts instead — on the CPU with its torch attention, on
-    CUDA around the Triton attention, which has the soft-cap (tests/test_gpu.py)."""
+    """The CPU's packed C layers (and CUDA's batch-invariant parts) lack Gemma's soft-capping and sandwich norms,
+    named in one line: on the CPU Gemma runs its layers' torch parts with its torch attention (CUDA's own layer
+    parts take both: tests/test_row_kernels.py, tests/test_gpu.py)."""
     from nanoinfer.backends.choose import fused_layers_lack, kernels_for
 
     cfg = config_from_hf(dict(architectures=[arch], vocab_size=128, hidden_size=64, intermediate_size=96,

@@ -25,7 +25,7 @@ from nanoinfer.model import decoder as model
 from nanoinfer.quant import quantized
 from nanoinfer.backends.cuda import row_kernels
 from nanoinfer.model.config import ModelConfig  # noqa: E402
-from nanoinfer.model.layers import rms_norm, swiglu  # noqa: E402
+from nanoinfer.model.layers import gelu_tanh_mul, rms_norm, swiglu  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the row kernels need CUDA")
@@ -82,6 +82,7 @@ def test_add_rms_norm_is_the_residual_sum_and_its_norm(dtype, tokens, hidden):
 def test_silu_mul_matches_swiglu(dtype, tokens, inter):
     gate_up = randn(tokens, 2 * inter, dtype=dtype, seed=inter + tokens, scale=3)
     close(row_kernels.silu_mul(gate_up), swiglu(gate_up))
+    close(row_kernels.silu_mul(gate_up, "gelu_tanh"), gelu_tanh_mul(gate_up))  # (Gemma's GeGLU)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,12 +134,13 @@ def test_no_tokens_and_bad_shapes():
                                  torch.ones(8, device=DEVICE), 1e-6)
 
 
-def layer(hidden: int, inter: int, dtype: torch.dtype, bias: bool):
+def layer(hidden: int, inter: int, dtype: torch.dtype, bias: bool, gemma: bool = False):
     heads, d = hidden // 64, 64
-    cfg = ModelConfig(architecture="qwen2" if bias else "llama", vocab_size=256, hidden_size=hidden,
-                      intermediate_size=inter, num_layers=1, num_heads=heads, num_kv_heads=heads // 3, head_dim=d,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-                      qkv_bias=bias)
+    cfg = ModelConfig(architecture="gemma3" if gemma else "qwen2" if bias else "llama", vocab_size=256,
+                      hidden_size=hidden, intermediate_size=inter, num_layers=1, num_heads=heads,
+                      num_kv_heads=heads // 3, head_dim=d, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=bias,
+                      sandwich_norms=gemma, hidden_act="gelu_tanh" if gemma else "silu")
     qkv = cfg.q_size + 2 * cfg.kv_size
     lp = model.LayerParams(
         attn_norm=gain(hidden, dtype, 1), qkv_proj=randn(qkv, hidden, dtype=dtype, seed=2, scale=hidden ** -0.5),
@@ -146,17 +148,20 @@ def layer(hidden: int, inter: int, dtype: torch.dtype, bias: bool):
         o_proj=randn(hidden, cfg.q_size, dtype=dtype, seed=4, scale=cfg.q_size ** -0.5),
         mlp_norm=gain(hidden, dtype, 5),
         gate_up_proj=randn(2 * inter, hidden, dtype=dtype, seed=6, scale=hidden ** -0.5),
-        down_proj=randn(hidden, inter, dtype=dtype, seed=7, scale=inter ** -0.5))
+        down_proj=randn(hidden, inter, dtype=dtype, seed=7, scale=inter ** -0.5),
+        post_attn_norm=gain(hidden, dtype, 10) if gemma else None, post_mlp_norm=gain(hidden, dtype, 11) if gemma else None)
     return cfg, lp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", (1, 5, 70))
-@pytest.mark.parametrize("hidden,inter,bias", [(576, 1536, False), (960, 2560, True)])
-def test_batched_layer_parts_match_the_eager_parts(dtype, tokens, hidden, inter, bias):
+@pytest.mark.parametrize("hidden,inter,bias,gemma", [(576, 1536, False, False), (960, 2560, True, False),
+                                                     (576, 1536, False, True)])
+def test_batched_layer_parts_match_the_eager_parts(dtype, tokens, hidden, inter, bias, gemma):
     """The parts end to end, a sum over ranks between projection and residual included: a
-    rounding step of the eager parts (bf16 and fp16 round the residual stream each layer)."""
-    cfg, lp = layer(hidden, inter, dtype, bias)
+    rounding step of the eager parts (bf16 and fp16 round the residual stream each layer); Gemma's sandwich
+    norms and GeGLU too."""
+    cfg, lp = layer(hidden, inter, dtype, bias, gemma)
     x = randn(tokens, hidden, dtype=dtype, seed=8, scale=4)
     attn = randn(tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, seed=9)
     linear = quantized.linear
@@ -185,10 +190,22 @@ from nanoinfer.model.kv_cache import allocate_kv_pool
 from nanoinfer.model.decoder import EAGER, forward, map_params
 from tests.tiny import random_params, tiny_config
 
-device, dtype = sys.argv[1], getattr(torch, sys.argv[2])
-cfg = tiny_config(hidden_size=192, intermediate_size=320, num_heads=6, num_kv_heads=2, head_dim=32, qkv_bias=True)
-params = map_params(lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device), random_params(cfg))
-parts = cuda_layer_functions()
+device, dtype, family = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3]
+if family == "qwen2":
+    cfg = tiny_config(hidden_size=192, intermediate_size=320, num_heads=6, num_kv_heads=2, head_dim=32, qkv_bias=True)
+    params = random_params(cfg)
+else:  # (Gemma 3's sandwich norms, GeGLU, windowed layers; Qwen3-MoE's experts, one dense layer)
+    from nanoinfer.loaders.dummy import dummy_params
+    from nanoinfer.loaders.hf import config_from_hf
+    shape = dict(vocab_size=97, hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    cfg = config_from_hf(dict(architectures=["Gemma3ForCausalLM"], sliding_window=16, sliding_window_pattern=2,
+                              **shape) if family == "gemma3" else
+                         dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=96, mlp_only_layers=[1], **shape), family)
+    params = dummy_params(cfg, torch.float32, "cpu")
+params = map_params(lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device), params)
+parts = cuda_layer_functions(cfg)
 errors = []
 for chunks in ([SeqChunk(list(range(3, 40)), 0, [0, 1, 2], True), SeqChunk([5, 6], 0, [3], True)],
                [SeqChunk([9], 37, [0, 1, 2], True)]):
@@ -204,14 +221,16 @@ print(json.dumps({"errors": errors, "compiler": sorted(m for m in ("torch._dynam
 """
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler(dtype):
-    """A prefill step (37 tokens and 2, Qwen2's QKV bias) and a decode step: CUDA's layer parts
-    are about as close to the fp32 model as the eager parts, and import neither Dynamo nor Inductor."""
+def test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler(dtype, family):
+    """A prefill step (37 tokens and 2) and a decode step, for Qwen2's QKV bias, Gemma 3's sandwich norms and GeGLU,
+    and Qwen3-MoE's experts (nanoinfer.backends.cuda.fused_moe): CUDA's layer parts are about as close to the fp32
+    model as the eager parts, and import neither Dynamo nor Inductor."""
     if dtype == "bfloat16" and DEVICE == "cpu":  # (its truncations, compounded over a model, double the error)
         pytest.skip("the interpreter truncates fp32 to bf16 where a GPU rounds")
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", FORWARD, DEVICE, dtype], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", FORWARD, DEVICE, dtype, family], capture_output=True, text=True,
                           timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])

@@ -63,9 +63,10 @@ def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int,
 
 
 def fused_layers_lack(cfg: ModelConfig) -> str | None:
-    """What of `cfg`'s dataflow the fused layers lack (CUDA's fused layer parts, the CPU's packed C layers and their
-    attention), as one line; None: nothing. Such a model runs its layers' torch parts (its matrices still packed on
-    the CPU); on CUDA around the Triton attention, which has Gemma 2's soft-cap, in CUDA graphs as any model."""
+    """What of `cfg`'s dataflow the fused layers lack (the CPU's packed C layers and their attention, CUDA's
+    batch-invariant parts), as one line; None: nothing. Such a model runs its layers' torch parts on the CPU (its
+    matrices still packed). CUDA's own layer parts take every family: Gemma's sandwich norms and GeGLU in their
+    row kernels, the Triton attention with Gemma 2's soft-cap, the experts in fused_moe's grouped kernels."""
     if cfg.attn_softcap is not None:
         return "attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not in the fused layers"
     if cfg.sandwich_norms or cfg.hidden_act != "silu":
@@ -106,16 +107,11 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     from nanoinfer.backends.cuda.bitmask_triton import masked_float_logits
     from nanoinfer.backends.cuda.draw_triton import triton_draw
 
-    layers = cuda_layer_functions() if lacking is None else EAGER
-    if cfg.num_experts:  # (the experts through nanoinfer.backends.cuda.fused_moe's grouped kernels)
-        from nanoinfer.backends.cuda import fused_moe
-
-        if params is not None and any(lp.moe is not None and not isinstance(lp.moe.gate_up, torch.Tensor)
-                                      for lp in params.layers):
-            raise ValueError(f"{cfg.architecture} cannot run on CUDA with quantized experts yet (the grouped-expert "
-                             "kernels read bf16/fp16 stacks): load it with quantization='none'")
-        layers = layers._replace(attention_output_and_mlp=fused_moe.attention_output_and_mlp)
-    return Kernels(attention, layers, True, triton_draw, masked_float_logits)
+    if cfg.num_experts and params is not None and any(lp.moe is not None and not isinstance(lp.moe.gate_up, torch.Tensor)
+                                                      for lp in params.layers):
+        raise ValueError(f"{cfg.architecture} cannot run on CUDA with quantized experts yet (the grouped-expert "
+                         "kernels read bf16/fp16 stacks): load it with quantization='none'")
+    return Kernels(attention, cuda_layer_functions(cfg), True, triton_draw, masked_float_logits)
 
 
 def _invariant_kernels(cfg: ModelConfig, device: torch.device, block_size: int, eager: bool, lacking: str | None,
@@ -132,17 +128,23 @@ def _invariant_kernels(cfg: ModelConfig, device: torch.device, block_size: int, 
                    not eager, triton_draw, masked_float_logits)
 
 
-def cuda_layer_functions() -> LayerFunctions:
+def cuda_layer_functions(cfg: ModelConfig | None = None) -> LayerFunctions:
     """CUDA's layer parts: one token's GEMVs with the norms, SwiGLU and residual adds folded in
     (nanoinfer.backends.cuda.fused_layers), more tokens' Triton row kernels around `linear`
-    (nanoinfer.backends.cuda.batched_layers), and the fused q/k-norm + RoPE + KV-write kernel (at one token
-    without q/k norms, QKV's GEMV epilogue). No torch.compile: a start traces and compiles
+    (nanoinfer.backends.cuda.batched_layers; Gemma's sandwich norms and GeGLU there too), and the fused
+    q/k-norm + RoPE + KV-write kernel (at one token without q/k norms, QKV's GEMV epilogue); a mixture of
+    experts' sparse layers through nanoinfer.backends.cuda.fused_moe. No torch.compile: a start traces and compiles
     nothing of them (Triton compiles each kernel once per dtype and width, and caches it on disk)."""
     from nanoinfer.backends.cuda import fused_layers
     from nanoinfer.backends.cuda.linear import linear  # (read at each call: bench/latency.py swaps it)
 
+    output_and_mlp = fused_layers.attention_output_and_mlp
+    if cfg is not None and cfg.num_experts:
+        from nanoinfer.backends.cuda import fused_moe
+
+        output_and_mlp = fused_moe.attention_output_and_mlp
     return EAGER._replace(qkv_rope_and_write=fused_layers.qkv_rope_and_write, linear=linear, lm_head=linear,
-                          attention_output_and_mlp=fused_layers.attention_output_and_mlp)
+                          attention_output_and_mlp=output_and_mlp)
 
 
 def prepare(kernels: Kernels, params: Params, vocab_size: int) -> None:

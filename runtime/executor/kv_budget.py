@@ -10,6 +10,7 @@ import torch
 
 from nanoinfer.model.batch import Batch
 from nanoinfer.backends.choose import forward_of
+from nanoinfer.model.decoder import EAGER, LayerFunctions
 from nanoinfer.model.kv_cache import allocate_kv_pool, kv_dtype
 from nanoinfer.loaders import LoadedModel
 from nanoinfer.sampling.sampler import SamplingParams, SamplingTensors, compute_logprobs, sample
@@ -23,24 +24,26 @@ CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 def kv_blocks_for_memory(model: LoadedModel, config, max_model_len: int, bytes_per_block: int,
-                         make_backend: Callable[[], AttentionBackend]) -> int:
+                         make_backend: Callable[[], AttentionBackend], layer_fns: LayerFunctions = EAGER) -> int:
     """Blocks for `config.kv_cache_memory` bytes, else for the device's default budget; never
-    more than all sequences could use at full length. `config` is an EngineConfig."""
+    more than all sequences could use at full length. `config` is an EngineConfig; `layer_fns` what the
+    profiling step runs (run_peak_step)."""
     budget = config.kv_cache_memory
     device = model.params.device
     if budget is None:
-        budget = gpu_kv_budget(model, config, make_backend()) if device.type == "cuda" else CPU_KV_BUDGET_BYTES
+        budget = (gpu_kv_budget(model, config, make_backend(), layer_fns) if device.type == "cuda"
+                  else CPU_KV_BUDGET_BYTES)
     cap = config.scheduler.max_num_seqs * -(-max_model_len // config.block_size)
     return max(1, min(budget // bytes_per_block, cap))
 
 
-def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend) -> int:
+def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend, layer_fns: LayerFunctions = EAGER) -> int:
     """Bytes left for the KV pool: `gpu_memory_utilization` of the GPU, less the weights (already
     allocated) and the memory peak of the largest step, measured by running it."""
     dev = model.params.device
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    run_peak_step(model, config, backend)
+    run_peak_step(model, config, backend, layer_fns)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
     torch.cuda.empty_cache()
@@ -51,11 +54,12 @@ def gpu_kv_budget(model: LoadedModel, config, backend: AttentionBackend) -> int:
     return int(total * config.gpu_memory_utilization) - peak - (512 << 20)
 
 
-def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None:
+def run_peak_step(model: LoadedModel, config, backend: AttentionBackend, layer_fns: LayerFunctions = EAGER) -> None:
     """The most memory one step can take: `max_num_batched_tokens` tokens over `max_num_seqs`
     sequences, logits for every sequence and for a step's worth of prompt-logprob rows, and
     every row through the sampler's costliest path (top-k/top-p sort, min-p, penalties with
-    their dense [rows, vocab] tables) and MAX_LOGPROBS logprobs. `config` is an EngineConfig."""
+    their dense [rows, vocab] tables) and MAX_LOGPROBS logprobs, the layers through `layer_fns`.
+    `config` is an EngineConfig."""
     cfg, sched, dev = model.config, config.scheduler, model.params.device
     tokens = sched.max_num_batched_tokens
     seqs = max(1, min(sched.max_num_seqs, tokens))
@@ -83,7 +87,7 @@ def run_peak_step(model: LoadedModel, config, backend: AttentionBackend) -> None
                             presence_penalty=0.5, logit_bias={0: 1.0}, min_tokens=1, logprobs=MAX_LOGPROBS)
     rows = min(tokens, len(lens) * per_sampler)
     with torch.inference_mode():
-        logits = forward_of(cfg)(model.params, scratch, batch, cfg, backend)
+        logits = forward_of(cfg)(model.params, scratch, batch, cfg, backend, layer_fns)
         if model.params.lm_head is None:  # (a pipeline's first stage: the last one's logits come back to sample)
             logits = torch.zeros(logits_rows, cfg.vocab_size, dtype=model.params.dtype, device=dev)
         if logits.shape[-1] < cfg.vocab_size:  # (a tensor-parallel rank's share: a real step gathers them all)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from nanoinfer.model.batch import Batch, layout
+from nanoinfer.model.decoder import EAGER
 from nanoinfer.backends.host_copy import PinnedStaging, to_device_packed
 from nanoinfer.model.kv_cache import kv_bytes_per_block
 from nanoinfer.loaders import LoadedModel
@@ -63,8 +64,12 @@ class ModelRunner(DeviceModel):
             from runtime.executor.draft_runner import draft_bytes_per_block
 
             per_block += draft_bytes_per_block(draft, config)
+        # (the profiling step's MLP as the steps run it: a mixture of experts' grouped kernels hold every
+        # (token, expert) pair's intermediate rows, which the reference's loop over experts never does at once;
+        # its sums over ranks stay out: a rank profiles alone)
+        peak_fns = EAGER._replace(attention_output_and_mlp=self.kernels.layer_fns.attention_output_and_mlp)
         self.num_blocks = config.num_blocks or kv_blocks_for_memory(model, config, max_model_len, per_block,
-                                                                    lambda: self.attention)
+                                                                    lambda: self.attention, peak_fns)
         self.num_cpu_blocks = config.swap_space // per_block
         # No sequence outgrows the whole pool: the tables and graphs are sized for the longest one it holds,
         # not for a declared context (a long-context or hostile file's may be billions of positions).

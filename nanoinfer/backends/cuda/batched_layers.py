@@ -29,6 +29,11 @@ def qkv_projection(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear: C
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable, reduce: Callable = model._same) -> torch.Tensor:
+    """With Gemma's sandwich norms each sublayer's output is normed before its residual add (one kernel more
+    each), and its GeGLU takes silu_mul's GELU-tanh form."""
     out = reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
+    if cfg.sandwich_norms:
+        out = rms_norm(out, lp.post_attn_norm, cfg.rms_norm_eps)
     x, h = add_rms_norm(x, out, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + reduce(linear(silu_mul(linear(h, lp.gate_up_proj)), lp.down_proj))
+    down = reduce(linear(silu_mul(linear(h, lp.gate_up_proj), cfg.hidden_act), lp.down_proj))
+    return x + (rms_norm(down, lp.post_mlp_norm, cfg.rms_norm_eps) if cfg.sandwich_norms else down)

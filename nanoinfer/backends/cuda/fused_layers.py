@@ -14,7 +14,7 @@ projections write their partials into the ranks' peer buffers and a pull sums th
 and `attention_output_and_mlp` (same signatures) and nanoinfer.backends.cuda.rope_write's kernel are the
 reference (tests/test_gpu.py, tests/test_gpu_tensor_parallel.py); nanoinfer.backends.cuda.batched_layers' parts run
 instead wherever this does not apply: more than one token, a sum over ranks other than a
-RankSum, an fp32 model, or a weight the GEMV does not read. 4-bit MLP weights fold SwiGLU and
+RankSum, an fp32 model, a weight the GEMV does not read, or Gemma's sandwich norms and GeGLU. 4-bit MLP weights fold SwiGLU and
 the last residual add only (`_int4_output_and_mlp`).
 """
 
@@ -86,6 +86,8 @@ def qkv_rope_and_write(x: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linea
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig,
                              linear: Callable, reduce: Callable = model._same) -> torch.Tensor:
     one_rank = reduce is model._same
+    if cfg.sandwich_norms or cfg.hidden_act != "silu":  # (Gemma's: the GEMVs fold SwiGLU and the plain residuals)
+        return batched_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
     if ((one_rank or isinstance(reduce, RankSum)) and _one_token(x) and _int4(lp.gate_up_proj, lp.down_proj)
             and lp.mlp_norm.dtype == x.dtype):
         return _int4_output_and_mlp(x, attn, lp, cfg, linear, reduce, one_rank or reduce.lead)

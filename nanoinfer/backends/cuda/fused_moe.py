@@ -19,23 +19,27 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoinfer.backends.cuda.row_kernels import rms_norm, silu_mul
+from nanoinfer.backends.cuda import fused_layers
+from nanoinfer.backends.cuda.row_kernels import add_rms_norm, silu_mul
 from nanoinfer.model import decoder as model
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.model.decoder import LayerParams
 from nanoinfer.model.moe import route
 
 BLOCK_M = 16  # pairs a program takes (tl.dot's smallest tile): the padding an expert's run costs at most
+BLOCK_K = 64  # the columns of one step of a product's sum
 
 
 def align(experts: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's pairs (token t's choice j is pair t k + j) expert by expert: (slots [S] int32, the pair each slot
     holds, the pair count where a slot pads its expert's run to whole blocks; block_expert [S / block] int32, each
-    block's expert, `num_experts` past the last used block). S = pairs + num_experts (block - 1), rounded up to a
-    block: the most any routing needs, so every shape is fixed by the batch's size alone (CUDA graphs)."""
+    block's expert, `num_experts` past the last used block). S = pairs + min(num_experts, pairs) (block - 1),
+    rounded up to a block: the most any routing needs (at most that many experts each pad one run), so every
+    shape is fixed by the batch's size alone (CUDA graphs), and a decode's grid holds its k blocks, not one a
+    possible expert."""
     flat = experts.reshape(-1)
     pairs = flat.numel()
-    slots_max = triton.cdiv(pairs + num_experts * (block - 1), block) * block
+    slots_max = triton.cdiv(pairs + min(num_experts, pairs) * (block - 1), block) * block
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + block - 1) // block * block
@@ -83,13 +87,18 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_expert
     """out [pairs, w rows] of `_experts_kernel`."""
     experts, n, k = w.shape
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    # (few pairs: narrower column tiles, more programs. K's steps stay one size: a row's sums the same at any batch)
-    block_n, block_k = (64 if pairs > 64 else 32), 64
+    block_n, warps, stages = tiles(pairs)
     _experts_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         x, w, out, slots, block_expert, out if weights is None else weights, pairs, n, k, top_k, experts,
         x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOKENS=tokens, WEIGHTED=weights is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     return out
+
+
+def tiles(pairs: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a call with `pairs` pairs: few pairs, narrower column tiles, more
+    programs (bench/moe_kernels.py times the choices). K's steps stay BLOCK_K at any batch: a row's sums the same."""
+    return (64 if pairs > 64 else 32), 4, 3
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -108,10 +117,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear,
                              reduce=model._same) -> torch.Tensor:
     """nanoinfer.model.decoder's, a sparse layer's experts through `fused_experts` (no host sync: CUDA graphs
-    capture it); a dense layer's as the decoder runs it."""
-    if lp.moe is None:
-        return model.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
-    x = x + reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj))
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    capture it), its residual add and norm in one kernel; a dense layer's through CUDA's fused layer parts."""
+    if lp.moe is None:  # (a dense layer: CUDA's fused parts)
+        return fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
+    x, h = add_rms_norm(x.contiguous(), reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)), lp.mlp_norm,
+                        cfg.rms_norm_eps)
     weights, experts = route(F.linear(h, lp.moe.router), cfg.experts_per_token, cfg.norm_topk_prob)
     return x + reduce(fused_experts(h, lp.moe.gate_up, lp.moe.down, weights, experts))

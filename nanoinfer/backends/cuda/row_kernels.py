@@ -1,5 +1,6 @@
 """Triton kernels for the element-wise steps between a many-token step's projections: RMSNorm,
-residual add + RMSNorm, SiLU(gate) · up, and an fp8 projection's per-row activation scaling.
+residual add + RMSNorm, SiLU(gate) · up (Gemma's GELU-tanh(gate) · up), and an fp8 projection's per-row activation
+scaling.
 
 These were torch.compile'd layer parts, whose Dynamo tracing and Inductor compiling cost most of
 a cold start (bench/RESULTS.md, issue 35 item 3); three small kernels of our own compile in a
@@ -65,16 +66,20 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, n, stride_x, str
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.constexpr):
+def _gated_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + n + offs, mask=mask, other=0.0).to(tl.float32)
-    # F.silu rounds to the model's dtype, then the product rounds again
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (silu * up).to(dtype), mask=mask)
+    if GELU:  # GELU-tanh: 0.5 g (1 + tanh(u)) = g sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g³)
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * u))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    # F.silu (F.gelu) rounds to the model's dtype, then the product rounds again
+    tl.store(out_ptr + row * stride_out + offs, (act.to(dtype).to(tl.float32) * up).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -142,13 +147,16 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     return total, out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """nanoinfer.model.layers.swiglu: silu(gate) * up of [tokens, 2 * intermediate] (gate then up)."""
+def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """nanoinfer.model.layers.swiglu: silu(gate) * up of [tokens, 2 * intermediate] (gate then up); with act
+    "gelu_tanh", nanoinfer.model.layers.gelu_tanh_mul (Gemma's GeGLU)."""
     n = _rows(gate_up, "silu_mul") // 2
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"silu_mul: act={act!r}, expected 'silu' or 'gelu_tanh'")
     out = gate_up.new_empty((gate_up.shape[0], n))
     if gate_up.shape[0]:
-        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, SILU_BLOCK))](gate_up, out, n, gate_up.stride(0),
-                                                                          out.stride(0), BLOCK=SILU_BLOCK)
+        _gated_mul_kernel[(gate_up.shape[0], triton.cdiv(n, SILU_BLOCK))](
+            gate_up, out, n, gate_up.stride(0), out.stride(0), GELU=act == "gelu_tanh", BLOCK=SILU_BLOCK)
     return out
 
 
