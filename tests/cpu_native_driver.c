@@ -6,8 +6,9 @@
  * outputs beside them:
  *   isa                                    -> DIR/isa: block_dot_isa() in decimal; DIR/name: block_dot_name()
  *   quantize NAME rows k                   x (bf16) -> xq, xd, xs
- *   matmul NAME rows k n bits              x, q, d, m -> y (fp32, block_matmul's y_f32)
- *   kquant NAME rows k n type bytes        x, w (bytes per row) -> y (fp32, kquant_matmul's y_f32)
+ *   matmul NAME rows k n bits il has_m     x, q, d, m (none where has_m is 0) -> y (fp32, block_matmul's y_f32;
+ *                                          il: the rows interleaved by that many, or 0)
+ *   kquant NAME rows k n type bytes il     x, w (bytes per row) -> y (fp32, kquant_matmul's y_f32)
  *   attention NAME tokens seqs table_stride block_size window heads kv_heads d scale
  *                                          q, kv, tables, lens, query_start -> out
  *     (scale as C reads it: a hex float keeps its fp32 bits)
@@ -85,23 +86,25 @@ int main(int argc, char **argv) {
             write_array(dir, name, "xs", xs, 4 * g);
             free(x), free(xq), free(xd), free(xs);
         } else if (!strcmp(op, "matmul")) {
-            int rows, k, n, bits;
-            if (sscanf(line, "%*s %255s %d %d %d %d", name, &rows, &k, &n, &bits) != 5) fail("bad line", line);
+            int rows, k, n, bits, il, has_m;
+            if (sscanf(line, "%*s %255s %d %d %d %d %d %d", name, &rows, &k, &n, &bits, &il, &has_m) != 7)
+                fail("bad line", line);
             size_t g = (size_t)n * (k / 32);
             uint16_t *x = read_array(dir, name, "x", (size_t)rows * k * 2);
             uint8_t *q = read_array(dir, name, "q", (size_t)n * k * bits / 8);
-            uint16_t *d = read_array(dir, name, "d", 2 * g), *m = read_array(dir, name, "m", 2 * g);
+            uint16_t *d = read_array(dir, name, "d", 2 * g), *m = has_m ? read_array(dir, name, "m", 2 * g) : NULL;
             float *y = malloc(sizeof(float) * rows * n);
-            if (block_matmul(x, rows, k, q, d, m, bits, 0, n, y, 1, 1)) fail("block_matmul", "no memory");
+            if (block_matmul(x, rows, k, q, d, m, bits, il, n, y, 1, 1)) fail("block_matmul", "no memory or layout");
             write_array(dir, name, "y", y, sizeof(float) * rows * n);
             free(x), free(q), free(d), free(m), free(y);
         } else if (!strcmp(op, "kquant")) {
-            int rows, k, n, type, bytes;
-            if (sscanf(line, "%*s %255s %d %d %d %d %d", name, &rows, &k, &n, &type, &bytes) != 6) fail("bad line", line);
+            int rows, k, n, type, bytes, il;
+            if (sscanf(line, "%*s %255s %d %d %d %d %d %d", name, &rows, &k, &n, &type, &bytes, &il) != 7)
+                fail("bad line", line);
             uint16_t *x = read_array(dir, name, "x", (size_t)rows * k * 2);
             uint8_t *w = read_array(dir, name, "w", (size_t)n * bytes);
             float *y = malloc(sizeof(float) * rows * n);
-            if (kquant_matmul(x, rows, k, w, type, 0, n, y, 1, 1)) fail("kquant_matmul", "no memory or a bad type");
+            if (kquant_matmul(x, rows, k, w, type, il, n, y, 1, 1)) fail("kquant_matmul", "no memory, type or layout");
             write_array(dir, name, "y", y, sizeof(float) * rows * n);
             free(x), free(w), free(y);
         } else if (!strcmp(op, "attention")) {

@@ -13,6 +13,7 @@ import torch
 
 from nanoinfer.backends.cpu import cpu_native
 from nanoinfer.model.batch import SeqChunk, build_batch
+from nanoinfer.quant import kquants
 from nanoinfer.quant.kquants import KQuantWeight, reference_kquant_matmul
 from nanoinfer.quant.quantized import BlockWeight, GroupedWeight, reference_block_matmul
 from tools.kquant_quantize import quantize as kquant_quantize
@@ -25,6 +26,10 @@ TIERS = {"neon": ("armv8-a", 4), "neon-dotprod": ("armv8.2-a+dotprod", 5),
 MATMULS = [(37, 32, 1), (64, 256, 3), (16, 288, 2), (40, 576, 1), (9, 1536, 5), (7, 224, 2)]  # every chunk size
 KQUANTS = [(12, 37, 256, 1), (13, 9, 768, 3), (14, 16, 1536, 2),  # type (Q4_K, Q5_K, Q6_K), out, cols, tokens
            (12, 2, 1536, 2), (13, 1, 256, 1), (14, 5, 512, 3)]
+# Rows interleaved 16 at a time (cpu_native_vec16.h's NEON vectors): out (a tail of rows % 16 in the file's
+# layout), cols, tokens (1: the one-token pass; 2, 3: the few-token passes), symmetric mins (Q4_0's)
+INTERLEAVED = [(37, 512, 1, False), (32, 256, 3, True), (21, 768, 2, True)]
+KQUANTS_INTERLEAVED = [(12, 37, 512, 1), (13, 16, 256, 3), (14, 21, 512, 2), (14, 32, 256, 1)]
 ATTENTION = [(None, 4, 2, 16), (5, 4, 2, 16), (None, 9, 3, 64), (None, 4, 4, 8)]  # window, heads, kv_heads, d
 BF16_ULP = 2.0**-7
 
@@ -59,6 +64,15 @@ def activations(tokens: int, cols: int) -> torch.Tensor:
     return x
 
 
+def interleaved_block_weight(out: int, cols: int, bits: int, symmetric: bool) -> BlockWeight:
+    """A block weight's rows interleaved 16 at a time (BlockWeight.interleave), a symmetric format's mins derived."""
+    g = torch.Generator().manual_seed(out + cols + bits + symmetric)
+    q = torch.randint(0, 2**bits, (out, cols), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(out, cols // 32, generator=g) * 0.1 + 0.01).half().float()
+    mins = -(2 ** (bits - 1)) * scale if symmetric else -scale * torch.rand(out, cols // 32, generator=g)
+    return BlockWeight.from_groups(GroupedWeight(q, scale, mins, bits)).interleave(16)
+
+
 def kquant_weight(qtype: int, out: int, cols: int) -> KQuantWeight:
     w = randn(out, cols, seed=qtype + out) * 0.05
     return KQuantWeight(torch.from_numpy(kquant_quantize(w.numpy(), qtype)), qtype, cols)
@@ -85,12 +99,23 @@ def write_cases(root: Path) -> None:
             name, w = f"matmul{bits}_{out}_{cols}", block_weight(out, cols, bits)
             for array, t in (("x", activations(tokens, cols)), ("q", w.q), ("d", w.scale), ("m", w.min)):
                 raw(t).tofile(root / f"{name}.{array}")
-            lines.append(f"matmul {name} {tokens} {cols} {out} {bits}")
+            lines.append(f"matmul {name} {tokens} {cols} {out} {bits} 0 1")
+        for out, cols, tokens, symmetric in INTERLEAVED:
+            name, w = f"matmul{bits}_{out}_{cols}_{tokens}_il", interleaved_block_weight(out, cols, bits, symmetric)
+            for array, t in (("x", activations(tokens, cols)), ("q", w.q), ("d", w.scale), ("m", w.min)):
+                if t is not None:
+                    raw(t).tofile(root / f"{name}.{array}")
+            lines.append(f"matmul {name} {tokens} {cols} {out} {bits} 16 {int(w.min is not None)}")
     for qtype, out, cols, tokens in KQUANTS:
         name, w = f"kquant{qtype}_{out}", kquant_weight(qtype, out, cols)
         raw(activations(tokens, cols)).tofile(root / f"{name}.x")
         w.data.numpy().tofile(root / f"{name}.w")
-        lines.append(f"kquant {name} {tokens} {cols} {out} {qtype} {w.data.shape[1]}")
+        lines.append(f"kquant {name} {tokens} {cols} {out} {qtype} {w.data.shape[1]} 0")
+    for qtype, out, cols, tokens in KQUANTS_INTERLEAVED:
+        name, w = f"kquant{qtype}_{out}_{tokens}_il", kquants.interleave(kquant_weight(qtype, out, cols))
+        raw(activations(tokens, cols)).tofile(root / f"{name}.x")
+        w.data.numpy().tofile(root / f"{name}.w")
+        lines.append(f"kquant {name} {tokens} {cols} {out} {qtype} {w.data.shape[1]} 16")
     for i, (window, heads, kv_heads, d) in enumerate(ATTENTION):
         batch, kv, q, scale = attention_case(window, heads, kv_heads, d)
         for array, t in (("q", q), ("kv", kv), ("tables", batch.block_tables), ("lens", batch.seq_lens),
@@ -173,6 +198,30 @@ def test_block_matmul_is_the_x86_builds_bits(arm, x86, bits, out, cols, tokens):
         pytest.skip("this x86 CPU has no AVX2: the ARM path was held to the torch reference only")
     # the same integer sums, the same fp32 operations in the same order: the same bits
     assert torch.equal(got.view(torch.int32), cpu_native.block_matmul(x, w, x86, torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out, cols, tokens, symmetric", INTERLEAVED)
+def test_interleaved_block_matmul_is_the_file_layouts_bits(arm, x86, bits, out, cols, tokens, symmetric):
+    """Rows interleaved 16 at a time read by the one kernel of every tier (cpu_native_groups_rows16.h over NEON's
+    vectors): the x86 build's bits on the file's layout."""
+    if not cpu_native.has_block_matmul(x86):
+        pytest.skip("this x86 CPU has no AVX2 to compare with")
+    _, root = arm
+    w, x = interleaved_block_weight(out, cols, bits, symmetric), activations(tokens, cols)
+    got = torch.from_numpy(read(root, f"matmul{bits}_{out}_{cols}_{tokens}_il.y", np.float32).reshape(tokens, out))
+    want = cpu_native.block_matmul(x, w.file_layout(), x86, torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype, out, cols, tokens", KQUANTS_INTERLEAVED)
+def test_interleaved_kquant_matmul_is_the_file_layouts_bits(arm, x86, qtype, out, cols, tokens):
+    """K-quant rows interleaved 16 at a time (cpu_native_kquants_rows16.h over NEON's vectors): the torch
+    reference's bits."""
+    _, root = arm
+    w, x = kquant_weight(qtype, out, cols), activations(tokens, cols)
+    got = torch.from_numpy(read(root, f"kquant{qtype}_{out}_{tokens}_il.y", np.float32).reshape(tokens, out))
+    assert torch.equal(got, reference_kquant_matmul(x, w))
 
 
 @pytest.mark.parametrize("qtype, out, cols, tokens", KQUANTS)

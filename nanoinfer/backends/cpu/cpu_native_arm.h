@@ -146,11 +146,14 @@ static float row_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m, con
     for (; g + 8 <= groups; g += 8, q += 32 * bits, xq += 256) {
         int32x4x2_t sums = chunk_dot(q, xq, bits, 8);
         float32x4x2_t scales = chunk_scales(d + g, xd + g, 8);
-        float16x8_t mh = vreinterpretq_f16_u16(vld1q_u16(m + g));
+        /* (m NULL: a symmetric format's rows left in the file's layout after interleaved ones, -2^(bits - 1) d) */
+        float16x8_t mh = vreinterpretq_f16_u16(vld1q_u16(m ? m + g : d + g));
+        float32x4_t m0 = vcvt_f32_f16(vget_low_f16(mh)), m1 = vcvt_high_f32_f16(mh);
+        if (!m) m0 = vmulq_n_f32(m0, -(float)(1 << (bits - 1))), m1 = vmulq_n_f32(m1, -(float)(1 << (bits - 1)));
         acc.val[0] = vfmaq_f32(acc.val[0], vcvtq_f32_s32(sums.val[0]), scales.val[0]);
         acc.val[1] = vfmaq_f32(acc.val[1], vcvtq_f32_s32(sums.val[1]), scales.val[1]);
-        mins.val[0] = vfmaq_f32(mins.val[0], vcvt_f32_f16(vget_low_f16(mh)), vld1q_f32(xs + g));
-        mins.val[1] = vfmaq_f32(mins.val[1], vcvt_high_f32_f16(mh), vld1q_f32(xs + g + 4));
+        mins.val[0] = vfmaq_f32(mins.val[0], m0, vld1q_f32(xs + g));
+        mins.val[1] = vfmaq_f32(mins.val[1], m1, vld1q_f32(xs + g + 4));
     }
     float rest = 0.0f;
     for (int G = 4; G >= 1; G /= 2) /* unrolled by the compiler: each G a constant */

@@ -238,7 +238,10 @@ static void row_dot_some(const uint8_t *q, const uint16_t *d, const uint16_t *m,
 }
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 /* row_dot, BLOCK_DOT and DOT_ISA (4 neon, 5 neon-dotprod, 6 neon-i8mm): cpu_native_arm.h, included above;
- * block_matmul_to calls its row_dot a token at a time (row_dot_some below) */
+ * block_matmul_to calls its row_dot a token at a time (row_dot_some below), and the interleaved rows' kernel
+ * as x86 does (4 rows a NEON register) */
+#include "cpu_native_vec16.h"
+#include "cpu_native_groups_rows16.h"
 #else
 #define BLOCK_DOT 0
 #define DOT_ISA 0

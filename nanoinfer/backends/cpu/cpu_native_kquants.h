@@ -158,6 +158,8 @@ typedef struct {
 #endif
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include "cpu_native_kquants_arm.h"
+#define KQ_ROWS16 1 /* the x86 kernel over cpu_native_vec16.h's NEON vectors */
+#include "cpu_native_kquants_rows16.h"
 #endif
 
 #ifndef KQ_ROWS
@@ -194,7 +196,7 @@ static void kquant_rows_unpacked(const uint8_t *w, int64_t row_bytes, int type, 
  * layout). AVX2 without AVX-512 VNNI keeps Q6_K's: its 256-bit dot there ran no faster at one token (15.9 against
  * 15.0 GB/s) and slower at several (31 against 24 ms, 2048x8192 at 128 tokens, Zen 4), out of registers. */
 int kquant_interleave_rows(int type) {
-#if defined(KQ_ROWS16) && V16_LANES == 16
+#if defined(KQ_ROWS16) && (V16_LANES == 16 || V16_LANES == 4) /* (NEON: 32 registers, as AVX-512) */
     return block_bytes(type) ? KQ16 : 0;
 #elif defined(KQ_ROWS16)
     return type == 12 || type == 13 ? KQ16 : 0;
