@@ -6,6 +6,7 @@
 #            tests/test_fused_moe.py, tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
+#   layers-short (~3.5 min) the first two steps of `layers` only, shorter.
 #   layers   (~6 min) CUDA's layer parts for Gemma and MoE: their tests (tests/test_row_kernels.py, the experts',
 #            Gemma's on CUDA), batch 1 of the 8B beside Gemma-3-12B and Qwen3-30B-A3B, the grouped-expert
 #            kernels' tiles (bench/moe_kernels.py), 256 sequences of Qwen3-30B-A3B.
@@ -39,6 +40,14 @@ if [ "$mode" = families ]; then
   for shape in llama-3.1-8b qwen3-30b-a3b; do
     timeout 120 python $T --shape $shape 2>&1 | tail -3
   done
+fi
+if [ "$mode" = layers-short ]; then
+  step "issue 63: CUDA's layer parts for Gemma and MoE"
+  timeout 140 python -m pytest -q -x -p no:cacheprovider -rfE tests/test_row_kernels.py tests/test_fused_moe.py \
+    tests/test_moe.py tests/test_gpu.py::test_gemma_on_cuda_with_graphs_agrees_with_transformers > $OUT/tests.txt 2>&1
+  tail -8 $OUT/tests.txt
+  step "issue 63: batch 1"
+  timeout 70 python bench/latency.py --shapes gemma-3-12b qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -3
 fi
 if [ "$mode" = layers ]; then
   step "issue 63: CUDA's layer parts for Gemma and MoE"
