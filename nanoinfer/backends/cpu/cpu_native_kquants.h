@@ -193,13 +193,12 @@ static void kquant_rows_unpacked(const uint8_t *w, int64_t row_bytes, int type, 
 #endif
 
 /* How many rows kquants.interleave should put in a group of `type` for this build's kernels (0: keep the file's
- * layout). AVX2 without AVX-512 VNNI keeps Q6_K's: its 256-bit dot there ran no faster at one token (15.9 against
- * 15.0 GB/s) and slower at several (31 against 24 ms, 2048x8192 at 128 tokens, Zen 4), out of registers. */
+ * layout): 16 wherever cpu_native_kquants_rows16.h is built (x86 AVX2 and up, ARM NEON). (On AVX2 Q6_K's 256-bit
+ * passes were once kept out, timed one matrix at a time no faster; a whole AVX2 decode of a Q4_K_M file runs 13%
+ * faster with them, 29.9 -> 33.7 tok/s in 5 of 5 rounds, at the same pp512: bench/RESULTS.md.) */
 int kquant_interleave_rows(int type) {
-#if defined(KQ_ROWS16) && (V16_LANES == 16 || V16_LANES == 4) /* (NEON: 32 registers, as AVX-512) */
+#ifdef KQ_ROWS16
     return block_bytes(type) ? KQ16 : 0;
-#elif defined(KQ_ROWS16)
-    return type == 12 || type == 13 ? KQ16 : 0;
 #else
     (void)type;
     return 0;
