@@ -101,6 +101,28 @@ def tiles(pairs: int) -> tuple[int, int, int]:
     return (64 if pairs > 64 else 32), 4, 3
 
 
+@triton.jit
+def _sum_pairs_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # out[token] = the token's k weighted products summed in fp32 in choice order, rounded once
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * N + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[tokens, hidden]: each token's k rows of y [tokens * k, hidden] added in fp32 in order, in one kernel (the
+    torch form, y.view(tokens, k, -1).float().sum(1).to(dtype), is three)."""
+    tokens, n = y.shape[0] // top_k, y.shape[1]
+    out = y.new_empty((tokens, n))
+    if tokens:
+        _sum_pairs_kernel[(tokens, triton.cdiv(n, 1024))](y, out, n, TOP_K=top_k, BLOCK=1024)
+    return out
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   experts: torch.Tensor) -> torch.Tensor:
     """moe.experts_reference's sum over a token's chosen experts for x [tokens, hidden] (gate_up [experts, 2 inter,
@@ -111,7 +133,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     h = silu_mul(_grouped(x.contiguous(), gate_up, slots, block_expert, pairs, top_k, tokens=True))
     y = _grouped(h, down, slots, block_expert, pairs, top_k, tokens=False,
                  weights=weights.reshape(-1).to(torch.float32).contiguous())
-    return y.view(tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
+    return sum_pairs(y, top_k)
 
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear,
