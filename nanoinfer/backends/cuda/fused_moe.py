@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoinfer.backends.cuda import fused_layers
+from nanoinfer.backends.cuda import expert_gemv, fused_layers
 from nanoinfer.backends.cuda.row_kernels import add_rms_norm, silu_mul
 from nanoinfer.model import decoder as model
 from nanoinfer.model.config import ModelConfig
@@ -56,7 +56,8 @@ def align(experts: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tupl
 @triton.jit
 def _experts_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, weight_ptr, PAIRS, N, K, TOP_K,
                     NUM_EXPERTS, stride_xm, stride_we, stride_wn, stride_om, TOKENS: tl.constexpr,
-                    WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     # out[pair] = x[row] @ w[expert].T for the block's pairs, row = the pair's token (TOKENS) or the pair itself
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -75,7 +76,7 @@ def _experts_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, weight_p
         a = tl.load(x_ptr + row[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
     if WEIGHTED:  # (the routing weight, fp32, before the one rounding)
         acc *= tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -91,7 +92,8 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_expert
     _experts_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         x, w, out, slots, block_expert, out if weights is None else weights, pairs, n, k, top_k, experts,
         x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOKENS=tokens, WEIGHTED=weights is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # (fp32 weights: no TF32 rounding)
     return out
 
 
@@ -123,10 +125,27 @@ def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
+def few_pairs(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a step's experts go to nanoinfer.backends.cuda.expert_gemv: while its pairs are few enough that
+    an expert seldom serves two of them (each pair reads its expert's rows for itself there)."""
+    return tokens * top_k <= max(top_k, num_experts // 4)
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor) -> torch.Tensor:
+                  experts: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """moe.experts_reference's sum over a token's chosen experts for x [tokens, hidden] (gate_up [experts, 2 inter,
-    hidden], down [experts, hidden, inter], weights and experts [tokens, k] from moe.route), in x's dtype."""
+    hidden], down [experts, hidden, inter], weights and experts [tokens, k] from moe.route), in x's dtype, plus
+    `residual` where given: a decode's few pairs through expert_gemv, more through the grouped kernel."""
+    if few_pairs(*experts.shape, gate_up.shape[0]):
+        h = expert_gemv.gate_up(x.contiguous(), gate_up, experts)
+        return expert_gemv.down(h, down, experts, weights, residual)
+    y = grouped_experts(x, gate_up, down, weights, experts)
+    return y if residual is None else residual + y
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """`fused_experts` through the grouped kernel, at any batch."""
     tokens, top_k = experts.shape
     pairs = tokens * top_k
     slots, block_expert = align(experts, gate_up.shape[0])
@@ -145,4 +164,6 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
     x, h = add_rms_norm(x.contiguous(), reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)), lp.mlp_norm,
                         cfg.rms_norm_eps)
     weights, experts = route(F.linear(h, lp.moe.router), cfg.experts_per_token, cfg.norm_topk_prob)
+    if reduce is model._same:  # (one rank: the residual added in the experts' last kernel)
+        return fused_experts(h, lp.moe.gate_up, lp.moe.down, weights, experts, residual=x)
     return x + reduce(fused_experts(h, lp.moe.gate_up, lp.moe.down, weights, experts))

@@ -1,0 +1,120 @@
+"""The experts of a few tokens on CUDA (a decode step): two GEMV kernels that read each chosen expert's rows once.
+
+At batch 1 a mixture-of-experts layer reads k experts' matrices for one token's activations: a matrix-vector
+product, memory bound. The grouped kernel (nanoinfer.backends.cuda.fused_moe) pads each pair to a 16-row tensor-core
+tile and needs the pairs sorted by expert first (`align`: about ten small launches a layer); here, as the dense
+one-row GEMV (nanoinfer.backends.cuda.gemv) does, each program owns BLOCK_N output rows of one pair's expert and
+sums their whole K extent on CUDA cores in wide loads, and the routing's own [tokens, k] choices index the experts
+directly:
+
+- `_gate_up_kernel`, one program per (pair, BLOCK_N units): the unit's gate and up rows, then SiLU(gate) * up,
+  rounded as the eager parts round (the product, the activation, their product);
+- `_down_kernel`, one program per (token, BLOCK_N rows): the token's k experts' rows one after another, each
+  product weighted in fp32 and rounded, the k added in fp32 in choice order and rounded once
+  (nanoinfer.model.moe.experts_reference's sums), then the residual added where the caller passes it.
+
+A token's bits do not depend on the other tokens of the step (no atomics, no split over K); they differ from the
+grouped kernel's, whose tensor-core tiles sum K in another order (the dense GEMV and GEMM differ alike).
+tests/test_fused_moe.py holds both against the reference and against each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel: bench/moe_kernels.py times the candidates.
+GATE_UP_TILES = (16, 256, 4, 3)
+DOWN_TILES = (8, 256, 4, 3)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, experts_ptr, out_ptr, INTER, K, TOP_K, stride_xm, stride_we, stride_wn, stride_om,
+                    GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    expert = tl.load(experts_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + INTER.to(tl.int64) * stride_wn
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)  # (the projection's output, rounded as a matmul's)
+    up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
+    if GELU:  # GELU-tanh: g sigmoid(2 u), u = sqrt(2 / pi) (g + 0.044715 g³)
+        act = gate / (1.0 + tl.exp(-2.0 * (0.7978845608028654 * (gate + 0.044715 * gate * gate * gate))))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, (act.to(dtype).to(tl.float32) * up).to(dtype),
+             mask=n_mask)
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, experts_ptr, weight_ptr, res_ptr, out_ptr, N, K, TOP_K, stride_hm, stride_we, stride_wn,
+                 stride_om, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        rows = w_ptr + tl.load(experts_ptr + pair).to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            h = tl.load(h_ptr + pair * stride_hm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(
+                tl.float32) * h[None, :]
+        # (the routing weight in fp32, the product rounded before its add: the reference's order)
+        total += (tl.sum(acc, 1) * tl.load(weight_ptr + pair)).to(dtype).to(tl.float32)
+    out = total.to(dtype)
+    if RESIDUAL:  # (x + experts(x), rounded as the eager add rounds)
+        out = (tl.load(res_ptr + token * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+               + out.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + token * stride_om + offs_n, out, mask=n_mask)
+
+
+def gate_up(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, act: str = "silu",
+            tiles: tuple[int, int, int, int] = GATE_UP_TILES) -> torch.Tensor:
+    """[tokens k, inter]: act(gate) * up of each (token, choice) pair's expert, for x [tokens, hidden], w [experts,
+    2 inter, hidden] (gate rows then up rows), experts [tokens, k] (the pairs in token-major order)."""
+    tokens, top_k = experts.shape
+    _, two_inter, k = w.shape
+    out = x.new_empty((tokens * top_k, two_inter // 2))
+    block_n, block_k, warps, stages = tiles
+    if tokens:
+        _gate_up_kernel[(tokens * top_k, triton.cdiv(two_inter // 2, block_n))](
+            x, w, experts.contiguous(), out, two_inter // 2, k, top_k, x.stride(0), w.stride(0), w.stride(1),
+            out.stride(0), GELU=act == "gelu_tanh", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            num_stages=stages)
+    return out
+
+
+def down(h: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+         residual: torch.Tensor | None = None, tiles: tuple[int, int, int, int] = DOWN_TILES) -> torch.Tensor:
+    """[tokens, hidden]: each token's k pairs' rows of h [tokens k, inter] through their experts' w [experts,
+    hidden, inter], weighted by weights [tokens, k] (fp32) and summed (plus `residual` [tokens, hidden])."""
+    tokens, top_k = experts.shape
+    _, n, k = w.shape
+    out = h.new_empty((tokens, n))
+    block_n, block_k, warps, stages = tiles
+    if residual is not None:
+        assert residual.shape == out.shape and residual.is_contiguous() and residual.dtype == h.dtype
+    if tokens:
+        _down_kernel[(tokens, triton.cdiv(n, block_n))](
+            h, w, experts.contiguous(), weights.to(torch.float32).contiguous(), out if residual is None else residual,
+            out, n, k, top_k, h.stride(0), w.stride(0), w.stride(1), out.stride(0), RESIDUAL=residual is not None,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
