@@ -9,6 +9,8 @@
 #   layers-short (~3.5 min) the first two steps of `layers` only, shorter.
 #   moe-decode (~5 min) the decode GEMVs of the experts (nanoinfer/backends/cuda/expert_gemv.py): the experts' tests,
 #            their tiles and the grouped kernel beside them (bench/moe_kernels.py), batch 1 of Qwen3-30B-A3B.
+#   moe-fp8  (~7 min) fp8 experts (nanoinfer.quant.quantized.ExpertStack): batch 1 of the dense 8B, Qwen3-30B-A3B and
+#            Mixtral-8x7B in fp8 (Mixtral's bf16 does not fit an H100), then 256 sequences of the 8B beside Mixtral.
 #   layers   (~6 min) CUDA's layer parts for Gemma and MoE: their tests (tests/test_row_kernels.py, the experts',
 #            Gemma's on CUDA), batch 1 of the 8B beside Gemma-3-12B and Qwen3-30B-A3B, the grouped-expert
 #            kernels' tiles (bench/moe_kernels.py), 256 sequences of Qwen3-30B-A3B.
@@ -79,5 +81,14 @@ if [ "$mode" = moe-decode ]; then
 fused_moe.few_pairs = lambda *a: False
 sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
 runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
+fi
+if [ "$mode" = moe-fp8 ]; then
+  step "issue 63: batch 1 in fp8"
+  timeout 330 python bench/latency.py --shapes llama-3.1-8b qwen3-30b-a3b mixtral-8x7b --no-baseline \
+    --variants overlap --quantization fp8 2>&1 | tail -4
+  step "issue 63: 256 sequences in fp8, dense 8B beside Mixtral-8x7B"
+  for shape in llama-3.1-8b mixtral-8x7b; do
+    timeout 130 python $T --shape $shape --quantization fp8 2>&1 | tail -3
+  done
 fi
 echo "=== done $(date +%T)"

@@ -95,3 +95,25 @@ def test_a_tokens_output_is_the_same_alone_and_in_a_batch(kernel, tokens):
     whole = experts(slice(None))
     for t in (0, tokens // 2, tokens - 1):
         assert torch.equal(experts(slice(t, t + 1)), whole[t:t + 1]), t
+
+
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_int8_and_fp8_stacks_give_their_numbers_products(form, tokens):
+    """An ExpertStack through either kernel (1 and 3 tokens: the decode GEMVs; 40: the grouped kernel): the
+    reference's sum over the float stacks its numbers stand for (weight-only: activations as they are)."""
+    from nanoinfer.quant.quantized import ExpertStack, Fp8Weight, Int8Weight, dequantize
+
+    if INTERPRET and form == "fp8":
+        pytest.skip("Triton's interpreter cannot fill a masked e4m3 load")
+    p = moe(16, 256, 96, seed=3)
+    x = torch.randn(tokens, 256, device=DEVICE)
+    weights, chosen = route(x @ p.router.T, 4, renormalize=True)
+    stacks = [ExpertStack.quantize(w, Int8Weight if form == "int8" else Fp8Weight) for w in (p.gate_up, p.down)]
+    floats = [torch.stack([dequantize(s[e]) for e in range(s.shape[0])]) for s in stacks]
+    want = experts_reference(x, MoEParams(p.router, *floats), weights, chosen)  # (fp32)
+    got = fused_experts(x.to(HALF), *stacks, weights, chosen)
+    torch.testing.assert_close(got.float(), want, atol=0.02 * float(want.abs().max()), rtol=0.02)
+    if tokens <= 3:  # (both kernels, side by side)
+        grouped = grouped_experts(x.to(HALF), *stacks, weights, chosen)
+        torch.testing.assert_close(got.float(), grouped.float(), atol=0.01 * float(want.abs().max()), rtol=0.01)

@@ -9,7 +9,9 @@ gate/up projection, a pair's for the down projection), and multiplies them by th
 reads only the chosen experts' weights: at batch 1, k experts' (the other blocks are padding and return at
 once). The down projection's products are weighted by the routing weights in fp32, rounded, and a token's k
 products add in fp32 in choice order (no atomics: the same bits whatever the batch's other tokens).
-Stacked bf16/fp16 weights ([experts, rows, cols]); tests/test_fused_moe.py holds it against the reference.
+Stacked bf16/fp16 weights ([experts, rows, cols]), or int8/e4m3 ones with a scale per row (ExpertStack: each tile
+widened to the activations' dtype, exactly, each row's sums times its scale); tests/test_fused_moe.py holds it
+against the reference. A decode's few pairs go to nanoinfer.backends.cuda.expert_gemv instead (`few_pairs`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import triton
 import triton.language as tl
 
 from nanoinfer.backends.cuda import expert_gemv, fused_layers
+from nanoinfer.backends.cuda.expert_gemv import stack_and_scale
 from nanoinfer.backends.cuda.row_kernels import add_rms_norm, silu_mul
 from nanoinfer.model import decoder as model
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.model.decoder import LayerParams
 from nanoinfer.model.moe import route
+from nanoinfer.quant.quantized import ExpertStack
 
 BLOCK_M = 16  # pairs a program takes (tl.dot's smallest tile): the padding an expert's run costs at most
 BLOCK_K = 64  # the columns of one step of a product's sum
@@ -54,8 +58,9 @@ def align(experts: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tupl
 
 
 @triton.jit
-def _experts_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, weight_ptr, PAIRS, N, K, TOP_K,
-                    NUM_EXPERTS, stride_xm, stride_we, stride_wn, stride_om, TOKENS: tl.constexpr,
+def _experts_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, weight_ptr, PAIRS, N, K, TOP_K,
+                    NUM_EXPERTS, stride_xm, stride_we, stride_wn, stride_se, stride_om, HAS_SCALE: tl.constexpr,
+                    TOKENS: tl.constexpr,
                     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr):
     # out[pair] = x[row] @ w[expert].T for the block's pairs, row = the pair's token (TOKENS) or the pair itself
@@ -76,22 +81,26 @@ def _experts_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, weight_p
         a = tl.load(x_ptr + row[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)  # (int8, e4m3: exact in bf16)
+    if HAS_SCALE:  # (an int8 or fp8 stack: each row's scale)
+        acc *= tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
     if WEIGHTED:  # (the routing weight, fp32, before the one rounding)
         acc *= tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_expert: torch.Tensor, pairs: int,
-             top_k: int, tokens: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+def _grouped(x: torch.Tensor, w: torch.Tensor | ExpertStack, slots: torch.Tensor, block_expert: torch.Tensor,
+             pairs: int, top_k: int, tokens: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
     """out [pairs, w rows] of `_experts_kernel`."""
+    w, scale = stack_and_scale(w)
     experts, n, k = w.shape
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     block_n, warps, stages = tiles(pairs)
     _experts_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
-        x, w, out, slots, block_expert, out if weights is None else weights, pairs, n, k, top_k, experts,
-        x.stride(0), w.stride(0), w.stride(1), out.stride(0), TOKENS=tokens, WEIGHTED=weights is not None,
+        x, w, w if scale is None else scale, out, slots, block_expert, out if weights is None else weights, pairs, n,
+        k, top_k, experts, x.stride(0), w.stride(0), w.stride(1), 0 if scale is None else scale.stride(0),
+        out.stride(0), HAS_SCALE=scale is not None, TOKENS=tokens, WEIGHTED=weights is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # (fp32 weights: no TF32 rounding)
     return out
