@@ -117,3 +117,24 @@ def test_int8_and_fp8_stacks_give_their_numbers_products(form, tokens):
     if tokens <= 3:  # (both kernels, side by side)
         grouped = grouped_experts(x.to(HALF), *stacks, weights, chosen)
         torch.testing.assert_close(got.float(), grouped.float(), atol=0.01 * float(want.abs().max()), rtol=0.01)
+
+
+@pytest.mark.parametrize("tokens,experts,k,renormalize", [(1, 128, 8, True), (5, 8, 2, True), (3, 60, 6, False),
+                                                          (33, 16, 1, False)])
+def test_the_routing_kernel_picks_the_references_experts(tokens, experts, k, renormalize):
+    """fused_moe.route against nanoinfer.model.moe.route: the same experts in the same order (distinct logits:
+    torch.topk leaves the order of equal ones unspecified), their weights within fp32's rounding of the softmax;
+    among equal probabilities the kernel takes the lower index first."""
+    from nanoinfer.backends.cuda.fused_moe import route as route_kernel
+
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]).float().mul(0.05).to(DEVICE)
+    want_weights, want_experts = route(logits, k, renormalize)
+    weights, chosen = route_kernel(logits, k, renormalize)
+    assert chosen.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(chosen, want_experts)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+    logits[0, :] = 0.0
+    logits[0, experts - 1] = 1.0
+    _, chosen = route_kernel(logits, k, renormalize)
+    assert chosen[0].tolist() == [experts - 1] + list(range(k - 1))

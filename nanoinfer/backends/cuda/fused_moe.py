@@ -27,7 +27,6 @@ from nanoinfer.backends.cuda.row_kernels import add_rms_norm, silu_mul
 from nanoinfer.model import decoder as model
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.model.decoder import LayerParams
-from nanoinfer.model.moe import route
 from nanoinfer.quant.quantized import ExpertStack
 
 BLOCK_M = 16  # pairs a program takes (tl.dot's smallest tile): the padding an expert's run costs at most
@@ -134,6 +133,43 @@ def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, experts_ptr, E, stride_l, TOP_K: tl.constexpr, PICKS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK: tl.constexpr):
+    # moe.route of one token's logits: softmax in fp32, then k times the largest probability left (ties to the
+    # lower index, as torch.topk), taken out; the k divided by their sum where RENORMALIZE
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    logits = tl.load(logits_ptr + token * stride_l + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    e = tl.exp(logits - tl.max(logits, 0))
+    probs = e / tl.sum(e, 0)
+    picks = tl.arange(0, PICKS)  # (TOP_K rounded up to a power of two)
+    chosen = tl.zeros([PICKS], tl.int32)
+    weight = tl.zeros([PICKS], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best, at = tl.max(probs, 0, return_indices=True, return_indices_tie_break_left=True)
+        chosen = tl.where(picks == j, at, chosen)
+        weight = tl.where(picks == j, best, weight)
+        probs = tl.where(offs == at, -1.0, probs)
+    if RENORMALIZE:
+        weight = weight / tl.sum(weight, 0)
+    tl.store(weights_ptr + token * TOP_K + picks, weight, mask=picks < TOP_K)
+    tl.store(experts_ptr + token * TOP_K + picks, chosen.to(tl.int64), mask=picks < TOP_K)
+
+
+def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoinfer.model.moe.route in one kernel (torch's is four or five launches a layer): (weights [tokens, k]
+    fp32, experts [tokens, k] int64)."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, k, dtype=torch.float32, device=router_logits.device)
+    chosen = torch.empty(tokens, k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](router_logits, weights, chosen, experts, router_logits.stride(0), TOP_K=k,
+                                 PICKS=triton.next_power_of_2(k), RENORMALIZE=renormalize,
+                                 BLOCK=triton.next_power_of_2(experts))
+    return weights, chosen
+
+
 def few_pairs(tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether a step's experts go to nanoinfer.backends.cuda.expert_gemv: while its pairs are few enough that
     an expert seldom serves two of them (each pair reads its expert's rows for itself there)."""
@@ -166,8 +202,8 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParams, cfg: ModelConfig, linear,
                              reduce=model._same) -> torch.Tensor:
-    """nanoinfer.model.decoder's, a sparse layer's experts through `fused_experts` (no host sync: CUDA graphs
-    capture it), its residual add and norm in one kernel; a dense layer's through CUDA's fused layer parts."""
+    """nanoinfer.model.decoder's, a sparse layer's experts through `route` and `fused_experts` (no host sync: CUDA
+    graphs capture it), its residual add and norm in one kernel; a dense layer's through CUDA's fused layer parts."""
     if lp.moe is None:  # (a dense layer: CUDA's fused parts)
         return fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
     x, h = add_rms_norm(x.contiguous(), reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)), lp.mlp_norm,
