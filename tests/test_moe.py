@@ -147,19 +147,15 @@ def test_moe_configs_we_cannot_run_are_refused_by_name(fields, message):
         config_from_hf({**QWEN3_MOE_JSON, **fields}, "config.json")
 
 
-def test_moe_runs_the_cpus_torch_layers_and_is_refused_under_tensor_parallelism_by_name():
-    """The CPU runs the reference in its torch layers (CUDA its grouped-expert kernels: test_a_moe_model_on_cuda_
-    gives_the_cpus_tokens). Tensor parallelism does not split experts yet."""
+def test_moe_runs_the_cpus_torch_layers():
+    """The CPU runs the reference in its torch layers (CUDA its expert kernels: test_a_moe_model_on_cuda_gives_the_
+    cpus_tokens). Tensor parallelism splits the experts: tests/test_tensor_parallel.py."""
     from nanoinfer.backends.choose import fused_layers_lack, kernels_for
-    from nanoinfer.errors import RequestError
     from nanoinfer.loaders.hf import config_from_hf
-    from nanoinfer.parallel.shards import check_shardable
 
     cfg = config_from_hf(QWEN3_MOE_JSON, "config.json")
     assert "mixture-of-experts MLP is not in the fused layers" in fused_layers_lack(cfg)
     assert type(kernels_for(cfg, torch.device("cpu"), 16).attention).__name__ == "TorchPagedAttention"
-    with pytest.raises(RequestError, match="does not run under tensor parallelism"):
-        check_shardable(cfg, 2)
 
 
 @pytest.fixture(scope="module")
