@@ -82,12 +82,12 @@ def model(name):
     return cfg, params
 
 
-def _rank(rank: int, size: int, init_file: str, results) -> None:
+def _rank(rank: int, size: int, init_file: str, results, moe: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     torch.set_num_threads(1)
     try:
-        for name in CASES:
-            cfg, params = model(name)
+        for name in MOE_CASES if moe else CASES:
+            cfg, params = moe_model(name) if moe else model(name)
             local = shard_config(cfg, rank, size)
             kv = allocate_kv_pool(local, 8, BS, torch.float32, "cpu")
             logits = steps(local, shard_params(params, cfg, rank, size), kv,
@@ -155,29 +155,13 @@ def moe_model(name: str):
 MOE_CASES = ("qwen3-moe", "qwen3-moe-int8")
 
 
-def _moe_rank(rank: int, size: int, init_file: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    torch.set_num_threads(1)
-    try:
-        for name in MOE_CASES:
-            cfg, params = moe_model(name)
-            local = shard_config(cfg, rank, size)
-            kv = allocate_kv_pool(local, 8, BS, torch.float32, "cpu")
-            logits = steps(local, shard_params(params, cfg, rank, size), kv,
-                           layer_functions(EAGER, Shard(rank, size), cfg.vocab_size))
-            if rank == 0:
-                results.put((name, logits.float().numpy()))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_ranks_split_the_experts_inner_units_and_compute_the_whole_models_logits(tmp_path):
     """A mixture-of-experts model over two ranks: each expert's inner units split as a dense MLP's, the router
     whole on each rank; float experts give one rank's logits (fp32), int8 ones are as close to the exact model
     (their stacks' numbers in fp32) as one rank is."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    ranks = [ctx.Process(target=_moe_rank, args=(r, 2, str(tmp_path / "rendezvous"), results)) for r in range(2)]
+    ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results, True)) for r in range(2)]
     for p in ranks:
         p.start()
     got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120) for _ in MOE_CASES)}
