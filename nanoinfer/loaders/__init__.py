@@ -136,13 +136,15 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
     dev = _load_device(config)
     loaded = _load_format(path, config, dev)
     cfg, params, tokenizer, quantization = loaded.config, loaded.params, loaded.tokenizer, loaded.quantization
-    if params is None:  # load_format="dummy"
+    quantize = quantization in ("int8", "fp8", "int4")
+    if params is None:  # load_format="dummy": each layer quantized as it is made, then the head
         from nanoinfer.loaders.dummy import dummy_params
-        from nanoinfer.loaders.quantize import quantize_layer
+        from nanoinfer.loaders.quantize import quantize_head, quantize_layer
 
-        params = dummy_params(cfg, loaded.dtype, dev, layer_form=None if quantization not in ("int8", "fp8", "int4")
-                              else lambda lp: quantize_layer(lp, quantization, dev, loaded.dtype))
-    if quantization in ("int8", "fp8", "int4"):
+        params = dummy_params(cfg, loaded.dtype, dev, layer_form=(lambda lp: quantize_layer(
+            lp, quantization, dev, loaded.dtype)) if quantize else None)
+        params = quantize_head(params, quantization) if quantize else params
+    elif quantize:
         from nanoinfer.loaders.quantize import quantize_params
 
         params = quantize_params(params, quantization)

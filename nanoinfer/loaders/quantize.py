@@ -60,12 +60,18 @@ def _check(quantization: str) -> None:
 
 
 def quantize_params(params: Params, quantization: str) -> Params:
-    """Every layer's matrices (`quantize_layer`) and the LM head (int4's in int8) in `quantization`."""
+    """Every layer's matrices (`quantize_layer`) and the LM head (`quantize_head`) in `quantization`."""
     _check(quantization)
     layers = tuple(quantize_layer(lp, quantization, params.device, params.dtype) for lp in params.layers)
+    return quantize_head(dataclasses.replace(params, layers=layers), quantization)
+
+
+def quantize_head(params: Params, quantization: str) -> Params:
+    """The LM head (if this stage has one) in `quantization`, int4's in int8; a tied head gets its own copy."""
+    _check(quantization)
     head = params.lm_head if params.lm_head is None else _per_row(
         params.lm_head, "fp8" if quantization == "fp8" else "int8", params.device)
-    return dataclasses.replace(params, layers=layers, lm_head=head)
+    return dataclasses.replace(params, lm_head=head)
 
 
 def quantize_layer(lp: LayerParams, quantization: str, device: torch.device, dtype: torch.dtype) -> LayerParams:

@@ -10,8 +10,9 @@ directly:
 - `_gate_up_kernel`, one program per (pair, BLOCK_N units): the unit's gate and up rows, then SiLU(gate) * up,
   rounded as the eager parts round (the product, the activation, their product);
 - `_down_kernel`, one program per (token, BLOCK_N rows): the token's k experts' rows one after another, each
-  product weighted in fp32 and rounded, the k added in fp32 in choice order and rounded once
-  (nanoinfer.model.moe.experts_reference's sums), then the residual added where the caller passes it.
+  product weighted in fp32 and rounded, the k added in fp32 in choice order and rounded once (as the grouped
+  kernel's `sum_pairs`; nanoinfer.model.moe.experts_reference rounds each product before its weight and adds in
+  the model's dtype in expert order: within a rounding of it), then the residual added where the caller passes it.
 
 Experts stacked in int8 or fp8 (nanoinfer.quant.quantized.ExpertStack, `quantization="int8"`/`"fp8"`) are read at
 one byte a weight, widened in registers, each row's sum times its scale: a decode reads half a bf16 stack's bytes.
@@ -69,8 +70,8 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, experts_ptr, out_ptr, INTER, K, TOP
         k_mask = offs_k < K
         mask = n_mask[:, None] & k_mask[None, :]
         x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        acc_gate += widen(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0), INT8) * x
-        acc_up += widen(tl.load(up_rows + offs_k[None, :], mask=mask, other=0), INT8) * x
+        acc_gate += widen(tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0), INT8) * x
+        acc_up += widen(tl.load(up_rows + offs_k[None, :], mask=mask, other=0.0), INT8) * x
     dtype = out_ptr.dtype.element_ty
     gate = tl.sum(acc_gate, 1)
     up = tl.sum(acc_up, 1)
@@ -106,12 +107,12 @@ def _down_kernel(h_ptr, w_ptr, scale_ptr, experts_ptr, weight_ptr, res_ptr, out_
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             h = tl.load(h_ptr + pair * stride_hm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc += widen(tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0), INT8) * h[
-                None, :]
+            w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += widen(w, INT8) * h[None, :]
         y = tl.sum(acc, 1)
         if HAS_SCALE:
             y *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
-        # (the routing weight in fp32, the product rounded before its add: the reference's order)
+        # (the routing weight in fp32, the weighted product rounded before its add: the grouped kernel's order)
         total += (y * tl.load(weight_ptr + pair)).to(dtype).to(tl.float32)
     out = total.to(dtype)
     if RESIDUAL:  # (x + experts(x), rounded as the eager add rounds)

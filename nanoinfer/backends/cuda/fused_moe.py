@@ -8,7 +8,8 @@ blocks of BLOCK_M, with torch ops of fixed shapes (no host sync); `_experts_kern
 gate/up projection, a pair's for the down projection), and multiplies them by that expert's matrix. A step
 reads only the chosen experts' weights: at batch 1, k experts' (the other blocks are padding and return at
 once). The down projection's products are weighted by the routing weights in fp32, rounded, and a token's k
-products add in fp32 in choice order (no atomics: the same bits whatever the batch's other tokens).
+products add in fp32 in choice order (no atomics: the same bits whatever the batch's other tokens; the reference
+adds them in the model's dtype in expert order, within a rounding of this).
 Stacked bf16/fp16 weights ([experts, rows, cols]), or int8/e4m3 ones with a scale per row (ExpertStack: each tile
 widened to the activations' dtype, exactly, each row's sums times its scale); tests/test_fused_moe.py holds it
 against the reference. A decode's few pairs go to nanoinfer.backends.cuda.expert_gemv instead (`few_pairs`).
