@@ -93,25 +93,26 @@ if [ "$mode" = moe-fp8 ]; then
   done
 fi
 if [ "$mode" = moe-all ]; then
+  left() { [ $SECONDS -lt ${BUDGET:-480} ] || { echo "(skipped: past ${BUDGET:-480} s)"; return 1; }; }
   step "issue 63: the experts' kernels, tests"
-  timeout 170 python -m pytest -q -p no:cacheprovider -rfE tests/test_fused_moe.py tests/test_moe.py \
+  timeout 150 python -m pytest -q -p no:cacheprovider -rfE tests/test_fused_moe.py tests/test_moe.py \
     "tests/test_row_kernels.py::test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler" \
     > $OUT/tests.txt 2>&1
   tail -6 $OUT/tests.txt
-  step "issue 63: the decode GEMVs beside the grouped kernel"
-  timeout 60 python bench/moe_kernels.py --tokens 64 --gemv-tokens 1 2 4 8 2>&1 | tail -40
   step "issue 63: batch 1, bf16, then the grouped kernel at every batch (the baseline)"
-  timeout 50 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
-  timeout 50 python -c "import runpy, sys; from nanoinfer.backends.cuda import fused_moe
+  left && timeout 50 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
+  left && timeout 50 python -c "import runpy, sys; from nanoinfer.backends.cuda import fused_moe
 fused_moe.few_pairs = lambda *a: False
 sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
 runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
   step "issue 63: batch 1 in fp8"
-  timeout 110 python bench/latency.py --shapes llama-3.1-8b qwen3-30b-a3b mixtral-8x7b --no-baseline \
+  left && timeout 110 python bench/latency.py --shapes llama-3.1-8b qwen3-30b-a3b mixtral-8x7b --no-baseline \
     --variants overlap --quantization fp8 2>&1 | tail -3
   step "issue 63: 256 sequences in fp8, Mixtral-8x7B beside the dense 8B"
   for shape in mixtral-8x7b llama-3.1-8b; do
-    timeout 75 python $T --shape $shape --quantization fp8 2>&1 | tail -2
+    left && timeout 75 python $T --shape $shape --quantization fp8 2>&1 | tail -2
   done
+  step "issue 63: the decode GEMVs beside the grouped kernel"
+  left && timeout 50 python bench/moe_kernels.py --tokens 64 --gemv-tokens 1 2 4 8 2>&1 | tail -40
 fi
 echo "=== done $(date +%T)"
