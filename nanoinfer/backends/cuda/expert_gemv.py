@@ -30,9 +30,12 @@ import triton.language as tl
 
 from nanoinfer.quant.quantized import ExpertStack
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel: bench/moe_kernels.py times the candidates.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel: bench/moe_kernels.py times the candidates. On an H100
+# (bench/RESULTS.md, thirteenth session) gate/up's 16 x 256 was the best or within 4% at 1-8 tokens of both MoE
+# shapes; the down kernel's k experts a program read best in 2 rows x 1024 columns at 1-2 tokens (Qwen3-30B-A3B
+# 11.6 against 15.0 us at one token, Mixtral 78.8 against 109.3), within 8% of the best beyond.
 GATE_UP_TILES = (16, 256, 4, 3)
-DOWN_TILES = (8, 256, 4, 3)
+DOWN_TILES = (2, 1024, 4, 4)
 
 
 def stack_and_scale(w: torch.Tensor | ExpertStack) -> tuple[torch.Tensor, torch.Tensor | None]:
