@@ -117,7 +117,10 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  new tokens {args.new_tokens}  prompt 5")
     print(f"{'shape':<14}{'engine':<30}{'tok/s':>9}{'GB/s':>9}   host ms/token: schedule batch forward sample resolve")
     for name in args.shapes:
-        dense = random_model(name)
+        # (one quantization asked for: the layers quantized as they are made, for shapes whose bf16 weights do not fit)
+        made = args.quantization[0] if len(args.quantization) == 1 and args.quantization[0] in ("int8", "fp8",
+                                                                                                  "int4") else "none"
+        dense = random_model(name, quantization=made)
         for quant in args.quantization:
             form = quant.removeprefix("gpt-fast-")
             if quant == "gpt-fast-int4":

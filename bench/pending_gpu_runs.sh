@@ -7,6 +7,11 @@
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
 #   layers-short (~3.5 min) the first two steps of `layers` only, shorter.
+#   moe-decode (~5 min) the decode GEMVs of the experts (nanoinfer/backends/cuda/expert_gemv.py): the experts' tests,
+#            their tiles and the grouped kernel beside them (bench/moe_kernels.py), batch 1 of Qwen3-30B-A3B.
+#   moe-fp8  (~7 min) fp8 experts (nanoinfer.quant.quantized.ExpertStack): batch 1 of the dense 8B, Qwen3-30B-A3B and
+#            Mixtral-8x7B in fp8 (Mixtral's bf16 does not fit an H100), then 256 sequences of the 8B beside Mixtral.
+#   moe-all  (~9 min) moe-decode's tests and batch-1 runs, then moe-fp8's, each step shorter.
 #   layers   (~6 min) CUDA's layer parts for Gemma and MoE: their tests (tests/test_row_kernels.py, the experts',
 #            Gemma's on CUDA), batch 1 of the 8B beside Gemma-3-12B and Qwen3-30B-A3B, the grouped-expert
 #            kernels' tiles (bench/moe_kernels.py), 256 sequences of Qwen3-30B-A3B.
@@ -61,5 +66,53 @@ if [ "$mode" = layers ]; then
   timeout 120 python bench/moe_kernels.py --tokens 1 8 64 256 2>&1 | tail -10
   step "issue 63: 256 sequences of Qwen3-30B-A3B"
   timeout 100 python $T --shape qwen3-30b-a3b 2>&1 | tail -3
+fi
+if [ "$mode" = moe-decode ]; then
+  step "issue 63: the experts' kernels, tests"
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfE tests/test_fused_moe.py tests/test_moe.py \
+    "tests/test_row_kernels.py::test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler" \
+    > $OUT/tests.txt 2>&1
+  tail -6 $OUT/tests.txt
+  step "issue 63: the decode GEMVs beside the grouped kernel"
+  timeout 150 python bench/moe_kernels.py --tokens 16 64 --gemv-tokens 1 2 4 8 2>&1 | tail -40
+  step "issue 63: batch 1"
+  timeout 100 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -2
+  step "issue 63: batch 1, the grouped kernel at every batch (the baseline)"
+  timeout 100 python -c "import runpy, sys; from nanoinfer.backends.cuda import fused_moe
+fused_moe.few_pairs = lambda *a: False
+sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
+runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
+fi
+if [ "$mode" = moe-fp8 ]; then
+  step "issue 63: batch 1 in fp8"
+  timeout 330 python bench/latency.py --shapes llama-3.1-8b qwen3-30b-a3b mixtral-8x7b --no-baseline \
+    --variants overlap --quantization fp8 2>&1 | tail -4
+  step "issue 63: 256 sequences in fp8, dense 8B beside Mixtral-8x7B"
+  for shape in llama-3.1-8b mixtral-8x7b; do
+    timeout 130 python $T --shape $shape --quantization fp8 2>&1 | tail -3
+  done
+fi
+if [ "$mode" = moe-all ]; then
+  left() { [ $SECONDS -lt ${BUDGET:-480} ] || { echo "(skipped: past ${BUDGET:-480} s)"; return 1; }; }
+  step "issue 63: the experts' kernels, tests"
+  timeout 150 python -m pytest -q -p no:cacheprovider -rfE tests/test_fused_moe.py tests/test_moe.py \
+    "tests/test_row_kernels.py::test_the_cuda_layer_parts_forward_like_the_eager_ones_and_import_no_compiler" \
+    > $OUT/tests.txt 2>&1
+  tail -6 $OUT/tests.txt
+  step "issue 63: batch 1, bf16, then the grouped kernel at every batch (the baseline)"
+  left && timeout 50 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
+  left && timeout 50 python -c "import runpy, sys; from nanoinfer.backends.cuda import fused_moe
+fused_moe.few_pairs = lambda *a: False
+sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
+runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
+  step "issue 63: batch 1 in fp8"
+  left && timeout 110 python bench/latency.py --shapes llama-3.1-8b qwen3-30b-a3b mixtral-8x7b --no-baseline \
+    --variants overlap --quantization fp8 2>&1 | tail -3
+  step "issue 63: 256 sequences in fp8, Mixtral-8x7B beside the dense 8B"
+  for shape in mixtral-8x7b llama-3.1-8b; do
+    left && timeout 75 python $T --shape $shape --quantization fp8 2>&1 | tail -2
+  done
+  step "issue 63: the decode GEMVs beside the grouped kernel"
+  left && timeout 50 python bench/moe_kernels.py --tokens 64 --gemv-tokens 1 2 4 8 2>&1 | tail -40
 fi
 echo "=== done $(date +%T)"

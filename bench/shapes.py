@@ -62,8 +62,16 @@ HF_CONFIGS = {  # the same shapes for transformers (the baseline)
      for name, (cls, fields) in FAMILIES.items()}
 
 
-def random_model(name: str, device="cuda", dtype=torch.bfloat16) -> LoadedModel:
-    return LoadedModel(SHAPES[name], dummy_params(SHAPES[name], dtype, device), None, Path(name))
+def random_model(name: str, device="cuda", dtype=torch.bfloat16, quantization: str = "none") -> LoadedModel:
+    """Random weights in the shape; with `quantization` (int8, fp8, int4), each layer's quantized as it is made (a
+    Mixtral-8x7B in fp8 fits an 80 GB GPU: its bf16 weights would not)."""
+    from nanoinfer.loaders.quantize import quantize_head, quantize_layer
+
+    if quantization == "none":
+        return LoadedModel(SHAPES[name], dummy_params(SHAPES[name], dtype, device), None, Path(name))
+    params = dummy_params(SHAPES[name], dtype, device,
+                          layer_form=lambda lp: quantize_layer(lp, quantization, torch.device(device), dtype))
+    return LoadedModel(SHAPES[name], quantize_head(params, quantization), None, Path(name), quantization=quantization)
 
 
 def weight_bytes(model: LoadedModel) -> int:

@@ -101,8 +101,9 @@ def main():
         from bench.shapes import random_model
         from nanoinfer.loaders.quantize import quantize_params
 
-        model = random_model(args.shape, device=args.device)
-        if args.quantization in ("int8", "fp8", "int4"):
+        quantized = args.quantization in ("int8", "fp8", "int4")
+        model = random_model(args.shape, device=args.device, quantization=args.quantization if quantized else "none")
+        if quantized:  # (the LM head: the layers were quantized as they were made)
             model = dataclasses.replace(model, params=quantize_params(model.params, args.quantization),
                                         quantization=args.quantization)
         llm = LLM.from_loaded(model, max_model_len=4096, max_num_seqs=args.num_seqs,

@@ -82,12 +82,12 @@ def model(name):
     return cfg, params
 
 
-def _rank(rank: int, size: int, init_file: str, results) -> None:
+def _rank(rank: int, size: int, init_file: str, results, moe: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     torch.set_num_threads(1)
     try:
-        for name in CASES:
-            cfg, params = model(name)
+        for name in MOE_CASES if moe else CASES:
+            cfg, params = moe_model(name) if moe else model(name)
             local = shard_config(cfg, rank, size)
             kv = allocate_kv_pool(local, 8, BS, torch.float32, "cpu")
             logits = steps(local, shard_params(params, cfg, rank, size), kv,
@@ -139,6 +139,65 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
         assert 0 < two <= 2 * one, name
 
 
+def moe_model(name: str):
+    """A tiny Qwen3-MoE (a dense layer, a sparse one), float or with int8 experts."""
+    from nanoinfer.loaders.dummy import dummy_params
+    from nanoinfer.loaders.hf import config_from_hf
+
+    cfg = config_from_hf(dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=64,
+                              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+                              mlp_only_layers=[0], max_position_embeddings=512), "config.json")
+    params = dummy_params(cfg, torch.float32, "cpu", seed=3)
+    return cfg, quantize_params(params, "int8") if name.endswith("int8") else params
+
+
+MOE_CASES = ("qwen3-moe", "qwen3-moe-int8")
+
+
+def test_two_ranks_split_the_experts_inner_units_and_compute_the_whole_models_logits(tmp_path):
+    """A mixture-of-experts model over two ranks: each expert's inner units split as a dense MLP's, the router
+    whole on each rank; float experts give one rank's logits (fp32), int8 ones are as close to the exact model
+    (their stacks' numbers in fp32) as one rank is."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "rendezvous"), results, True)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = {name: torch.from_numpy(logits) for name, logits in (results.get(timeout=120) for _ in MOE_CASES)}
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0
+    cfg, params = moe_model("qwen3-moe")
+    local = shard_config(cfg, 1, 2)
+    assert (local.moe_intermediate_size, local.intermediate_size, local.num_experts) == (32, 48, 6)
+    part = shard_params(params, cfg, 1, 2).layers[1].moe
+    assert part.gate_up.shape == (6, 64, 64) and part.down.shape == (6, 64, 32)
+    assert torch.equal(part.gate_up[4], torch.cat([params.layers[1].moe.gate_up[4][32:64],
+                                                   params.layers[1].moe.gate_up[4][96:128]]))
+    ref = steps(cfg, params, allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
+    assert torch.allclose(got["qwen3-moe"], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got["qwen3-moe"].argmax(-1), ref.argmax(-1))
+    cfg, params = moe_model("qwen3-moe-int8")
+    part = shard_params(params, cfg, 0, 2).layers[1].moe.down
+    assert part.q.dtype == torch.int8 and part.q.shape == (6, 64, 32) and torch.equal(
+        part.scale, params.layers[1].moe.down.scale)  # (row scales whole: a rank holds columns)
+    one = steps(cfg, params, allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
+    exact_layers = tuple(dataclasses.replace(lp, moe=None if lp.moe is None else dataclasses.replace(
+        lp.moe, **{n: torch.stack([dequantize(getattr(lp.moe, n)[e]) for e in range(6)]) for n in ("gate_up", "down")}))
+        for lp in dequantized_layers(params))
+    exact = steps(cfg, dataclasses.replace(params, layers=exact_layers, lm_head=dequantize(params.lm_head)),
+                  allocate_kv_pool(cfg, 8, BS, torch.float32, "cpu"))
+    err_one, err_two = (one - exact).abs().max().item(), (got["qwen3-moe-int8"] - exact).abs().max().item()
+    assert 0 < err_two <= 2 * err_one, (err_one, err_two)
+
+
+def dequantized_layers(params):
+    """Each layer's dense projections dequantized (a sparse layer's are None)."""
+    return tuple(dataclasses.replace(lp, **{n: dequantize(getattr(lp, n)) for n in PROJECTIONS
+                                            if getattr(lp, n) is not None}) for lp in params.layers)
+
+
 def _sum_rank(rank: int, size: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
@@ -169,6 +228,8 @@ def test_three_ranks_add_their_parts_in_rank_order_everywhere(tmp_path):
 def test_what_cannot_be_split_is_named():
     with pytest.raises(RequestError, match="intermediate_size=48 is not divisible by tensor_parallel_size=5"):
         shard_config(tiny_config(), 0, 5)
+    with pytest.raises(RequestError, match="moe_intermediate_size=64 is not divisible by tensor_parallel_size=3"):
+        shard_config(moe_model("qwen3-moe")[0], 0, 3)
     with pytest.raises(RequestError, match="num_kv_heads=2 .* cannot be shared evenly by 8 ranks"):
         shard_config(tiny_config(), 0, 8)  # 4 ranks per KV head, 2 query heads each
 
@@ -347,6 +408,20 @@ def test_engine_over_two_ranks_emits_what_one_rank_does(case):
     if draft is not None:
         assert stats_two["spec_accepted_tokens"] == stats_one["spec_accepted_tokens"]
         assert stats_one["spec_accepted_tokens"] > 0
+
+
+def test_an_engine_splits_a_mixture_of_experts_model_over_two_ranks():
+    """The engine's ranks (processes) split a Qwen3-MoE's experts: greedy tokens are one process's."""
+    from nanoinfer.loaders import LoadedModel
+    from nanoinfer.sampling.sampler import SamplingParams
+
+    cfg, params = moe_model("qwen3-moe")
+    model = LoadedModel(cfg, params, None, Path("tiny-moe"))
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9] * 11]
+    sampling = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    one, _ = engine_outputs(model, prompts, sampling, block_size=4, num_blocks=64)
+    two, _ = engine_outputs(model, prompts, sampling, block_size=4, num_blocks=64, tensor_parallel_size=2)
+    assert two == one
 
 
 def test_engine_tensor_parallel_errors_are_named(tmp_path):

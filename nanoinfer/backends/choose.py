@@ -107,10 +107,14 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
     from nanoinfer.backends.cuda.bitmask_triton import masked_float_logits
     from nanoinfer.backends.cuda.draw_triton import triton_draw
 
-    if cfg.num_experts and params is not None and any(lp.moe is not None and not isinstance(lp.moe.gate_up, torch.Tensor)
-                                                      for lp in params.layers):
-        raise ValueError(f"{cfg.architecture} cannot run on CUDA with quantized experts yet (the grouped-expert "
-                         "kernels read bf16/fp16 stacks): load it with quantization='none'")
+    if cfg.num_experts and params is not None:
+        from nanoinfer.quant.quantized import ExpertStack
+
+        if any(lp.moe is not None and not isinstance(lp.moe.gate_up, (torch.Tensor, ExpertStack))
+               for lp in params.layers):
+            raise ValueError(f"{cfg.architecture} cannot run on CUDA with a GGUF's packed experts (the expert "
+                             "kernels read float, int8 or fp8 stacks): load it with quantization='none', 'int8' or "
+                             "'fp8'")
     return Kernels(attention, cuda_layer_functions(cfg), True, triton_draw, masked_float_logits)
 
 

@@ -136,11 +136,15 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
     dev = _load_device(config)
     loaded = _load_format(path, config, dev)
     cfg, params, tokenizer, quantization = loaded.config, loaded.params, loaded.tokenizer, loaded.quantization
-    if params is None:  # load_format="dummy"
+    quantize = quantization in ("int8", "fp8", "int4")
+    if params is None:  # load_format="dummy": each layer quantized as it is made, then the head
         from nanoinfer.loaders.dummy import dummy_params
+        from nanoinfer.loaders.quantize import quantize_head, quantize_layer
 
-        params = dummy_params(cfg, loaded.dtype, dev)
-    if quantization in ("int8", "fp8", "int4"):
+        params = dummy_params(cfg, loaded.dtype, dev, layer_form=(lambda lp: quantize_layer(
+            lp, quantization, dev, loaded.dtype)) if quantize else None)
+        params = quantize_head(params, quantization) if quantize else params
+    elif quantize:
         from nanoinfer.loaders.quantize import quantize_params
 
         params = quantize_params(params, quantization)
@@ -218,13 +222,14 @@ def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: t
     return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
 
 
-def _refuse_quantized_experts(cfg: ModelConfig, quantization: str, kept: tuple[str, ...] = ("none",)) -> None:
+def _refuse_quantized_experts(cfg: ModelConfig, quantization: str,
+                              kept: tuple[str, ...] = ("none", "int8", "fp8")) -> None:
     """Before any weight is read: a mixture-of-experts model's matrices held as `quantization` only where that is
-    one of `kept` (its experts run nanoinfer/model/moe.py's reference: over float weights, or a GGUF's packed
-    blocks on the CPU)."""
+    one of `kept` (its experts: float stacks, int8 or fp8 ones (nanoinfer.quant.quantized.ExpertStack), or a
+    GGUF's packed blocks on the CPU)."""
     if cfg.num_experts and quantization not in kept:
         raise RequestError(f"quantization={quantization!r} of a mixture-of-experts model ({cfg.architecture}) is not "
-                           f"supported yet: its experts run in a float dtype (expected one of {list(kept)})",
+                           f"supported yet: its experts run in float, int8 or fp8 stacks (expected one of {list(kept)})",
                            param="quantization")
 
 
@@ -275,8 +280,8 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     quantization = _resolve_quantization(config.quantization, dev, gguf=True, quantized_file=is_quantized(header),
                                          dtype_asked=config.dtype != "auto")
     # (a quantized GGUF's experts stay packed on the CPU, as its other matrices: nanoinfer/loaders/gguf_moe.py; CUDA's
-    # grouped-expert kernels read float stacks)
-    _refuse_quantized_experts(cfg, quantization, ("none",) if dev.type == "cuda" else ("none", "gguf"))
+    # expert kernels read float, int8 or fp8 stacks)
+    _refuse_quantized_experts(cfg, quantization, ("none", "int8", "fp8") + (() if dev.type == "cuda" else ("gguf",)))
     params = None if config.load_format == "dummy" else load_gguf_params(
         header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
     from nanoinfer.sampling.sampling_defaults import from_gguf

@@ -9,7 +9,12 @@ a batch-1 step's largest read: bench/RESULTS.md). int8 and int4 are weight-only;
 fp8 (e4m3) also rounds activations per token where a matmul has several rows (see
 nanoinfer.quant.quantized.Fp8Weight). The embedding stays as loaded (it is looked up, not
 multiplied); a tied LM head gets its own quantized copy. Norms and biases keep the model's
-dtype. Matrices a checkpoint already holds in the wanted form (an FP8 checkpoint) stay.
+dtype. Matrices a checkpoint already holds in the wanted form (an FP8 checkpoint) stay. A
+mixture-of-experts layer's experts become an `ExpertStack` in int8 or fp8 (its router stays as
+loaded: it picks the experts); int4 experts are refused before any weight is read
+(nanoinfer.loaders' `_refuse_quantized_experts`). `quantize_layer` is one layer's part: random
+weights (`load_format="dummy"`) are quantized layer by layer as they are made, so a model whose
+float weights do not fit the device (Mixtral-8x7B's 93 GB of bf16 on an 80 GB H100) loads in fp8.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ import dataclasses
 
 import torch
 
-from nanoinfer.model.decoder import Params
-from nanoinfer.quant.quantized import (Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, Weight,
-                                       dequantize)
+from nanoinfer.model.decoder import LayerParams, Params
+from nanoinfer.quant.quantized import (ExpertStack, Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight,
+                                       Weight, dequantize)
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -49,36 +54,61 @@ def _fp16_normal(t: torch.Tensor) -> bool:
     return bool(((magnitude == 0) | ((magnitude >= 2**-14) & (magnitude <= 65504))).all())
 
 
-def quantize_params(params: Params, quantization: str) -> Params:
+def _check(quantization: str) -> None:
     if quantization not in ("int8", "fp8", "int4"):
         raise ValueError(f"cannot quantize to {quantization!r} (expected 'int8', 'fp8' or 'int4')")
-    # The CPU kernel (torch._weight_int8pack_mm) takes bf16 scales; elsewhere they stay fp32.
-    scale_dtype = torch.bfloat16 if params.device.type == "cpu" else torch.float32
+
+
+def quantize_params(params: Params, quantization: str) -> Params:
+    """Every layer's matrices (`quantize_layer`) and the LM head (`quantize_head`) in `quantization`."""
+    _check(quantization)
+    layers = tuple(quantize_layer(lp, quantization, params.device, params.dtype) for lp in params.layers)
+    return quantize_head(dataclasses.replace(params, layers=layers), quantization)
+
+
+def quantize_head(params: Params, quantization: str) -> Params:
+    """The LM head (if this stage has one) in `quantization`, int4's in int8; a tied head gets its own copy."""
+    _check(quantization)
+    head = params.lm_head if params.lm_head is None else _per_row(
+        params.lm_head, "fp8" if quantization == "fp8" else "int8", params.device)
+    return dataclasses.replace(params, lm_head=head)
+
+
+def quantize_layer(lp: LayerParams, quantization: str, device: torch.device, dtype: torch.dtype) -> LayerParams:
+    """One layer's projections (and experts) in `quantization`; a matrix already in that form stays."""
+    _check(quantization)
+    convert = (lambda w: _int4(w, device, dtype)) if quantization == "int4" else (
+        lambda w: _per_row(w, quantization, device))
+    layer = dataclasses.replace(lp, **{name: convert(getattr(lp, name)) for name in PROJECTIONS
+                                       if getattr(lp, name) is not None})  # (a sparse layer has no dense MLP)
+    if lp.moe is None or quantization == "int4":
+        return layer
     form = Fp8Weight if quantization == "fp8" else Int8Weight
 
-    def convert(w: Weight):
-        if isinstance(w, form):
-            return w
-        dense = w if isinstance(w, torch.Tensor) else dequantize(w)
-        return Int8Weight.quantize(dense, scale_dtype) if form is Int8Weight else Fp8Weight.quantize(dense)
+    def stack(w):
+        return w if isinstance(w, ExpertStack) else ExpertStack.quantize(w, form, _scale_dtype(device))
 
-    if quantization == "int4":
-        return _map_matrices(params, lambda w: _int4(w, params), head=convert)
-    return _map_matrices(params, convert, head=convert)
+    return dataclasses.replace(layer, moe=dataclasses.replace(lp.moe, gate_up=stack(lp.moe.gate_up),
+                                                              down=stack(lp.moe.down)))
 
 
-def _int4(w: Weight, params: Params) -> Weight:
+def _scale_dtype(device: torch.device) -> torch.dtype:
+    # The CPU kernel (torch._weight_int8pack_mm) takes bf16 scales; elsewhere they stay fp32.
+    return torch.bfloat16 if torch.device(device).type == "cpu" else torch.float32
+
+
+def _per_row(w: Weight, quantization: str, device: torch.device) -> Weight:
+    form = Fp8Weight if quantization == "fp8" else Int8Weight
+    if isinstance(w, form):
+        return w
+    dense = w if isinstance(w, torch.Tensor) else dequantize(w)
+    return Int8Weight.quantize(dense, _scale_dtype(device)) if form is Int8Weight else Fp8Weight.quantize(dense)
+
+
+def _int4(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     from nanoinfer.loaders.params import device_form
 
     if isinstance(w, (Int4CudaWeight, Int4Weight)):
         return w
     grouped = int4_groups(w if isinstance(w, torch.Tensor) else dequantize(w))
-    return w if grouped is None else device_form(grouped, params.device, params.dtype)
-
-
-def _map_matrices(params: Params, convert, head) -> Params:
-    """`convert` applied to every layer's projections, `head` to the LM head (if this stage has one)."""
-    layers = tuple(dataclasses.replace(lp, **{name: convert(getattr(lp, name)) for name in PROJECTIONS})
-                   for lp in params.layers)
-    lm_head = params.lm_head if params.lm_head is None else head(params.lm_head)
-    return dataclasses.replace(params, layers=layers, lm_head=lm_head)
+    return w if grouped is None else device_form(grouped, device, dtype)

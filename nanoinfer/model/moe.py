@@ -54,8 +54,8 @@ class MoEParams:
 
 def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, k] fp32, experts [tokens, k] int64) for router logits [tokens, experts]: softmax in fp32,
-    the k most probable experts (largest first, ties to the lower index as torch.topk), and their probabilities,
-    divided by their sum where `renormalize`."""
+    the k most probable experts (largest first; equal ones in torch.topk's order, which it leaves unspecified),
+    and their probabilities, divided by their sum where `renormalize`."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = torch.topk(probs, k, dim=-1)
     if renormalize:

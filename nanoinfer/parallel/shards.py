@@ -8,6 +8,10 @@ Rank r of N holds (Megatron's split, as nano-vllm, gpt-fast and vLLM shard):
   SwiGLU runs on local values;
 - `o_proj` and `down_proj` row-parallel (the input columns of its heads and units): each
   rank's output is a partial sum, and one all-reduce after each adds them up;
+- a mixture-of-experts layer's experts alike, each expert split as a dense MLP is (its slice of
+  the inner units: gate/up rows, down columns), the router whole on every rank: each rank routes
+  the same way and adds its partial products, one all-reduce after the experts (vLLM's and
+  SGLang's tensor-parallel MoE; expert parallelism, whole experts per rank, is not done);
 - the embedding and the LM head vocab-parallel: a rank holds ceil(V/N) rows (the last rows
   zero-padded); the embedding of an id outside a rank's rows is zero there, an all-reduce
   adds the ranks' lookups, and the logits' shards are all-gathered.
@@ -33,9 +37,9 @@ import torch.distributed as dist
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import RequestError
 from nanoinfer.model.decoder import LayerFunctions, LayerParams, Params, RankSum
-from nanoinfer.quant.quantized import (BlockWeight, Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight, Int8Weight, SplitInt8Weight,
-                                 Weight,
-                                 concat_rows, embedding, map_weight, take_rows)
+from nanoinfer.quant.quantized import (BlockWeight, ExpertStack, Fp8Weight, GroupedWeight, Int4CudaWeight, Int4Weight,
+                                       Int8Weight, SplitInt8Weight, Weight, concat_rows, embedding, map_weight,
+                                       take_rows)
 
 
 class Shard(NamedTuple):
@@ -49,10 +53,10 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     if cfg.architecture == "nanochat":  # (its smear state and value embeddings are not split yet)
         raise RequestError("a nanochat model does not run under tensor parallelism yet: expected "
                            f"tensor_parallel_size=1, got {size}", param="tensor_parallel_size")
-    if cfg.num_experts:  # (the experts' inner dimension is not split yet)
-        raise RequestError(f"a mixture-of-experts model ({cfg.architecture}) does not run under tensor parallelism "
-                           f"yet: expected tensor_parallel_size=1, got {size}", param="tensor_parallel_size")
     problems = []
+    if cfg.num_experts and cfg.expert_intermediate_size % size:
+        problems.append(f"moe_intermediate_size={cfg.expert_intermediate_size} is not divisible by "
+                        f"tensor_parallel_size={size}")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by tensor_parallel_size={size}")
     if kv < size and (size % kv or group % (size // kv)):
@@ -83,7 +87,9 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
     """Rank `rank`'s view of the model: its heads and intermediate units (the vocabulary stays
     whole: the logits are gathered)."""
     _, heads, _, kv = rank_heads(cfg, rank, size)
-    return dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=cfg.intermediate_size // size)
+    experts = dict(moe_intermediate_size=cfg.expert_intermediate_size // size) if cfg.num_experts else {}
+    return dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=cfg.intermediate_size // size,
+                               **experts)
 
 
 def _packed(w: Weight, pick: Callable[[Weight], Weight]) -> Weight:
@@ -137,10 +143,23 @@ def _vocab_rows(table: Weight, rank: int, size: int) -> Weight:
                       _rows(table, rank * per, count))
 
 
+def _each_expert(w, part: Callable[[Weight], Weight]):
+    """`part` of each expert's matrix of a layer's experts (a float stack, an int8/fp8 ExpertStack, or a packed
+    GGUF's ExpertWeights), in the same form."""
+    from nanoinfer.model.moe import ExpertWeights
+
+    if isinstance(w, ExpertWeights):
+        return ExpertWeights(tuple(part(e) for e in w.experts))
+    parts = [part(w[e]) for e in range(w.shape[0])]
+    if isinstance(w, torch.Tensor):
+        return torch.stack(parts)
+    return ExpertStack(torch.stack([p.q for p in parts]), torch.stack([p.scale for p in parts]))
+
+
 def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Params:
     """Rank `rank`'s part of the weights (`cfg`: the whole model's config), in their own
     forms: dense, int8 or fp8 per row, GGUF groups, the CPU's packed blocks."""
-    d, inter = cfg.head_dim, cfg.intermediate_size // size
+    d = cfg.head_dim
     q_first, heads, kv_first, kv = rank_heads(cfg, rank, size)
     k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
 
@@ -148,16 +167,26 @@ def shard_params(params: Params, cfg: ModelConfig, rank: int, size: int) -> Para
         return concat_rows([_rows(w, q_first * d, heads * d), _rows(w, k0 + kv_first * d, kv * d),
                             _rows(w, v0 + kv_first * d, kv * d)])
 
-    def gate_up_rows(w: Weight) -> Weight:
-        return concat_rows([_rows(w, rank * inter, inter), _rows(w, cfg.intermediate_size + rank * inter, inter)])
+    def gate_up_rows(w: Weight, units: int = cfg.intermediate_size) -> Weight:
+        part = units // size
+        return concat_rows([_rows(w, rank * part, part), _rows(w, units + rank * part, part)])
+
+    def down_cols(w: Weight, units: int = cfg.intermediate_size) -> Weight:
+        part = units // size
+        return _cols(w, rank * part, part)
 
     def layer(lp: LayerParams) -> LayerParams:
+        if lp.moe is None:
+            mlp = dict(gate_up_proj=_packed(lp.gate_up_proj, gate_up_rows), down_proj=_packed(lp.down_proj, down_cols))
+        else:
+            units = cfg.expert_intermediate_size
+            mlp = dict(moe=dataclasses.replace(
+                lp.moe, gate_up=_each_expert(lp.moe.gate_up, lambda w: _packed(w, lambda m: gate_up_rows(m, units))),
+                down=_each_expert(lp.moe.down, lambda w: _packed(w, lambda m: down_cols(m, units)))))
         return dataclasses.replace(
             lp, qkv_proj=_packed(lp.qkv_proj, qkv_rows),
             qkv_bias=None if lp.qkv_bias is None else qkv_rows(lp.qkv_bias),
-            o_proj=_packed(lp.o_proj, lambda w: _cols(w, q_first * d, heads * d)),
-            gate_up_proj=_packed(lp.gate_up_proj, gate_up_rows),
-            down_proj=_packed(lp.down_proj, lambda w: _cols(w, rank * inter, inter)))
+            o_proj=_packed(lp.o_proj, lambda w: _cols(w, q_first * d, heads * d)), **mlp)
 
     def vocab(table: Weight) -> Weight:
         return _packed(table, lambda w: _vocab_rows(w, rank, size))

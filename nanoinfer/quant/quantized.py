@@ -29,6 +29,10 @@ the reference every packed kernel is tested against (tests/test_quantized.py).
   it. AWQ and GPTQ checkpoints, GGUF's 4-bit types and `quantization="int4"` load into it.
 - `Fp8Weight`: per-output-channel e4m3 (`quantization="fp8"`, FP8 checkpoints): a GEMV at
   batch 1, otherwise activations rounded to e4m3 per token and `torch._scaled_mm`.
+- `ExpertStack`: a mixture-of-experts layer's experts' matrices of one kind, stacked [experts, rows, cols] in int8
+  or e4m3 with a scale per row (`quantization="int8"` or `"fp8"` of a MoE model): CUDA's expert kernels
+  (nanoinfer.backends.cuda.fused_moe, expert_gemv) read the stack; indexed, each expert is an `Int8Weight` or
+  `Fp8Weight` (the reference's loop, nanoinfer.model.moe).
 
 The packed kernels take bf16 activations (fp32 ones measured 10-30x slower on the CPU), so
 `linear` rounds its input to bf16 and returns the caller's dtype; `lm_head`, the logits'
@@ -138,6 +142,33 @@ class Fp8Weight:
         w = w.float()
         scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         return Fp8Weight(to_fp8(w / scale[:, None]), scale)
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """w[e, r, c] = scale[e, r] * q[e, r, c]: each expert's matrix an Int8Weight's or Fp8Weight's numbers."""
+
+    q: torch.Tensor  # [experts, rows, cols] int8 or float8_e4m3fn
+    scale: torch.Tensor  # [experts, rows]; bf16 for int8 on the CPU (its kernel's type), else fp32
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.q.shape)
+
+    def __getitem__(self, expert: int) -> "Int8Weight | Fp8Weight":
+        return (Fp8Weight if self.q.dtype == FP8 else Int8Weight)(self.q[expert], self.scale[expert])
+
+    @staticmethod
+    def quantize(stack: torch.Tensor, form: type, scale_dtype: torch.dtype = torch.float32) -> "ExpertStack":
+        """`form` (Int8Weight or Fp8Weight) of each expert of stack [experts, rows, cols], one expert at a time (a
+        float copy of one expert's matrix at most, not of the stack)."""
+        q = torch.empty(stack.shape, dtype=torch.int8 if form is Int8Weight else FP8, device=stack.device)
+        scale = torch.empty(stack.shape[:2], dtype=scale_dtype if form is Int8Weight else torch.float32,
+                            device=stack.device)
+        for e in range(stack.shape[0]):
+            w = Int8Weight.quantize(stack[e], scale_dtype) if form is Int8Weight else Fp8Weight.quantize(stack[e])
+            q[e], scale[e] = w.q, w.scale
+        return ExpertStack(q, scale)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,7 +420,7 @@ def map_weight(fn: Callable[[torch.Tensor], torch.Tensor], w: Weight) -> Weight:
 
 
 QUANTIZED = (GroupedWeight, BlockWeight, Int4Weight, SplitInt8Weight, Int8Weight, Fp8Weight, Int4CudaWeight,
-             KQuantWeight, StackedWeight)
+             KQuantWeight, StackedWeight, ExpertStack)
 
 
 def nbytes(w: Weight | None) -> int:
