@@ -12,6 +12,11 @@
 #   moe-fp8  (~7 min) fp8 experts (nanoinfer.quant.quantized.ExpertStack): batch 1 of the dense 8B, Qwen3-30B-A3B and
 #            Mixtral-8x7B in fp8 (Mixtral's bf16 does not fit an H100), then 256 sequences of the 8B beside Mixtral.
 #   moe-all  (~9 min) moe-decode's tests and batch-1 runs, then moe-fp8's, each step shorter.
+#   fp8-oom  (~6 min) why 256 sequences of fp8 weights ran out of memory in CUDA-graph capture (thirteenth session:
+#            Mixtral-8x7B and the dense 8B alike, the graphs' pool 5.7-6.1 GiB): the 8B in fp8 with the weights
+#            quantized after a bf16 model (the path before layer-by-layer quantizing), with expandable segments,
+#            and bf16 as the control; then batch 1 of Qwen3-30B-A3B with the down GEMV's new tile, beside the grouped
+#            kernel at every batch.
 #   layers   (~6 min) CUDA's layer parts for Gemma and MoE: their tests (tests/test_row_kernels.py, the experts',
 #            Gemma's on CUDA), batch 1 of the 8B beside Gemma-3-12B and Qwen3-30B-A3B, the grouped-expert
 #            kernels' tiles (bench/moe_kernels.py), 256 sequences of Qwen3-30B-A3B.
@@ -114,5 +119,24 @@ runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
   done
   step "issue 63: the decode GEMVs beside the grouped kernel"
   left && timeout 50 python bench/moe_kernels.py --tokens 64 --gemv-tokens 1 2 4 8 2>&1 | tail -40
+fi
+if [ "$mode" = fp8-oom ]; then
+  step "fp8 at 256 sequences: the weights quantized after a bf16 model"
+  timeout 90 python -c "import runpy, sys, bench.shapes as s
+made = s.random_model
+s.random_model = lambda name, device='cuda', dtype=None, quantization='none': made(name, device)
+sys.argv = ['bench/throughput.py'] + '$T'.split()[1:] + ['--shape', 'llama-3.1-8b', '--quantization', 'fp8']
+runpy.run_path('bench/throughput.py', run_name='__main__')" 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
+  step "fp8 at 256 sequences, expandable segments"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 90 python $T --shape llama-3.1-8b --quantization fp8 2>&1 \
+    | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
+  step "bf16 at 256 sequences (the control)"
+  timeout 80 python $T --shape llama-3.1-8b 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
+  step "issue 63: batch 1, the down GEMV's new tile, then the grouped kernel at every batch"
+  timeout 50 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
+  timeout 50 python -c "import runpy, sys; from nanoinfer.backends.cuda import fused_moe
+fused_moe.few_pairs = lambda *a: False
+sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
+runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
 fi
 echo "=== done $(date +%T)"
