@@ -162,7 +162,9 @@ def test_captures_leave_the_heap_frozen_as_they_found_it(fakes):
         frozen = gc.get_freeze_count()
         with torch.inference_mode():
             graphs.run(build_batch([SeqChunk([5], 6, [3, 1], True)], BS))
-        assert len(graphs.graphs) == 2 and gc.get_freeze_count() >= frozen > 0
+        # (not `>= frozen`: a frozen object whose last reference goes meanwhile leaves the count, as 2 did once in
+        # the full suite; a thaw would leave none)
+        assert len(graphs.graphs) == 2 and gc.get_freeze_count() > frozen // 2 > 0
     finally:
         gc.unfreeze()
 
