@@ -4,8 +4,8 @@
 
 The idea issue 64 names for grammars at many sequences: draw first from the unmasked distribution, and fill the mask
 (and draw again) only for the rows whose token the grammar refuses. Exact for greedy rows and plain temperature
-draws: a draw over the masked logits with the same noise picks the unmasked draw's token whenever the grammar
-allows it. Whether it pays depends on a real model's distributions (random weights draw almost anything), so this
+draws: a draw over the masked logits with the same noise picks the unmasked draw's token whenever the mask holds
+it (llguidance's mask, not validate_tokens, which takes more tokens where the grammar forces bytes). Whether it pays depends on a real model's distributions (random weights draw almost anything), so this
 runs bench/structured.py's workload on a real checkpoint (default: the default model) with the engine's masks,
 and for each constrained row records: the probability, at the workload's temperature 0.8, that an unmasked draw
 falls outside the grammar; whether the unmasked argmax does; whether the grammar allows one token only; and the
