@@ -308,3 +308,24 @@ def test_quantize_at_load_keeps_the_logits_close(quantization, tmp_path):
     reference = forward(dequantized, kv.clone(), batch, model.config)
     if quantization == "int8":
         assert ((got - reference).pow(2).mean() / reference.pow(2).mean()).sqrt() <= 0.01
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+def test_each_layer_is_quantized_as_it_is_read_into_what_quantizing_after_gives(quantization, tmp_path, monkeypatch):
+    """A checkpoint loaded with `quantization` has each layer quantized as the loader reads it (so a model whose
+    float weights would not fit the device loads): the same weights as quantizing the float model afterwards."""
+    import nanoinfer.loaders.hf as hf
+    from nanoinfer.loaders.quantize import quantize_params
+
+    hf_model("llama", tied=False, num_layers=2, seed=11).save_pretrained(tmp_path)
+    after = quantize_params(load_model(tmp_path, device="cpu", progress=False).params, quantization)
+    forms, build = [], hf.build_params
+    monkeypatch.setattr(hf, "build_params", lambda *a, layer_form=None, **k: (
+        forms.append(layer_form), build(*a, layer_form=layer_form, **k))[1])
+    read = load_model(tmp_path, device="cpu", progress=False, quantization=quantization).params
+    assert len(forms) == 1 and forms[0] is not None  # (the loader quantized as it read)
+    for got, want in zip(read.layers, after.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert type(getattr(got, name)) is type(getattr(want, name))
+            assert torch.equal(quantized.dequantize(getattr(got, name)), quantized.dequantize(getattr(want, name)))
+    assert torch.equal(quantized.dequantize(read.lm_head), quantized.dequantize(after.lm_head))

@@ -136,18 +136,16 @@ def load_model(model: str | Path | None = None, config: LoadConfig | None = None
     dev = _load_device(config)
     loaded = _load_format(path, config, dev)
     cfg, params, tokenizer, quantization = loaded.config, loaded.params, loaded.tokenizer, loaded.quantization
-    quantize = quantization in ("int8", "fp8", "int4")
-    if params is None:  # load_format="dummy": each layer quantized as it is made, then the head
+    layer_form = _layer_form(quantization, dev, loaded.dtype)
+    if params is None:  # load_format="dummy"
         from nanoinfer.loaders.dummy import dummy_params
-        from nanoinfer.loaders.quantize import quantize_head, quantize_layer
 
-        params = dummy_params(cfg, loaded.dtype, dev, layer_form=(lambda lp: quantize_layer(
-            lp, quantization, dev, loaded.dtype)) if quantize else None)
-        params = quantize_head(params, quantization) if quantize else params
-    elif quantize:
-        from nanoinfer.loaders.quantize import quantize_params
+        params = dummy_params(cfg, loaded.dtype, dev, layer_form=layer_form)
+    if layer_form is not None:  # (the layers read or made were quantized one by one: the head is left)
+        from nanoinfer.loaders.quantize import quantize_head, quantize_params
 
-        params = quantize_params(params, quantization)
+        whole = loaded.layers_quantized or loaded.params is None
+        params = quantize_head(params, quantization) if whole else quantize_params(params, quantization)
     if tokenizer is not None:
         # Generation ends at any EOS either side declares (chat models often end turns with a
         # token the config names but the tokenizer does not, or the other way round).
@@ -178,6 +176,7 @@ class _Loaded(NamedTuple):
     tokenizer: "Tokenizer | None"
     quantization: str  # QUANTIZATIONS less "auto"
     recommended: Callable[[], dict[str, Any]] = dict  # the checkpoint's recommended sampling settings, read on demand
+    layers_quantized: bool = False  # each layer quantized as it was read (`_layer_form`): the head is left
 
 
 def _load_format(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
@@ -222,6 +221,17 @@ def _load_nanochat(model_file: Path, meta_file: Path, config: LoadConfig, dev: t
     return _Loaded(cfg, torch_dtype, params, tokenizer, quantization)
 
 
+def _layer_form(quantization: str, dev: torch.device, dtype: torch.dtype) -> Callable | None:
+    """What quantizes one layer where `quantization` is done at load (int8, fp8, int4), else None: the
+    formats' loaders apply it to each layer as they read it, so a model whose float weights would not fit the
+    device loads (Mixtral-8x7B's 93 GB of bf16 in fp8 on an 80 GB GPU)."""
+    if quantization not in ("int8", "fp8", "int4"):
+        return None
+    from nanoinfer.loaders.quantize import quantize_layer
+
+    return lambda lp: quantize_layer(lp, quantization, dev, dtype)
+
+
 def _refuse_quantized_experts(cfg: ModelConfig, quantization: str,
                               kept: tuple[str, ...] = ("none", "int8", "fp8")) -> None:
     """Before any weight is read: a mixture-of-experts model's matrices held as `quantization` only where that is
@@ -247,13 +257,15 @@ def _load_hf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     quantization = _resolve_quantization(config.quantization, dev, gguf=False, quantized_file=False,
                                          fp8_file=fp8_file, int4_method=int4 and int4.method)
     _refuse_quantized_experts(cfg, quantization)
+    layer_form = _layer_form(quantization, dev, torch_dtype)
     params = None if dummy else load_hf_params(path, cfg, torch_dtype, dev, progress=config.progress,
                                                fp8=quantization == "fp8", int4=int4,
-                                               packed=int4 is not None and quantization == int4.method)
+                                               packed=int4 is not None and quantization == int4.method,
+                                               layer_form=layer_form)
     from nanoinfer.sampling.sampling_defaults import from_generation_config
 
     return _Loaded(cfg, torch_dtype, params, Tokenizer.from_hf_dir(path), quantization,
-                   lambda: from_generation_config(path))
+                   lambda: from_generation_config(path), layers_quantized=layer_form is not None)
 
 
 def _load_llama2c(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
@@ -282,12 +294,15 @@ def _load_gguf(path: Path, config: LoadConfig, dev: torch.device) -> _Loaded:
     # (a quantized GGUF's experts stay packed on the CPU, as its other matrices: nanoinfer/loaders/gguf_moe.py; CUDA's
     # expert kernels read float, int8 or fp8 stacks)
     _refuse_quantized_experts(cfg, quantization, ("none", "int8", "fp8") + (() if dev.type == "cuda" else ("gguf",)))
+    layer_form = _layer_form(quantization, dev, torch_dtype)
     params = None if config.load_format == "dummy" else load_gguf_params(
-        header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf")
+        header, cfg, torch_dtype, dev, path, progress=config.progress, packed=quantization == "gguf",
+        layer_form=layer_form)
     from nanoinfer.sampling.sampling_defaults import from_gguf
 
     return _Loaded(cfg, torch_dtype, params, Tokenizer.from_gguf(header, path), quantization,
-                   lambda: from_gguf(lambda key: header.scalar(key, None), path))
+                   lambda: from_gguf(lambda key: header.scalar(key, None), path),
+                   layers_quantized=layer_form is not None)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

@@ -208,7 +208,7 @@ def _refuse_unplaced_biases(tensors, cfg: ModelConfig, path: Path) -> None:
 
 
 def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device, path: Path,
-                     progress: bool = True, packed: bool = False) -> Params:
+                     progress: bool = True, packed: bool = False, layer_form=None) -> Params:
     """`packed`: quantized matrices stay quantized (nanoinfer.quant.quantized, CPU kernels): Q4_0,
     Q4_1, Q5_0, Q5_1 and Q8_0 in groups, Q4_K, Q5_K and Q6_K in their super-blocks (both exact;
     `build_params` puts them in the device's form); without it every tensor is dequantized to `dtype`."""
@@ -262,4 +262,4 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, 
     if "rope_freqs.weight" in tensors:
         # Llama-3.1 GGUFs store the llama3 rope scaling as per-frequency divisors.
         inv_freq = rope_inv_freq(cfg) / dequant(tensors["rope_freqs.weight"]).reshape(-1)
-    return build_params(get, cfg, dtype, device, path, inv_freq=inv_freq, progress=progress)
+    return build_params(get, cfg, dtype, device, path, inv_freq=inv_freq, progress=progress, layer_form=layer_form)

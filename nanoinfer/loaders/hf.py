@@ -328,7 +328,8 @@ def _fused_part(read, name: str, cfg: ModelConfig):
 
 
 def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device, progress: bool = True,
-                   fp8: bool = True, int4: "Int4Format | None" = None, packed: bool = True) -> Params:
+                   fp8: bool = True, int4: "Int4Format | None" = None, packed: bool = True,
+                   layer_form=None) -> Params:
     """`fp8`: an FP8 checkpoint's matrices stay fp8. `int4`: the checkpoint's AWQ or GPTQ
     format (nanoinfer/loaders/int4.py), its matrices kept 4-bit where `packed`, else
     dequantized to `dtype`."""
@@ -377,7 +378,7 @@ def load_hf_params(directory: Path, cfg: ModelConfig, dtype: torch.dtype, device
         return w if fp8 else dequantize(w)
 
     return build_params(_family_tensors(get, cfg, files, directory), cfg, dtype, device, directory,
-                        progress=progress)
+                        progress=progress, layer_form=layer_form)
 
 
 def _family_tensors(get: Callable, cfg: ModelConfig, files: dict[str, Path], directory: Path) -> Callable:

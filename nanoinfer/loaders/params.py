@@ -143,9 +143,12 @@ def build_params(
     *,
     inv_freq: torch.Tensor | None = None,
     progress: bool = True,
+    layer_form: Callable[[LayerParams], LayerParams] | None = None,
 ) -> Params:
     """Params of `cfg` from `get` (HF names and [out, in] layouts). `inv_freq` overrides the
-    RoPE frequencies computed from the config (GGUF stores Llama-3.1's as a tensor)."""
+    RoPE frequencies computed from the config (GGUF stores Llama-3.1's as a tensor). `layer_form` (a
+    quantization's, nanoinfer.loaders.quantize.quantize_layer) turns each layer as it is read: the float
+    weights of one layer at a time on the device, not of the model."""
 
     def load(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = get(name)
@@ -165,7 +168,8 @@ def build_params(
     hidden = cfg.hidden_size
     bar = tqdm(range(cfg.num_layers), desc=f"loading {path.name}", unit="layer", disable=not progress, leave=False)
     sparse = cfg.layer_sparse
-    layers = [_layer(f"model.layers.{i}.", cfg, load, matrix, sparse[i]) for i in bar]
+    form = layer_form or (lambda lp: lp)
+    layers = [form(_layer(f"model.layers.{i}.", cfg, load, matrix, sparse[i])) for i in bar]
     embed = load("model.embed_tokens.weight", (cfg.vocab_size, hidden))
     lm_head = matrix(embed if cfg.tie_word_embeddings else load("lm_head.weight", (cfg.vocab_size, hidden)))
     if cfg.tie_word_embeddings and isinstance(embed, KQuantWeight) and isinstance(lm_head, KQuantWeight):

@@ -12,9 +12,10 @@ multiplied); a tied LM head gets its own quantized copy. Norms and biases keep t
 dtype. Matrices a checkpoint already holds in the wanted form (an FP8 checkpoint) stay. A
 mixture-of-experts layer's experts become an `ExpertStack` in int8 or fp8 (its router stays as
 loaded: it picks the experts); int4 experts are refused before any weight is read
-(nanoinfer.loaders' `_refuse_quantized_experts`). `quantize_layer` is one layer's part: random
-weights (`load_format="dummy"`) are quantized layer by layer as they are made, so a model whose
-float weights do not fit the device (Mixtral-8x7B's 93 GB of bf16 on an 80 GB H100) loads in fp8.
+(nanoinfer.loaders' `_refuse_quantized_experts`). `quantize_layer` is one layer's part: the
+loaders quantize each layer as they read it (or, for `load_format="dummy"`, make it), then the
+head (`quantize_head`), so a model whose float weights do not fit the device (Mixtral-8x7B's
+93 GB of bf16 on an 80 GB H100) loads in fp8; `quantize_params` does all of it to loaded params.
 """
 
 from __future__ import annotations
