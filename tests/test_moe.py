@@ -184,10 +184,8 @@ def test_int8_and_fp8_experts_stack_per_row_and_keep_the_logits_close(mixtral_di
     experts are each an Int8Weight/Fp8Weight of the float expert's rows; the model's logits stay near the float
     model's, as a dense model's do (tests/test_quantized.py's bounds)."""
     from nanoinfer.loaders import load_model
-    from nanoinfer.model.batch import SeqChunk, build_batch
-    from nanoinfer.model.decoder import forward
-    from nanoinfer.model.kv_cache import allocate_kv_pool
     from nanoinfer.quant.quantized import ExpertStack, Fp8Weight, Int8Weight, dequantize
+    from tests.tiny import prefill_logits, relative_rms
 
     exact = load_model(mixtral_dir, device="cpu", progress=False, load_format=load_format)
     model = load_model(mixtral_dir, device="cpu", progress=False, quantization=quantization, load_format=load_format)
@@ -201,22 +199,17 @@ def test_int8_and_fp8_experts_stack_per_row_and_keep_the_logits_close(mixtral_di
                 want = form.quantize(dense[e], stack.scale.dtype) if form is Int8Weight else form.quantize(dense[e])
                 assert isinstance(stack[e], form) and torch.equal(dequantize(stack[e]), dequantize(want))
         assert torch.equal(lp.moe.router, float_lp.moe.router)  # (the router picks the experts: kept as loaded)
-    tokens = list(range(3, 60, 4))
-    batch = build_batch([SeqChunk(tokens, 0, [0], True)], 16)._replace(logits_indices=torch.arange(len(tokens)))
-    kv = allocate_kv_pool(exact.config, 4, 16, torch.float32, "cpu")
-    want = forward(exact.params, kv.clone(), batch, exact.config)
-    got = forward(model.params, kv.clone(), batch, model.config)
-    relative_rms = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt()
+    got = prefill_logits(model.params, model.config)
+    to_float = relative_rms(got, prefill_logits(exact.params, exact.config))
     # ...and what the quantized stacks' numbers say, in float stacks: up to bf16 activations (int8's CPU kernel)
     as_floats = dataclasses.replace(model.params, layers=tuple(dataclasses.replace(lp, moe=dataclasses.replace(
         lp.moe, gate_up=torch.stack([dequantize(lp.moe.gate_up[e]) for e in range(lp.moe.gate_up.shape[0])]),
         down=torch.stack([dequantize(lp.moe.down[e]) for e in range(lp.moe.down.shape[0])]))) for lp in model.params.layers))
-    stacks = forward(as_floats, kv.clone(), batch, model.config)
-    to_stacks = ((got - stacks).pow(2).mean() / stacks.pow(2).mean()).sqrt()
+    to_stacks = relative_rms(got, prefill_logits(as_floats, model.config))
     # (measured: int8 0.022-0.034 from the float model and 0.006-0.007 from its stacks' numbers; fp8, whose matmuls
     # round every activation to e4m3 too, 0.19-0.32 and 0.06-0.08: this random model's routes flip more than a
     # dense one's logits move. A scale off by a row or an expert moves them by O(1).)
-    assert relative_rms <= (0.05 if quantization == "int8" else 0.4), relative_rms
+    assert to_float <= (0.05 if quantization == "int8" else 0.4), to_float
     assert to_stacks <= (0.015 if quantization == "int8" else 0.12), to_stacks
 
 

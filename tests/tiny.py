@@ -60,6 +60,22 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Param
                   rope_inv_freq=rope_inv_freq(cfg))
 
 
+def prefill_logits(params: Params, cfg: ModelConfig) -> torch.Tensor:
+    """Every row's logits of one 15-token prefill (fp32 pool, CPU): what the quantization tests compare."""
+    from nanoinfer.model.batch import SeqChunk, build_batch
+    from nanoinfer.model.decoder import forward
+    from nanoinfer.model.kv_cache import allocate_kv_pool
+
+    tokens = list(range(3, 60, 4))
+    batch = build_batch([SeqChunk(tokens, 0, [0], True)], 16)._replace(logits_indices=torch.arange(len(tokens)))
+    return forward(params, allocate_kv_pool(cfg, 4, 16, torch.float32, "cpu"), batch, cfg)
+
+
+def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The RMS of got - want over the RMS of want."""
+    return float(((got - want).pow(2).mean() / want.pow(2).mean()).sqrt())
+
+
 def patch_forward(monkeypatch, fn) -> None:
     """Every ModelRunner's eager forward (graph replays aside) becomes `fn(batch, real)`, where
     `real(batch)` runs the forward it replaced: how tests inject faults into a step."""
