@@ -1,7 +1,7 @@
 """One matmul's time per weight form on the CPU: K-quant super-blocks (kquant_matmul) beside groups of 32 (block_matmul).
 
     OMP_NUM_THREADS=2 python bench/kquant_matmul.py [--shapes 2048x8192,8192x2048] [--tokens 1]
-        [--repeats 7] [--baseline REF] [--tiers native,avx2] [--copies 1]
+        [--repeats 7] [--baseline REF [--same-layout]] [--tiers native,avx2] [--copies 1]
 
 For each shape (out x in) and each tier (the native one and AVX2's, cpu_native built with
 their flags): 4-bit groups (the Q4_0/Q4_1 kernel; Q4_1's bytes), 8-bit groups, Q4_K, Q5_K and
@@ -9,7 +9,7 @@ Q6_K, each in the file's layout and (`rows16`) in the one the tier's one-token k
 it has one, timed interleaved with the others, the fastest call of `--repeats` runs, printed as
 microseconds a call and GB/s of weight bytes streamed. `--baseline REF` also builds cpu_native.c
 as git holds it at REF (same flags) and times its K-quant kernels in the same run: the before of
-a kernel change. Weights from tools/kquant_quantize.py, warm (this machine's L3 holds them), or
+a kernel change (`--same-layout`: its one-token kernels too, on today's interleaved rows). Weights from tools/kquant_quantize.py, warm (this machine's L3 holds them), or
 with `--copies N` N copies of each called in turn (8 of a 2048x8192 matrix: from DRAM).
 """
 
@@ -71,6 +71,8 @@ def main():
     parser.add_argument("--baseline", help="a git ref whose K-quant kernels to time beside these")
     parser.add_argument("--tiers", default=",".join(cpu_native.ISA_FLAGS), help="of cpu_native.ISA_FLAGS")
     parser.add_argument("--copies", type=int, default=1, help="copies of each weight called in turn (8: from DRAM)")
+    parser.add_argument("--same-layout", action="store_true",
+                        help="the baseline reads today's interleaved K-quant layout too (a kernel change, not a layout's)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="kquant_bench_"))
     libs = {}
@@ -95,7 +97,7 @@ def main():
                     rows16 = f.interleave(group) if group else None
                 else:
                     group = cpu_native.kquant_interleave_rows(lib, f.qtype)
-                    rows16 = kquants.interleave(f, group) if group and "@" not in tier else None
+                    rows16 = kquants.interleave(f, group) if group and ("@" not in tier or args.same_layout) else None
                 laid[tier, name] = [_copy(f) for _ in range(args.copies)]
                 if rows16 is not None:
                     laid[tier, name + " rows16"] = [_copy(rows16) for _ in range(args.copies)]

@@ -71,19 +71,21 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
     const int gb = KQ16 * (block_bytes(type) & ~3); /* a group's bytes of units a super-block (64-byte aligned) */
     const uint16_t *tails = (const uint16_t *)(w + (int64_t)blocks * gb); /* Q6_K's d: [blocks][16] */
     const kv_i low4 = kv_set1_8(0x0f), bits45 = kv_set1_8(0x30);
-    for (int half = 0; half < KQ16 / V16_LANES; half++) {
-    kv_f acc[KQ16_TOKENS];
-    for (int t = 0; t < T; t++) acc[t] = kv_zero_ps();
+    kv_f acc_halves[KQ16 / V16_LANES][KQ16_TOKENS];
+    for (int half = 0; half < KQ16 / V16_LANES; half++)
+        for (int t = 0; t < T; t++) acc_halves[half][t] = kv_zero_ps();
     for (int b = 0; b < blocks; b++) {
-        const uint8_t *g = w + (int64_t)b * gb;
+    const uint8_t *g = w + (int64_t)b * gb;
+    if (type == 14) /* (see below) */
+        for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + 2 * gb + l, 0, 0);
+    for (int half = 0; half < KQ16 / V16_LANES; half++) {
+        kv_f *acc = acc_halves[half];
         kv_i sumi[KQ16_TOKENS];
         for (int t = 0; t < T; t++) sumi[t] = kv_zero();
         if (type == 14) { /* ql units 0-31 (16h + 8j + u: ql bytes 64h + 32j + 4u), qh 32-47, scales 48-51, d after */
             /* (its units are read out of order, a value taking bits from three: the hardware prefetcher lost the
              * stream — 15 GB/s against 32 with this, 2048x8192 from DRAM on a Zen 4; the other types read theirs
              * in order and ran no faster with it) */
-            if (half == 0)
-                for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + 2 * gb + l, 0, 0);
             for (int h = 0; h < 2; h++)
                 for (int hs = 0; hs < 2; hs++) { /* units u of values 128h + 32q + 4u, sub-block 8h + 2q + hs */
                     kv_i dot[4][KQ16_TOKENS];
@@ -164,8 +166,9 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
         for (int t = 0; t < T; t++)
             acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
     }
-    for (int t = 0; t < T; t++) kv_store_ps(out[t] + V16_LANES * half, acc[t]);
     }
+    for (int half = 0; half < KQ16 / V16_LANES; half++)
+        for (int t = 0; t < T; t++) kv_store_ps(out[t] + V16_LANES * half, acc_halves[half][t]);
 }
 
 /* CALL(T, type) with both as constants (each pair its own unrolled copy), T 1-4, type 12-14 */
