@@ -34,14 +34,20 @@ from tools.kquant_quantize import quantize
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def baseline_library(ref: str, flags: tuple[str, ...], where: Path) -> ctypes.CDLL:
-    """cpu_native.c and its headers as of git `ref`, built with `flags` (cpu_native's own build, by hand)."""
+def sources_at(ref: str, where: Path) -> Path:
+    """cpu_native.c and its headers as of git `ref`, written into a folder of `where` (returned)."""
     folder = where / ref.replace("/", "_")
     folder.mkdir(parents=True, exist_ok=True)
     for path in (cpu_native.SOURCE, *cpu_native.HEADERS):
         shown = subprocess.run(["git", "show", f"{ref}:{path.relative_to(ROOT)}"], cwd=ROOT, capture_output=True)
         if shown.returncode == 0:  # (a header added since `ref` is not included there)
             (folder / path.name).write_bytes(shown.stdout)
+    return folder
+
+
+def baseline_library(ref: str, flags: tuple[str, ...], where: Path) -> ctypes.CDLL:
+    """cpu_native.c and its headers as of git `ref`, built with `flags` (cpu_native's own build, by hand)."""
+    folder = sources_at(ref, where)
     out = folder / f"old{abs(hash(flags))}.so"
     subprocess.run(["cc", *cpu_native.FLAGS, *flags, str(folder / cpu_native.SOURCE.name), "-o", str(out), "-lm"],
                    check=True)

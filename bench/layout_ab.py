@@ -8,13 +8,16 @@ on the same file; then each generates `--new-tokens` greedy tokens in turn, roun
 printed. On a machine whose speed moves from minute to minute (a shared VM) the three meet the same moments, where
 separate runs of bench/cpu_decode.py do not. Decode tok/s leaves the prompt out (a one-token run's time taken off).
 `--builds`: instead of the two layouts, builds of cpu_native.c with extra compiler flags (`;`-separated, e.g.
-`static=-DKQ16_SCHED=static dyn=-DKQ16_SCHED=dynamic,32`), each running the file in the kernels' layout.
+`static=-DKQ16_SCHED=static dyn=-DKQ16_SCHED=dynamic,32`; a first `@REF` builds the sources as git holds them at
+REF: `before=@main;-mno-avx512f`), each running the file in the kernels' layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,6 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import llama_cpp
 
+    from bench.kquant_matmul import sources_at
     from nanoinfer import LLM, SamplingParams
     from nanoinfer.backends.cpu import cpu_native
 
@@ -41,7 +45,16 @@ def main() -> None:
         library = cpu_native.library
         for build in args.builds:
             name, _, flags = build.partition("=")
-            lib = cpu_native.load(extra_flags=tuple(f for f in flags.split(";") if f))
+            parts = [f for f in flags.split(";") if f]
+            source = cpu_native.SOURCE, cpu_native.HEADERS
+            if parts and parts[0].startswith("@"):  # (the C sources as git holds them at that ref)
+                folder = sources_at(parts.pop(0)[1:], Path(tempfile.mkdtemp(prefix="layout_ab_")))
+                cpu_native.SOURCE = folder / source[0].name
+                cpu_native.HEADERS = tuple(folder / h.name for h in source[1] if (folder / h.name).is_file())
+            try:
+                lib = cpu_native.load(extra_flags=tuple(parts))
+            finally:
+                cpu_native.SOURCE, cpu_native.HEADERS = source
             cpu_native.library = lambda lib=lib: lib  # (what the loader and the kernels' choice ask for)
             try:
                 engines[name] = load()
