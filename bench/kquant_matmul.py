@@ -78,7 +78,7 @@ def main():
     parser.add_argument("--tiers", default=",".join(cpu_native.ISA_FLAGS), help="of cpu_native.ISA_FLAGS")
     parser.add_argument("--copies", type=int, default=1, help="copies of each weight called in turn (8: from DRAM)")
     parser.add_argument("--same-layout", action="store_true",
-                        help="the baseline reads today's interleaved K-quant layout too (a kernel change, not a layout's)")
+                        help="the baseline's one-token kernels on today's interleaved rows too (a kernel change, not a layout's)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="kquant_bench_"))
     libs = {}
@@ -99,7 +99,7 @@ def main():
         for tier, lib in libs.items():
             for name, f in forms.items():
                 if isinstance(f, BlockWeight):
-                    group = 0 if "@" in tier else cpu_native.block_interleave_rows(lib, f.bits)
+                    group = 0 if "@" in tier and not args.same_layout else cpu_native.block_interleave_rows(lib, f.bits)
                     rows16 = f.interleave(group) if group else None
                 else:
                     group = cpu_native.kquant_interleave_rows(lib, f.qtype)
@@ -113,7 +113,7 @@ def main():
         for _ in range(args.repeats):  # tiers and forms interleaved: another load on the machine hits them alike
             for (tier, name), copies in laid.items():
                 lib = libs[tier]
-                if "@" in tier and not isinstance(copies[0], KQuantWeight):
+                if "@" in tier and not isinstance(copies[0], KQuantWeight) and not args.same_layout:
                     continue  # (the baseline's group kernel is today's: timed once, above)
                 matmul = cpu_native.kquant_matmul if isinstance(copies[0], KQuantWeight) else cpu_native.block_matmul
                 turn = iter(range(1 << 62))

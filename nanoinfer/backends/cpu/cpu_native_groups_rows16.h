@@ -18,8 +18,8 @@
  * accumulators are vectors over the 16 rows, acc = fma(sum, d xd, acc) and mins = fma(m, xs, mins) chunk
  * after chunk, then hsum8's tree across the 8 lanes and + 0: the same bits. A matrix's last rows % 16 stay in
  * the file's layout (row_dot_tokens reads them); its rows must be whole chunks (k a multiple of 256). On AVX2
- * the int32 sums are vpmaddubsw's pair sums (exact: the bounds are at g16_sums), each group runs in two halves of
- * 8 rows, and a one-token pass holds 4 group lanes' accumulators, not 8.
+ * the int32 sums are vpmaddubsw's pair sums (exact: the bounds are at g16_sums), and each chunk runs in two halves
+ * of 8 rows, a one-token pass running the mins' chains first, on their own.
  */
 
 #define GROUP_ROWS16 16
@@ -27,12 +27,8 @@
 #define G16_AHEAD 1 /* chunks of software prefetch ahead (0: none; 2 and 4 were no faster on a Zen 4) */
 #endif
 #if V16_LANES == 16
-#define G16_SET 8    /* group lanes a one-token pass keeps in registers: all 8 (their acc and mins: 16 of 32) */
 #define G16_TOKENS 4 /* tokens a pass of g16_dot_tokens shares each weight load with */
 #else
-#ifndef G16_SET
-#define G16_SET 8
-#endif
 #define G16_MINS_APART 1
 #define G16_TOKENS 2
 #endif
@@ -88,52 +84,48 @@ static inline void g16_store(const kv_f v[8], float *out) {
 
 /* The 16 interleaved rows at q (d, m: their [group][16] scales and mins; m NULL: a symmetric format's, Q4_0's and
  * Q8_0's, whose mins need not be read) against one token (xq, xd, xs as quantize_groups_q8 wrote them): out[r].
- * The chunks in order, G16_SET group lanes at a time (all 8 on AVX-512: one sequential read; AVX2's passes after
- * the first find the group in L1/L2, the first prefetching each next chunk whole). bits a constant where inlined. */
+ * The chunks in order, each chunk's 16 / V16_LANES halves in turn (AVX2's second half finds the chunk in L1: the
+ * read from DRAM stays steady, where a whole pass of the group a half at a time left it idle through the second
+ * pass: bench/RESULTS.md, fourteenth session), prefetching a chunk ahead.
+ * bits a constant where inlined. */
 static inline __attribute__((always_inline)) void g16_dot(const uint8_t *q, const uint16_t *d, const uint16_t *m,
                                                          int groups, int bits, const int8_t *xq, const float *xd,
                                                          const float *xs, float out[GROUP_ROWS16]) {
+    enum { HALVES = GROUP_ROWS16 / V16_LANES };
     const int units = 8 * bits; /* a chunk's 4-byte units */
-    for (int half = 0; half < GROUP_ROWS16 / V16_LANES; half++) {
-        kv_f v[8];
-        for (int j0 = 0; j0 < 8; j0 += G16_SET) {
-            kv_f acc[G16_SET];
+    kv_f acc[HALVES][8], mins[HALVES][8];
+    for (int half = 0; half < HALVES; half++)
+        for (int j = 0; j < 8; j++) acc[half][j] = mins[half][j] = kv_zero_ps();
 #ifdef G16_MINS_APART /* (each lane's mins chain first, on its own: the main loop's registers then hold only acc) */
-            for (int j = 0; j < G16_SET; j++) v[j0 + j] = kv_zero_ps();
-            for (int c = 0; c < groups / 8; c++)
-                for (int j = 0; j < G16_SET; j++) {
-                    const int g = 8 * c + j0 + j;
-                    kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
-                    v[j0 + j] = kv_fmadd_ps(g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half),
-                                            kv_set1_ps(xs[g]), v[j0 + j]);
-                }
-#else
-            kv_f mins[G16_SET];
-            for (int j = 0; j < G16_SET; j++) mins[j] = kv_zero_ps();
-#endif
-            for (int j = 0; j < G16_SET; j++) acc[j] = kv_zero_ps();
-            for (int c = 0; c < groups / 8; c++) {
-                const uint8_t *w = q + (int64_t)c * units * 64;
-                if (G16_AHEAD && half == 0 && j0 == 0)
-                    for (int l = 0; l < units * 64; l += 64) __builtin_prefetch(w + G16_AHEAD * units * 64 + l, 0, 0);
-#pragma GCC unroll 8 /* (acc[j] and mins[j] stay in registers only with j a constant) */
-                for (int j = 0; j < G16_SET; j++) {
-                    const int g = 8 * c + j0 + j;
-                    kv_i sums = g16_sums(w, j0 + j, bits, half, xq + c * 256);
-                    kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
-                    acc[j] = kv_fmadd_ps(kv_cvt(sums), kv_mul_ps(dv, kv_set1_ps(xd[g])), acc[j]);
-#ifndef G16_MINS_APART
-                    mins[j] = kv_fmadd_ps(g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half),
-                                          kv_set1_ps(xs[g]), mins[j]);
-#endif
-                }
+    for (int c = 0; c < groups / 8; c++)
+        for (int half = 0; half < HALVES; half++)
+            for (int j = 0; j < 8; j++) {
+                const int g = 8 * c + j;
+                kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
+                mins[half][j] = kv_fmadd_ps(g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half),
+                                            kv_set1_ps(xs[g]), mins[half][j]);
             }
-#ifdef G16_MINS_APART
-            for (int j = 0; j < G16_SET; j++) v[j0 + j] = kv_add_ps(acc[j], v[j0 + j]); /* (acc + mins: the same sum) */
-#else
-            for (int j = 0; j < G16_SET; j++) v[j0 + j] = kv_add_ps(acc[j], mins[j]);
 #endif
-        }
+    for (int c = 0; c < groups / 8; c++) {
+        const uint8_t *w = q + (int64_t)c * units * 64;
+        if (G16_AHEAD)
+            for (int l = 0; l < units * 64; l += 64) __builtin_prefetch(w + G16_AHEAD * units * 64 + l, 0, 0);
+        for (int half = 0; half < HALVES; half++)
+#pragma GCC unroll 8 /* (acc[j] and mins[j] stay in registers only with j a constant) */
+            for (int j = 0; j < 8; j++) {
+                const int g = 8 * c + j;
+                kv_i sums = g16_sums(w, j, bits, half, xq + c * 256);
+                kv_f dv = kv_load_f16(d + g * GROUP_ROWS16, half);
+                acc[half][j] = kv_fmadd_ps(kv_cvt(sums), kv_mul_ps(dv, kv_set1_ps(xd[g])), acc[half][j]);
+#ifndef G16_MINS_APART
+                mins[half][j] = kv_fmadd_ps(g16_mins(m ? m + g * GROUP_ROWS16 : NULL, dv, bits, half),
+                                            kv_set1_ps(xs[g]), mins[half][j]);
+#endif
+            }
+    }
+    for (int half = 0; half < HALVES; half++) {
+        kv_f v[8];
+        for (int j = 0; j < 8; j++) v[j] = kv_add_ps(acc[half][j], mins[half][j]);
         g16_store(v, out + V16_LANES * half);
     }
 }
