@@ -243,6 +243,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], Captured] = {}  # decode, by (size, width)
         self.mixed: dict[int, Captured] = {}  # by token bucket
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # every capture's side stream (`_capture_stream`)
         self.started = False  # capture() ran: steps replay graphs from then on
 
     def _views(self, inputs: _Inputs) -> Batch:
@@ -277,10 +278,7 @@ class StepGraphs:
         batch.slot_mapping.fill_(-1)
         if not inputs.decode:
             batch.query_start_loc[1:].fill_(batch.num_tokens)
-        # A side stream of this device, for the warm-up and the capture: torch.cuda.graph's own
-        # default is one stream per process, made on whichever device captured first, and a
-        # second engine on another GPU (data parallelism) would capture its kernels there.
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: lazy init and Triton autotuning off-graph
             self._step(batch)
@@ -292,6 +290,17 @@ class StepGraphs:
         captured = Captured(graph, outputs, inputs, batch)
         (self.graphs if decode else self.mixed)[key] = captured
         return captured
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The side stream of this device every warm-up and capture runs on. Not torch.cuda.graph's
+        own default, one stream per process made on whichever device captured first (a second
+        engine on another GPU, data parallelism, would capture its kernels there); and one stream
+        for all captures, not one each: cuBLAS and cuBLASLt keep a workspace per (handle, stream)
+        for as long as the process lives (PyTorch issue 99196), so a stream per graph would leave
+        a workspace behind for every graph captured."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        return self.stream
 
     @torch.inference_mode()
     def capture(self) -> None:
