@@ -6,7 +6,7 @@
 #            tests/test_fused_moe.py, tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
-#   fp8-oom  (~6 min) why 256 sequences of fp8 weights ran out of memory in CUDA-graph capture (thirteenth session:
+#   fp8-oom  (~9 min; on wip/capture-stream, which captures every graph on one stream) why 256 sequences of fp8 weights ran out of memory in CUDA-graph capture (thirteenth session:
 #            Mixtral-8x7B and the dense 8B alike, the graphs' pool 5.7-6.1 GiB): the 8B in fp8 with the weights
 #            quantized after a bf16 model (the path before layer-by-layer quantizing), with expandable segments,
 #            and bf16 as the control; then batch 1 of Qwen3-30B-A3B with the down GEMV's new tile, beside the grouped
@@ -49,6 +49,14 @@ if [ "$mode" = families ]; then
   done
 fi
 if [ "$mode" = fp8-oom ]; then
+  step "fp8 at 256 sequences, every capture on one stream (wip/capture-stream), then a stream per capture (main's)"
+  timeout 90 python $T --shape llama-3.1-8b --quantization fp8 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
+  timeout 90 python -c "import runpy, sys, torch; from nanoinfer.backends.cuda import graphs
+graphs.StepGraphs._capture_stream = lambda self: torch.cuda.Stream(self.device)
+sys.argv = ['bench/throughput.py'] + '$T'.split()[1:] + ['--shape', 'llama-3.1-8b', '--quantization', 'fp8']
+runpy.run_path('bench/throughput.py', run_name='__main__')" 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
+  step "the CUDA-graph tests on one capture stream"
+  timeout 120 python -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -k "graph" 2>&1 | tail -2
   step "fp8 at 256 sequences: the weights quantized after a bf16 model"
   timeout 90 python -c "import runpy, sys, bench.shapes as s
 made = s.random_model
