@@ -6,11 +6,8 @@
 #            tests/test_fused_moe.py, tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
-#   fp8-oom  (~9 min; on wip/capture-stream, which captures every graph on one stream) why 256 sequences of fp8 weights ran out of memory in CUDA-graph capture (thirteenth session:
-#            Mixtral-8x7B and the dense 8B alike, the graphs' pool 5.7-6.1 GiB): the 8B in fp8 with the weights
-#            quantized after a bf16 model (the path before layer-by-layer quantizing), with expandable segments,
-#            and bf16 as the control; then batch 1 of Qwen3-30B-A3B with the down GEMV's new tile, beside the grouped
-#            kernel at every batch.
+#   router   (~4 min) issue 63: the MoE GPU tests, then Qwen3-30B-A3B batch 1 with the router's logits through
+#            our GEMV (`linear`) beside cuBLAS's F.linear (before), two rounds in turns.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -48,28 +45,22 @@ if [ "$mode" = families ]; then
     timeout 120 python $T --shape $shape 2>&1 | tail -3
   done
 fi
-if [ "$mode" = fp8-oom ]; then
-  step "fp8 at 256 sequences, every capture on one stream (wip/capture-stream), then a stream per capture (main's)"
-  timeout 90 python $T --shape llama-3.1-8b --quantization fp8 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
-  timeout 90 python -c "import runpy, sys, torch; from nanoinfer.backends.cuda import graphs
-graphs.StepGraphs._capture_stream = lambda self: torch.cuda.Stream(self.device)
-sys.argv = ['bench/throughput.py'] + '$T'.split()[1:] + ['--shape', 'llama-3.1-8b', '--quantization', 'fp8']
-runpy.run_path('bench/throughput.py', run_name='__main__')" 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
-  step "the CUDA-graph tests on one capture stream"
-  timeout 120 python -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -k "graph" 2>&1 | tail -2
-  step "fp8 at 256 sequences: the weights quantized after a bf16 model"
-  timeout 90 python -c "import runpy, sys, bench.shapes as s
-made = s.random_model
-s.random_model = lambda name, device='cuda', dtype=None, quantization='none': made(name, device)
-sys.argv = ['bench/throughput.py'] + '$T'.split()[1:] + ['--shape', 'llama-3.1-8b', '--quantization', 'fp8']
-runpy.run_path('bench/throughput.py', run_name='__main__')" 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
-  step "fp8 at 256 sequences, expandable segments"
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 90 python $T --shape llama-3.1-8b --quantization fp8 2>&1 \
-    | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
-  step "bf16 at 256 sequences (the control)"
-  timeout 80 python $T --shape llama-3.1-8b 2>&1 | grep -E "OutOfMemory|nanoinfer  " | cut -c1-300
-  step "issue 63: batch 1, the down GEMV's new tile, then the grouped kernel at every batch"
-  timeout 50 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
-  grouped_baseline 50 --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
+if [ "$mode" = router ]; then
+  step "issue 63: the MoE tests"
+  timeout 200 python -m pytest -q -p no:cacheprovider -x tests/test_moe.py tests/test_fused_moe.py 2>&1 | tail -2
+  for round in 1 2; do
+    step "batch 1, the router through cuBLAS (F.linear: before)"
+    timeout 60 python -c "import runpy, sys, torch.nn.functional as F
+import nanoinfer.backends.cuda.fused_moe as m
+fused = m.attention_output_and_mlp
+def before(x, attn, lp, cfg, linear, reduce=m.model._same):
+    router = None if lp.moe is None else lp.moe.router
+    return fused(x, attn, lp, cfg, lambda a, w, *b: F.linear(a, w) if w is router else linear(a, w, *b), reduce)
+m.attention_output_and_mlp = before
+sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
+runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
+    step "batch 1, the router through our GEMV"
+    timeout 60 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
+  done
 fi
 echo "=== done $(date +%T)"
