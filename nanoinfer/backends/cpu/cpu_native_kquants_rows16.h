@@ -65,111 +65,120 @@ static inline kv_i kq16_x4(const int8_t *p) {
     return kv_set1_32(v);
 }
 
+/* One super-block (at g; Q6_K's 16 d at tail) of the 16 interleaved rows, the lanes of `half`, against T tokens
+ * (their super-block b): acc[t] += its sums, kq_acc_step's fp32 step. type and T constants where inlined. */
+static inline __attribute__((always_inline)) void kq16_block(const uint8_t *g, const uint16_t *tail, int type, int b,
+                                                            int half, int T, kq_tokens x, kv_f acc[KQ16_TOKENS]) {
+    const kv_i low4 = kv_set1_8(0x0f), bits45 = kv_set1_8(0x30);
+    kv_i sumi[KQ16_TOKENS];
+    for (int t = 0; t < T; t++) sumi[t] = kv_zero();
+    if (type == 14) { /* ql units 0-31 (16h + 8j + u: ql bytes 64h + 32j + 4u), qh 32-47, scales 48-51, d after */
+        /* (its units are read out of order, a value taking bits from three: the hardware prefetcher lost the
+         * stream. So kq16_dot asks for the super-block's lines first, in order, all of them: from DRAM, 2 threads,
+         * on a Zen 4, 49152x2048 (a head) 11.5 GB/s without, 24.3 asking 2 super-blocks ahead, 27.8 asking
+         * this one's (AVX2; AVX-512 13.4 / 24.7 / 30.4). The other types read theirs in order and ran no
+         * faster, Q5_K slower, with it.) */
+        for (int h = 0; h < 2; h++)
+            for (int hs = 0; hs < 2; hs++) { /* units u of values 128h + 32q + 4u, sub-block 8h + 2q + hs */
+                kv_i dot[4][KQ16_TOKENS];
+                for (int q = 0; q < 4; q++)
+                    for (int t = 0; t < T; t++) dot[q][t] = kv_zero();
+                for (int u = 4 * hs; u < 4 * hs + 4; u++) {
+                    kv_i la = kv_load(g, 16 * h + u, half), lb = kv_load(g, 16 * h + 8 + u, half);
+                    kv_i qh = kv_load(g, 32 + 8 * h + u, half);
+                    /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
+                    kv_i v[4] = {
+                        kv_or(kv_and(la, low4), kv_and(kv_slli16(qh, 4), bits45)),
+                        kv_or(kv_and(lb, low4), kv_and(kv_slli16(qh, 2), bits45)),
+                        kv_or(kv_and(kv_srli16(la, 4), low4), kv_and(qh, bits45)),
+                        kv_or(kv_and(kv_srli16(lb, 4), low4), kv_and(kv_srli16(qh, 2), bits45))};
+                    for (int q = 0; q < 4; q++)
+                        for (int t = 0; t < T; t++)
+                            dot[q][t] = kv_dpbusd(dot[q][t], v[q],
+                                                  kq16_x4(x.xq + t * x.k + b * QK_K + 128 * h + 32 * q + 4 * u));
+                }
+                for (int q = 0; q < 4; q++) {
+                    int s = 8 * h + 2 * q + hs;
+                    kv_i sc = kv_srai32(kv_slli32(kv_load(g, 48 + s / 4, half), 24 - 8 * (s % 4)), 24);
+                    for (int t = 0; t < T; t++) { /* sc_s (q_s . x_s - 32 sum x_s) */
+                        kv_i off = kv_set1_32(32 * x.bs16[t * x.k / 16 + b * 16 + s]);
+                        sumi[t] = kv_add(sumi[t], kv_mullo(kv_sub(dot[q][t], off), sc));
+                    }
+                }
+            }
+        kv_f d = kv_load_f16(tail, half);
+        for (int t = 0; t < T; t++)
+            acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, d, sumi[t], sumi[t], 0);
+        return;
+    }
+    /* Q4_K, Q5_K: unit 0 d and dmin, 1-3 the scale bytes, Q5_K's qh 4-11, then qs (8c + u: bytes 32c + 4u) */
+    const int qs = type == 12 ? 4 : 12;
+    kv_i head = kv_load(g, 0, half), s1 = kv_load(g, 1, half), s2 = kv_load(g, 2, half), s3 = kv_load(g, 3, half);
+    kv_i summ[KQ16_TOKENS];
+    for (int t = 0; t < T; t++) summ[t] = kv_zero();
+    for (int c = 0; c < 4; c++) { /* sub-block 2c in the low nibbles, 2c + 1 in the high */
+        kv_i lo[KQ16_TOKENS], hi[KQ16_TOKENS];
+        for (int t = 0; t < T; t++) lo[t] = hi[t] = kv_zero();
+#ifdef KV_PAIRS16
+        kv_i lo16[KQ16_TOKENS], hi16[KQ16_TOKENS];
+        for (int t = 0; t < T; t++) lo16[t] = hi16[t] = kv_zero();
+#endif
+        for (int u = 0; u < 8; u++) {
+            kv_i v = kv_load(g, qs + 8 * c + u, half);
+            kv_i vl = kv_and(v, low4), vh = kv_and(kv_srli16(v, 4), low4);
+            if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
+                kv_i qh = kv_load(g, 4 + u, half);
+                vl = kv_or(vl, kq16_bit4(qh, 2 * c)), vh = kv_or(vh, kq16_bit4(qh, 2 * c + 1));
+            }
+            for (int t = 0; t < T; t++) {
+                const int8_t *xt = x.xq + t * x.k + b * QK_K + 64 * c + 4 * u;
+#ifdef KV_PAIRS16
+                lo16[t] = _mm256_add_epi16(lo16[t], _mm256_maddubs_epi16(vl, kq16_x4(xt)));
+                hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(vh, kq16_x4(xt + 32)));
+                if (u % 4 == 3) {
+                    const kv_i ones = _mm256_set1_epi16(1);
+                    lo[t] = kv_add(lo[t], _mm256_madd_epi16(lo16[t], ones)), lo16[t] = kv_zero();
+                    hi[t] = kv_add(hi[t], _mm256_madd_epi16(hi16[t], ones)), hi16[t] = kv_zero();
+                }
+#else
+                lo[t] = kv_dpbusd(lo[t], vl, kq16_x4(xt));
+                hi[t] = kv_dpbusd(hi[t], vh, kq16_x4(xt + 32));
+#endif
+            }
+        }
+        kv_i sc0 = kq16_scale_min(s1, s2, s3, 2 * c, 0), sc1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 0);
+        kv_i m0 = kq16_scale_min(s1, s2, s3, 2 * c, 1), m1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 1);
+        for (int t = 0; t < T; t++) {
+            const int16_t *bs = x.bs32 + t * x.k / 32 + b * 8 + 2 * c;
+            sumi[t] = kv_add(sumi[t], kv_add(kv_mullo(lo[t], sc0), kv_mullo(hi[t], sc1)));
+            summ[t] = kv_add(summ[t], kv_add(kv_mullo(m0, kv_set1_32(bs[0])), kv_mullo(m1, kv_set1_32(bs[1]))));
+        }
+    }
+    kv_f d = kv_half_f16(head, 0), dmin = kv_half_f16(head, 1); /* (a lane: d in its low half, dmin its high) */
+    for (int t = 0; t < T; t++)
+        acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
+}
+
 /* 16 interleaved rows (the group at w) of `type` against T tokens (T <= KQ16_TOKENS; type and T constants
- * where inlined): out[t][r] fp32, the rows of each of the 16 / V16_LANES halves in turn */
+ * where inlined): out[t][r] fp32. Super-block by super-block, each one's 16 / V16_LANES halves in turn: a whole pass
+ * of the group per half (AVX2: 2) left the DRAM stream idle through the second (Q4_K from DRAM, AVX2, Zen 4: ~21 ->
+ * ~28 GB/s); a half's second read of the super-block finds it in L1. */
 static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int type, int blocks, int T, kq_tokens x,
                                                           float out[KQ16_TOKENS][KQ16]) {
     const int gb = KQ16 * (block_bytes(type) & ~3); /* a group's bytes of units a super-block (64-byte aligned) */
     const uint16_t *tails = (const uint16_t *)(w + (int64_t)blocks * gb); /* Q6_K's d: [blocks][16] */
-    const kv_i low4 = kv_set1_8(0x0f), bits45 = kv_set1_8(0x30);
-    kv_f acc_halves[KQ16 / V16_LANES][KQ16_TOKENS];
+    kv_f acc[KQ16 / V16_LANES][KQ16_TOKENS];
     for (int half = 0; half < KQ16 / V16_LANES; half++)
-        for (int t = 0; t < T; t++) acc_halves[half][t] = kv_zero_ps();
+        for (int t = 0; t < T; t++) acc[half][t] = kv_zero_ps();
     for (int b = 0; b < blocks; b++) {
-    const uint8_t *g = w + (int64_t)b * gb;
-    if (type == 14) /* (see below) */
-        for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + 2 * gb + l, 0, 0);
-    for (int half = 0; half < KQ16 / V16_LANES; half++) {
-        kv_f *acc = acc_halves[half];
-        kv_i sumi[KQ16_TOKENS];
-        for (int t = 0; t < T; t++) sumi[t] = kv_zero();
-        if (type == 14) { /* ql units 0-31 (16h + 8j + u: ql bytes 64h + 32j + 4u), qh 32-47, scales 48-51, d after */
-            /* (its units are read out of order, a value taking bits from three: the hardware prefetcher lost the
-             * stream — 15 GB/s against 32 with this, 2048x8192 from DRAM on a Zen 4; the other types read theirs
-             * in order and ran no faster with it) */
-            for (int h = 0; h < 2; h++)
-                for (int hs = 0; hs < 2; hs++) { /* units u of values 128h + 32q + 4u, sub-block 8h + 2q + hs */
-                    kv_i dot[4][KQ16_TOKENS];
-                    for (int q = 0; q < 4; q++)
-                        for (int t = 0; t < T; t++) dot[q][t] = kv_zero();
-                    for (int u = 4 * hs; u < 4 * hs + 4; u++) {
-                        kv_i la = kv_load(g, 16 * h + u, half), lb = kv_load(g, 16 * h + 8 + u, half);
-                        kv_i qh = kv_load(g, 32 + 8 * h + u, half);
-                        /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
-                        kv_i v[4] = {
-                            kv_or(kv_and(la, low4), kv_and(kv_slli16(qh, 4), bits45)),
-                            kv_or(kv_and(lb, low4), kv_and(kv_slli16(qh, 2), bits45)),
-                            kv_or(kv_and(kv_srli16(la, 4), low4), kv_and(qh, bits45)),
-                            kv_or(kv_and(kv_srli16(lb, 4), low4), kv_and(kv_srli16(qh, 2), bits45))};
-                        for (int q = 0; q < 4; q++)
-                            for (int t = 0; t < T; t++)
-                                dot[q][t] = kv_dpbusd(dot[q][t], v[q],
-                                                      kq16_x4(x.xq + t * x.k + b * QK_K + 128 * h + 32 * q + 4 * u));
-                    }
-                    for (int q = 0; q < 4; q++) {
-                        int s = 8 * h + 2 * q + hs;
-                        kv_i sc = kv_srai32(kv_slli32(kv_load(g, 48 + s / 4, half), 24 - 8 * (s % 4)), 24);
-                        for (int t = 0; t < T; t++) { /* sc_s (q_s . x_s - 32 sum x_s) */
-                            kv_i off = kv_set1_32(32 * x.bs16[t * x.k / 16 + b * 16 + s]);
-                            sumi[t] = kv_add(sumi[t], kv_mullo(kv_sub(dot[q][t], off), sc));
-                        }
-                    }
-                }
-            kv_f d = kv_load_f16(tails + KQ16 * b, half);
-            for (int t = 0; t < T; t++)
-                acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, d, sumi[t], sumi[t], 0);
-            continue;
-        }
-        /* Q4_K, Q5_K: unit 0 d and dmin, 1-3 the scale bytes, Q5_K's qh 4-11, then qs (8c + u: bytes 32c + 4u) */
-        const int qs = type == 12 ? 4 : 12;
-        kv_i head = kv_load(g, 0, half), s1 = kv_load(g, 1, half), s2 = kv_load(g, 2, half), s3 = kv_load(g, 3, half);
-        kv_i summ[KQ16_TOKENS];
-        for (int t = 0; t < T; t++) summ[t] = kv_zero();
-        for (int c = 0; c < 4; c++) { /* sub-block 2c in the low nibbles, 2c + 1 in the high */
-            kv_i lo[KQ16_TOKENS], hi[KQ16_TOKENS];
-            for (int t = 0; t < T; t++) lo[t] = hi[t] = kv_zero();
-#ifdef KV_PAIRS16
-            kv_i lo16[KQ16_TOKENS], hi16[KQ16_TOKENS];
-            for (int t = 0; t < T; t++) lo16[t] = hi16[t] = kv_zero();
-#endif
-            for (int u = 0; u < 8; u++) {
-                kv_i v = kv_load(g, qs + 8 * c + u, half);
-                kv_i vl = kv_and(v, low4), vh = kv_and(kv_srli16(v, 4), low4);
-                if (type == 13) { /* bit 4 of sub-block j's value i: bit j of qh[i] */
-                    kv_i qh = kv_load(g, 4 + u, half);
-                    vl = kv_or(vl, kq16_bit4(qh, 2 * c)), vh = kv_or(vh, kq16_bit4(qh, 2 * c + 1));
-                }
-                for (int t = 0; t < T; t++) {
-                    const int8_t *xt = x.xq + t * x.k + b * QK_K + 64 * c + 4 * u;
-#ifdef KV_PAIRS16
-                    lo16[t] = _mm256_add_epi16(lo16[t], _mm256_maddubs_epi16(vl, kq16_x4(xt)));
-                    hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(vh, kq16_x4(xt + 32)));
-                    if (u % 4 == 3) {
-                        const kv_i ones = _mm256_set1_epi16(1);
-                        lo[t] = kv_add(lo[t], _mm256_madd_epi16(lo16[t], ones)), lo16[t] = kv_zero();
-                        hi[t] = kv_add(hi[t], _mm256_madd_epi16(hi16[t], ones)), hi16[t] = kv_zero();
-                    }
-#else
-                    lo[t] = kv_dpbusd(lo[t], vl, kq16_x4(xt));
-                    hi[t] = kv_dpbusd(hi[t], vh, kq16_x4(xt + 32));
-#endif
-                }
-            }
-            kv_i sc0 = kq16_scale_min(s1, s2, s3, 2 * c, 0), sc1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 0);
-            kv_i m0 = kq16_scale_min(s1, s2, s3, 2 * c, 1), m1 = kq16_scale_min(s1, s2, s3, 2 * c + 1, 1);
-            for (int t = 0; t < T; t++) {
-                const int16_t *bs = x.bs32 + t * x.k / 32 + b * 8 + 2 * c;
-                sumi[t] = kv_add(sumi[t], kv_add(kv_mullo(lo[t], sc0), kv_mullo(hi[t], sc1)));
-                summ[t] = kv_add(summ[t], kv_add(kv_mullo(m0, kv_set1_32(bs[0])), kv_mullo(m1, kv_set1_32(bs[1]))));
-            }
-        }
-        kv_f d = kv_half_f16(head, 0), dmin = kv_half_f16(head, 1); /* (a lane: d in its low half, dmin its high) */
-        for (int t = 0; t < T; t++)
-            acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, sumi[t], summ[t], 1);
-    }
+        const uint8_t *g = w + (int64_t)b * gb;
+        if (type == 14) /* (Q6_K reads its units out of order: kq16_block) */
+            for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + l, 0, 0);
+        for (int half = 0; half < KQ16 / V16_LANES; half++)
+            kq16_block(g, tails + KQ16 * b, type, b, half, T, x, acc[half]);
     }
     for (int half = 0; half < KQ16 / V16_LANES; half++)
-        for (int t = 0; t < T; t++) kv_store_ps(out[t] + V16_LANES * half, acc_halves[half][t]);
+        for (int t = 0; t < T; t++) kv_store_ps(out[t] + V16_LANES * half, acc[half][t]);
 }
 
 /* CALL(T, type) with both as constants (each pair its own unrolled copy), T 1-4, type 12-14 */
