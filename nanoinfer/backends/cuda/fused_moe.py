@@ -18,7 +18,6 @@ against the reference. A decode's few pairs go to nanoinfer.backends.cuda.expert
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -211,7 +210,7 @@ def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, lp: LayerParam
         return fused_layers.attention_output_and_mlp(x, attn, lp, cfg, linear, reduce)
     x, h = add_rms_norm(x.contiguous(), reduce(linear(attn.reshape(x.shape[0], cfg.q_size), lp.o_proj)), lp.mlp_norm,
                         cfg.rms_norm_eps)
-    weights, experts = route(F.linear(h, lp.moe.router), cfg.experts_per_token, cfg.norm_topk_prob)
+    weights, experts = route(linear(h, lp.moe.router), cfg.experts_per_token, cfg.norm_topk_prob)
     if reduce is model._same:  # (one rank: the residual added in the experts' last kernel)
         return fused_experts(h, lp.moe.gate_up, lp.moe.down, weights, experts, residual=x)
     return x + reduce(fused_experts(h, lp.moe.gate_up, lp.moe.down, weights, experts))
