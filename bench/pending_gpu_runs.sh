@@ -6,8 +6,6 @@
 #            tests/test_fused_moe.py, tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
-#   router   (~4 min) issue 63: the MoE GPU tests, then Qwen3-30B-A3B batch 1 with the router's logits through
-#            our GEMV (`linear`) beside cuBLAS's F.linear (before), two rounds in turns.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -43,24 +41,6 @@ if [ "$mode" = families ]; then
   step "issue 63: 256 sequences, dense 8B beside Qwen3-30B-A3B"
   for shape in llama-3.1-8b qwen3-30b-a3b; do
     timeout 120 python $T --shape $shape 2>&1 | tail -3
-  done
-fi
-if [ "$mode" = router ]; then
-  step "issue 63: the MoE tests"
-  timeout 200 python -m pytest -q -p no:cacheprovider -x tests/test_moe.py tests/test_fused_moe.py 2>&1 | tail -2
-  for round in 1 2; do
-    step "batch 1, the router through cuBLAS (F.linear: before)"
-    timeout 60 python -c "import runpy, sys, torch.nn.functional as F
-import nanoinfer.backends.cuda.fused_moe as m
-fused = m.attention_output_and_mlp
-def before(x, attn, lp, cfg, linear, reduce=m.model._same):
-    router = None if lp.moe is None else lp.moe.router
-    return fused(x, attn, lp, cfg, lambda a, w, *b: F.linear(a, w) if w is router else linear(a, w, *b), reduce)
-m.attention_output_and_mlp = before
-sys.argv = ['bench/latency.py', '--shapes', 'qwen3-30b-a3b', '--no-baseline', '--variants', 'overlap']
-runpy.run_path('bench/latency.py', run_name='__main__')" 2>&1 | tail -1
-    step "batch 1, the router through our GEMV"
-    timeout 60 python bench/latency.py --shapes qwen3-30b-a3b --no-baseline --variants overlap 2>&1 | tail -1
   done
 fi
 echo "=== done $(date +%T)"
