@@ -55,15 +55,24 @@ static void quantize_q8k_on(const uint16_t *x, int rows, int k, int8_t *xq, floa
     int64_t all = (int64_t)rows * k / QK_K;
 #pragma omp parallel for schedule(static) num_threads(threads) if (all >= 64)
     for (int64_t b = 0; b < all; b++) {
+        /* (both loops vectorized, scalar before: a decode step's 80 calls took 1.5% of a Q4_K_M token on a Zen 4;
+         * a max and a sum of integers come out the same in any order) */
         float v[QK_K], amax = 0.0f;
+#pragma omp simd reduction(max : amax)
         for (int i = 0; i < QK_K; i++) {
             v[i] = bf16_to_f32(x[b * QK_K + i]);
             amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
         }
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *q = xq + b * QK_K;
+        /* nearbyintf's round-half-even by the 1.5 * 2^23 trick (exact below 2^22, which |v inv| <= 127 is; GCC
+         * leaves nearbyintf scalar) */
+#pragma omp simd
+        for (int i = 0; i < QK_K; i++) q[i] = (int8_t)(int)((v[i] * inv + 12582912.0f) - 12582912.0f);
         for (int s = 0; s < QK_K / 16; s++) {
             int sum = 0;
-            for (int i = 16 * s; i < 16 * s + 16; i++) sum += xq[b * QK_K + i] = (int8_t)nearbyintf(v[i] * inv);
+#pragma omp simd reduction(+ : sum)
+            for (int i = 16 * s; i < 16 * s + 16; i++) sum += q[i];
             bsum[b * 16 + s] = sum;
         }
         xd[b] = amax / 127.0f;
