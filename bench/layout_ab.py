@@ -1,6 +1,6 @@
 """Decode speed of one GGUF file with its weights in the layouts the CPU kernels stream and in the file's, llama.cpp beside.
 
-    python bench/layout_ab.py MODEL.gguf [--new-tokens 64] [--rounds 7] [--threads 2] [--builds NAME=FLAGS ...]
+    python bench/layout_ab.py MODEL.gguf [--new-tokens 64] [--rounds 7] [--threads 2] [--builds NAME=FLAGS ... | --pages]
 
 One process loads the file twice, once as NanoInfer loads it (rows interleaved where the build's one-token kernels
 read them so: BlockWeight.interleave, kquants.interleave) and once with the interleaving off, and llama-cpp-python
@@ -9,7 +9,8 @@ printed. On a machine whose speed moves from minute to minute (a shared VM) the 
 separate runs of bench/cpu_decode.py do not. Decode tok/s leaves the prompt out (a one-token run's time taken off).
 `--builds`: instead of the two layouts, builds of cpu_native.c with extra compiler flags (`;`-separated, e.g.
 `static=-DKQ16_SCHED=static dyn=-DKQ16_SCHED=dynamic,32`; a first `@REF` builds the sources as git holds them at
-REF: `before=@main;-mno-avx512f`), each running the file in the kernels' layout.
+REF: `before=@main;-mno-avx512f`), each running the file in the kernels' layout. `--pages`: instead, the weights in
+huge pages (as NanoInfer loads them: backends/cpu/huge_pages.py) and in the allocator's 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--builds", nargs="*", default=[], help="NAME=FLAGS: cpu_native builds to compare")
+    parser.add_argument("--pages", action="store_true", help="compare the weights in huge pages and in 4 KiB pages")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import llama_cpp
@@ -36,6 +38,7 @@ def main() -> None:
     from bench.kquant_matmul import sources_at
     from nanoinfer import LLM, SamplingParams
     from nanoinfer.backends.cpu import cpu_native
+    from nanoinfer.loaders import params
 
     def load() -> LLM:
         return LLM(args.model, device="cpu", max_model_len=512, progress=False)
@@ -60,6 +63,14 @@ def main() -> None:
                 engines[name] = load()
             finally:
                 cpu_native.library = library
+    elif args.pages:
+        engines["huge pages"] = load()
+        moved = params.in_huge_pages
+        params.in_huge_pages = lambda t: t
+        try:
+            engines["4 KiB pages"] = load()
+        finally:
+            params.in_huge_pages = moved
     else:
         engines["interleaved"] = load()
         layouts = cpu_native.block_interleave_rows, cpu_native.kquant_interleave_rows

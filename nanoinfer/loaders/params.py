@@ -8,6 +8,7 @@ grouped one is packed for its kernel here (the embedding stays grouped: it is lo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -15,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoinfer.backends.cpu import cpu_native
+from nanoinfer.backends.cpu.huge_pages import in_huge_pages
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.errors import CheckpointError
 from nanoinfer.model.layers import local_rope_inv_freq, rope_inv_freq
@@ -67,7 +69,9 @@ def _blocks(w: GroupedWeight, lib) -> BlockWeight:
     build reads them so, and the rows are whole chunks: BlockWeight.interleave)."""
     blocks = pack(w, blocks=True)
     group = cpu_native.block_interleave_rows(lib, w.bits)
-    return blocks.interleave(group) if group and w.shape[1] % 256 == 0 and w.shape[0] >= group else blocks
+    if group and w.shape[1] % 256 == 0 and w.shape[0] >= group:
+        blocks = blocks.interleave(group)
+    return dataclasses.replace(blocks, q=in_huge_pages(blocks.q))  # (streamed each token: huge_pages.py)
 
 
 def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: torch.dtype) -> "Weight":
@@ -79,7 +83,8 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
         def kernel_form(p):
             if isinstance(p, KQuantWeight):  # (in the layout this CPU's one-token kernels stream)
                 group = cpu_native.kquant_interleave_rows(lib, p.qtype)
-                return interleave(p, group) if group and not p.interleaved else p
+                laid = interleave(p, group) if group and not p.interleaved else p
+                return dataclasses.replace(laid, data=in_huge_pages(laid.data))  # (streamed each token)
             return _blocks(p, lib)
         return kernel_form(w) if isinstance(w, KQuantWeight) else StackedWeight(tuple(map(kernel_form, w.parts)))
     if isinstance(w, KQuantWeight) and w.qtype == Q4_K:
