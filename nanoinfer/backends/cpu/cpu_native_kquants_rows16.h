@@ -219,12 +219,15 @@ static void kq16_write(float out[KQ16_TOKENS][KQ16], int T, void *y, int64_t ldy
 static void kquant_rows16_to(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, kq_tokens x,
                              int n16, void *y, int64_t ldy, int y_f32, int threads) {
 #ifndef KQ16_SCHED
-/* Chunks of 32 groups (512 rows) to whichever thread is free: at a decode step's ends of matmul the threads
+/* Chunks of up to 32 groups (512 rows) to whichever thread is free: at a decode step's ends of matmul the threads
  * waited ~14% of the time for each other with static halves; chunks this size keep each thread's stream
  * sequential (chunks of 1 group lost it: slower) and ran Q4_K_M decode 5%, Q5_K_M 2% faster on a 2-core Zen 4
- * (bench/layout_ab.py --builds, bench/RESULTS.md). */
-#define KQ16_SCHED dynamic, 32
+ * (bench/layout_ab.py --builds, bench/RESULTS.md). A small matrix gets at least 2 chunks a thread: a 1B model's
+ * K and V projections (32 groups) were one chunk, which one thread ran while the other waited. */
+#define KQ16_SCHED dynamic, chunk
 #endif
+    int chunk = n16 / KQ16 / (2 * threads);
+    chunk = chunk < 1 ? 1 : chunk > 32 ? 32 : chunk;
 #pragma omp parallel for schedule(KQ16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / KQ16; p++) {
         int r0 = p * KQ16;
