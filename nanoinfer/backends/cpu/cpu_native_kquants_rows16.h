@@ -219,15 +219,14 @@ static void kq16_write(float out[KQ16_TOKENS][KQ16], int T, void *y, int64_t ldy
 static void kquant_rows16_to(const uint8_t *w, int64_t row_bytes, int type, int blocks, int rows, kq_tokens x,
                              int n16, void *y, int64_t ldy, int y_f32, int threads) {
 #ifndef KQ16_SCHED
-/* Chunks of up to 32 groups (512 rows) to whichever thread is free: at a decode step's ends of matmul the threads
- * waited ~14% of the time for each other with static halves; chunks this size keep each thread's stream
- * sequential (chunks of 1 group lost it: slower) and ran Q4_K_M decode 5%, Q5_K_M 2% faster on a 2-core Zen 4
- * (bench/layout_ab.py --builds, bench/RESULTS.md). A small matrix gets at least 2 chunks a thread: a 1B model's
- * K and V projections (32 groups) were one chunk, which one thread ran while the other waited. */
-#define KQ16_SCHED dynamic, chunk
+/* Chunks to whichever thread is free, shrinking toward the end (OpenMP's guided: about the groups left over the
+ * threads, at least 4 groups): each thread's stream stays sequential over long runs, and the matmul's last chunks
+ * are small, so neither thread waits long for the other. Static halves had the threads waiting ~14% of a decode step
+ * for each other; fixed chunks of 32 groups (512 rows) left a 1B model's K and V projections (32 groups) to one
+ * thread, and the down projection's 4 chunks to whichever finished last. Q4_K_M decode on a 2-core Zen 4, in one
+ * process against the fixed chunks: +6% and +10% (medians of 8 and 10 rounds, bench/RESULTS.md). */
+#define KQ16_SCHED guided, 4
 #endif
-    int chunk = n16 / KQ16 / (2 * threads);
-    chunk = chunk < 1 ? 1 : chunk > 32 ? 32 : chunk;
 #pragma omp parallel for schedule(KQ16_SCHED) num_threads(threads)
     for (int p = 0; p < n16 / KQ16; p++) {
         int r0 = p * KQ16;
