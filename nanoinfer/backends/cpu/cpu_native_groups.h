@@ -300,21 +300,28 @@ void quantize_groups_q8(const uint16_t *x, int rows, int k, int8_t *xq, float *x
         for (int start = 0, G = 8; start < groups; start += G) {
             while (start + G > groups) G /= 2;
             for (int j = 0; j < G; j++) {
+                /* (the max, the round and the sum in SIMD loops, as quantize_q8k's: they ran scalar, 2.4% of a
+                 * Q4_0 decode step on the calling thread; a max and an integer sum come out the same in any order) */
                 int g = start + j;
                 const uint16_t *xg = x + r * k + g * 32;
                 float v[32], amax = 0.0f;
+#pragma omp simd reduction(max : amax)
                 for (int i = 0; i < 32; i++) {
                     v[i] = bf16_to_f32(xg[i]);
                     amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
                 }
                 float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int8_t q[32];
                 int sum = 0;
-                int8_t *chunk = xq + r * k + start * 32;
+                /* nearbyintf's round-half-even by the 1.5 * 2^23 trick (exact below 2^22, which |v inv| <= 127 is) */
+#pragma omp simd reduction(+ : sum)
                 for (int i = 0; i < 32; i++) {
-                    int qi = (int)nearbyintf(v[i] * inv);
-                    chunk[4 * (G * (i / 4) + j) + i % 4] = (int8_t)qi;
+                    int qi = (int)((v[i] * inv + 12582912.0f) - 12582912.0f);
+                    q[i] = (int8_t)qi;
                     sum += qi;
                 }
+                int8_t *chunk = xq + r * k + start * 32;
+                for (int i = 0; i < 32; i += 4) memcpy(chunk + 4 * (G * (i / 4) + j), q + i, 4);
                 xd[r * groups + g] = amax / 127.0f;
                 xs[r * groups + g] = amax / 127.0f * (float)sum;
             }
