@@ -128,6 +128,26 @@ def test_kquant_matmul_of_any_bytes_at_any_row_count(tier_lib, qtype, out, block
         assert torch.equal(cpu_native.kquant_matmul(x, w, tier_lib, torch.float32), want)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_rows_unpacked_in_c_are_the_references_bits(tier_lib, qtype):
+    """An embedding's lookup (cpu_native.kquant_rows): rows of random bytes (every value, scale, min and fp16
+    factor, NaN and inf among them) in any order and repeated, the bits of kquants.dequantize on those rows
+    (NaN where it has NaN)."""
+    g = torch.Generator().manual_seed(qtype)
+    rows, blocks = 40, 3
+    data = torch.randint(0, 256, (rows, blocks * kquants.BLOCK_BYTES[qtype]), generator=g, dtype=torch.uint8)
+    kq = KQuantWeight(data, int(qtype), blocks * 256)
+    ids = torch.tensor([7, 0, 39, 7, 12])
+    got = cpu_native.kquant_rows(kq, ids, tier_lib)
+    want = kquants.dequantize(kq.file_rows(ids))
+    nan = want.isnan()  # (NaN's payload is torch's own: only where NaNs are is compared)
+    assert got.dtype == torch.float32 and nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    assert cpu_native.kquant_rows(kq, ids[:0], tier_lib).shape == (0, blocks * 256)
+    with pytest.raises(IndexError, match="out of range for a table of 40 rows"):
+        cpu_native.kquant_rows(kq, torch.tensor([3, 40]), tier_lib)
+
+
 def test_rows_stack_and_map_as_the_dense_matrix():
     g = torch.Generator().manual_seed(2)
     a, b = kquant(torch.randn(8, 256, generator=g), QT.Q4_K), kquant(torch.randn(4, 256, generator=g), QT.Q4_K)

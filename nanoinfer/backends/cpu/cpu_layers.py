@@ -87,8 +87,13 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
     def qkv_rope_and_write(x, lp: LayerParams, cfg: ModelConfig, linear, cos, sin, kv_layer, slot_mapping):
         return rope_and_write(qkv_projection(x, lp, cfg), lp.q_norm, lp.k_norm, cos, sin, kv_layer, slot_mapping, cfg)
 
+    def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(table, quantized.KQuantWeight):  # (a K-quant table's rows unpacked in C: cpu_native.kquant_rows)
+            return cpu_native.kquant_rows(table, ids.reshape(-1), native.lib).reshape(*ids.shape, -1).to(dtype)
+        return quantized.embedding(table, ids, dtype)
+
     return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_rope_and_write=qkv_rope_and_write,
-                          rope_tables=rope_cos_sin, layer=layer)
+                          rope_tables=rope_cos_sin, layer=layer, embed=embed)
 
 
 BLOCK_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -62,6 +62,7 @@ SIGNATURES = {
     "quantize_groups_q8": (_P, _I, _I, _P, _P, _P),  # (block_matmul's first step, bound for the tests)
     "kquant_matmul": (_P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
     "kquant_interleave_rows": (_I,),
+    "kquant_dequantize_rows": (_P, _I, _I, _P, _I, _P),
     "quantize_q8k": (_P, _I, _I, _P, _P, _P),  # (kquant_matmul's first step, bound for the tests)
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
     "random_draw": (_P, _P, _P, _P, _I, _I),
@@ -238,6 +239,23 @@ def kquant_matmul(rows: torch.Tensor, w, lib: ctypes.CDLL | None = None,
     if lib.kquant_matmul(rows.data_ptr(), tokens, cols, w.data.data_ptr(), w.qtype, w.interleaved, out_features,
                          out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
         raise MemoryError(f"kquant_matmul: no memory to quantize {tokens} x {cols} activations")
+    return out
+
+
+def kquant_rows(w, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Rows `ids` (1-D int64) of a kquants.KQuantWeight in fp32 [len(ids), cols]: an embedding's lookup, the bits of
+    kquants.dequantize (its reference) on those rows. Rows interleaved at load go through the reference."""
+    lib = lib or library()
+    if lib is None or w.interleaved or not w.data.is_contiguous():
+        from nanoinfer.quant import kquants
+
+        return kquants.dequantize(w.file_rows(ids))
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < w.data.shape[0]:
+        raise IndexError(f"row ids out of range for a table of {w.data.shape[0]} rows")
+    out = torch.empty(ids.numel(), w.cols)
+    if lib.kquant_dequantize_rows(w.data.data_ptr(), w.qtype, w.cols // 256, ids.data_ptr(), ids.numel(), out.data_ptr()):
+        raise ValueError(f"kquant_dequantize_rows does not take K-quant type {w.qtype}")
     return out
 
 
