@@ -127,11 +127,13 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
         log.warning("CPU layers stay in torch ops (slower): cannot build %s: %s", SOURCE.name, detail)
         return None
     for name, args in SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        fn = getattr(lib, name, None)  # (absent only from sources older than this module: bench/'s builds at a ref)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, None
     for name in ("block_dot_isa", "block_matmul", "block_interleave_rows", "kquant_matmul", "kquant_interleave_rows",
-                 "paged_attention", "block_layer_forward"):
-        getattr(lib, name).restype = ctypes.c_int
+                 "kquant_dequantize_rows", "paged_attention", "block_layer_forward"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
     lib.block_dot_name.restype = ctypes.c_char_p
     return lib
 
@@ -246,7 +248,7 @@ def kquant_rows(w, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.T
     """Rows `ids` (1-D int64) of a kquants.KQuantWeight in fp32 [len(ids), cols]: an embedding's lookup, the bits of
     kquants.dequantize (its reference) on those rows. Rows interleaved at load go through the reference."""
     lib = lib or library()
-    if lib is None or w.interleaved or not w.data.is_contiguous():
+    if lib is None or w.interleaved or not w.data.is_contiguous() or not hasattr(lib, "kquant_dequantize_rows"):
         from nanoinfer.quant import kquants
 
         return kquants.dequantize(w.file_rows(ids))
