@@ -144,7 +144,7 @@ def test_rows_unpacked_in_c_are_the_references_bits(tier_lib, qtype):
     assert got.dtype == torch.float32 and nan.any() and torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
     assert cpu_native.kquant_rows(kq, ids[:0], tier_lib).shape == (0, blocks * 256)
-    with pytest.raises(IndexError, match="out of range for a table of 40 rows"):
+    with pytest.raises(IndexError, match="row id 40 out of range for a table of 40 rows"):
         cpu_native.kquant_rows(kq, torch.tensor([3, 40]), tier_lib)
 
 

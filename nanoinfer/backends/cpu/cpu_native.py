@@ -253,8 +253,9 @@ def kquant_rows(w, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.T
 
         return kquants.dequantize(w.file_rows(ids))
     ids = ids.to(torch.int64).contiguous()
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < w.data.shape[0]:
-        raise IndexError(f"row ids out of range for a table of {w.data.shape[0]} rows")
+    bad = ids[(ids < 0) | (ids >= w.data.shape[0])]
+    if bad.numel():
+        raise IndexError(f"row id {int(bad[0])} out of range for a table of {w.data.shape[0]} rows")
     out = torch.empty(ids.numel(), w.cols)
     if lib.kquant_dequantize_rows(w.data.data_ptr(), w.qtype, w.cols // 256, ids.data_ptr(), ids.numel(), out.data_ptr()):
         raise ValueError(f"kquant_dequantize_rows does not take K-quant type {w.qtype}")

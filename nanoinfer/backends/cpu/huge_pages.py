@@ -6,7 +6,7 @@ entries cover 12 MB), so the stream pays a page-table walk every 4 KiB. Linux's 
 pages back an anonymous mapping with 2 MiB pages where the mapping is advised so before it is
 first touched (MADV_HUGEPAGE; the common setting of /sys/kernel/mm/transparent_hugepage/enabled
 is `madvise`, and torch's own allocations are not advised). On a 2-core Zen 4 a 700 MB
-`torch.sum` read 33 -> 37 GB/s and a Q4_K_M decode ran +10% (bench/RESULTS.md).
+`torch.sum` read 31-33 -> 36-37 GB/s and a Q4_K_M decode ran 4-7% faster (bench/RESULTS.md).
 
 Only the advice changes, never the bytes: where it is not taken (another OS, THP `never`, a
 kernel without it) the copy is an ordinary one, and the kernels read it the same.
