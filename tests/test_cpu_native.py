@@ -2,6 +2,7 @@
 torch ops they replace: each call on random shapes, then whole packed models and the engine."""
 
 import dataclasses
+import platform
 import shutil
 
 import pytest
@@ -137,6 +138,18 @@ def test_norms_and_swiglu_equal_their_torch_ops(native, rows, dim):
     gate_up = randn(rows, 2 * dim, seed=4, dtype=torch.bfloat16) * 4  # (silu's tails: up to e^±20)
     torch.testing.assert_close(native.silu_mul_bf16(gate_up).float(),
                                cpu_native.reference_silu_mul_bf16(gate_up).float(), **tol)
+
+
+def test_the_avx2_builds_swiglu_gives_the_native_builds_bits(native, tmp_path_factory):
+    """Without AVX-512, cpu_native.c is compiled so that SwiGLU's exp loop vectorizes (its no-trapping-math pragma):
+    an element-wise loop, so the bits of the build as this CPU compiles it, NaN and the exp's clamped tails included.
+    (The norms' sums of squares are reductions: their order follows the vector width, as torch's does.)"""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("an x86 tier")
+    avx2 = cpu_native.CpuNative(cpu_native.load(tmp_path_factory.mktemp("avx2"), cpu_native.ISA_FLAGS["avx2"]))
+    gate_up = randn(3, 2 * 8192, seed=7, dtype=torch.bfloat16) * 30  # (past the clamp at e^+-87)
+    gate_up[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    assert torch.equal(native.silu_mul_bf16(gate_up).view(torch.int16), avx2.silu_mul_bf16(gate_up).view(torch.int16))
 
 
 @pytest.mark.parametrize("qk_norm, qkv_dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32)])
