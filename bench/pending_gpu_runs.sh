@@ -6,6 +6,13 @@
 #            tests/test_fused_moe.py, tests/test_moe.py), then the deterministic mode's cost: batch 1 and 256 sequences.
 #   families (~8 min) batch-1 decode of the dense 8B beside Gemma-3-12B, Phi-4 and Qwen3-30B-A3B shapes
 #            (bench/shapes.py), then 256 sequences offline of the 8B beside Qwen3-30B-A3B.
+#   gguf     (issue 64 item 5) llama.cpp's llama-bench and llama-quantize built for CUDA (sm_90) from
+#            $LLAMA_SRC (default .scratch/lc.tar.xz: llama-cpp-python 0.3.36's vendored llama.cpp, trimmed to
+#            ggml's CPU and CUDA backends, src, common, vendor and tools/{llama-bench,quantize}), or unpacked from
+#            .scratch/lcbin.tar.xz (an earlier call's build, which this mode leaves under $OUT in 15 MB parts);
+#            then Llama-3.2-1B and (GGUF_SHAPES) Llama-3.1-8B shapes of random weights, quantized to Q4_0 and Q4_K_M
+#            by that llama-quantize (tokenizer: .scratch/gg/tok.gguf, tools/make_kquant_bench_gguf.py
+#            --tokenizer-only), and bench/gguf_cuda.py on them. Carry .whl and those two .scratch files.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -42,5 +49,37 @@ if [ "$mode" = families ]; then
   for shape in llama-3.1-8b qwen3-30b-a3b; do
     timeout 120 python $T --shape $shape 2>&1 | tail -3
   done
+fi
+if [ "$mode" = gguf ]; then
+  W=/tmp/gg
+  mkdir -p $W/bin
+  export PATH=/usr/local/cuda/bin:$PATH
+  if [ -f .scratch/lcbin.tar.xz ]; then
+    tar xJf .scratch/lcbin.tar.xz -C $W
+  else
+    step "build llama.cpp for CUDA (sm_90): llama-bench, llama-quantize"
+    tar xJf "${LLAMA_SRC:-.scratch/lc.tar.xz}" -C $W
+    cmake -S $W/llama.cpp -B $W/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > $OUT/cmake.txt 2>&1 || { tail -20 $OUT/cmake.txt; exit 1; }
+    timeout "${BUILD_S:-450}" cmake --build $W/build --target llama-bench llama-quantize -j 16 > $OUT/build.txt 2>&1
+    tail -2 $OUT/build.txt
+    cp $W/build/bin/llama-bench $W/build/bin/llama-quantize $W/bin/ || exit 1
+    tar cJf - -C $W bin | split -b 15m - $OUT/lcbin.tar.xz.part-
+    ls -la $OUT
+  fi
+  step "random-weight GGUFs, quantized by llama-quantize"
+  files=""
+  for shape in ${GGUF_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
+    timeout 200 python tools/make_kquant_bench_gguf.py $W/$shape.f16.gguf --shape $shape --mix f16 \
+      --tokenizer .scratch/gg/tok.gguf || exit 1
+    for q in Q4_0 Q4_K_M; do
+      timeout 200 $W/bin/llama-quantize $W/$shape.f16.gguf $W/$shape.$q.gguf $q > $W/quantize.txt 2>&1 || { tail $W/quantize.txt; exit 1; }
+      files="$files $W/$shape.$q.gguf"
+    done
+    rm $W/$shape.f16.gguf
+  done
+  step "bench/gguf_cuda.py"
+  timeout "${BENCH_S:-400}" python bench/gguf_cuda.py $files --llama-bench $W/bin/llama-bench 2>&1 | tee $OUT/gguf_cuda.txt
 fi
 echo "=== done $(date +%T)"
