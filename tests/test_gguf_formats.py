@@ -587,3 +587,29 @@ def test_a_gemma_gguf_runs_packed_as_the_model_it_came_from(arch, qtype, tmp_pat
         assert list(out.outputs[0].token_ids) == want
         got = [lp.logprob for lp in out.prompt_logprobs[1:]]
         assert max(abs(g - expected[i, prompt[i + 1]].item()) for i, g in enumerate(got)) <= tolerance
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=[t.name for t in K_QUANTS])
+def test_kquant_file_runs_on_cuda(qtype, llama_untied, tmp_path):
+    """A K-quant GGUF with quantization="gguf" on CUDA: every weight on the GPU in a form its kernels read (Q4_K's
+    groups, read on the host, were once left there, and the first step failed on tensors of two devices), and the
+    engine serves it."""
+    from nanoinfer.loaders import load_model
+    from nanoinfer.model.decoder import map_params
+    from nanoinfer.sampling.sampler import SamplingParams
+    from runtime.engine.engine_core import EngineConfig, EngineCore
+
+    model = copy.deepcopy(llama_untied)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(model, path, "llama", weight_type=qtype, encoded=make_kquant_representable(model, qtype))
+    loaded = load_model(path, device="cuda", quantization="gguf", progress=False)
+    devices = set()
+    map_params(lambda t: devices.add(t.device.type) or t, loaded.params)
+    assert devices == {"cuda"}
+    engine = EngineCore(loaded, EngineConfig(block_size=16, num_blocks=64, max_model_len=256))
+    seq = engine.add_request([5, 200, 33, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    assert len(seq.output_token_ids) == 6

@@ -91,7 +91,8 @@ def kquant_form(w: KQuantWeight | StackedWeight, device: torch.device, dtype: to
         from nanoinfer.loaders.gguf_blocks import grouped_weight  # (GGUF's reader of Q4_K's groups)
         from gguf import GGMLQuantizationType
 
-        return device_form(grouped_weight(w.data.cpu().numpy(), GGMLQuantizationType.Q4_K, *w.shape), device, dtype)
+        groups = grouped_weight(w.data.cpu().numpy(), GGMLQuantizationType.Q4_K, *w.shape)
+        return device_form(map_weight(lambda t: t.to(device), groups), device, dtype)  # (read on the host)
     return Int8Weight.quantize(dequantize(w))
 
 
