@@ -7,7 +7,11 @@ once, widens its eight nibbles in registers (to fp32 on CUDA cores, or, for the 
 to 16-bit floats multiplied on tensor cores) and sums them before their group's scale (the
 min times the sum of their inputs), so a batch-1 step reads half a byte per weight; more rows
 dequantize each weight tile to the activations' type in registers and multiply it on tensor
-cores, at every row count (a prefill too: the weight is never written out dequantized).
+cores. From DEQUANT_ROWS rows (a prefill, a full scheduler's decode) the weight is instead written out
+in the activations' type by one kernel and multiplied by cuBLAS: the tile kernel's dots take 16 inputs
+a plane, and an H100 ran it at ~65 TFLOP/s for 512-token prompts (GGUF's pp512 at 0.41-0.58x llama.cpp's,
+bench/RESULTS.md), where the written-out weight costs a few ms a step against a GEMM several times faster
+(vLLM's AWQ kernels switch at the same row count).
 
 The one-row kernel shares its epilogues with the 16- and 8-bit one (nanoinfer.backends.cuda.gemv_epilogues).
 """
@@ -237,6 +241,42 @@ def _int4_mm_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_x
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+# From this many rows `int4_mm` writes the weight out dequantized and calls cuBLAS (the module's docstring says why).
+DEQUANT_ROWS = 256
+
+
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An Int4CudaWeight's (packed, scale, low: its min) matrix [N, K] in `dtype`, its inputs in the stored order
+    (Int4CudaWeight.cols not applied): each weight q scale + min in fp32, rounded once, as `_int4_mm_kernel`
+    rounds it for its tensor cores."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    block_n, block_w = 16, 64
+    _int4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, block_w))](
+        packed, scale, low, out, n, k, packed.stride(0), scale.stride(0), out.stride(0), GROUP=k // scale.shape[1],
+        BLOCK_N=block_n, BLOCK_W=block_w)
+    return out
+
+
+@triton.jit
+def _int4_dequantize_kernel(w_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                            GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    # A tile of BLOCK_N rows by BLOCK_W words: word w's nibble k is input (w // WORDS) GROUP + k WORDS + w % WORDS,
+    # so each plane k stores runs of WORDS consecutive inputs.
+    WORDS: tl.constexpr = GROUP // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = (offs_n < N)[:, None] & (offs_w < K // 8)[None, :]
+    words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :], mask=mask, other=0)
+    where = offs_n[:, None] * stride_sn + (offs_w // WORDS)[None, :]
+    scale = tl.load(scale_ptr + where, mask=mask, other=0.0).to(tl.float32)
+    low = tl.load(min_ptr + where, mask=mask, other=0.0).to(tl.float32)
+    first = offs_n[:, None].to(tl.int64) * stride_on + ((offs_w // WORDS) * GROUP + offs_w % WORDS)[None, :]
+    for k in tl.static_range(8):
+        q = (((words >> (4 * k)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        tl.store(out_ptr + first + k * WORDS, (q * scale + low).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # 128.0's fp32 bits, a run-time argument of the one-row int4 kernel (why: the kernel's comment)
 _BITS_OF_128 = 0x43000000
 
@@ -264,6 +304,8 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
         _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             *int4_gemv_args(x, packed, scale, low, out), GROUP=group, HALF=scale.dtype == torch.float16)
         return out
+    if m >= DEQUANT_ROWS:
+        return torch.matmul(x, int4_dequantize(packed, scale, low, x.dtype).T, out=out)
     _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
         x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
         triton.next_power_of_2(m), GROUP=group)
