@@ -182,8 +182,11 @@ def test_interleaved_layout_keeps_every_byte_and_row(qtype):
     assert il.interleaved == 16 and il.shape == kq.shape and not torch.equal(il.data[:32], data[:32])
     assert torch.equal(il.data[32:], data[32:]) and torch.equal(kquants.file_layout(il).data, data)
     assert sorted(il.data[:16].flatten().tolist()) == sorted(data[:16].flatten().tolist())
-    # row 1's first 4 bytes sit after row 0's; a unit's 16 copies span 64 bytes
-    assert torch.equal(il.data[0, 4:8], data[1, :4]) and torch.equal(il.data[0, 64:68], data[0, 4:8])
+    # the first stored unit of row 1 sits after row 0's; a unit's 16 copies span 64 bytes, then the next unit's
+    # (Q6_K's units in kq16_block's reading order: its scales first)
+    first, second = (kquants.unit_order(qtype) or (0, 1))[:2]
+    assert torch.equal(il.data[0, 4:8], data[1, 4 * first:4 * first + 4])
+    assert torch.equal(il.data[0, 64:68], data[0, 4 * second:4 * second + 4])
     ids = torch.tensor([36, 0, 17, 5, 17])
     taken = kquants.file_layout(il.rows(ids))
     assert torch.equal(taken.data, data[ids])

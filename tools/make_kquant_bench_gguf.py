@@ -56,7 +56,8 @@ def matrix_type(name: str, cols: int, mix: str) -> QT:
 
 def tensors(shape: dict, layers: int, vocab: int):
     """(name, [rows, cols] or [n]) of a llama of `shape`."""
-    h, f, q, kv = shape["hidden"], shape["ffn"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    h, f = shape["hidden"], shape["ffn"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     yield "token_embd.weight", (vocab, h)
     for i in range(layers):
         for name, shape in (("attn_norm", (h,)), ("attn_q", (q, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
@@ -76,7 +77,8 @@ def main():
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--shape", default="smol-vocab-1b", choices=sorted(SHAPES))
     parser.add_argument("--llama-cpp", action="store_true", help="quantize with llama.cpp's quantizer")
-    parser.add_argument("--quantize-bin", type=Path, default=None, help="llama.cpp's llama-quantize (implies --llama-cpp)")
+    parser.add_argument("--quantize-bin", type=Path, default=None,
+                        help="llama.cpp's llama-quantize (implies --llama-cpp)")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT, help="the GGUF whose tokenizer is copied")
     parser.add_argument("--tokenizer-only", action="store_true", help="write OUT as --tokenizer's metadata, no tensors")
     args = parser.parse_args()

@@ -22,6 +22,16 @@
 
 #define KQ16 16 /* rows interleaved */
 
+/* Where the file's unit u of a `type` super-block is stored in a group (kquants.interleave: Q6_K_UNITS): the
+ * file's place but for Q6_K, whose units go in the order kq16_block reads them (scales, then each step's two ql
+ * units and its qh unit). */
+static inline int kq16_place(int type, int u) {
+    if (type != 14) return u;
+    if (u >= 48) return u - 48;
+    if (u >= 32) return 4 + 3 * (u - 32) + 2; /* qh of half (u - 32) / 8, step (u - 32) % 8 */
+    return 4 + 3 * (8 * (u / 16) + u % 8) + (u % 16) / 8;
+}
+
 /* The vector the dots run on (cpu_native_vec16.h): all 16 rows in one AVX-512 register, or on AVX2 (and
  * AVX-VNNI) 8 rows in a 256-bit one, each super-block in two halves (half 0: the units' first 32 bytes, rows 0-7;
  * half 1 finds the rest in L1). Halves inside the super-block loop, not outside it: a whole pass of the group per
@@ -72,20 +82,19 @@ static inline __attribute__((always_inline)) void kq16_block(const uint8_t *g, c
     const kv_i low4 = kv_set1_8(0x0f), bits45 = kv_set1_8(0x30);
     kv_i sumi[KQ16_TOKENS];
     for (int t = 0; t < T; t++) sumi[t] = kv_zero();
-    if (type == 14) { /* ql units 0-31 (16h + 8j + u: ql bytes 64h + 32j + 4u), qh 32-47, scales 48-51, d after */
-        /* (its units are read out of order, a value taking bits from three: the hardware prefetcher lost the
-         * stream. So kq16_dot asks for the super-block's lines first, in order, all of them: from DRAM, 2 threads,
-         * on a Zen 4, 49152x2048 (a head) 11.5 GB/s without, 24.3 asking 2 super-blocks ahead, 27.8 asking
-         * this one's (AVX2; AVX-512 13.4 / 24.7 / 30.4). The other types read theirs in order and ran no
-         * faster, Q5_K slower, with it.) */
+    if (type == 14) { /* file units: ql 0-31 (16h + 8j + u: ql bytes 64h + 32j + 4u), qh 32-47, scales 48-51; stored
+                       * in the order read here (kq16_place), d after */
+        /* (In the file's order a value's three units sat in three places: the hardware prefetcher lost the stream,
+         * 11.5 GB/s from DRAM on a Zen 4, and asking for each super-block's lines by software prefetch got ~28-30.
+         * Stored in reading order, one stream: 5-18% faster still, with no prefetch.) */
         for (int h = 0; h < 2; h++)
             for (int hs = 0; hs < 2; hs++) { /* units u of values 128h + 32q + 4u, sub-block 8h + 2q + hs */
                 kv_i dot[4][KQ16_TOKENS];
                 for (int q = 0; q < 4; q++)
                     for (int t = 0; t < T; t++) dot[q][t] = kv_zero();
                 for (int u = 4 * hs; u < 4 * hs + 4; u++) {
-                    kv_i la = kv_load(g, 16 * h + u, half), lb = kv_load(g, 16 * h + 8 + u, half);
-                    kv_i qh = kv_load(g, 32 + 8 * h + u, half);
+                    const int at = 4 + 3 * (8 * h + u); /* (kq16_place's, written out: a call here ran 5-13% slower) */
+                    kv_i la = kv_load(g, at, half), lb = kv_load(g, at + 1, half), qh = kv_load(g, at + 2, half);
                     /* value q: ql's nibble (la low, lb low, la high, lb high), qh's bits 2q, 2q + 1 */
                     kv_i v[4] = {
                         kv_or(kv_and(la, low4), kv_and(kv_slli16(qh, 4), bits45)),
@@ -99,7 +108,8 @@ static inline __attribute__((always_inline)) void kq16_block(const uint8_t *g, c
                 }
                 for (int q = 0; q < 4; q++) {
                     int s = 8 * h + 2 * q + hs;
-                    kv_i sc = kv_srai32(kv_slli32(kv_load(g, 48 + s / 4, half), 24 - 8 * (s % 4)), 24);
+                    /* (unit 48 + s / 4 at kq16_place's s / 4) */
+                    kv_i sc = kv_srai32(kv_slli32(kv_load(g, s / 4, half), 24 - 8 * (s % 4)), 24);
                     for (int t = 0; t < T; t++) { /* sc_s (q_s . x_s - 32 sum x_s) */
                         kv_i off = kv_set1_32(32 * x.bs16[t * x.k / 16 + b * 16 + s]);
                         sumi[t] = kv_add(sumi[t], kv_mullo(kv_sub(dot[q][t], off), sc));
@@ -172,8 +182,6 @@ static inline __attribute__((always_inline)) void kq16_dot(const uint8_t *w, int
         for (int t = 0; t < T; t++) acc[half][t] = kv_zero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t *g = w + (int64_t)b * gb;
-        if (type == 14) /* (Q6_K reads its units out of order: kq16_block) */
-            for (int l = 0; l < gb; l += 64) __builtin_prefetch(g + l, 0, 0);
         for (int half = 0; half < KQ16 / V16_LANES; half++)
             kq16_block(g, tails + KQ16 * b, type, b, half, T, x, acc[half]);
     }

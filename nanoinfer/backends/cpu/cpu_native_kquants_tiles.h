@@ -51,7 +51,7 @@ static void kq_tile_free(kq_tile *t) { free(t->q), free(t->sc), free(t->pairs), 
 static void kq16_row_block(const uint8_t *w, int type, int blocks, int b, int r, uint8_t *out) {
     const int bytes = block_bytes(type), units = bytes / 4;
     const uint8_t *g = w + (int64_t)b * KQ16 * 4 * units;
-    for (int u = 0; u < units; u++) memcpy(out + 4 * u, g + 64 * u + 4 * r, 4);
+    for (int u = 0; u < units; u++) memcpy(out + 4 * u, g + 64 * kq16_place(type, u) + 4 * r, 4);
     if (bytes % 4) memcpy(out + 4 * units, w + (int64_t)blocks * KQ16 * 4 * units + (b * KQ16 + r) * 2, 2);
 }
 
