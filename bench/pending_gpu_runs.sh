@@ -71,6 +71,10 @@ if [ "$mode" = gguf ]; then
     tar cJf - -C $W bin | split -b 15m - $OUT/lcbin.tar.xz.part-
     ls -la $OUT
   fi
+  step "GPU tests of the GGUF path: K-quant files on CUDA, the int4 kernels (written-out weights from 256 rows)"
+  timeout 150 python -m pytest -q -p no:cacheprovider -rfE tests/test_int4_dequantize.py \
+    "tests/test_gguf_formats.py::test_kquant_file_runs_on_cuda" \
+    "tests/test_gpu.py::test_int4_mm_matches_its_dequantized_reference" 2>&1 | tail -5
   step "random-weight GGUFs, quantized by llama-quantize"
   files=""
   for shape in ${GGUF_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
