@@ -13,7 +13,11 @@
 #            .scratch/lcbin.tar.xz (an earlier call's build, which this mode leaves under $OUT in 15 MB parts);
 #            then Llama-3.2-1B and (GGUF_SHAPES) Llama-3.1-8B shapes of random weights, quantized to Q4_0 and Q4_K_M
 #            by that llama-quantize (tokenizer: .scratch/gg/tok.gguf, tools/make_kquant_bench_gguf.py
-#            --tokenizer-only), and bench/gguf_cuda.py on them. Carry .whl and those two .scratch files.
+#            --tokenizer-only), and bench/gguf_cuda.py on them. Carry .whl and those two .scratch files. ~14 min
+#            in all: on a warm machine, run it as GGUF_SHAPES=llama-3.2-1b, then call again at once for the 8B with
+#            the built programs still in /tmp/gg (bench/RESULTS.md, sixteenth session, shows the commands).
+#   sweep32  (~4 min) the one-row int4 GEMV's configs for GGUF's groups of 32 (tools/sweep_int4_gemv.py --group 32,
+#            Llama-3.2-1B and 3.1-8B shapes): the table under $OUT, to merge into nanoinfer/backends/cuda/tuned.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -88,5 +92,9 @@ if [ "$mode" = gguf ]; then
   done
   step "bench/gguf_cuda.py"
   timeout "${BENCH_S:-400}" python bench/gguf_cuda.py $files --llama-bench $W/bin/llama-bench 2>&1 | tee $OUT/gguf_cuda.txt
+fi
+if [ "$mode" = sweep32 ]; then
+  step "the int4 GEMV's configs at groups of 32"
+  timeout 400 python tools/sweep_int4_gemv.py --shape llama-3.2-1b llama-3.1-8b --group 32 --out $OUT 2>&1 | tail -20
 fi
 echo "=== done $(date +%T)"

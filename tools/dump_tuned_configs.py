@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "fp8", "int4"],
                         help="weight forms to tune for (each has GEMV keys of its own); default none (bf16)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=ROOT / "nanoinfer" / "tuned", help="the tables' directory")
+    parser.add_argument("--out", type=Path, default=ROOT / "nanoinfer" / "backends" / "cuda" / "tuned",
+                        help="the tables' directory (tuned_configs.TUNED_DIR)")
     args = parser.parse_args()
 
     import torch

@@ -36,7 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", required=True, help="bench/shapes.py names")
     parser.add_argument("--group", type=int, default=128, help="inputs a scale and min cover")
-    parser.add_argument("--out", type=Path, default=ROOT / "nanoinfer" / "tuned", help="the tables' directory")
+    parser.add_argument("--out", type=Path, default=ROOT / "nanoinfer" / "backends" / "cuda" / "tuned",
+                        help="the tables' directory (tuned_configs.TUNED_DIR)")
     args = parser.parse_args()
 
     import torch
