@@ -7,7 +7,7 @@ once, widens its eight nibbles in registers (to fp32 on CUDA cores, or, for the 
 to 16-bit floats multiplied on tensor cores) and sums them before their group's scale (the
 min times the sum of their inputs), so a batch-1 step reads half a byte per weight; more rows
 dequantize each weight tile to the activations' type in registers and multiply it on tensor
-cores. From DEQUANT_ROWS rows (a prefill, a full scheduler's decode) the weight is instead written out
+cores. From DEQUANT_ROWS rows (a prefill, an eager decode step) the weight is instead written out
 in the activations' type by one kernel and multiplied by cuBLAS: the tile kernel's dots take 16 inputs
 a plane, and an H100 ran it at ~65 TFLOP/s for 512-token prompts (GGUF's pp512 at 0.41-0.58x llama.cpp's,
 bench/RESULTS.md), where the written-out weight costs a few ms a step against a GEMM several times faster
@@ -304,7 +304,9 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
         _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             *int4_gemv_args(x, packed, scale, low, out), GROUP=group, HALF=scale.dtype == torch.float16)
         return out
-    if m >= DEQUANT_ROWS:
+    if m >= DEQUANT_ROWS and not torch.cuda.is_current_stream_capturing():
+        # (not in a CUDA graph: the graphs' private pool would keep a whole dequantized weight, which the KV pool's
+        # sizing leaves no room for; captured decode steps keep the tile kernel)
         return torch.matmul(x, int4_dequantize(packed, scale, low, x.dtype).T, out=out)
     _int4_mm_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
         x, packed, scale, low, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
