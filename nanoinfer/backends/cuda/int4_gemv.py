@@ -304,7 +304,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: tor
         _int4_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             *int4_gemv_args(x, packed, scale, low, out), GROUP=group, HALF=scale.dtype == torch.float16)
         return out
-    if m >= DEQUANT_ROWS and not torch.cuda.is_current_stream_capturing():
+    if m >= DEQUANT_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         # (not in a CUDA graph: the graphs' private pool would keep a whole dequantized weight, which the KV pool's
         # sizing leaves no room for; captured decode steps keep the tile kernel)
         return torch.matmul(x, int4_dequantize(packed, scale, low, x.dtype).T, out=out)
