@@ -49,10 +49,10 @@ def test_int4_dequantize_equals_the_reference_rounded_once(n, k, group, dtype, h
     torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tile kernel's tuning needs a GPU")
 def test_int4_mm_from_dequant_rows_matches_its_tile_kernel():
-    """DEQUANT_ROWS rows (cuBLAS over the written-out weight) and one row fewer (the tile kernel): each row as close
-    to the fp32 reference as the other path's, the inputs reordered (GPTQ's act-order) taken the same way."""
+    """DEQUANT_ROWS rows (cuBLAS over the written-out weight) and, on a GPU, one row fewer (the tile kernel, whose
+    tuning the interpreter cannot run): each row as close to the fp32 reference as the other path's, the inputs
+    reordered (GPTQ's act-order) taken the same way."""
     n, k, group = 96, 512, 32
     w = random_int4(n, k, group, halves=False, seed=7)
     w = dataclasses.replace(w, cols=torch.randperm(k, generator=torch.Generator().manual_seed(1)).to(DEVICE))
@@ -62,8 +62,9 @@ def test_int4_mm_from_dequant_rows_matches_its_tile_kernel():
     def linear(x):  # (nanoinfer.backends.cuda.linear's call)
         return int4_gemv.int4_mm(x.index_select(1, w.cols), w.packed, w.scale, w.min)
 
-    many, fewer = linear(x), linear(x[:rows - 1])
+    many = linear(x)
     tol = 2**-6 * ref.abs().max().item()
     assert many.dtype == torch.bfloat16 and many.shape == (rows, n)
     assert torch.allclose(many.float(), ref, rtol=2**-6, atol=tol)
-    assert torch.allclose(fewer.float(), ref[:rows - 1], rtol=2**-6, atol=tol)
+    if DEVICE == "cuda":
+        assert torch.allclose(linear(x[:rows - 1]).float(), ref[:rows - 1], rtol=2**-6, atol=tol)
