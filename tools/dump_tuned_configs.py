@@ -94,13 +94,13 @@ def warm_up(shape: str, quantization: str, device: str) -> None:
 
 
 def main() -> None:
+    from nanoinfer.backends.cuda.tuned_configs import TUNED_DIR  # (the tables the package ships)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", required=True, help="bench/shapes.py names, e.g. qwen3-0.6b")
     parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "fp8", "int4"],
                         help="weight forms to tune for (each has GEMV keys of its own); default none (bf16)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=ROOT / "nanoinfer" / "backends" / "cuda" / "tuned",
-                        help="the tables' directory (tuned_configs.TUNED_DIR)")
+    parser.add_argument("--out", type=Path, default=TUNED_DIR, help="the tables' directory")
     args = parser.parse_args()
 
     import torch

@@ -33,11 +33,11 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
 
 
 def main() -> None:
+    from nanoinfer.backends.cuda.tuned_configs import TUNED_DIR  # (the tables the package ships)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", required=True, help="bench/shapes.py names")
     parser.add_argument("--group", type=int, default=128, help="inputs a scale and min cover")
-    parser.add_argument("--out", type=Path, default=ROOT / "nanoinfer" / "backends" / "cuda" / "tuned",
-                        help="the tables' directory (tuned_configs.TUNED_DIR)")
+    parser.add_argument("--out", type=Path, default=TUNED_DIR, help="the tables' directory")
     args = parser.parse_args()
 
     import torch
