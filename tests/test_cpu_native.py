@@ -2,6 +2,7 @@
 torch ops they replace: each call on random shapes, then whole packed models and the engine."""
 
 import dataclasses
+import math
 import platform
 import shutil
 
@@ -388,6 +389,8 @@ def test_the_fused_layers_take_only_packed_fp32_models(native):
     assert not fused()
     assert kernels_for(cfg, cpu, 4, params=packed).draw is not None  # cpu_native's random_draw
     assert kernels_for(cfg, cpu, 4, params=packed, eager=True).draw is None  # draw.random_draw, the oracle
+    assert kernels_for(cfg, cpu, 4, params=packed).greedy is not None  # cpu_native's greedy_rows
+    assert kernels_for(cfg, cpu, 4, params=packed, eager=True).greedy is None  # sampler.greedy_and_finite
 
 
 # Seeds as SamplingParams.with_seed wraps them into int64 (negative ones feed ones into the key's
@@ -417,6 +420,36 @@ def test_random_draw_equals_its_reference(native, vocab):
     edge = torch.zeros(3, vocab)
     edge[0, vocab // 3], edge[1, -1] = 0.5, 1.0
     assert torch.equal(native.random_draw(edge, seeds[:3], steps[:3]), random_draw(edge, seeds[:3], steps[:3]))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 49152])
+def test_greedy_rows_equal_their_reference(native, vocab):
+    """cpu_native's greedy tokens and finite flags against nanoinfer.sampling.sampler.greedy_and_finite: random
+    rows; rows of ties (the first wins), of -inf, +inf, NaN (torch's argmax takes the first NaN), all -inf, all
+    NaN; -0.0 beside 0.0 at the max."""
+    from nanoinfer.sampling.sampler import greedy_and_finite
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g) * 5 for _ in range(4)]
+    at = [int(torch.randint(0, vocab, (1,), generator=g)) for _ in range(3)]
+    tied = torch.zeros(vocab)
+    tied[at[0]] = tied[at[1]] = 3.0
+    rows.append(tied)
+    for value in (-math.inf, math.inf, math.nan):
+        row = torch.randn(vocab, generator=g)
+        row[at[2]] = value
+        rows.append(row)
+    both = torch.randn(vocab, generator=g)
+    both[at[0]], both[at[1]] = math.inf, math.nan
+    rows += [both, torch.full((vocab,), -math.inf), torch.full((vocab,), math.nan)]
+    signed = torch.full((vocab,), -1.0)
+    signed[at[1]], signed[at[0]] = -0.0, 0.0
+    rows.append(signed)
+    logits = torch.stack(rows)
+    tokens, finite = native.greedy_and_finite(logits)
+    want_tokens, want_finite = greedy_and_finite(logits)
+    assert torch.equal(tokens, want_tokens) and torch.equal(finite, want_finite)
+    assert tokens.dtype == want_tokens.dtype and finite.dtype == want_finite.dtype
 
 
 def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, caplog):

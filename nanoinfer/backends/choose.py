@@ -49,6 +49,8 @@ class Kernels(NamedTuple):
     graphs: bool  # steps may be captured in CUDA graphs
     draw: Callable | None = None  # the sampler's random draw, fused; None: nanoinfer.sampling.draw.random_draw, eager
     mask: Callable | None = None  # grammar masks onto the logits, fused; None: nanoinfer.structured.bitmasks.apply_bitmask
+    # a step's greedy tokens and finite rows from its logits, in one call; None: nanoinfer.sampling.sampler's
+    greedy: Callable | None = None
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device, block_size: int,
@@ -95,7 +97,7 @@ def kernels_for(cfg: ModelConfig, device: torch.device, block_size: int, *, eage
         if lib is not None:
             native = cpu_native.CpuNative(lib)
             return Kernels(cpu_layers.NativeAttention(block_size, native), cpu_layers.layer_functions(native),
-                           False, draw=native.random_draw)
+                           False, draw=native.random_draw, greedy=native.greedy_and_finite)
         from nanoinfer.backends.cpu import rope_write_cpu
 
         return Kernels(attention_backend(cfg, device, block_size),

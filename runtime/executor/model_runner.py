@@ -215,7 +215,7 @@ class ModelRunner(DeviceModel):
 
     def _eager_forward(self, batch: Batch) -> ForwardOutput:
         logits = self._forward_logits(batch)
-        return ForwardOutput(logits, *greedy_and_finite(logits))
+        return ForwardOutput(logits, *(self.kernels.greedy or greedy_and_finite)(logits))
 
     def _forward(self, batch: Batch) -> ForwardOutput:
         """The step's forward: a CUDA graph's replay where one fits the batch."""

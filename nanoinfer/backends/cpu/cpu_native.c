@@ -159,6 +159,35 @@ void random_draw(const float *probs, const int64_t *seeds, const int64_t *steps,
     }
 }
 
+/* nanoinfer.sampling.sampler.greedy_and_finite on fp32 logits [rows, vocab]: per row the first token of the
+ * largest logit (torch's argmax: the first NaN if there is one) and whether every logit is finite. Two passes
+ * over a row that is still in cache: its max and a sum that turns NaN at any inf or NaN (x - x), both
+ * vectorized; then the first token equal to the max (or the first NaN). */
+void greedy_rows(const float *logits, int64_t *tokens, uint8_t *finite, int rows, int vocab) {
+    for (int r = 0; r < rows; r++) {
+        const float *x = logits + (int64_t)r * vocab;
+        float best = -INFINITY, spread = 0.0f;
+#pragma omp simd reduction(max : best) reduction(+ : spread)
+        for (int i = 0; i < vocab; i++) {
+            best = x[i] > best ? x[i] : best;
+            spread += x[i] - x[i];
+        }
+        int ok = spread == 0.0f, at = 0;
+        if (ok) {
+            while (x[at] != best) at++;
+        } else {  /* the first NaN, else the first of the max (an inf) */
+            int nan = -1, first = -1;
+            for (int i = 0; i < vocab && nan < 0; i++) {
+                if (x[i] != x[i]) nan = i;
+                else if (first < 0 && x[i] == best) first = i;
+            }
+            at = nan >= 0 ? nan : first < 0 ? 0 : first;
+        }
+        tokens[r] = at;
+        finite[r] = (uint8_t)ok;
+    }
+}
+
 /* Per-head RMSNorm (Qwen3's q/k norm) in place. */
 static void head_norm(float *x, const float *w, int d, float eps) {
     float inv = 1.0f / sqrtf(sum_squares(x, d) / d + eps);

@@ -66,6 +66,7 @@ SIGNATURES = {
     "quantize_q8k": (_P, _I, _I, _P, _P, _P),  # (kquant_matmul's first step, bound for the tests)
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
     "random_draw": (_P, _P, _P, _P, _I, _I),
+    "greedy_rows": (_P, _P, _P, _I, _I),
 }
 
 
@@ -361,6 +362,18 @@ class CpuNative:
         self.lib.random_draw(probs.data_ptr(), seeds.data_ptr(), steps.data_ptr(), out.data_ptr(), probs.shape[0],
                              probs.shape[1])
         return out
+
+    def greedy_and_finite(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """nanoinfer.sampling.sampler.greedy_and_finite (its oracle) on fp32 logits [rows, vocab], one call: the
+        three torch reductions and their masks took ~0.2 ms of a decode step at a 49,152-token vocabulary."""
+        if logits.dtype != torch.float32 or logits.dim() != 2:
+            from nanoinfer.sampling.sampler import greedy_and_finite
+
+            return greedy_and_finite(logits)
+        logits = logits.contiguous()
+        tokens, finite = torch.empty(logits.shape[0], dtype=torch.int64), torch.empty(logits.shape[0], dtype=torch.bool)
+        self.lib.greedy_rows(logits.data_ptr(), tokens.data_ptr(), finite.data_ptr(), logits.shape[0], logits.shape[1])
+        return tokens, finite
 
     def rope_write(self, qkv: torch.Tensor, q_norm: torch.Tensor | None,
                    k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
