@@ -452,6 +452,33 @@ def test_greedy_rows_equal_their_reference(native, vocab):
     assert tokens.dtype == want_tokens.dtype and finite.dtype == want_finite.dtype
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_group_rows_are_the_references_bits(native, bits):
+    """An embedding's lookup of a grouped table (cpu_native.group_rows): rows in any order and repeated, the bits of
+    quantized.dequantize on those rows, scales and mins of every size (products that round, inf, NaN among them);
+    a table of reordered columns (GPTQ's act-order) through the reference; an id past the table refused."""
+    from nanoinfer.quant.grouped import GroupedWeight
+    from nanoinfer.quant.quantized import dequantize
+
+    g = torch.Generator().manual_seed(bits)
+    rows, cols, group = 40, 96, 32
+    q = torch.randint(0, 2**bits, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = torch.randn(rows, cols // group, generator=g) * 10.0 ** torch.randint(-30, 30, (rows, cols // group),
+                                                                                 generator=g)
+    minimum = torch.randn(rows, cols // group, generator=g) * 1e3
+    scale[3, 1], scale[5, 0], minimum[7, 2] = math.inf, math.nan, -math.inf
+    table = GroupedWeight(q, scale, minimum, bits)
+    ids = torch.tensor([7, 0, 39, 7, 3, 5, 12])
+    got, want = cpu_native.group_rows(table, ids, native.lib), dequantize(table.rows(ids))
+    nan = want.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    permuted = GroupedWeight(q, scale, minimum, bits, cols=torch.randperm(cols, generator=g))
+    assert torch.equal(cpu_native.group_rows(permuted, ids[:3], native.lib), dequantize(permuted.rows(ids[:3])))
+    with pytest.raises(IndexError, match="row id 40 out of range for a table of 40 rows"):
+        cpu_native.group_rows(table, torch.tensor([3, 40]), native.lib)
+
+
 def test_without_a_compiler_the_cpu_path_stays_in_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert cpu_native.load(tmp_path / "cache") is None

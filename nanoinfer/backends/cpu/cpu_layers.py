@@ -26,6 +26,7 @@ import torch
 
 from nanoinfer.backends.cpu import cpu_native
 from nanoinfer.quant import quantized
+from nanoinfer.quant.grouped import GroupedWeight
 from nanoinfer.model.batch import Batch
 from nanoinfer.model.config import ModelConfig
 from nanoinfer.backends.cpu.cpu_native import CpuNative, check_attention_tables
@@ -88,8 +89,11 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
         return rope_and_write(qkv_projection(x, lp, cfg), lp.q_norm, lp.k_norm, cos, sin, kv_layer, slot_mapping, cfg)
 
     def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(table, quantized.KQuantWeight):  # (a K-quant table's rows unpacked in C: cpu_native.kquant_rows)
+        # (a K-quant or grouped table's rows unpacked in C: cpu_native.kquant_rows, cpu_native.group_rows)
+        if isinstance(table, quantized.KQuantWeight):
             return cpu_native.kquant_rows(table, ids.reshape(-1), native.lib).reshape(*ids.shape, -1).to(dtype)
+        if isinstance(table, GroupedWeight):
+            return cpu_native.group_rows(table, ids.reshape(-1), native.lib).reshape(*ids.shape, -1).to(dtype)
         return quantized.embedding(table, ids, dtype)
 
     return LayerFunctions(attention_output_and_mlp=attention_output_and_mlp, qkv_rope_and_write=qkv_rope_and_write,

@@ -67,6 +67,7 @@ SIGNATURES = {
     "block_layer_forward": (_P, _P, _P, _P, _P, _P, _P, _P),
     "random_draw": (_P, _P, _P, _P, _I, _I),
     "greedy_rows": (_P, _P, _P, _I, _I),
+    "group_rows": (_P, _P, _P, ctypes.c_int64, _I, _I, _P, _I, _P),
 }
 
 
@@ -131,6 +132,8 @@ def load(cache: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes
         fn = getattr(lib, name, None)  # (absent only from sources older than this module: bench/'s builds at a ref)
         if fn is not None:
             fn.argtypes, fn.restype = args, None
+    if hasattr(lib, "group_rows"):
+        lib.group_rows.restype = ctypes.c_int64
     for name in ("block_dot_isa", "block_matmul", "block_interleave_rows", "kquant_matmul", "kquant_interleave_rows",
                  "kquant_dequantize_rows", "paged_attention", "block_layer_forward"):
         if hasattr(lib, name):
@@ -260,6 +263,24 @@ def kquant_rows(w, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.T
     out = torch.empty(ids.numel(), w.cols)
     if lib.kquant_dequantize_rows(w.data.data_ptr(), w.qtype, w.cols // 256, ids.data_ptr(), ids.numel(), out.data_ptr()):
         raise ValueError(f"kquant_dequantize_rows does not take K-quant type {w.qtype}")
+    return out
+
+
+def group_rows(w, ids: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+    """Rows `ids` (1-D) of a grouped.GroupedWeight in fp32 [len(ids), cols]: an embedding's lookup, the bits of
+    quantized.dequantize (its reference) on those rows. A table of reordered columns (GPTQ's act-order) or other
+    tensor types goes through the reference."""
+    from nanoinfer.quant import quantized
+
+    if (w.cols is not None or w.q.dtype != torch.uint8 or w.scale.dtype != torch.float32
+            or w.min.dtype != torch.float32 or not all(t.is_contiguous() for t in (w.q, w.scale, w.min))):
+        return quantized.dequantize(w.rows(ids))
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), w.q.shape[1])
+    bad = lib.group_rows(w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.q.shape[0], w.q.shape[1], w.group,
+                         ids.data_ptr(), ids.numel(), out.data_ptr())
+    if bad >= 0:  # (checked in C: the four torch ops of a mask cost as much as the lookup)
+        raise IndexError(f"row id {int(ids[bad])} out of range for a table of {w.q.shape[0]} rows")
     return out
 
 
