@@ -70,10 +70,12 @@ def test_blocks_read_as_gguf_py_reads_them(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 # (tokens by 4, 2 and 1 in a pass; 200 of 1,536 columns span two of kquant_matmul_to's token tiles; from 32
-# tokens on, AVX-512 VNNI takes rows by 16 (cpu_native_kquants_tiles.h): 37 rows are 2 tiles and 5 rows left)
-# interleaved (cpu_native_kquants_rows16.h) the rows go 16 a group, up to 4 tokens a pass; the last rows % 16 as stored
+# tokens on, x86 takes rows by 16 (cpu_native_kquants_tiles.h): 37 rows are 2 tiles and 5 rows left;
+# interleaved (cpu_native_kquants_rows16.h) the rows go 16 a group, up to 4 tokens a pass; the last rows % 16 as stored;
+# AVX2 builds take Q4_K's tiles from 256 tokens)
 @pytest.mark.parametrize("out, cols, tokens", [(37, 256, 1), (64, 768, 3), (9, 1536, 5), (6, 512, 7), (9, 1536, 200),
-                                               (37, 512, 40), (16, 768, 35), (48, 512, 6), (32, 2048, 1)])
+                                               (37, 512, 40), (16, 768, 35), (48, 512, 6), (32, 2048, 1),
+                                               (17, 256, 259)])
 def test_kquant_matmul_equals_its_reference_bit_for_bit(tier_lib, qtype, out, cols, tokens):
     g = torch.Generator().manual_seed(out + cols)
     kq = kquant(torch.randn(out, cols, generator=g) * 0.05, qtype)

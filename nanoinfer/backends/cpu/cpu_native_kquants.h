@@ -187,10 +187,8 @@ typedef struct {
 #include "cpu_native_kquants_x86.h"
 #define KQ_ROWS16 1 /* weights interleaved 16 rows a group at load (kquants.interleave) */
 #include "cpu_native_kquants_rows16.h"
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KQ_TILES 1 /* prefill: 16 rows unpacked once for every token */
 #include "cpu_native_kquants_tiles.h"
-#endif
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include "cpu_native_kquants_arm.h"
 #define KQ_ROWS16 1 /* the x86 kernel over cpu_native_vec16.h's NEON vectors */
@@ -264,7 +262,7 @@ static int kquant_matmul_to(const uint16_t *x, int rows, int k, const uint8_t *w
     int done = 0; /* the columns computed by the tiles */
     kq_tokens all = {xq, xd, bs16, bs32, k, blocks, 0};
 #ifdef KQ_TILES
-    if (rows >= KQ_TILE_MIN_TOKENS && n >= KQ_TILE_ROWS) {
+    if (rows >= kq_tile_min_tokens(type) && n >= KQ_TILE_ROWS) {
         done = n / KQ_TILE_ROWS * KQ_TILE_ROWS;
         if (kquant_tiles_to(w, row_bytes, interleaved, type, blocks, rows, all, done, y, ldy, y_f32, threads)) {
             free(xq);

@@ -1,7 +1,7 @@
-/* K-quant prefill on AVX-512 VNNI: 16 weight rows unpacked to bytes once, then every token against them.
+/* K-quant prefill on x86 (AVX2 and up): 16 weight rows unpacked to bytes once, then every token against them.
  *
- * cpu_native_kquants.h includes this after cpu_native_kquants_x86.h where AVX-512 VNNI is there, and
- * kquant_matmul_to takes it for calls of KQ_TILE_MIN_TOKENS tokens or more. The dots of
+ * cpu_native_kquants.h includes this after cpu_native_kquants_rows16.h, and kquant_matmul_to takes it for calls
+ * of kq_tile_min_tokens tokens or more. The dots of
  * cpu_native_kquants_x86.h unpack a super-block's values in registers for the 4 tokens of a pass:
  * at a prompt's hundreds of tokens each weight is unpacked a hundred times, and each 64 products
  * cost a vpmaddubsw and a vpdpwssd (the sub-block's scale). Here (llama.cpp's tiled VNNI kernel
@@ -13,17 +13,28 @@
  *     activations broadcast, summed into each row's int32 lane) a 4-value group, the sub-block's
  *     sum times its scale in one vpmulld, the mins' (Q6_K's offset) term one vpdpwssd a pair of
  *     sub-blocks; 4 tokens a pass share each weight load.
+ * On AVX2 (cpu_native_vec16.h's 8-lane vectors) the 16 rows go in two halves of 8; without VNNI a vpmaddubsw and a
+ * vpaddw per 4-value group, widened by one vpmaddwd with the scale (at 512 tokens on a Zen 4, against the
+ * interleaved kernel: Q5_K and Q6_K 1.5-1.6x, Q4_K level).
  * A super-block's sums are the reference's integers (exact in any order), and its fp32 step is
  * kq_acc_step's operations lane by lane, per super-block in order: the reference's bits.
  */
 
-/* Tokens a call needs for the tiles (below it a call's unpacking would cost more than it saves) */
-#ifndef KQ_TILE_MIN_TOKENS
-#define KQ_TILE_MIN_TOKENS 32
+/* Tokens a call needs for the tiles (below it a call's unpacking would cost more than it saves). Without VNNI
+ * (KV_PAIRS16) Q4_K's values leave their nibbles in three instructions, and the interleaved kernel unpacking them in
+ * registers stays as fast up to ~256 tokens (one 8192x2048 matrix, this build on a Zen 4: 3.9 against the tiles' 6.0
+ * ms at 32 tokens, 61.1 against 59.1 at 512); Q5_K's and Q6_K's tiles win from 32 (1.6x at 512). */
+static int kq_tile_min_tokens(int type) {
+#ifdef KV_PAIRS16
+    if (type == 12) return 256;
 #endif
+    (void)type;
+    return 32;
+}
 #define KQ_TILE_ROWS 16
-/* Tokens a pass: each sharing the pass's weight loads (measured at 256 tokens on a Zen 4: 6 and 8 no faster) */
-#define KQ_TILE_TOKENS 4
+/* Tokens a pass, each sharing the pass's weight loads: the interleaved kernels' 4 (AVX-512; measured at 256 tokens on a
+ * Zen 4, 6 and 8 were no faster) or 2 (AVX2's 16 registers); KQ16_CONSTANTS makes T a constant up to that */
+#define KQ_TILE_TOKENS KQ16_TOKENS
 
 /* 16 rows' super-blocks as the tile dots read them; per super-block b: */
 typedef struct {
@@ -83,43 +94,66 @@ static inline int32_t kq_load4(const void *p) {
     return v;
 }
 
-/* The tile's 16 rows against T tokens (T <= 4, a constant where inlined): out[t][r], fp32 */
+/* The tile's 16 rows against T tokens (T <= KQ_TILE_TOKENS, a constant where inlined): out[t][r], fp32. On
+ * cpu_native_vec16.h's vectors: AVX-512 all 16 rows a register, AVX2 the rows in two halves of 8 (the tile stays in
+ * L1/L2 for the second). */
 static inline __attribute__((always_inline)) void kq_tile_dot(const kq_tile *tl, int type, int blocks, int T,
                                                              kq_tokens x, float out[KQ_TILE_TOKENS][KQ_TILE_ROWS]) {
     const int nsub = kq_tile_subs(type), width = QK_K / nsub, groups = width / 4;
-    __m512 acc[KQ_TILE_TOKENS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        const uint8_t *q = tl->q + (int64_t)b * QK_K * KQ_TILE_ROWS;
-        __m512i sumi[KQ_TILE_TOKENS], other[KQ_TILE_TOKENS]; /* the scaled dots; the mins' (Q6_K: the offset's) term */
-        for (int t = 0; t < T; t++) sumi[t] = _mm512_setzero_si512();
-        for (int s = 0; s < nsub; s++) {
-            __m512i dot[KQ_TILE_TOKENS];
-            for (int t = 0; t < T; t++) dot[t] = _mm512_setzero_si512();
-            for (int g = s * groups; g < (s + 1) * groups; g++) {
-                __m512i wv = _mm512_load_si512((const void *)(q + g * 4 * KQ_TILE_ROWS));
-                for (int t = 0; t < T; t++)
-                    dot[t] = _mm512_dpbusd_epi32(dot[t], wv, _mm512_set1_epi32(kq_load4(x.xq + t * x.k + b * QK_K + 4 * g)));
+    for (int half = 0; half < KQ_TILE_ROWS / V16_LANES; half++) {
+        kv_f acc[KQ_TILE_TOKENS];
+        for (int t = 0; t < T; t++) acc[t] = kv_zero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *q = tl->q + (int64_t)b * QK_K * KQ_TILE_ROWS;
+            kv_i sumi[KQ_TILE_TOKENS], other[KQ_TILE_TOKENS]; /* the scaled dots; the mins' (Q6_K: the offset's) term */
+            for (int t = 0; t < T; t++) sumi[t] = kv_zero();
+            for (int s = 0; s < nsub; s++) {
+                kv_i sc = kv_load((const uint8_t *)(tl->sc + ((int64_t)b * nsub + s) * KQ_TILE_ROWS), 0, half);
+#ifdef KV_PAIRS16
+                /* (no VNNI) vpmaddubsw's pair sums added in int16 over `span` groups (exact: 4 of Q4_K's/Q5_K's values
+                 * < 32, 2 of Q6_K's < 64, |x| <= 128), then widened by a vpmaddwd with the scale in both halves of each
+                 * lane: (a + b) sc, in place of a vpmaddwd by ones, a vpaddd and a vpmulld */
+                const int span = type == 14 ? 2 : 4;
+                const kv_i scw = kv_or(kv_and(sc, kv_set1_32(0xffff)), kv_slli32(sc, 16));
+                for (int g0 = s * groups; g0 < (s + 1) * groups; g0 += span) {
+                    kv_i pairs[KQ_TILE_TOKENS];
+                    for (int t = 0; t < T; t++) pairs[t] = kv_zero();
+                    for (int g = g0; g < g0 + span; g++) {
+                        kv_i wv = kv_load(q, g, half);
+                        for (int t = 0; t < T; t++)
+                            pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(
+                                wv, kv_set1_32(kq_load4(x.xq + t * x.k + b * QK_K + 4 * g))));
+                    }
+                    for (int t = 0; t < T; t++) sumi[t] = kv_dpwssd(sumi[t], pairs[t], scw);
+                }
+#else
+                kv_i dot[KQ_TILE_TOKENS];
+                for (int t = 0; t < T; t++) dot[t] = kv_zero();
+                for (int g = s * groups; g < (s + 1) * groups; g++) {
+                    kv_i wv = kv_load(q, g, half);
+                    for (int t = 0; t < T; t++)
+                        dot[t] = kv_dpbusd(dot[t], wv, kv_set1_32(kq_load4(x.xq + t * x.k + b * QK_K + 4 * g)));
+                }
+                for (int t = 0; t < T; t++) sumi[t] = kv_add(sumi[t], kv_mullo(dot[t], sc));
+#endif
             }
-            __m512i sc = _mm512_load_si512((const void *)(tl->sc + ((int64_t)b * nsub + s) * KQ_TILE_ROWS));
-            for (int t = 0; t < T; t++) sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dot[t], sc));
+            /* sum_j m_j (bsum_2j + bsum_2j+1) over the per-32 sums, or Q6_K's sum_s sc_s bsum_s over the per-16 */
+            const int16_t *bs = type == 14 ? x.bs16 : x.bs32;
+            const int64_t per = type == 14 ? x.k / 16 : x.k / 32;
+            for (int t = 0; t < T; t++) other[t] = kv_zero();
+            for (int i = 0; i < nsub / 2; i++) {
+                kv_i pv = kv_load((const uint8_t *)(tl->pairs + ((int64_t)b * (nsub / 2) + i) * KQ_TILE_ROWS * 2), 0, half);
+                for (int t = 0; t < T; t++)
+                    other[t] = kv_dpwssd(other[t], pv, kv_set1_32(kq_load4(bs + t * per + (int64_t)b * nsub + 2 * i)));
+            }
+            kv_f d = kv_load_ps(tl->d + b * KQ_TILE_ROWS, half), dmin = kv_load_ps(tl->dmin + b * KQ_TILE_ROWS, half);
+            for (int t = 0; t < T; t++) { /* Q6_K: sumi - 32 offset */
+                kv_i v = type == 14 ? kv_sub(sumi[t], kv_slli32(other[t], 5)) : sumi[t];
+                acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, v, other[t], type != 14);
+            }
         }
-        /* sum_j m_j (bsum_2j + bsum_2j+1) over the per-32 sums, or Q6_K's sum_s sc_s bsum_s over the per-16 */
-        const int16_t *bs = type == 14 ? x.bs16 : x.bs32;
-        const int64_t per = type == 14 ? x.k / 16 : x.k / 32;
-        for (int t = 0; t < T; t++) other[t] = _mm512_setzero_si512();
-        for (int i = 0; i < nsub / 2; i++) {
-            __m512i pv = _mm512_load_si512((const void *)(tl->pairs + ((int64_t)b * (nsub / 2) + i) * KQ_TILE_ROWS * 2));
-            for (int t = 0; t < T; t++)
-                other[t] = _mm512_dpwssd_epi32(other[t], pv, _mm512_set1_epi32(kq_load4(bs + t * per + (int64_t)b * nsub + 2 * i)));
-        }
-        __m512 d = _mm512_load_ps(tl->d + b * KQ_TILE_ROWS), dmin = _mm512_load_ps(tl->dmin + b * KQ_TILE_ROWS);
-        for (int t = 0; t < T; t++) { /* Q6_K: sumi - 32 offset */
-            __m512i s = type == 14 ? _mm512_sub_epi32(sumi[t], _mm512_slli_epi32(other[t], 5)) : sumi[t];
-            acc[t] = kq16_acc_step(acc[t], x.xd[t * x.blocks + b], d, dmin, s, other[t], type != 14);
-        }
+        for (int t = 0; t < T; t++) kv_store_ps(out[t] + half * V16_LANES, acc[t]);
     }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(out[t], acc[t]);
 }
 
 static void kq_tile_dot_any(const kq_tile *tl, int type, int blocks, int T, kq_tokens x, float out[KQ_TILE_TOKENS][KQ_TILE_ROWS]) {

@@ -35,6 +35,8 @@ static inline kv_i kv_slli32(kv_i a, int n) { return _mm512_slli_epi32(a, n); }
 static inline kv_i kv_srai32(kv_i a, int n) { return _mm512_srai_epi32(a, n); }
 static inline kv_i kv_dpbusd(kv_i acc, kv_i u, kv_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 static inline kv_i kv_dpbusd8(kv_i acc, kv_i u, kv_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* int16 pairs: each int32 lane plus a[2i] b[2i] + a[2i + 1] b[2i + 1] */
+static inline kv_i kv_dpwssd(kv_i acc, kv_i a, kv_i b) { return _mm512_dpwssd_epi32(acc, a, b); }
 static inline kv_f kv_fmadd_ps(kv_f a, kv_f b, kv_f c) { return _mm512_fmadd_ps(a, b, c); }
 static inline kv_f kv_cvt(kv_i a) { return _mm512_cvtepi32_ps(a); }
 static inline kv_f kv_set1_ps(float v) { return _mm512_set1_ps(v); }
@@ -43,6 +45,10 @@ static inline kv_f kv_mul_ps(kv_f a, kv_f b) { return _mm512_mul_ps(a, b); }
 static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm512_add_ps(a, b); }
 static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm512_sub_ps(a, b); }
 static inline void kv_store_ps(float *p, kv_f a) { _mm512_storeu_ps(p, a); }
+static inline kv_f kv_load_ps(const float *p, int half) {
+    (void)half;
+    return _mm512_loadu_ps(p);
+}
 /* the fp16 in each lane's low (which 0) or high (1) half, as fp32 */
 static inline kv_f kv_half_f16(kv_i a, int which) {
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16 * which)));
@@ -92,6 +98,7 @@ static inline kv_i kv_dpbusd8(kv_i acc, kv_i u, kv_i s) {
     return kv_dpbusd(_mm256_add_epi32(acc, _mm256_slli_epi32(hi, 4)), _mm256_and_si256(u, low), s);
 #endif
 }
+static inline kv_i kv_dpwssd(kv_i acc, kv_i a, kv_i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #if !defined(__AVXVNNI__)
 /* Q4_K's/Q5_K's pair sums kept in int16 over 4 units, widened once (kq16_dot): a unit's vpmaddubsw and a vpaddw
  * in place of kv_dpbusd's three instructions (exact: |4 units' pair sums| <= 4 * 2 * 31 * 127 < 32767) */
@@ -105,6 +112,7 @@ static inline kv_f kv_mul_ps(kv_f a, kv_f b) { return _mm256_mul_ps(a, b); }
 static inline kv_f kv_add_ps(kv_f a, kv_f b) { return _mm256_add_ps(a, b); }
 static inline kv_f kv_sub_ps(kv_f a, kv_f b) { return _mm256_sub_ps(a, b); }
 static inline void kv_store_ps(float *p, kv_f a) { _mm256_storeu_ps(p, a); }
+static inline kv_f kv_load_ps(const float *p, int half) { return _mm256_loadu_ps(p + 8 * half); }
 static inline kv_f kv_half_f16(kv_i a, int which) {
     kv_i v = _mm256_and_si256(_mm256_srli_epi32(a, 16 * which), _mm256_set1_epi32(0xffff));
     kv_i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08); /* lanes 0-7's words in the low 128 bits */
