@@ -456,7 +456,7 @@ def test_greedy_rows_equal_their_reference(native, vocab):
 def test_group_rows_are_the_references_bits(native, bits):
     """An embedding's lookup of a grouped table (cpu_native.group_rows): rows in any order and repeated, the bits of
     quantized.dequantize on those rows, scales and mins of every size (products that round, inf, NaN among them);
-    a table of reordered columns (GPTQ's act-order) through the reference; an id past the table refused."""
+    a table of reordered columns (GPTQ's act-order) left to the reference; an id past the table refused."""
     from nanoinfer.quant.grouped import GroupedWeight
     from nanoinfer.quant.quantized import dequantize
 
@@ -474,7 +474,9 @@ def test_group_rows_are_the_references_bits(native, bits):
     assert nan.any() and torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
     permuted = GroupedWeight(q, scale, minimum, bits, cols=torch.randperm(cols, generator=g))
-    assert torch.equal(cpu_native.group_rows(permuted, ids[:3], native.lib), dequantize(permuted.rows(ids[:3])))
+    assert cpu_native.takes_group_rows(table) and not cpu_native.takes_group_rows(permuted)
+    with pytest.raises(ValueError, match="columns in order"):
+        cpu_native.group_rows(permuted, ids[:3], native.lib)
     with pytest.raises(IndexError, match="row id 40 out of range for a table of 40 rows"):
         cpu_native.group_rows(table, torch.tensor([3, 40]), native.lib)
 

@@ -92,7 +92,7 @@ def layer_functions(native: CpuNative) -> LayerFunctions:
         # (a K-quant or grouped table's rows unpacked in C: cpu_native.kquant_rows, cpu_native.group_rows)
         if isinstance(table, quantized.KQuantWeight):
             return cpu_native.kquant_rows(table, ids.reshape(-1), native.lib).reshape(*ids.shape, -1).to(dtype)
-        if isinstance(table, GroupedWeight):
+        if isinstance(table, GroupedWeight) and cpu_native.takes_group_rows(table):
             return cpu_native.group_rows(table, ids.reshape(-1), native.lib).reshape(*ids.shape, -1).to(dtype)
         return quantized.embedding(table, ids, dtype)
 

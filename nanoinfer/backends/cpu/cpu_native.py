@@ -266,15 +266,18 @@ def kquant_rows(w, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.T
     return out
 
 
-def group_rows(w, ids: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
-    """Rows `ids` (1-D) of a grouped.GroupedWeight in fp32 [len(ids), cols]: an embedding's lookup, the bits of
-    quantized.dequantize (its reference) on those rows. A table of reordered columns (GPTQ's act-order) or other
-    tensor types goes through the reference."""
-    from nanoinfer.quant import quantized
+def takes_group_rows(w) -> bool:
+    """Whether `group_rows` reads this grouped.GroupedWeight: bytes, fp32 scales and mins, contiguous, columns in
+    order (a GPTQ table's act-order columns go through quantized.embedding, the reference)."""
+    return (w.cols is None and w.q.dtype == torch.uint8 and w.scale.dtype == torch.float32
+            and w.min.dtype == torch.float32 and all(t.is_contiguous() for t in (w.q, w.scale, w.min)))
 
-    if (w.cols is not None or w.q.dtype != torch.uint8 or w.scale.dtype != torch.float32
-            or w.min.dtype != torch.float32 or not all(t.is_contiguous() for t in (w.q, w.scale, w.min))):
-        return quantized.dequantize(w.rows(ids))
+
+def group_rows(w, ids: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+    """Rows `ids` (1-D) of a grouped.GroupedWeight that `takes_group_rows`, in fp32 [len(ids), cols]: an embedding's
+    lookup, the bits of quantized.dequantize (its reference) on those rows."""
+    if not takes_group_rows(w):
+        raise ValueError("group_rows reads uint8 tables with fp32 scales and mins and their columns in order")
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), w.q.shape[1])
     bad = lib.group_rows(w.q.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.q.shape[0], w.q.shape[1], w.group,
