@@ -53,7 +53,9 @@ class LiveServer:
             self.engine = data_parallel_from_loaded(model, config)
         else:
             self.engine = AsyncEngine(model, config)
-        server_config = ServerConfig(**{"served_model_name": "tiny-chat", **settings})
+        # (a module's client keeps its connection across tests: past serve's 5 s keep-alive, a request could meet
+        # the server closing that connection and fail "Server disconnected without sending a response", as CI saw)
+        server_config = ServerConfig(**{"served_model_name": "tiny-chat", "timeout_keep_alive": 600, **settings})
         self.app = create_app(self.engine, server_config)
         # (uvicorn as `nanoinfer serve` runs it: the same protocols, limits and loop)
         config = uvicorn_config(self.app, server_config, host="127.0.0.1", port=0, log_level="warning",
